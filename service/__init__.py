@@ -1,0 +1,1 @@
+"""The torchyard API service: FastAPI app, SQL store, scheduler and artifact store."""

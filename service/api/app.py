@@ -1,0 +1,54 @@
+"""The FastAPI application factory."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from service.api.errors import install_error_handlers
+from service.api.routes import cluster, datasets, health, jobs, tokens, workers
+from service.config import Settings, get_settings
+from service.db.engine import Database
+from service.db.migrate import upgrade
+from service.services.tokens import ensure_bootstrap_token
+from service.states import Role
+
+log = logging.getLogger(__name__)
+
+
+def bootstrap(settings: Settings) -> Database:
+    """Prepare the data directory and database: migrations, then the first admin token."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.sqlalchemy_url)
+    db = Database(settings.sqlalchemy_url)
+    with db.transaction() as session:
+        ensure_bootstrap_token(session, settings.admin_token_path, Role.ADMIN, "admin")
+    return db
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.db = bootstrap(settings)
+        try:
+            yield
+        finally:
+            app.state.db.dispose()
+
+    app = FastAPI(
+        title="torchyard",
+        version="1",
+        description="Train PyTorch image classifiers on a cluster.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    install_error_handlers(app)
+    for module in (health, tokens, jobs, datasets, cluster, workers):
+        app.include_router(module.router)
+    app.include_router(tokens.whoami_router)
+    return app

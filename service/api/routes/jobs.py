@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, status
+
+from service.api.deps import CurrentUser, ReadSessionDep, SessionDep, SettingsDep
+from service.schemas.jobs import JobCreate, JobList, JobPublic
+from service.services import jobs as jobs_service
+from service.states import JobStatus
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+
+@router.post("", status_code=status.HTTP_201_CREATED)
+def submit_job(body: JobCreate, session: SessionDep, settings: SettingsDep, user: CurrentUser) -> JobPublic:
+    """Submit a training job; 201 with the normalized spec (every default filled), status ``queued``."""
+    job = jobs_service.submit_job(session, settings, user, body)
+    return jobs_service.job_public(session, job)
+
+
+@router.get("")
+def list_jobs(
+    session: ReadSessionDep,
+    user: CurrentUser,
+    status_: Annotated[list[JobStatus] | None, Query(alias="status")] = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    cursor: Annotated[str | None, Query(max_length=500)] = None,
+) -> JobList:
+    """Jobs newest first; filter by one or more ``status``; follow ``next_cursor`` for more."""
+    rows, next_cursor = jobs_service.list_jobs(session, user, statuses=status_, limit=limit, cursor=cursor)
+    return JobList(
+        items=[jobs_service.job_public(session, j, detail=False) for j in rows], next_cursor=next_cursor
+    )
+
+
+@router.get("/{job_id}")
+def get_job(job_id: str, session: ReadSessionDep, user: CurrentUser) -> JobPublic:
+    """Status, waiting reason, failure, progress, best metrics, nodes, attempts and history."""
+    return jobs_service.job_public(session, jobs_service.get_job(session, user, job_id))
+
+
+@router.post("/{job_id}/cancel")
+def cancel_job(job_id: str, session: SessionDep, user: CurrentUser) -> JobPublic:
+    """Idempotent cancel: running ranks are stopped by their agents; status ends ``cancelled``."""
+    job = jobs_service.cancel_job(session, user, job_id)
+    return jobs_service.job_public(session, job)

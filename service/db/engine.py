@@ -1,0 +1,81 @@
+"""Engines and sessions.
+
+SQLite (the embedded default) runs in WAL mode with a busy timeout. Writing
+sessions open their transaction with ``BEGIN IMMEDIATE`` so that two writers queue
+on the busy timeout instead of failing with "database is locked" when a deferred
+transaction tries to upgrade its lock; read-only sessions use a plain ``BEGIN``
+and never block writers. PostgreSQL uses one pool for both.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+SQLITE_BUSY_TIMEOUT_MS = 60_000
+
+
+def _sqlite_engine(url: str, begin_sql: str) -> Engine:
+    engine = create_engine(
+        url,
+        connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
+        pool_size=8,
+        max_overflow=32,
+    )
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
+        # Let SQLAlchemy, not pysqlite, decide when transactions begin.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        conn.exec_driver_sql(begin_sql)
+
+    return engine
+
+
+class Database:
+    """The service's handle on its SQL store."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.is_sqlite = url.startswith("sqlite")
+        if self.is_sqlite:
+            self.engine = _sqlite_engine(url, "BEGIN IMMEDIATE")
+            self.read_engine = _sqlite_engine(url, "BEGIN")
+        else:
+            self.engine = create_engine(url, pool_size=10, max_overflow=40, pool_pre_ping=True)
+            self.read_engine = self.engine
+        self._writer = sessionmaker(self.engine, expire_on_commit=False)
+        self._reader = sessionmaker(self.read_engine, expire_on_commit=False)
+
+    def session(self) -> Session:
+        """A session for work that writes (its transaction takes the write lock on SQLite)."""
+        return self._writer()
+
+    def read_session(self) -> Session:
+        """A session for reads only."""
+        return self._reader()
+
+    @contextmanager
+    def transaction(self) -> Iterator[Session]:
+        """A writing session whose transaction commits on success and rolls back on error."""
+        with self._writer() as session, session.begin():
+            yield session
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+        if self.read_engine is not self.engine:
+            self.read_engine.dispose()

@@ -1,0 +1,295 @@
+"""SQL tables. The schema is created only by the Alembic migrations in ``migrations/``.
+
+Constraints guard the state machine: a job's status is one of the known values, a
+final job has a finish time and only a final one does, a failed job has a failure
+code, a succeeded one a model, and at most one live attempt exists per job.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+from service.states import (
+    FINAL_STATUSES,
+    LIVE_ATTEMPT_STATUSES,
+    AttemptStatus,
+    JobStatus,
+    NodeStatus,
+    Role,
+    sql_in,
+)
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# SQLite only auto-increments INTEGER PRIMARY KEY; PostgreSQL gets a BIGINT identity.
+SeqInt = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on both databases (SQLite stores them naive)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Token(Base):
+    __tablename__ = "tokens"
+    __table_args__ = (CheckConstraint(f"role IN {sql_in(Role)}", name="role"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(200))
+    role: Mapped[str] = mapped_column(String(16))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class Dataset(Base):
+    __tablename__ = "datasets"
+    __table_args__ = (
+        CheckConstraint("source IN ('upload', 'path')", name="source"),
+        CheckConstraint("num_images >= 0", name="num_images"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    owner_id: Mapped[str] = mapped_column(ForeignKey("tokens.id"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    source: Mapped[str] = mapped_column(String(16))
+    storage_path: Mapped[str] = mapped_column(Text)
+    classes: Mapped[list[str]] = mapped_column(JSON)
+    class_counts: Mapped[dict[str, int]] = mapped_column(JSON)
+    num_images: Mapped[int] = mapped_column(Integer)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64), index=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+_final = sql_in(FINAL_STATUSES)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        CheckConstraint(f"status IN {sql_in(JobStatus)}", name="status"),
+        CheckConstraint(f"(status IN {_final}) = (finished_at IS NOT NULL)", name="finished_iff_final"),
+        CheckConstraint("(status = 'failed') = (failure_code IS NOT NULL)", name="failure_iff_failed"),
+        CheckConstraint("status <> 'succeeded' OR model_sha256 IS NOT NULL", name="succeeded_has_model"),
+        CheckConstraint("node_count >= 1 AND process_count_per_node >= 1", name="resources"),
+        Index("ix_jobs_owner_created", "owner_id", "created_at"),
+        Index("ix_jobs_status_priority", "status", "priority", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    owner_id: Mapped[str] = mapped_column(ForeignKey("tokens.id"))
+    name: Mapped[str] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED.value)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    architecture: Mapped[str] = mapped_column(String(100))
+    train_dataset_id: Mapped[str] = mapped_column(ForeignKey("datasets.id"), index=True)
+    validation_dataset_id: Mapped[str] = mapped_column(ForeignKey("datasets.id"), index=True)
+    init_from_job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"))
+    node_count: Mapped[int] = mapped_column(Integer)
+    process_count_per_node: Mapped[int] = mapped_column(Integer)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    wait_reason: Mapped[str | None] = mapped_column(Text)
+    progress: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    best: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    failure_code: Mapped[str | None] = mapped_column(String(64))
+    failure_message: Mapped[str | None] = mapped_column(Text)
+    failure_rank: Mapped[int | None] = mapped_column(Integer)
+    failure_node: Mapped[str | None] = mapped_column(String(200))
+    failure_traceback: Mapped[str | None] = mapped_column(Text)
+    model_sha256: Mapped[str | None] = mapped_column(String(64))
+    model_size: Mapped[int | None] = mapped_column(BigInteger)
+    attempts_count: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    scheduled_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    cancel_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class JobEvent(Base):
+    """Timestamped status history of a job (also the source of status events for followers)."""
+
+    __tablename__ = "job_events"
+    __table_args__ = (
+        CheckConstraint(f"status IN {sql_in(JobStatus)}", name="status"),
+        Index("ix_job_events_job_seq", "job_id", "seq"),
+    )
+
+    seq: Mapped[int] = mapped_column(SeqInt, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    status: Mapped[str] = mapped_column(String(16))
+    message: Mapped[str | None] = mapped_column(Text)
+    at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+    __table_args__ = (
+        CheckConstraint(f"status IN {sql_in(NodeStatus)}", name="status"),
+        CheckConstraint("units >= 1", name="units"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    address: Mapped[str] = mapped_column(String(255))
+    units: Mapped[int] = mapped_column(Integer)
+    accelerator: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), default=NodeStatus.READY.value)
+    token_id: Mapped[str] = mapped_column(ForeignKey("tokens.id"))
+    info: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    registered_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+_live_attempt = sql_in(LIVE_ATTEMPT_STATUSES)
+
+
+class Attempt(Base):
+    """One try at running a job: a gang of placements, one per node."""
+
+    __tablename__ = "attempts"
+    __table_args__ = (
+        CheckConstraint(f"status IN {sql_in(AttemptStatus)}", name="status"),
+        UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),
+        # At most one live attempt per job.
+        Index(
+            "uq_attempts_one_live_per_job",
+            "job_id",
+            unique=True,
+            sqlite_where=text(f"status IN {_live_attempt}"),
+            postgresql_where=text(f"status IN {_live_attempt}"),
+        ),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    number: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16), default=AttemptStatus.SCHEDULED.value)
+    master_addr: Mapped[str] = mapped_column(String(255))
+    master_port: Mapped[int] = mapped_column(Integer)
+    failure_code: Mapped[str | None] = mapped_column(String(64))
+    failure_message: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class Placement(Base):
+    """An attempt's share of one node: its node rank, units held, and the node's lease."""
+
+    __tablename__ = "placements"
+    __table_args__ = (
+        CheckConstraint("status IN ('assigned', 'running', 'done')", name="status"),
+        CheckConstraint("units >= 1 AND node_rank >= 0", name="shape"),
+        UniqueConstraint("attempt_id", "node_rank", name="uq_placements_attempt_rank"),
+        UniqueConstraint("attempt_id", "node_id", name="uq_placements_attempt_node"),
+        UniqueConstraint("lease_token", name="uq_placements_lease_token"),
+        Index("ix_placements_node_status", "node_id", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    attempt_id: Mapped[str] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"))
+    node_rank: Mapped[int] = mapped_column(Integer)
+    units: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16), default="assigned")
+    lease_token: Mapped[str] = mapped_column(String(64))
+    lease_expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class Metric(Base):
+    """Append-only metric points; the unique key makes a retried batch a no-op."""
+
+    __tablename__ = "metrics"
+    __table_args__ = (
+        UniqueConstraint("job_id", "attempt_id", "name", "rank", "epoch", "step", name="uq_metrics_point"),
+        Index("ix_metrics_job_seq", "job_id", "seq"),
+        Index("ix_metrics_job_name_seq", "job_id", "name", "seq"),
+    )
+
+    seq: Mapped[int] = mapped_column(SeqInt, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt_id: Mapped[str] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(64))
+    value: Mapped[float] = mapped_column(Float)
+    epoch: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    time: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class LogChunk(Base):
+    """A piece of one log stream (``rank-N`` or ``agent-<node>``) at a byte offset."""
+
+    __tablename__ = "log_chunks"
+    __table_args__ = (
+        UniqueConstraint("job_id", "attempt_id", "stream", "offset", name="uq_log_chunks_offset"),
+        Index("ix_log_chunks_job_stream_seq", "job_id", "stream", "seq"),
+    )
+
+    seq: Mapped[int] = mapped_column(SeqInt, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt_id: Mapped[str] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    stream: Mapped[str] = mapped_column(String(100))
+    offset: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

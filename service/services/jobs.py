@@ -1,0 +1,264 @@
+"""Jobs: submission, listing, cancellation and every status change (no HTTP here)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.config import Settings
+from service.db.models import Attempt, Job, JobEvent, Node, Placement, utcnow
+from service.schemas.common import decode_cursor, encode_cursor
+from service.schemas.jobs import (
+    AttemptPublic,
+    Failure,
+    JobCreate,
+    JobPublic,
+    PlacementPublic,
+    StatusChange,
+)
+from service.services.cluster import check_resources
+from service.services.datasets import resolve_job_datasets
+from service.services.tokens import Principal
+from service.states import JobStatus, can_transition
+from torchyard.errors import (
+    IllegalTransitionError,
+    InvalidModelDirectoryError,
+    NotFoundError,
+    RequestValidationError,
+)
+
+
+@lru_cache(maxsize=1)
+def classification_architectures() -> frozenset[str]:
+    import torchvision
+
+    return frozenset(torchvision.models.list_models(module=torchvision.models))
+
+
+def check_model(session: Session, principal: Principal, spec: JobCreate) -> None:
+    arch = spec.model.architecture
+    if arch not in classification_architectures():
+        raise InvalidModelDirectoryError(
+            f"unknown architecture {arch!r}: use a torchvision classification model name "
+            "such as resnet18, resnet50 or densenet121",
+            details={"field": "model.architecture", "value": arch},
+        )
+    if spec.model.memory_efficient and not arch.startswith("densenet"):
+        raise InvalidModelDirectoryError(
+            "model.memory_efficient applies to DenseNet architectures only",
+            details={"field": "model.memory_efficient", "value": True},
+        )
+    if spec.model.init_from_job is not None:
+        source = session.get(Job, spec.model.init_from_job)
+        if source is None or (not principal.is_admin and source.owner_id != principal.id):
+            raise InvalidModelDirectoryError(f"init_from_job {spec.model.init_from_job!r}: no such job")
+        if source.status != JobStatus.SUCCEEDED.value:
+            raise InvalidModelDirectoryError(
+                f"init_from_job {source.id!r} is {source.status}: only a succeeded job has a model directory"
+            )
+        if source.architecture != arch:
+            raise InvalidModelDirectoryError(
+                f"init_from_job {source.id!r} trained {source.architecture}, not {arch}"
+            )
+
+
+def submit_job(session: Session, settings: Settings, principal: Principal, spec: JobCreate) -> Job:
+    """Validate a spec against models, datasets and the cluster, then queue it."""
+    check_model(session, principal, spec)
+    train, val = resolve_job_datasets(session, principal, spec.train_dataset, spec.validation_dataset)
+    check_resources(session, settings, spec.resources.node_count, spec.resources.process_count_per_node)
+    normalized = spec.model_dump(mode="json")
+    normalized["name"] = spec.name or f"{spec.model.architecture}-{train.name}"
+    now = utcnow()
+    job = Job(
+        owner_id=principal.id,
+        name=normalized["name"],
+        status=JobStatus.QUEUED.value,
+        spec=normalized,
+        architecture=spec.model.architecture,
+        train_dataset_id=train.id,
+        validation_dataset_id=val.id,
+        init_from_job_id=spec.model.init_from_job,
+        node_count=spec.resources.node_count,
+        process_count_per_node=spec.resources.process_count_per_node,
+        priority=spec.priority,
+        created_at=now,
+        updated_at=now,
+    )
+    session.add(job)
+    session.flush()
+    session.add(JobEvent(job_id=job.id, status=JobStatus.QUEUED.value, message="submitted", at=now))
+    session.commit()
+    return job
+
+
+def transition(
+    session: Session,
+    job: Job,
+    new: JobStatus,
+    message: str | None = None,
+    *,
+    failure: Failure | None = None,
+) -> None:
+    """Move ``job`` to ``new`` if the state machine allows it; record the change.
+
+    The caller holds the job's row (in a write transaction) and commits.
+    """
+    current = JobStatus(job.status)
+    if not can_transition(current, new):
+        raise IllegalTransitionError(f"job {job.id} cannot go from {current} to {new}")
+    now = utcnow()
+    job.status = new.value
+    job.updated_at = now
+    if new is JobStatus.SCHEDULED:
+        job.scheduled_at = now
+        job.wait_reason = None
+    elif new is JobStatus.RUNNING and job.started_at is None:
+        job.started_at = now
+    elif new is JobStatus.QUEUED:
+        job.scheduled_at = None
+    if new.is_final():
+        job.finished_at = now
+        job.wait_reason = None
+    if failure is not None:
+        job.failure_code = failure.code
+        job.failure_message = failure.message
+        job.failure_rank = failure.rank
+        job.failure_node = failure.node
+        job.failure_traceback = failure.traceback
+    session.add(JobEvent(job_id=job.id, status=new.value, message=message, at=now))
+
+
+def get_job(session: Session, principal: Principal, job_id: str, *, for_update: bool = False) -> Job:
+    """The job, if the principal may see it; another user's job is a 404."""
+    stmt = select(Job).where(Job.id == job_id)
+    if for_update:
+        stmt = stmt.with_for_update()
+    job = session.scalars(stmt).first()
+    if job is None or (not principal.is_admin and job.owner_id != principal.id):
+        raise NotFoundError(f"job {job_id!r} not found")
+    return job
+
+
+def list_jobs(
+    session: Session,
+    principal: Principal,
+    *,
+    statuses: list[JobStatus] | None,
+    limit: int,
+    cursor: str | None,
+) -> tuple[list[Job], str | None]:
+    """Newest first; ``cursor`` continues after the last job of the previous page."""
+    stmt = select(Job)
+    if not principal.is_admin:
+        stmt = stmt.where(Job.owner_id == principal.id)
+    if statuses:
+        stmt = stmt.where(Job.status.in_([s.value for s in statuses]))
+    if cursor:
+        created_iso, last_id = decode_cursor(cursor, 2)
+        try:
+            created = datetime.fromisoformat(created_iso)
+        except (TypeError, ValueError) as exc:
+            raise RequestValidationError("cursor is not one this service issued") from exc
+        stmt = stmt.where((Job.created_at < created) | ((Job.created_at == created) & (Job.id < last_id)))
+    rows = list(session.scalars(stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)))
+    next_cursor = None
+    if len(rows) > limit:
+        rows = rows[:limit]
+        last = rows[-1]
+        next_cursor = encode_cursor(last.created_at.isoformat(), last.id)
+    return rows, next_cursor
+
+
+def cancel_job(session: Session, principal: Principal, job_id: str) -> Job:
+    """Idempotent: a queued job is cancelled at once; a placed one is ``cancelling`` until
+    its agents report the ranks stopped; a finished job is left as it is."""
+    job = get_job(session, principal, job_id, for_update=True)
+    status = JobStatus(job.status)
+    if status is JobStatus.QUEUED:
+        transition(session, job, JobStatus.CANCELLED, "cancelled before it was placed")
+        job.cancel_requested_at = job.finished_at
+    elif status in (JobStatus.SCHEDULED, JobStatus.RUNNING):
+        job.cancel_requested_at = utcnow()
+        transition(session, job, JobStatus.CANCELLING, f"cancel requested by {principal.name}")
+    session.commit()
+    return job
+
+
+def job_public(session: Session, job: Job, *, detail: bool = True) -> JobPublic:
+    spec: dict[str, Any] = job.spec
+    failure = None
+    if job.failure_code is not None:
+        failure = Failure(
+            code=job.failure_code,
+            message=job.failure_message or "",
+            rank=job.failure_rank,
+            node=job.failure_node,
+            traceback=job.failure_traceback,
+        )
+    attempts: list[AttemptPublic] | None = None
+    history: list[StatusChange] | None = None
+    nodes: list[str] = []
+    if detail:
+        history = [
+            StatusChange(status=e.status, at=e.at, message=e.message)
+            for e in session.scalars(select(JobEvent).where(JobEvent.job_id == job.id).order_by(JobEvent.seq))
+        ]
+        attempts = []
+        rows = session.execute(
+            select(Attempt, Placement, Node.name)
+            .outerjoin(Placement, Placement.attempt_id == Attempt.id)
+            .outerjoin(Node, Node.id == Placement.node_id)
+            .where(Attempt.job_id == job.id)
+            .order_by(Attempt.number, Placement.node_rank)
+        ).all()
+        by_id: dict[str, AttemptPublic] = {}
+        for attempt, placement, node_name in rows:
+            pub = by_id.get(attempt.id)
+            if pub is None:
+                pub = AttemptPublic.model_validate(attempt, from_attributes=True)
+                by_id[attempt.id] = pub
+                attempts.append(pub)
+            if placement is not None:
+                pub.placements.append(
+                    PlacementPublic(
+                        node=node_name,
+                        node_rank=placement.node_rank,
+                        units=placement.units,
+                        status=placement.status,
+                    )
+                )
+        if attempts:
+            nodes = [p.node for p in attempts[-1].placements]
+    return JobPublic(
+        id=job.id,
+        name=job.name,
+        owner=job.owner_id,
+        status=job.status,
+        model=spec["model"],
+        train_dataset=job.train_dataset_id,
+        validation_dataset=job.validation_dataset_id,
+        parameters=spec["parameters"],
+        resources=spec["resources"],
+        priority=job.priority,
+        reason=job.wait_reason,
+        failure=failure,
+        progress=job.progress,
+        best=job.best,
+        result=job.result,
+        model_sha256=job.model_sha256,
+        model_size=job.model_size,
+        nodes=nodes,
+        attempts=attempts,
+        history=history,
+        created_at=job.created_at,
+        updated_at=job.updated_at,
+        scheduled_at=job.scheduled_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        cancel_requested_at=job.cancel_requested_at,
+    )

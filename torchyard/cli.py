@@ -1,0 +1,99 @@
+"""The ``torchyard`` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from service.api.app import create_app
+    from service.config import Settings
+
+    overrides: dict[str, object] = {}
+    if args.host is not None:
+        overrides["host"] = args.host
+    if args.port is not None:
+        overrides["port"] = args.port
+    settings = Settings(**overrides)  # type: ignore[arg-type]
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    return 0
+
+
+def _db_upgrade(_args: argparse.Namespace) -> int:
+    from service.config import Settings
+    from service.db.migrate import upgrade
+
+    settings = Settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.sqlalchemy_url)
+    print(f"database at head: {settings.sqlalchemy_url.split('@')[-1]}")
+    return 0
+
+
+def _token_create(args: argparse.Namespace) -> int:
+    from service.config import Settings
+    from service.db.engine import Database
+    from service.db.migrate import upgrade
+    from service.services.tokens import create_token
+    from service.states import Role
+
+    settings = Settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.sqlalchemy_url)
+    db = Database(settings.sqlalchemy_url)
+    try:
+        with db.transaction() as session:
+            _row, plain = create_token(session, args.name, Role(args.role))
+    finally:
+        db.dispose()
+    print(plain)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="torchyard", description="Train PyTorch image classifiers on a cluster."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the API service")
+    serve.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
+    serve.set_defaults(handler=_serve)
+
+    db = sub.add_parser("db", help="database administration")
+    db_sub = db.add_subparsers(dest="db_command", required=True)
+    db_up = db_sub.add_parser("upgrade", help="apply the migrations up to the newest schema")
+    db_up.set_defaults(handler=_db_upgrade)
+
+    token = sub.add_parser("token", help="API tokens (direct database access)")
+    token_sub = token.add_subparsers(dest="token_command", required=True)
+    token_create = token_sub.add_parser("create", help="create a token and print it once")
+    token_create.add_argument("--role", required=True, choices=["admin", "user", "worker"])
+    token_create.add_argument("--name", required=True)
+    token_create.set_defaults(handler=_token_create)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    handler: Handler = args.handler
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""The one error hierarchy of torchyard.
+
+Every error carries a machine-readable ``code`` (the contract of SPEC §5) and the
+HTTP status it maps to. The API turns them into 4xx bodies in one place; the
+worker and trainer use the same codes for job failures; the client raises them
+again from API error bodies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class TorchyardError(Exception):
+    """Base of every domain error: a code, an HTTP status and a human message."""
+
+    code = "TorchyardError"
+    status_code = 400
+
+    def __init__(self, message: str, *, details: Any = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.details is not None:
+            body["details"] = self.details
+        return body
+
+
+class RequestValidationError(TorchyardError):
+    """A request body or parameter is malformed or out of range."""
+
+    code = "ValidationError"
+    status_code = 422
+
+
+class InvalidModelDirectoryError(TorchyardError):
+    code = "InvalidModelDirectoryError"
+    status_code = 422
+
+
+class NotLabeledDatasetError(TorchyardError):
+    code = "NotLabeledDatasetError"
+    status_code = 422
+
+
+class InvalidDatasetError(TorchyardError):
+    code = "InvalidDatasetError"
+    status_code = 422
+
+
+class ResourceLimitError(TorchyardError):
+    code = "ResourceLimitError"
+    status_code = 422
+
+
+class PayloadTooLargeError(TorchyardError):
+    code = "PayloadTooLargeError"
+    status_code = 413
+
+
+class AuthenticationError(TorchyardError):
+    code = "AuthenticationError"
+    status_code = 401
+
+
+class PermissionDeniedError(TorchyardError):
+    code = "PermissionDeniedError"
+    status_code = 403
+
+
+class NotFoundError(TorchyardError):
+    code = "NotFoundError"
+    status_code = 404
+
+
+class ConflictError(TorchyardError):
+    code = "ConflictError"
+    status_code = 409
+
+
+class IllegalTransitionError(ConflictError):
+    code = "IllegalTransitionError"
+
+
+class StaleLeaseError(ConflictError):
+    """A worker wrote with a lease token that is no longer the current one."""
+
+    code = "StaleLeaseError"
+
+
+class ModelNotReadyError(ConflictError):
+    code = "ModelNotReadyError"
+
+
+# Job failure codes (SPEC §5). They describe why a job failed; they are raised inside
+# the trainer or the worker and recorded on the job, not returned by request handlers.
+class TrainingDivergedError(TorchyardError):
+    code = "TrainingDivergedError"
+    status_code = 422
+
+
+class WorkerLostError(TorchyardError):
+    code = "WorkerLostError"
+    status_code = 409
+
+
+class RankFailedError(TorchyardError):
+    code = "RankFailedError"
+    status_code = 409
+
+
+class JobTimeoutError(TorchyardError):
+    code = "TimeoutError"
+    status_code = 409
+
+
+ERRORS_BY_CODE: dict[str, type[TorchyardError]] = {
+    cls.code: cls
+    for cls in (
+        TorchyardError,
+        RequestValidationError,
+        InvalidModelDirectoryError,
+        NotLabeledDatasetError,
+        InvalidDatasetError,
+        ResourceLimitError,
+        PayloadTooLargeError,
+        AuthenticationError,
+        PermissionDeniedError,
+        NotFoundError,
+        ConflictError,
+        IllegalTransitionError,
+        StaleLeaseError,
+        ModelNotReadyError,
+        TrainingDivergedError,
+        WorkerLostError,
+        RankFailedError,
+        JobTimeoutError,
+    )
+}
+
+
+def error_from_body(status_code: int, body: Any) -> TorchyardError:
+    """Rebuild the error an API error body describes (used by the client)."""
+    if isinstance(body, dict) and isinstance(body.get("code"), str):
+        cls = ERRORS_BY_CODE.get(body["code"], TorchyardError)
+        err = cls(str(body.get("message", "")), details=body.get("details"))
+        err.code = body["code"]
+    else:
+        err = TorchyardError(f"HTTP {status_code}: {body!r}")
+    err.status_code = status_code
+    return err
