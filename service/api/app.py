@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -13,6 +14,7 @@ from service.api.routes import cluster, datasets, health, jobs, tokens, workers
 from service.config import Settings, get_settings
 from service.db.engine import Database
 from service.db.migrate import upgrade
+from service.services.jobs import classification_architectures
 from service.services.tokens import ensure_bootstrap_token
 from service.states import Role
 
@@ -35,6 +37,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.db = bootstrap(settings)
+        # torchvision takes seconds to import: load the model list off the request path.
+        threading.Thread(target=classification_architectures, name="warm-models", daemon=True).start()
         try:
             yield
         finally:

@@ -16,7 +16,7 @@ router = APIRouter(prefix="/v1/tokens", tags=["tokens"])
 
 class TokenCreate(StrictModel):
     name: str = Field(min_length=1, max_length=200)
-    role: Role
+    role: Role = Field(strict=False)
 
 
 class TokenCreated(BaseModel):
