@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -95,10 +96,9 @@ def test_warmup_may_equal_but_not_exceed_epochs(client: TestClient, ready: dict[
 
 @pytest.mark.parametrize("bad", ["NaN", "Infinity", "-Infinity"])
 def test_non_finite_learning_rate(client: TestClient, ready: dict[str, str], bad: str) -> None:
-    body = (
-        '{"model": {"architecture": "resnet18"}, "train_dataset": "%s", "validation_dataset": "%s",'
-        ' "parameters": {"learning_rate": %s}}' % (ready["train"], ready["val"], bad)
-    )
+    # Python's json module reads and writes NaN/Infinity literals; FastAPI parses them too.
+    spec = job_spec(ready["train"], ready["val"], parameters={"learning_rate": "LR"})
+    body = json.dumps(spec).replace('"LR"', bad)
     r = client.post("/v1/jobs", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 422, r.text
     assert r.json()["errors"][0]["field"] == "parameters.learning_rate"
