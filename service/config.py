@@ -52,6 +52,33 @@ class Settings(BaseSettings):
     claim_poll_timeout_s: float = Field(
         default=20.0, gt=0, description="Longest a worker's claim long-poll is held open."
     )
+    claim_recheck_interval_s: float = Field(
+        default=0.25,
+        gt=0,
+        le=5,
+        description="While a claim long-poll waits, how often it re-reads the database for work "
+        "placed by another API replica (work placed by this replica wakes it at once).",
+    )
+    reaper_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=60,
+        description="How often each API replica looks for expired leases, silent nodes and "
+        "finished cancellations, and runs a scheduling pass.",
+    )
+    master_port_min: int = Field(
+        default=29500,
+        ge=1024,
+        le=65535,
+        description="Lowest port handed to an attempt for its torch.distributed rendezvous "
+        "(opened on the node of node rank 0).",
+    )
+    master_port_max: int = Field(
+        default=29999,
+        ge=1024,
+        le=65535,
+        description="Highest rendezvous port; the range bounds how many attempts may share one node address.",
+    )
     model_max_bytes: int = Field(
         default=4 * 1024**3, gt=0, description="Largest model directory archive a worker may upload."
     )
@@ -67,6 +94,8 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if self.lease_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("lease_timeout_s must be larger than heartbeat_interval_s")
+        if self.master_port_min > self.master_port_max:
+            raise ValueError("master_port_min must not exceed master_port_max")
         if self.database_url and not self.database_url.startswith(("sqlite", "postgresql")):
             raise ValueError("database_url must be a sqlite:// or postgresql:// URL")
         return self
@@ -88,3 +117,25 @@ class Settings(BaseSettings):
 @lru_cache
 def get_settings() -> Settings:
     return Settings()
+
+
+def settings_reference() -> str:
+    """The README's configuration table, generated from the fields above."""
+    lines = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    for name, field in Settings.model_fields.items():
+        default = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
+        shown = "unset" if default is None or default == [] else f"`{default}`"
+        lines.append(f"| `TORCHYARD_{name.upper()}` | {shown} | {field.description or ''} |")
+    return "\n".join(lines)
+
+
+def _write_readme_table(readme: Path) -> None:
+    text = readme.read_text()
+    start, end = "<!-- settings:begin -->\n", "<!-- settings:end -->"
+    head, rest = text.split(start, 1)
+    _old, tail = rest.split(end, 1)
+    readme.write_text(head + start + settings_reference() + "\n" + end + tail)
+
+
+if __name__ == "__main__":
+    _write_readme_table(Path(__file__).resolve().parent.parent / "README.md")
