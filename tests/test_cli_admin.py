@@ -1,0 +1,74 @@
+"""`torchyard db upgrade`, `torchyard token create` and `torchyard serve`, as real processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import free_port
+from tests.factories import auth
+
+
+def _run(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torchyard.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_db_upgrade_token_create_and_serve(tmp_path: Path, db_url: str) -> None:
+    env = {**os.environ, "TORCHYARD_DATA_DIR": str(tmp_path / "data"), "TORCHYARD_DATABASE_URL": db_url}
+    up = _run(["db", "upgrade"], env)
+    assert up.returncode == 0, up.stderr
+    made = _run(["token", "create", "--role", "user", "--name", "dora"], env)
+    assert made.returncode == 0, made.stderr
+    user_token = made.stdout.strip()
+    assert user_token.startswith("ty_")
+    bad = _run(["token", "create", "--role", "root", "--name", "x"], env)
+    assert bad.returncode != 0
+    assert "invalid choice" in bad.stderr
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchyard.cli", "serve", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "serve did not come up"
+            time.sleep(0.2)
+        me = httpx.get(f"{base}/v1/whoami", headers=auth(user_token)).json()
+        assert me["name"] == "dora"
+        assert me["role"] == "user"
+        admin = (tmp_path / "data" / "admin.token").read_text().strip()
+        assert httpx.get(f"{base}/v1/whoami", headers=auth(admin)).json()["role"] == "admin"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_serve_refuses_bad_settings(tmp_path: Path) -> None:
+    env = {**os.environ, "TORCHYARD_DATA_DIR": str(tmp_path), "TORCHYARD_LEASE_TIMEOUT_S": "0.1"}
+    r = _run(["serve", "--port", str(free_port())], env, timeout=60)
+    assert r.returncode != 0
+    assert "lease_timeout_s" in r.stderr
