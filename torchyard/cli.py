@@ -7,14 +7,16 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from torchyard import commands, demo
+from torchyard.client import ServiceUnreachableError
+from torchyard.errors import TorchyardError
+
 Handler = Callable[[argparse.Namespace], int]
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from service.api.app import create_app
     from service.config import Settings
+    from torchyard.serving import serve
 
     overrides: dict[str, object] = {}
     if args.host is not None:
@@ -22,9 +24,12 @@ def _serve(args: argparse.Namespace) -> int:
     if args.port is not None:
         overrides["port"] = args.port
     settings = Settings(**overrides)  # type: ignore[arg-type]
-    app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
-    return 0
+    return serve(
+        settings,
+        with_worker=args.with_worker,
+        worker_name=args.worker_name,
+        worker_slots=args.worker_slots,
+    )
 
 
 def _db_upgrade(_args: argparse.Namespace) -> int:
@@ -58,6 +63,12 @@ def _token_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(args: argparse.Namespace) -> int:
+    from worker.agent.main import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torchyard", description="Train PyTorch image classifiers on a cluster."
@@ -68,7 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the API service")
     serve.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
+    serve.add_argument(
+        "--with-worker", action="store_true", help="also run one local worker agent on this machine"
+    )
+    serve.add_argument("--worker-name", default=None, help="node name of the local worker (default <host>-local)")
+    serve.add_argument("--worker-slots", type=int, default=None, help="CPU slots of the local worker")
     serve.set_defaults(handler=_serve)
+
+    from worker.agent.main import add_arguments as add_worker_arguments
+
+    worker = sub.add_parser("worker", help="run a worker agent on this node")
+    add_worker_arguments(worker)
+    worker.set_defaults(handler=_worker)
 
     db = sub.add_parser("db", help="database administration")
     db_sub = db.add_subparsers(dest="db_command", required=True)
@@ -81,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     token_create.add_argument("--role", required=True, choices=["admin", "user", "worker"])
     token_create.add_argument("--name", required=True)
     token_create.set_defaults(handler=_token_create)
+
+    commands.register(sub)
+    demo.register(sub)
     return parser
 
 
@@ -91,8 +116,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:
+        # One line per HTTP request would bury what the commands print.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     handler: Handler = args.handler
-    return handler(args)
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        return 130
+    except ServiceUnreachableError as exc:
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        return 3
+    except TorchyardError as exc:
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

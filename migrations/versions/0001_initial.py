@@ -44,6 +44,7 @@ def upgrade() -> None:
         sa.Column("size_bytes", sa.BigInteger(), nullable=False),
         sa.Column("sha256", sa.String(length=64), nullable=False),
         sa.Column("created_at", UTCDateTime(), nullable=False),
+        sa.Column("deleted_at", UTCDateTime(), nullable=True),
         sa.CheckConstraint("source IN ('upload', 'path')", name=op.f("ck_datasets_source")),
         sa.CheckConstraint("num_images >= 0", name=op.f("ck_datasets_num_images")),
         sa.ForeignKeyConstraint(["owner_id"], ["tokens.id"], name=op.f("fk_datasets_owner_id_tokens")),
@@ -199,8 +200,9 @@ def upgrade() -> None:
         ),
         sa.Column("job_id", sa.String(length=32), nullable=False),
         sa.Column("attempt_id", sa.String(length=32), nullable=False),
-        sa.Column("stream", sa.String(length=100), nullable=False),
+        sa.Column("stream", sa.String(length=210), nullable=False),
         sa.Column("offset", sa.BigInteger(), nullable=False),
+        sa.Column("size", sa.Integer(), nullable=False),
         sa.Column("data", sa.Text(), nullable=False),
         sa.Column("created_at", UTCDateTime(), nullable=False),
         sa.ForeignKeyConstraint(
@@ -212,6 +214,7 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(
             ["job_id"], ["jobs.id"], name=op.f("fk_log_chunks_job_id_jobs"), ondelete="CASCADE"
         ),
+        sa.CheckConstraint("size >= 1", name=op.f("ck_log_chunks_size")),
         sa.PrimaryKeyConstraint("seq", name=op.f("pk_log_chunks")),
         sa.UniqueConstraint("job_id", "attempt_id", "stream", "offset", name="uq_log_chunks_offset"),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -10,12 +11,14 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from service.api.errors import install_error_handlers
-from service.api.routes import cluster, datasets, health, jobs, tokens, workers
+from service.api.routes import cluster, datasets, health, jobs, reports, streams, tokens, workers
 from service.config import Settings, get_settings
 from service.db.engine import Database
 from service.db.migrate import upgrade
 from service.services.jobs import classification_architectures
+from service.services.reaper import run_reaper
 from service.services.tokens import ensure_bootstrap_token
+from service.services.wakeup import Wakeup
 from service.states import Role
 
 log = logging.getLogger(__name__)
@@ -39,9 +42,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.db = bootstrap(settings)
         # torchvision takes seconds to import: load the model list off the request path.
         threading.Thread(target=classification_architectures, name="warm-models", daemon=True).start()
+        # Expired leases, lost nodes, settled cancellations and scheduling passes.
+        stop_reaper = asyncio.Event()
+        reaper = asyncio.create_task(run_reaper(app.state.db, settings, app.state.wakeup, stop_reaper))
         try:
             yield
         finally:
+            stop_reaper.set()
+            await reaper
             app.state.db.dispose()
 
     app = FastAPI(
@@ -51,8 +59,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings
+    app.state.wakeup = Wakeup()
     install_error_handlers(app)
-    for module in (health, tokens, jobs, datasets, cluster, workers):
+    for module in (health, tokens, jobs, datasets, cluster, workers, reports, streams):
         app.include_router(module.router)
     app.include_router(tokens.whoami_router)
     return app

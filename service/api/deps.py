@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.db.engine import Database
 from service.services.tokens import Principal, authenticate
+from service.services.wakeup import Wakeup
 from service.states import Role
 from torchyard.errors import PermissionDeniedError
 
@@ -34,6 +35,12 @@ def get_session(request: Request) -> Iterator[Session]:
 def get_read_session(request: Request) -> Iterator[Session]:
     with get_db(request).read_session() as session:
         yield session
+
+
+def get_wakeup(request: Request) -> Wakeup:
+    """The replica's wake-up for long-polling claims (notify after queuing work)."""
+    wakeup: Wakeup = request.app.state.wakeup
+    return wakeup
 
 
 def _bearer(request: Request) -> str | None:
@@ -79,3 +86,4 @@ ReadSessionDep = Annotated[Session, Depends(get_read_session)]
 CurrentUser = Annotated[Principal, Depends(require_user)]
 AdminUser = Annotated[Principal, Depends(require_admin)]
 WorkerDep = Annotated[Principal, Depends(require_worker)]
+WakeupDep = Annotated[Wakeup, Depends(get_wakeup)]

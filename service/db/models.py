@@ -112,6 +112,8 @@ class Dataset(Base):
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     sha256: Mapped[str] = mapped_column(String(64), index=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # Deleted datasets keep their row (finished jobs still reference it) but are hidden.
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 _final = sql_in(FINAL_STATUSES)
@@ -282,6 +284,7 @@ class LogChunk(Base):
 
     __tablename__ = "log_chunks"
     __table_args__ = (
+        CheckConstraint("size >= 1", name="size"),
         UniqueConstraint("job_id", "attempt_id", "stream", "offset", name="uq_log_chunks_offset"),
         Index("ix_log_chunks_job_stream_seq", "job_id", "stream", "seq"),
     )
@@ -289,7 +292,9 @@ class LogChunk(Base):
     seq: Mapped[int] = mapped_column(SeqInt, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     attempt_id: Mapped[str] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
-    stream: Mapped[str] = mapped_column(String(100))
+    stream: Mapped[str] = mapped_column(String(210))
     offset: Mapped[int] = mapped_column(BigInteger)
+    # Length of ``data`` in UTF-8 bytes: offsets count bytes, so readers find a chunk's end without decoding.
+    size: Mapped[int] = mapped_column(Integer)
     data: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

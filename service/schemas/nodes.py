@@ -18,20 +18,44 @@ class NodeRegister(StrictModel):
     info: dict[str, Any] | None = None
 
 
+class NodeAttemptPublic(BaseModel):
+    """An attempt's share of a node, holding some of its units."""
+
+    attempt_id: str
+    attempt_number: int
+    job_id: str | None = Field(
+        description="The job, when the caller may see it (their own, or any for admins)."
+    )
+    node_rank: int
+    units: int
+    status: str = Field(description="assigned (placed, not yet claimed by the agent) or running.")
+
+
 class NodePublic(BaseModel):
     name: str
-    address: str
-    units: int
-    free_units: int
+    address: str = Field(description="Address the other nodes reach this one at.")
+    units: int = Field(description="Processing units: GPUs, or CPU slots.")
+    used_units: int = Field(description="Units held by attempts placed on the node.")
+    free_units: int = Field(description="Units a new job could get now (0 on a lost node).")
     accelerator: str
-    status: str
+    status: str = Field(description="ready, or lost (marked lost, or silent past the lease timeout).")
     last_heartbeat_at: datetime
+    seconds_since_heartbeat: float
     registered_at: datetime
-    running_attempts: list[str] = []
+    running_attempts: list[str] = Field(default=[], description="Ids of the attempts holding units here.")
+    attempts: list[NodeAttemptPublic] = []
 
 
 class ClusterPublic(BaseModel):
-    max_nodes: int
-    max_units_per_node: int
+    max_nodes: int = Field(description="Largest node_count a job may ask for.")
+    max_nodes_source: str = Field(
+        description="setting: TORCHYARD_MAX_NODES; ready_nodes: the number of nodes not lost."
+    )
+    max_units_per_node: int = Field(
+        description="Largest process_count_per_node a job may ask for: the units of the largest ready node."
+    )
     ready_nodes: int
+    lost_nodes: int
+    total_units: int = Field(description="Units of the ready nodes.")
+    free_units: int = Field(description="Free units of the ready nodes.")
     nodes: list[NodePublic]

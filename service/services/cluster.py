@@ -1,16 +1,49 @@
-"""Cluster limits: the one place where a job's shape is checked against the node registry."""
+"""The cluster as users see it, and its limits: the one place where a job's shape is checked
+against the node registry.
+
+A node is *ready* while its status is ``ready`` and it was heard from within the lease
+timeout; otherwise it is *lost* — also before the reaper has got round to marking it,
+so the limits, the cluster view and the scheduler agree on which nodes count.
+
+Limits (SPEC §5) are checked at submission only. When the cluster later shrinks so
+that a queued job can no longer fit (it needs more nodes than are ready, or more
+processes per node than any ready node has units), the job is *not* failed: nodes
+come back (a restarted agent, a rebooted machine), so it keeps waiting in the queue
+and its reason says what it needs and what the cluster has now. The scheduler writes
+that reason (see ``service.services.scheduler``) and does not let such a job hold up
+the jobs behind it. A user who does not want to wait cancels it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, and_, func, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Node
+from service.db.models import Attempt, Job, Node, Placement, utcnow
+from service.schemas.nodes import ClusterPublic, NodeAttemptPublic, NodePublic
+from service.services.tokens import Principal
 from service.states import NodeStatus
 from torchyard.errors import ResourceLimitError
+
+
+def ready_node_filter(settings: Settings, now: datetime) -> ColumnElement[bool]:
+    """SQL condition for a ready node: status ready and a heartbeat within the lease timeout."""
+    fresh_after = now - timedelta(seconds=settings.lease_timeout_s)
+    return and_(Node.status == NodeStatus.READY.value, Node.last_heartbeat_at >= fresh_after)
+
+
+def node_status(node: Node, settings: Settings, now: datetime) -> NodeStatus:
+    """``ready`` or ``lost``, counting a node silent past the lease timeout as lost."""
+    if node.status != NodeStatus.READY.value:
+        return NodeStatus.LOST
+    if node.last_heartbeat_at < now - timedelta(seconds=settings.lease_timeout_s):
+        return NodeStatus.LOST
+    return NodeStatus.READY
 
 
 @dataclass(frozen=True)
@@ -18,16 +51,25 @@ class ClusterLimits:
     max_nodes: int
     max_units_per_node: int
     ready_nodes: int
+    # "setting" when TORCHYARD_MAX_NODES fixes max_nodes, "ready_nodes" when it follows the registry.
+    max_nodes_source: str
 
 
-def cluster_limits(session: Session, settings: Settings) -> ClusterLimits:
+def cluster_limits(session: Session, settings: Settings, now: datetime | None = None) -> ClusterLimits:
+    """Max nodes (the setting, else the ready nodes) and the units of the largest ready node."""
+    now = now or utcnow()
     ready, largest = session.execute(
         select(func.count(Node.id), func.coalesce(func.max(Node.units), 0)).where(
-            Node.status == NodeStatus.READY.value
+            ready_node_filter(settings, now)
         )
     ).one()
-    max_nodes = settings.max_nodes if settings.max_nodes is not None else int(ready)
-    return ClusterLimits(max_nodes=max_nodes, max_units_per_node=int(largest), ready_nodes=int(ready))
+    if settings.max_nodes is not None:
+        return ClusterLimits(settings.max_nodes, int(largest), int(ready), "setting")
+    return ClusterLimits(int(ready), int(largest), int(ready), "ready_nodes")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def check_resources(
@@ -35,15 +77,16 @@ def check_resources(
 ) -> ClusterLimits:
     """Refuse a job shape the cluster can never run (SPEC §5), naming the field, value and limit."""
     limits = cluster_limits(session, settings)
-    problems = []
+    problems: list[dict[str, Any]] = []
     if node_count > limits.max_nodes:
+        because = "TORCHYARD_MAX_NODES" if limits.max_nodes_source == "setting" else "the nodes ready now"
         problems.append(
             {
                 "field": "resources.node_count",
                 "value": node_count,
                 "limit": limits.max_nodes,
-                "message": f"node_count {node_count} exceeds the cluster's {limits.max_nodes} "
-                f"node{'s' if limits.max_nodes != 1 else ''}",
+                "message": f"node_count {node_count} exceeds the cluster's "
+                f"{_plural(limits.max_nodes, 'node')} ({because})",
             }
         )
     if process_count_per_node > limits.max_units_per_node:
@@ -64,15 +107,94 @@ def check_resources(
     return limits
 
 
-def node_usage(session: Session) -> dict[str, tuple[int, list[str]]]:
-    """Units held and attempt ids per node id, from placements not yet done."""
-    from service.db.models import Placement
+@dataclass
+class NodeShare:
+    """A node's share of one attempt that is not done yet."""
 
-    usage: dict[str, tuple[int, list[str]]] = {}
+    node_id: str
+    job_id: str
+    job_owner_id: str
+    attempt_id: str
+    attempt_number: int
+    node_rank: int
+    units: int
+    status: str
+
+
+def node_usage(session: Session) -> dict[str, list[NodeShare]]:
+    """Per node id, the placements not yet done (they hold the node's units)."""
+    usage: dict[str, list[NodeShare]] = {}
     rows = session.execute(
-        select(Placement.node_id, Placement.units, Placement.attempt_id).where(Placement.status != "done")
+        select(Placement, Attempt.number, Job.owner_id)
+        .join(Attempt, Attempt.id == Placement.attempt_id)
+        .join(Job, Job.id == Placement.job_id)
+        .where(Placement.status != "done")
+        .order_by(Placement.created_at, Placement.id)
     ).all()
-    for node_id, units, attempt_id in rows:
-        held, attempts = usage.get(node_id, (0, []))
-        usage[node_id] = (held + units, [*attempts, attempt_id])
+    for placement, number, owner_id in rows:
+        usage.setdefault(placement.node_id, []).append(
+            NodeShare(
+                node_id=placement.node_id,
+                job_id=placement.job_id,
+                job_owner_id=owner_id,
+                attempt_id=placement.attempt_id,
+                attempt_number=number,
+                node_rank=placement.node_rank,
+                units=placement.units,
+                status=placement.status,
+            )
+        )
     return usage
+
+
+def cluster_view(session: Session, settings: Settings, principal: Principal) -> ClusterPublic:
+    """Every registered node with its health and load, and the limits submissions are checked against.
+
+    Jobs of other users show as held units and attempt ids without their job id (a user
+    sees only their own jobs).
+    """
+    now = utcnow()
+    limits = cluster_limits(session, settings, now)
+    usage = node_usage(session)
+    nodes: list[NodePublic] = []
+    for node in session.scalars(select(Node).order_by(Node.name)):
+        shares = usage.get(node.id, [])
+        held = sum(s.units for s in shares)
+        status = node_status(node, settings, now)
+        nodes.append(
+            NodePublic(
+                name=node.name,
+                address=node.address,
+                units=node.units,
+                used_units=held,
+                free_units=max(0, node.units - held) if status is NodeStatus.READY else 0,
+                accelerator=node.accelerator,
+                status=status.value,
+                last_heartbeat_at=node.last_heartbeat_at,
+                seconds_since_heartbeat=round(max(0.0, (now - node.last_heartbeat_at).total_seconds()), 3),
+                registered_at=node.registered_at,
+                running_attempts=[s.attempt_id for s in shares],
+                attempts=[
+                    NodeAttemptPublic(
+                        attempt_id=s.attempt_id,
+                        attempt_number=s.attempt_number,
+                        job_id=s.job_id if principal.is_admin or s.job_owner_id == principal.id else None,
+                        node_rank=s.node_rank,
+                        units=s.units,
+                        status=s.status,
+                    )
+                    for s in shares
+                ],
+            )
+        )
+    ready = [n for n in nodes if n.status == NodeStatus.READY.value]
+    return ClusterPublic(
+        max_nodes=limits.max_nodes,
+        max_nodes_source=limits.max_nodes_source,
+        max_units_per_node=limits.max_units_per_node,
+        ready_nodes=limits.ready_nodes,
+        lost_nodes=len(nodes) - len(ready),
+        total_units=sum(n.units for n in ready),
+        free_units=sum(n.free_units for n in ready),
+        nodes=nodes,
+    )

@@ -1,28 +1,311 @@
-"""Datasets: ownership and the label checks made at job submission."""
+"""Datasets: creation from uploaded archives and registered folders, listing, deletion,
+shipping to workers, and the label checks made at job submission (no HTTP here).
+
+Uploaded datasets are stored immutably and content-addressed under
+``<data dir>/datasets/<sha256>/`` (the folder holding the class folders); two uploads of
+the same content share one copy. Folders registered by path stay where they are.
+
+Deleting a dataset hides its row (finished jobs keep referring to it) and removes the
+stored copy once no visible dataset uses it. Placing a copy and releasing one happen
+under one file lock (``datasets/.lock``), so a concurrent upload of the same content
+never sees its copy removed by a deletion.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
-from service.db.models import Dataset
+from service.config import Settings
+from service.datasets.archive import ExtractionLimits, extract_archive
+from service.datasets.tarstream import DatasetTar
+from service.datasets.validate import ValidatedDataset, validate_image_directory
+from service.db.models import Dataset, Job, Node, Placement, utcnow
+from service.schemas.common import decode_cursor, encode_cursor
+from service.schemas.datasets import DatasetPublic, DatasetRegister
 from service.services.tokens import Principal
-from torchyard.errors import InvalidDatasetError, NotFoundError
+from service.states import ACTIVE_STATUSES
+from torchyard.dataset_digest import list_files
+from torchyard.errors import (
+    ConflictError,
+    InvalidDatasetError,
+    NotFoundError,
+    PermissionDeniedError,
+    RequestValidationError,
+)
+
+log = logging.getLogger(__name__)
+
+SOURCE_UPLOAD = "upload"
+SOURCE_PATH = "path"
 
 
-def get_dataset(session: Session, principal: Principal, dataset_id: str) -> Dataset:
-    """The dataset, if the principal may see it; another user's dataset is a 404."""
-    row = session.get(Dataset, dataset_id)
+# ---------------------------------------------------------------------------- storage layout
+
+
+def datasets_dir(settings: Settings) -> Path:
+    return settings.data_dir / "datasets"
+
+
+def staging_dir(settings: Settings) -> Path:
+    """Where uploads land and archives are extracted: on the same file system as the
+    store, so that a validated dataset is moved into place with one rename."""
+    return datasets_dir(settings) / ".staging"
+
+
+def new_upload_path(settings: Settings) -> Path:
+    """A fresh file name in the staging folder for an incoming upload."""
+    staging = staging_dir(settings)
+    staging.mkdir(parents=True, exist_ok=True)
+    return staging / f"upload-{uuid.uuid4().hex}.part"
+
+
+def data_root(settings: Settings, dataset: Dataset) -> Path:
+    """The folder holding the dataset's class folders."""
+    path = Path(dataset.storage_path)
+    return path if path.is_absolute() else settings.data_dir / path
+
+
+def allowed_roots(settings: Settings) -> list[Path]:
+    return [Path(root).resolve() for root in settings.dataset_roots]
+
+
+@contextmanager
+def _store_lock(settings: Settings) -> Iterator[None]:
+    store = datasets_dir(settings)
+    store.mkdir(parents=True, exist_ok=True)
+    with open(store / ".lock", "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+# ---------------------------------------------------------------------------- creation
+
+
+def _new_row(principal: Principal, name: str, source: str, storage: str, v: ValidatedDataset) -> Dataset:
+    return Dataset(
+        owner_id=principal.id,
+        name=name,
+        source=source,
+        storage_path=storage,
+        classes=v.classes,
+        class_counts=v.class_counts,
+        num_images=v.num_images,
+        size_bytes=v.size_bytes,
+        sha256=v.sha256,
+        created_at=utcnow(),
+    )
+
+
+def create_from_archive(
+    session: Session, settings: Settings, principal: Principal, name: str, archive: Path
+) -> Dataset:
+    """Extract, validate and store an uploaded archive; record the dataset.
+
+    Raises InvalidDatasetError / NotLabeledDatasetError with nothing left behind.
+    The caller removes ``archive``.
+    """
+    limits = ExtractionLimits(
+        max_bytes=settings.max_extracted_bytes, max_files=settings.max_extracted_files
+    )
+    extracted = extract_archive(archive, staging_dir(settings), limits)
+    try:
+        v = validate_image_directory(
+            extracted, max_pixels=settings.max_image_pixels, max_files=settings.max_extracted_files
+        )
+        final = datasets_dir(settings) / v.sha256
+        with _store_lock(settings):
+            if final.exists():
+                log.info("dataset content %s already stored; reusing it", v.sha256)
+            else:
+                os.rename(v.data_root, final)
+            row = _new_row(principal, name, SOURCE_UPLOAD, f"datasets/{v.sha256}", v)
+            session.add(row)
+            session.commit()
+    finally:
+        shutil.rmtree(extracted, ignore_errors=True)
+    log.info("dataset %s (%r) uploaded: %d images, sha256 %s", row.id, name, row.num_images, row.sha256)
+    return row
+
+
+def resolve_registered_path(settings: Settings, raw: str) -> Path:
+    """The resolved folder of a registration request, if it lies under an allowed root."""
+    roots = allowed_roots(settings)
+    if not roots:
+        raise PermissionDeniedError(
+            "registering datasets by path is disabled: the operator has configured no dataset roots "
+            "(TORCHYARD_DATASET_ROOTS)"
+        )
+    path = Path(raw)
+    if not path.is_absolute():
+        raise RequestValidationError(f"path {raw!r} must be absolute", details={"field": "path"})
+    resolved = path.resolve()
+    if not any(resolved == root or resolved.is_relative_to(root) for root in roots):
+        raise PermissionDeniedError(
+            f"path {raw!r} is outside the allowed dataset roots (links resolved: {str(resolved)!r})",
+            details={"allowed_roots": [str(r) for r in roots]},
+        )
+    if not resolved.is_dir():
+        raise InvalidDatasetError(f"path {raw!r} is not a folder")
+    return resolved
+
+
+def register_path(
+    session: Session, settings: Settings, principal: Principal, body: DatasetRegister
+) -> Dataset:
+    """Validate a folder on shared storage in place and record it as a dataset."""
+    folder = resolve_registered_path(settings, body.path)
+    v = validate_image_directory(
+        folder,
+        max_pixels=settings.max_image_pixels,
+        sample=body.sample,
+        max_files=settings.max_extracted_files,
+        link_roots=allowed_roots(settings),
+    )
+    row = _new_row(principal, body.name, SOURCE_PATH, str(v.data_root), v)
+    session.add(row)
+    session.commit()
+    log.info("dataset %s (%r) registered at %s: %d images", row.id, body.name, v.data_root, row.num_images)
+    return row
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def get_dataset(session: Session, principal: Principal, dataset_id: str, *, lock: bool = False) -> Dataset:
+    """The dataset, if the principal may see it; another user's (or a deleted) dataset is a 404.
+
+    ``lock`` holds the row until the transaction ends (shared lock on PostgreSQL), so that
+    a job submission and a deletion of the same dataset cannot interleave.
+    """
+    stmt = select(Dataset).where(Dataset.id == dataset_id, Dataset.deleted_at.is_(None))
+    if lock:
+        stmt = stmt.with_for_update(read=True)
+    row = session.scalars(stmt).first()
     if row is None or (not principal.is_admin and row.owner_id != principal.id):
         raise NotFoundError(f"dataset {dataset_id!r} not found")
     return row
 
 
+def list_datasets(
+    session: Session, principal: Principal, *, limit: int, cursor: str | None
+) -> tuple[list[Dataset], str | None]:
+    """Newest first; ``cursor`` continues after the last dataset of the previous page."""
+    stmt = select(Dataset).where(Dataset.deleted_at.is_(None))
+    if not principal.is_admin:
+        stmt = stmt.where(Dataset.owner_id == principal.id)
+    if cursor:
+        created_iso, last_id = decode_cursor(cursor, 2)
+        try:
+            created = datetime.fromisoformat(created_iso)
+        except (TypeError, ValueError) as exc:
+            raise RequestValidationError("cursor is not one this service issued") from exc
+        stmt = stmt.where(
+            (Dataset.created_at < created) | ((Dataset.created_at == created) & (Dataset.id < last_id))
+        )
+    rows = list(session.scalars(stmt.order_by(Dataset.created_at.desc(), Dataset.id.desc()).limit(limit + 1)))
+    next_cursor = None
+    if len(rows) > limit:
+        rows = rows[:limit]
+        last = rows[-1]
+        next_cursor = encode_cursor(last.created_at.isoformat(), last.id)
+    return rows, next_cursor
+
+
+def dataset_public(row: Dataset) -> DatasetPublic:
+    return DatasetPublic(
+        id=row.id,
+        name=row.name,
+        owner=row.owner_id,
+        source="path" if row.source == SOURCE_PATH else "upload",
+        path=row.storage_path if row.source == SOURCE_PATH else None,
+        classes=row.classes,
+        class_counts=row.class_counts,
+        num_images=row.num_images,
+        size_bytes=row.size_bytes,
+        sha256=row.sha256,
+        created_at=row.created_at,
+    )
+
+
+# ---------------------------------------------------------------------------- deletion
+
+
+def delete_dataset(session: Session, settings: Settings, principal: Principal, dataset_id: str) -> None:
+    """Delete a dataset no queued or running job uses (409 otherwise)."""
+    stmt = select(Dataset).where(Dataset.id == dataset_id, Dataset.deleted_at.is_(None)).with_for_update()
+    row = session.scalars(stmt).first()
+    if row is None or (not principal.is_admin and row.owner_id != principal.id):
+        raise NotFoundError(f"dataset {dataset_id!r} not found")
+    users = session.execute(
+        select(Job.id, Job.status)
+        .where(
+            or_(Job.train_dataset_id == row.id, Job.validation_dataset_id == row.id),
+            Job.status.in_([s.value for s in ACTIVE_STATUSES]),
+        )
+        .order_by(Job.created_at)
+        .limit(20)
+    ).all()
+    if users:
+        listed = ", ".join(f"{job_id} ({status})" for job_id, status in users)
+        raise ConflictError(
+            f"dataset {row.id!r} is used by jobs that have not finished: {listed}; "
+            "cancel them or wait for them to finish",
+            details={"jobs": [job_id for job_id, _ in users]},
+        )
+    row.deleted_at = utcnow()
+    source, sha = row.source, row.sha256
+    session.commit()
+    log.info("dataset %s deleted by %s", row.id, principal.name)
+    if source == SOURCE_UPLOAD:
+        _release_content(session, settings, sha)
+
+
+def _release_content(session: Session, settings: Settings, sha: str) -> None:
+    """Remove the stored copy of ``sha`` if no visible dataset uses it any more."""
+    with _store_lock(settings):
+        users = session.scalar(
+            select(func.count())
+            .select_from(Dataset)
+            .where(Dataset.sha256 == sha, Dataset.source == SOURCE_UPLOAD, Dataset.deleted_at.is_(None))
+        )
+        session.commit()
+        target = datasets_dir(settings) / sha
+        if users or not target.exists():
+            return
+        # Rename first: the content disappears from the store at once, then is removed.
+        trash = staging_dir(settings) / f"deleted-{uuid.uuid4().hex}"
+        trash.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(target, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- job submission
+
+
 def resolve_job_datasets(
     session: Session, principal: Principal, train_id: str, val_id: str
 ) -> tuple[Dataset, Dataset]:
-    """Both datasets of a job, visible to the submitter and with equal label sets."""
-    train = get_dataset(session, principal, train_id)
-    val = get_dataset(session, principal, val_id)
+    """Both datasets of a job, visible to the submitter and with equal label sets.
+
+    Another user's or a deleted dataset is a 404 (admin may use any); differing label
+    sets are a 422 InvalidDatasetError naming the labels missing on each side.
+    """
+    train = get_dataset(session, principal, train_id, lock=True)
+    val = get_dataset(session, principal, val_id, lock=True)
     train_labels, val_labels = set(train.classes), set(val.classes)
     if train_labels != val_labels:
         only_train = sorted(train_labels - val_labels)
@@ -33,3 +316,40 @@ def resolve_job_datasets(
             details={"missing_in_validation": only_train, "missing_in_training": only_val},
         )
     return train, val
+
+
+# ---------------------------------------------------------------------------- workers
+
+
+def dataset_for_worker(session: Session, principal: Principal, dataset_id: str) -> Dataset:
+    """The dataset a worker asks for, if a job placed on one of its nodes uses it."""
+    row = session.scalars(
+        select(Dataset).where(Dataset.id == dataset_id, Dataset.deleted_at.is_(None))
+    ).first()
+    if row is None:
+        raise NotFoundError(f"dataset {dataset_id!r} not found")
+    placed = session.scalars(
+        select(Placement.id)
+        .join(Node, Node.id == Placement.node_id)
+        .join(Job, Job.id == Placement.job_id)
+        .where(
+            Node.token_id == principal.id,
+            Placement.status != "done",
+            or_(Job.train_dataset_id == row.id, Job.validation_dataset_id == row.id),
+        )
+        .limit(1)
+    ).first()
+    if placed is None:
+        raise PermissionDeniedError(
+            f"dataset {dataset_id!r} is not used by any job placed on this worker's nodes"
+        )
+    return row
+
+
+def dataset_tar(settings: Settings, row: Dataset) -> DatasetTar:
+    """The deterministic tar of a dataset's files (what workers download and verify)."""
+    root = data_root(settings, row)
+    if not root.is_dir():
+        raise NotFoundError(f"the files of dataset {row.id!r} are missing from {root}")
+    link_roots = allowed_roots(settings) if row.source == SOURCE_PATH else None
+    return DatasetTar(root, list_files(root, link_roots=link_roots))

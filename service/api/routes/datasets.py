@@ -1,5 +1,160 @@
+"""Dataset routes: upload or register, list, show, delete; and the worker's download."""
+
 from __future__ import annotations
 
-from fastapi import APIRouter
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request, Response, status
+from fastapi.exceptions import RequestValidationError as FastAPIValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from service.api.deps import CurrentUser, ReadSessionDep, SessionDep, SettingsDep, WorkerDep
+from service.api.uploads import receive_json, receive_multipart
+from service.schemas.datasets import NAME_MAX, DatasetList, DatasetPublic, DatasetRegister
+from service.services import datasets as datasets_service
+from torchyard.errors import RequestValidationError, TorchyardError
 
 router = APIRouter(tags=["datasets"])
+
+
+class _UnsupportedMediaType(TorchyardError):
+    code = "UnsupportedMediaTypeError"
+    status_code = 415
+
+_CREATE_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {
+                        "name": {"type": "string", "maxLength": NAME_MAX,
+                                 "description": "Dataset name (default: the file name)."},
+                        "file": {"type": "string", "format": "binary",
+                                 "description": ".zip, .tar, .tar.gz/.tgz, .tar.bz2 or .tar.xz archive of "
+                                 "class folders (one wrapping folder allowed)."},
+                    },
+                }
+            },
+            "application/json": {"schema": DatasetRegister.model_json_schema()},
+        },
+    }
+}
+
+_ARCHIVE_SUFFIXES = (".tar.gz", ".tar.bz2", ".tar.xz", ".tgz", ".zip", ".tar")
+
+
+def _default_name(filename: str | None) -> str:
+    base = Path(filename or "").name
+    for suffix in _ARCHIVE_SUFFIXES:
+        if base.lower().endswith(suffix):
+            base = base[: -len(suffix)]
+            break
+    return base[:NAME_MAX] or "dataset"
+
+
+@router.post(
+    "/v1/datasets",
+    status_code=status.HTTP_201_CREATED,
+    response_model=DatasetPublic,
+    openapi_extra=_CREATE_BODY,
+    responses={413: {"description": "The upload is larger than the configured limit."}},
+)
+async def create_dataset(
+    request: Request, session: SessionDep, settings: SettingsDep, user: CurrentUser
+) -> DatasetPublic | JSONResponse:
+    """Create a dataset from an uploaded archive (multipart ``name``, ``file``), or register
+    a folder on shared storage (JSON ``{name, path, sample?}``). The upload is streamed to
+    disk and refused with 413 past the size limit; archives are extracted safely and every
+    image is decoded before the dataset is recorded. 201 with classes, per-class counts,
+    image count, size and the content sha256."""
+    content_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if content_type == "multipart/form-data":
+        dest = datasets_service.new_upload_path(settings)
+        try:
+            form = await receive_multipart(
+                request, dest, max_file_bytes=settings.max_upload_bytes, text_fields=frozenset({"name"})
+            )
+        except TorchyardError as exc:
+            # The rest of the body is not wanted: close the connection after this answer
+            # rather than let the server drain what the client is still sending.
+            return JSONResponse(exc.to_dict(), status_code=exc.status_code, headers={"Connection": "close"})
+        try:
+            if not form.has_file:
+                raise RequestValidationError("the multipart body has no 'file' part", details={"field": "file"})
+            name = form.fields.get("name") or _default_name(form.filename)
+            if len(name) > NAME_MAX:
+                raise RequestValidationError(f"name is longer than {NAME_MAX} characters")
+            row = await run_in_threadpool(
+                datasets_service.create_from_archive, session, settings, user, name, dest
+            )
+        finally:
+            dest.unlink(missing_ok=True)
+    elif content_type == "application/json":
+        payload = await receive_json(request)
+        try:
+            body = DatasetRegister.model_validate(payload)
+        except ValidationError as exc:
+            raise FastAPIValidationError(
+                [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+            ) from None
+        row = await run_in_threadpool(datasets_service.register_path, session, settings, user, body)
+    else:
+        raise _UnsupportedMediaType(
+            "send multipart/form-data (name, file) to upload an archive, "
+            "or application/json {name, path} to register a folder"
+        )
+    return datasets_service.dataset_public(row)
+
+
+@router.get("/v1/datasets")
+def list_datasets(
+    session: ReadSessionDep,
+    user: CurrentUser,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    cursor: Annotated[str | None, Query(max_length=500)] = None,
+) -> DatasetList:
+    """Datasets newest first (a user's own; all of them for admin); follow ``next_cursor`` for more."""
+    rows, next_cursor = datasets_service.list_datasets(session, user, limit=limit, cursor=cursor)
+    return DatasetList(items=[datasets_service.dataset_public(r) for r in rows], next_cursor=next_cursor)
+
+
+@router.get("/v1/datasets/{dataset_id}")
+def get_dataset(dataset_id: str, session: ReadSessionDep, user: CurrentUser) -> DatasetPublic:
+    """One dataset: classes, per-class counts, image count, size and sha256."""
+    return datasets_service.dataset_public(datasets_service.get_dataset(session, user, dataset_id))
+
+
+@router.delete("/v1/datasets/{dataset_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_dataset(dataset_id: str, session: SessionDep, settings: SettingsDep, user: CurrentUser) -> Response:
+    """Delete a dataset; 409 while a queued or running job uses it."""
+    datasets_service.delete_dataset(session, settings, user, dataset_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.get(
+    "/v1/worker/datasets/{dataset_id}/archive",
+    tags=["worker"],
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/x-tar": {}}}},
+)
+def dataset_archive(
+    dataset_id: str, session: ReadSessionDep, settings: SettingsDep, worker: WorkerDep
+) -> StreamingResponse:
+    """The dataset's files as a deterministic tar (class folders at the top), with its content
+    checksum in ``X-Torchyard-Sha256``; only for a dataset that a job placed on one of the
+    worker's nodes uses."""
+    row = datasets_service.dataset_for_worker(session, worker, dataset_id)
+    tar = datasets_service.dataset_tar(settings, row)
+    headers = {
+        "Content-Length": str(tar.size),
+        "X-Torchyard-Sha256": row.sha256,
+        "X-Torchyard-Files": str(len(tar.members)),
+        "ETag": f'"{row.sha256}"',
+    }
+    return StreamingResponse(iter(tar), media_type="application/x-tar", headers=headers)

@@ -4,7 +4,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, status
 
-from service.api.deps import CurrentUser, ReadSessionDep, SessionDep, SettingsDep
+from service.api.deps import CurrentUser, ReadSessionDep, SessionDep, SettingsDep, WakeupDep
 from service.schemas.jobs import JobCreate, JobList, JobPublic
 from service.services import jobs as jobs_service
 from service.states import JobStatus
@@ -13,10 +13,14 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
-def submit_job(body: JobCreate, session: SessionDep, settings: SettingsDep, user: CurrentUser) -> JobPublic:
+def submit_job(
+    body: JobCreate, session: SessionDep, settings: SettingsDep, wakeup: WakeupDep, user: CurrentUser
+) -> JobPublic:
     """Submit a training job; 201 with the normalized spec (every default filled), status ``queued``."""
     job = jobs_service.submit_job(session, settings, user, body)
-    return jobs_service.job_public(session, job)
+    public = jobs_service.job_public(session, job)
+    wakeup.notify()  # idle workers' claims run a scheduling pass at once
+    return public
 
 
 @router.get("")

@@ -1,19 +1,53 @@
-"""Worker routes: node registration, heartbeats, claims and everything an agent reports."""
+"""Worker routes: node registration, heartbeats, claims and everything an agent reports.
+
+Only worker tokens reach them (403 for user and admin tokens). Every write about a
+placement carries its lease token in the ``X-Torchyard-Lease`` header; a stale one
+gets 409 ``StaleLeaseError``.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import asyncio
+from datetime import datetime
+from typing import Annotated, Any
 
-from service.api.deps import SessionDep, WorkerDep
+from fastapi import APIRouter, Header, Query, Request, Response, status
+from starlette.concurrency import run_in_threadpool
+
+from service.api.deps import DatabaseDep, SessionDep, SettingsDep, WakeupDep, WorkerDep
+from service.config import Settings
+from service.db.engine import Database
 from service.schemas.nodes import NodeRegister
+from service.schemas.workers import (
+    ClaimedPlacement,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    NodeRegistered,
+    PlacementStatusReport,
+    PlacementStatusResponse,
+)
+from service.services import attempts as attempts_service
 from service.services import nodes as nodes_service
+from service.services import scheduler
+from service.services.leases import LEASE_HEADER
+from service.services.reaper import lose_node_placements
+from service.services.tokens import Principal
 
 router = APIRouter(prefix="/v1/worker", tags=["worker"])
 
+LeaseHeader = Annotated[str | None, Header(alias=LEASE_HEADER, description="The placement's lease token.")]
+
 
 @router.post("/nodes")
-def register_node(body: NodeRegister, session: SessionDep, worker: WorkerDep) -> dict[str, object]:
-    """Register (or re-register) this agent's node."""
+def register_node(
+    body: NodeRegister, session: SessionDep, db: DatabaseDep, settings: SettingsDep, worker: WorkerDep
+) -> NodeRegistered:
+    """Register (or re-register) this agent's node; the answer carries the timing it must keep.
+
+    An agent registers when it starts: whatever the node ran before is gone (a new agent
+    kills what an earlier one left), so placements still open on the node are lost now
+    rather than when their leases run out.
+    """
     node = nodes_service.register_node(
         session,
         worker,
@@ -24,4 +58,103 @@ def register_node(body: NodeRegister, session: SessionDep, worker: WorkerDep) ->
         info=body.info,
     )
     session.commit()
-    return {"id": node.id, "name": node.name, "status": node.status}
+    lose_node_placements(db, node.id, f"the worker agent on node {node.name} restarted")
+    return NodeRegistered(
+        id=node.id,
+        name=node.name,
+        status=node.status,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        lease_timeout_s=settings.lease_timeout_s,
+        claim_poll_timeout_s=settings.claim_poll_timeout_s,
+    )
+
+
+@router.post("/nodes/{name}/heartbeat")
+def heartbeat(
+    name: str, body: HeartbeatRequest, session: SessionDep, settings: SettingsDep, worker: WorkerDep
+) -> HeartbeatResponse:
+    """Keep the node ready and renew the leases it lists; ``stop`` names placements whose ranks
+    must be stopped now (job cancelling, attempt failed elsewhere, lease stale)."""
+    answer = attempts_service.heartbeat(session, settings, worker, name, body.leases)
+    session.commit()
+    return answer
+
+
+def _claim_once(
+    db: Database, settings: Settings, worker: Principal, name: str
+) -> tuple[ClaimedPlacement | None, bool]:
+    with db.session() as session:
+        claimed, placed = attempts_service.claim(session, settings, worker, name)
+        session.commit()
+        return claimed, placed
+
+
+def _pending(db: Database, worker: Principal, name: str) -> tuple[bool, datetime | None]:
+    with db.read_session() as session:
+        return attempts_service.work_pending(session, worker, name)
+
+
+@router.post(
+    "/nodes/{name}/claim",
+    response_model=ClaimedPlacement,
+    responses={204: {"description": "No work arrived before the wait ran out."}},
+)
+async def claim(
+    name: str,
+    request: Request,
+    db: DatabaseDep,
+    settings: SettingsDep,
+    wakeup: WakeupDep,
+    worker: WorkerDep,
+    wait: Annotated[float, Query(ge=0, le=3600, description="Seconds to wait for work (long-poll).")] = 0.0,
+) -> Any:
+    """Long-poll for the node's next placement: 200 with it, or 204 when ``wait`` ran out.
+
+    The wait holds neither a thread nor a database connection: it sleeps on an event that
+    this replica sets when it queues or places work, and re-reads the database every
+    ``claim_recheck_interval_s`` for work placed by other replicas.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + min(wait, settings.claim_poll_timeout_s)
+    full_check = True
+    newest_seen: datetime | None = None
+    while True:
+        if await request.is_disconnected():
+            # The agent went away (or restarted): end the wait instead of holding the request.
+            return Response(status_code=status.HTTP_204_NO_CONTENT)
+        generation = wakeup.generation
+        if not full_check:
+            pending, newest = await run_in_threadpool(_pending, db, worker, name)
+            if pending or (newest is not None and (newest_seen is None or newest > newest_seen)):
+                full_check = True
+            newest_seen = newest if newest is not None else newest_seen
+        if full_check:
+            claimed, placed = await run_in_threadpool(_claim_once, db, settings, worker, name)
+            if placed:
+                wakeup.notify()  # the pass may have placed work on other waiting nodes
+            if claimed is not None:
+                return claimed
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return Response(status_code=status.HTTP_204_NO_CONTENT)
+        full_check = await wakeup.wait(generation, min(remaining, settings.claim_recheck_interval_s))
+
+
+@router.post("/placements/status")
+def report_status(
+    body: PlacementStatusReport,
+    session: SessionDep,
+    db: DatabaseDep,
+    settings: SettingsDep,
+    wakeup: WakeupDep,
+    worker: WorkerDep,
+    lease: LeaseHeader = None,
+) -> PlacementStatusResponse:
+    """Report a placement's state: ``running`` once its ranks started, then ``succeeded``
+    (node rank 0 after uploading the model), ``failed`` (with the failure) or ``cancelled``
+    (ranks stopped on request). ``stop`` in the answer tells the agent to stop its ranks."""
+    answer, ended = attempts_service.report_status(session, worker, lease, body)
+    session.commit()
+    if ended and scheduler.run_pass(db, settings).scheduled:
+        wakeup.notify()
+    return answer

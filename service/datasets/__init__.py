@@ -1,0 +1,12 @@
+"""Dataset files: safe archive extraction and ImageDirectory validation (no HTTP, no database)."""
+
+from service.datasets.archive import ExtractionLimits, extract_archive
+from service.datasets.validate import ValidatedDataset, find_data_root, validate_image_directory
+
+__all__ = [
+    "ExtractionLimits",
+    "ValidatedDataset",
+    "extract_archive",
+    "find_data_root",
+    "validate_image_directory",
+]

@@ -1,0 +1,116 @@
+"""Worker route schemas: registration answer, heartbeat, claim and placement status."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from service.schemas.common import StrictModel
+
+LeaseToken = str
+
+
+class NodeRegistered(BaseModel):
+    id: str
+    name: str
+    status: str
+    heartbeat_interval_s: float = Field(description="How often the agent should heartbeat.")
+    lease_timeout_s: float = Field(description="A node or lease not renewed for this long is lost.")
+    claim_poll_timeout_s: float = Field(description="Longest wait a claim long-poll is held for.")
+
+
+class HeartbeatRequest(StrictModel):
+    leases: list[LeaseToken] = Field(
+        default_factory=list,
+        max_length=4096,
+        description="Lease tokens of every placement the agent still runs (or is stopping).",
+    )
+
+
+class LeaseRenewal(BaseModel):
+    lease_token: str
+    lease_expires_at: datetime
+
+
+class StopOrder(BaseModel):
+    """A placement whose ranks the agent must stop now."""
+
+    lease_token: str
+    job_id: str | None = None
+    reason: Literal["cancelled", "attempt_ended", "stale"] = Field(
+        description="cancelled: the job is being cancelled; attempt_ended: another node failed or the "
+        "attempt is over; stale: the lease is unknown, finished or expired."
+    )
+    message: str
+
+
+class HeartbeatResponse(BaseModel):
+    node: str
+    status: str
+    heartbeat_interval_s: float
+    lease_timeout_s: float
+    renewed: list[LeaseRenewal] = []
+    stop: list[StopOrder] = []
+
+
+class ClaimedDataset(BaseModel):
+    id: str
+    sha256: str
+    classes: list[str]
+    num_images: int
+
+
+class ClaimedDatasets(BaseModel):
+    train: ClaimedDataset
+    validation: ClaimedDataset
+
+
+class ClaimedPlacement(BaseModel):
+    """Everything one node needs to launch its share of an attempt."""
+
+    job_id: str
+    job_name: str
+    attempt_id: str
+    attempt_number: int
+    lease_token: str = Field(description="Send as the X-Torchyard-Lease header on every write.")
+    lease_expires_at: datetime
+    node_rank: int
+    node_count: int
+    process_count_per_node: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    spec: dict[str, Any] = Field(description="The job's model and parameters (normalized).")
+    datasets: ClaimedDatasets
+    classes: list[str]
+    init_from_job: str | None = None
+    heartbeat_interval_s: float
+    lease_timeout_s: float
+
+
+class FailureReport(StrictModel):
+    code: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z][A-Za-z0-9]*$")
+    message: str = Field(max_length=20_000)
+    rank: int | None = Field(default=None, ge=0)
+    node: str | None = Field(default=None, max_length=200)
+    traceback: str | None = Field(default=None, max_length=200_000)
+    secondary: bool = Field(
+        default=False, description="The error looks like a consequence of another rank's failure."
+    )
+
+
+class PlacementStatusReport(StrictModel):
+    state: Literal["running", "succeeded", "failed", "cancelled"]
+    exit_code: int | None = None
+    failure: FailureReport | None = None
+
+
+class PlacementStatusResponse(BaseModel):
+    job_id: str
+    job_status: str
+    attempt_status: str
+    placement_status: str
+    stop: bool = Field(description="True when the agent must stop this placement's ranks.")
+    reason: str | None = None

@@ -1,0 +1,219 @@
+"""The model store: each succeeded job's model directory, as ``<data dir>/models/<job id>.tar.gz``.
+
+Node rank 0's agent uploads the archive while it holds its lease. The body is streamed
+to a temporary file beside the store (never held in memory, capped at
+``model_max_bytes``), its sha256 compared with the one the agent announced, the
+archive checked (see :mod:`torchyard.model_archive`), and only then moved into place
+with an atomic rename and recorded on the job (``model_sha256``, ``model_size``).
+Anything that fails on the way leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from sqlalchemy.orm import Session
+
+from service.db.models import Job, utcnow
+from service.services.jobs import get_job
+from service.services.leases import placement_for_lease
+from service.services.reports import locked_lease
+from service.services.tokens import Principal
+from service.states import JobStatus
+from torchyard.errors import (
+    ConflictError,
+    ModelNotReadyError,
+    NotFoundError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+    RequestValidationError,
+    StaleLeaseError,
+)
+from torchyard.model_archive import ArchivedFile, inspect_model_archive
+
+log = logging.getLogger(__name__)
+
+_JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# Unpacked size allowed per archived byte: weights barely compress, so more is a bomb.
+UNPACK_RATIO = 4
+# Temporary uploads older than this are left over from a crash and removed.
+_STALE_UPLOAD_S = 24 * 3600
+
+
+class ModelStore:
+    """Where model archives live: ``<data dir>/models``, uploads in progress in ``.incoming``."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.root = Path(data_dir) / "models"
+        self.incoming = self.root / ".incoming"
+
+    def path(self, job_id: str) -> Path:
+        if not _JOB_ID.match(job_id):
+            raise NotFoundError(f"job {job_id!r} not found")
+        return self.root / f"{job_id}.tar.gz"
+
+    def start_upload(self, max_bytes: int) -> IncomingModel:
+        self.incoming.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_uploads()
+        fd, name = tempfile.mkstemp(prefix="upload-", suffix=".tar.gz", dir=self.incoming)
+        return IncomingModel(Path(name), os.fdopen(fd, "wb"), max_bytes)
+
+    def _remove_stale_uploads(self) -> None:
+        cutoff = time.time() - _STALE_UPLOAD_S
+        for path in self.incoming.glob("upload-*"):
+            try:
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+            except FileNotFoundError:
+                pass
+
+
+class IncomingModel:
+    """An upload being received: written to disk and hashed as it arrives, size-capped."""
+
+    def __init__(self, path: Path, fh: BinaryIO, max_bytes: int) -> None:
+        self.path = path
+        self._fh = fh
+        self._digest = hashlib.sha256()
+        self.size = 0
+        self.max_bytes = max_bytes
+
+    def write(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.size > self.max_bytes:
+            raise PayloadTooLargeError(f"model archive exceeds the limit of {self.max_bytes} bytes")
+        self._digest.update(data)
+        self._fh.write(data)
+
+    def finish(self) -> str:
+        """Flush to disk; the sha256 of what arrived."""
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        return self._digest.hexdigest()
+
+    def discard(self) -> None:
+        """Remove the temporary file (a no-op once it was published)."""
+        if not self._fh.closed:
+            self._fh.close()
+        self.path.unlink(missing_ok=True)
+
+
+def check_sha256_header(value: str | None) -> str:
+    digest = (value or "").strip().lower()
+    if not _SHA256.match(digest):
+        raise RequestValidationError(
+            "the X-Torchyard-Sha256 header must be the archive's sha256 as 64 hex digits"
+        )
+    return digest
+
+
+def authorize_model_upload(
+    session: Session, principal: Principal, job_id: str, lease_token: str | None
+) -> None:
+    """Refuse an upload before its body is read: stale lease (409) or not node rank 0 (403).
+
+    :func:`publish_model` checks again under the locks once the body has arrived.
+    """
+    placement = placement_for_lease(session, principal, lease_token)
+    if placement.job_id != job_id:
+        raise StaleLeaseError("the lease belongs to another job")
+    _check_uploader(session.get_one(Job, job_id), placement.node_rank)
+
+
+def _check_uploader(job: Job, node_rank: int) -> None:
+    if node_rank != 0:
+        raise PermissionDeniedError("only node rank 0 uploads the model directory")
+    if job.status not in (JobStatus.SCHEDULED.value, JobStatus.RUNNING.value):
+        raise ConflictError(f"job {job.id} is {job.status}: its model can no longer be uploaded")
+
+
+def check_model_upload(
+    incoming: IncomingModel, announced_sha256: str, actual_sha256: str
+) -> dict[str, ArchivedFile]:
+    """The received archive matches the announced checksum and is a valid model archive."""
+    if actual_sha256 != announced_sha256:
+        raise RequestValidationError(
+            f"sha256 mismatch: the header announced {announced_sha256}, the body hashes to {actual_sha256}",
+            details={"expected": announced_sha256, "received": actual_sha256},
+        )
+    return inspect_model_archive(incoming.path, max_unpacked_bytes=incoming.max_bytes * UNPACK_RATIO)
+
+
+def publish_model(
+    session: Session,
+    principal: Principal,
+    store: ModelStore,
+    job_id: str,
+    lease_token: str | None,
+    incoming: IncomingModel,
+    sha256: str,
+) -> Job:
+    """Move a checked upload into the store and record it on the job, under the lease; commits."""
+    job, placement = locked_lease(session, principal, job_id, lease_token)
+    _check_uploader(job, placement.node_rank)
+    target = store.path(job_id)
+    job.model_sha256 = sha256
+    job.model_size = incoming.size
+    job.updated_at = utcnow()
+    session.flush()
+    os.replace(incoming.path, target)
+    _fsync_dir(target.parent)
+    session.commit()
+    log.info("job %s: model archive stored (%d bytes, sha256 %s)", job_id, incoming.size, sha256)
+    return job
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    path: Path
+    sha256: str
+    size: int
+    filename: str
+
+
+def _download_name(job: Job) -> str:
+    return f"{job.name}-{job.id}.tar.gz"
+
+
+def _model_file(store: ModelStore, job: Job) -> ModelFile:
+    if job.status != JobStatus.SUCCEEDED.value or job.model_sha256 is None:
+        raise ModelNotReadyError(
+            f"job {job.id} is {job.status}: its model directory is available once it has succeeded"
+        )
+    path = store.path(job.id)
+    if not path.is_file():
+        raise NotFoundError(f"the model archive of job {job.id} is missing from the artifact store")
+    return ModelFile(
+        path=path, sha256=job.model_sha256, size=job.model_size or 0, filename=_download_name(job)
+    )
+
+
+def model_for_user(session: Session, principal: Principal, store: ModelStore, job_id: str) -> ModelFile:
+    """The model archive of the principal's succeeded job; 409 ``ModelNotReadyError`` before."""
+    return _model_file(store, get_job(session, principal, job_id))
+
+
+def model_for_worker(session: Session, store: ModelStore, job_id: str) -> ModelFile:
+    """The model archive of any succeeded job (agents fetch it for ``init_from_job``)."""
+    job = session.get(Job, job_id)
+    if job is None:
+        raise NotFoundError(f"job {job_id!r} not found")
+    return _model_file(store, job)

@@ -1,0 +1,390 @@
+"""Attempts at run time: claims, heartbeats and the status agents report for their placements.
+
+Every write here happens under the job's row lock (taken before any of its
+placements), so reports from several nodes of one attempt, the reaper of any API
+replica and a user's cancel serialise per job. Placement rows are locked in id order.
+
+Rules:
+
+* a claim hands the node its oldest ``assigned`` placement of a live attempt, marks
+  it ``running`` (claimed) and renews its lease;
+* the first ``running`` report of any node makes the attempt and the job running;
+* node rank 0's ``succeeded`` (after the model upload recorded ``model_sha256``)
+  makes them succeeded;
+* any ``failed`` fails the attempt and the job with that failure — the first one
+  wins — and the other nodes are told to stop at their next heartbeat;
+* a ``cancelling`` job becomes ``cancelled`` once every placement is done.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from service.config import Settings
+from service.db.models import Attempt, Dataset, Job, Node, Placement, utcnow
+from service.schemas.jobs import Failure
+from service.schemas.workers import (
+    ClaimedDataset,
+    ClaimedDatasets,
+    ClaimedPlacement,
+    HeartbeatResponse,
+    LeaseRenewal,
+    PlacementStatusReport,
+    PlacementStatusResponse,
+    StopOrder,
+)
+from service.services.jobs import transition
+from service.services.leases import placement_for_lease
+from service.services.nodes import get_own_node, touch_node
+from service.services.scheduler import is_postgres, schedule
+from service.services.tokens import Principal
+from service.states import LIVE_ATTEMPT_STATUSES, AttemptStatus, JobStatus
+from torchyard.errors import ConflictError, RankFailedError, StaleLeaseError, WorkerLostError
+
+log = logging.getLogger(__name__)
+
+_LIVE_ATTEMPT = [s.value for s in LIVE_ATTEMPT_STATUSES]
+_PLACED_JOB = [JobStatus.SCHEDULED.value, JobStatus.RUNNING.value]
+
+
+def _lock_job(session: Session, job_id: str) -> Job:
+    return session.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
+
+
+def _lock_attempt(session: Session, attempt_id: str) -> Attempt:
+    return session.scalars(select(Attempt).where(Attempt.id == attempt_id).with_for_update()).one()
+
+
+def _end_attempt(
+    attempt: Attempt, status: AttemptStatus, now: datetime, failure: Failure | None = None
+) -> None:
+    attempt.status = status.value
+    attempt.finished_at = now
+    if failure is not None:
+        attempt.failure_code = failure.code
+        attempt.failure_message = failure.message
+
+
+def fail_attempt(session: Session, job: Job, attempt: Attempt, failure: Failure, message: str) -> None:
+    """Fail a live attempt and, unless it is being cancelled, its job (first failure wins)."""
+    now = utcnow()
+    if attempt.status in _LIVE_ATTEMPT:
+        _end_attempt(attempt, AttemptStatus.FAILED, now, failure)
+    if job.status in _PLACED_JOB and job.failure_code is None:
+        transition(session, job, JobStatus.FAILED, message, failure=failure)
+
+
+def finish_cancellation(session: Session, job: Job) -> bool:
+    """A cancelling job whose placements are all done becomes cancelled; True if it did."""
+    if job.status != JobStatus.CANCELLING.value:
+        return False
+    open_count = session.scalar(
+        select(func.count(Placement.id)).where(Placement.job_id == job.id, Placement.status != "done")
+    )
+    if open_count:
+        return False
+    now = utcnow()
+    for attempt in session.scalars(
+        select(Attempt).where(Attempt.job_id == job.id, Attempt.status.in_(_LIVE_ATTEMPT)).with_for_update()
+    ):
+        _end_attempt(attempt, AttemptStatus.CANCELLED, now)
+    transition(session, job, JobStatus.CANCELLED, "every rank stopped")
+    return True
+
+
+# --- claim -------------------------------------------------------------------------------
+
+
+def claimed_placement(session: Session, placement: Placement, settings: Settings) -> ClaimedPlacement:
+    job = session.get_one(Job, placement.job_id)
+    attempt = session.get_one(Attempt, placement.attempt_id)
+    spec = job.spec
+
+    def dataset(dataset_id: str) -> ClaimedDataset:
+        row = session.get_one(Dataset, dataset_id)
+        return ClaimedDataset(
+            id=row.id, sha256=row.sha256, classes=list(row.classes), num_images=row.num_images
+        )
+
+    train = dataset(job.train_dataset_id)
+    return ClaimedPlacement(
+        job_id=job.id,
+        job_name=job.name,
+        attempt_id=attempt.id,
+        attempt_number=attempt.number,
+        lease_token=placement.lease_token,
+        lease_expires_at=placement.lease_expires_at,
+        node_rank=placement.node_rank,
+        node_count=job.node_count,
+        process_count_per_node=job.process_count_per_node,
+        world_size=job.node_count * job.process_count_per_node,
+        master_addr=attempt.master_addr,
+        master_port=attempt.master_port,
+        spec={"model": spec["model"], "parameters": spec["parameters"], "resources": spec["resources"]},
+        datasets=ClaimedDatasets(train=train, validation=dataset(job.validation_dataset_id)),
+        classes=sorted(train.classes),
+        init_from_job=job.init_from_job_id,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        lease_timeout_s=settings.lease_timeout_s,
+    )
+
+
+def claim(
+    session: Session, settings: Settings, principal: Principal, node_name: str, *, run_scheduler: bool = True
+) -> tuple[ClaimedPlacement | None, bool]:
+    """Hand the node its next assigned placement, after a scheduling pass.
+
+    Returns the placement (or None) and whether the pass placed any job. The caller commits.
+    """
+    node = get_own_node(session, principal, node_name)
+    touch_node(session, node)
+    placed = bool(schedule(session, settings).scheduled) if run_scheduler else False
+    stmt = (
+        select(Placement)
+        .join(Job, Job.id == Placement.job_id)
+        .join(Attempt, Attempt.id == Placement.attempt_id)
+        .where(
+            Placement.node_id == node.id,
+            Placement.status == "assigned",
+            Job.status.in_(_PLACED_JOB),
+            Attempt.status.in_(_LIVE_ATTEMPT),
+        )
+        .order_by(Placement.created_at, Placement.id)
+        .limit(1)
+    )
+    if is_postgres(session):
+        stmt = stmt.with_for_update(skip_locked=True, of=Placement)
+    placement = session.scalars(stmt).first()
+    if placement is None:
+        return None, placed
+    placement.status = "running"
+    placement.lease_expires_at = utcnow() + timedelta(seconds=settings.lease_timeout_s)
+    log.info("node %s claimed job %s (node rank %d)", node.name, placement.job_id, placement.node_rank)
+    return claimed_placement(session, placement, settings), placed
+
+
+def work_pending(session: Session, principal: Principal, node_name: str) -> tuple[bool, datetime | None]:
+    """Read-only: whether the node has an assigned placement, and the newest queued job's time."""
+    node = get_own_node(session, principal, node_name)
+    assigned = session.scalars(
+        select(Placement.id).where(Placement.node_id == node.id, Placement.status == "assigned").limit(1)
+    ).first()
+    newest_queued = session.scalar(
+        select(func.max(Job.created_at)).where(Job.status == JobStatus.QUEUED.value)
+    )
+    return assigned is not None, newest_queued
+
+
+# --- heartbeat ---------------------------------------------------------------------------
+
+
+def heartbeat(
+    session: Session, settings: Settings, principal: Principal, node_name: str, leases: list[str]
+) -> HeartbeatResponse:
+    """Renew the node and the leases it lists; say which placements must stop. The caller commits."""
+    node = get_own_node(session, principal, node_name, for_update=True)
+    touch_node(session, node)
+    now = utcnow()
+    expires = now + timedelta(seconds=settings.lease_timeout_s)
+    wanted = set(leases)
+    rows = (
+        session.execute(
+            select(Placement, Attempt, Job.status)
+            .join(Attempt, Attempt.id == Placement.attempt_id)
+            .join(Job, Job.id == Placement.job_id)
+            .where(Placement.lease_token.in_(wanted))
+            .order_by(Placement.id)
+            .with_for_update(of=Placement)
+        ).all()
+        if wanted
+        else []
+    )
+    renewed: list[LeaseRenewal] = []
+    stop: list[StopOrder] = []
+    seen: set[str] = set()
+    for placement, attempt, job_status in rows:
+        token = placement.lease_token
+        if placement.node_id != node.id:
+            continue  # another node's token: treated as unknown below
+        seen.add(token)
+        if placement.status == "done":
+            stop.append(
+                StopOrder(
+                    lease_token=token,
+                    job_id=placement.job_id,
+                    reason="stale",
+                    message="the placement is finished",
+                )
+            )
+            continue
+        if placement.lease_expires_at < now:
+            stop.append(
+                StopOrder(
+                    lease_token=token, job_id=placement.job_id, reason="stale", message="the lease expired"
+                )
+            )
+            continue
+        placement.lease_expires_at = expires
+        renewed.append(LeaseRenewal(lease_token=token, lease_expires_at=expires))
+        if job_status == JobStatus.CANCELLING.value:
+            stop.append(
+                StopOrder(
+                    lease_token=token,
+                    job_id=placement.job_id,
+                    reason="cancelled",
+                    message="the job is being cancelled",
+                )
+            )
+        elif attempt.status in (AttemptStatus.FAILED.value, AttemptStatus.CANCELLED.value):
+            stop.append(
+                StopOrder(
+                    lease_token=token,
+                    job_id=placement.job_id,
+                    reason="attempt_ended",
+                    message=f"attempt {attempt.number} {attempt.status}"
+                    + (f": {attempt.failure_message}" if attempt.failure_message else ""),
+                )
+            )
+    for token in sorted(wanted - seen):
+        stop.append(StopOrder(lease_token=token, reason="stale", message="unknown lease token"))
+    return HeartbeatResponse(
+        node=node.name,
+        status=node.status,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        lease_timeout_s=settings.lease_timeout_s,
+        renewed=renewed,
+        stop=stop,
+    )
+
+
+# --- status reports ----------------------------------------------------------------------
+
+
+def _stop_reason(job: Job, attempt: Attempt) -> str | None:
+    if job.status == JobStatus.CANCELLING.value:
+        return "the job is being cancelled"
+    if attempt.status in (AttemptStatus.FAILED.value, AttemptStatus.CANCELLED.value):
+        return f"attempt {attempt.number} {attempt.status}"
+    return None
+
+
+def report_status(
+    session: Session, principal: Principal, lease_token: str | None, report: PlacementStatusReport
+) -> tuple[PlacementStatusResponse, bool]:
+    """Apply one node's report on its placement. Returns the answer and whether the placement
+    ended (capacity was freed). The caller commits."""
+    found = placement_for_lease(session, principal, lease_token)
+    job = _lock_job(session, found.job_id)
+    placement = session.scalars(
+        select(Placement)
+        .where(Placement.id == found.id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    ).one()
+    now = utcnow()
+    if placement.status == "done":
+        raise StaleLeaseError("the lease's placement is finished")
+    if placement.lease_expires_at < now:
+        raise StaleLeaseError("the lease has expired")
+    attempt = _lock_attempt(session, placement.attempt_id)
+    node = session.get_one(Node, placement.node_id)
+    ended = False
+
+    if report.state == "running":
+        placement.status = "running"
+        if attempt.status == AttemptStatus.SCHEDULED.value:
+            attempt.status = AttemptStatus.RUNNING.value
+            attempt.started_at = now
+        if job.status == JobStatus.SCHEDULED.value:
+            transition(session, job, JobStatus.RUNNING, f"ranks started on {node.name}")
+    else:
+        if (
+            report.state == "succeeded"
+            and placement.node_rank == 0
+            and job.status in _PLACED_JOB
+            and job.model_sha256 is None
+        ):
+            raise ConflictError("node rank 0 reported success before its model directory was uploaded")
+        placement.status = "done"
+        placement.finished_at = now
+        placement.exit_code = report.exit_code
+        ended = True
+        if report.state == "succeeded":
+            if placement.node_rank == 0 and attempt.status in _LIVE_ATTEMPT:
+                _end_attempt(attempt, AttemptStatus.SUCCEEDED, now)
+                if job.status in _PLACED_JOB:
+                    transition(session, job, JobStatus.SUCCEEDED, f"training finished on {node.name}")
+        elif report.state == "failed":
+            failure = _failure(report, node.name)
+            if job.status == JobStatus.CANCELLING.value:
+                log.info("job %s: %s failed while cancelling (%s)", job.id, node.name, failure.code)
+            else:
+                where = f"rank {failure.rank} on {failure.node}" if failure.rank is not None else failure.node
+                fail_attempt(session, job, attempt, failure, f"{failure.code} ({where}): {failure.message}")
+        finish_cancellation(session, job)
+    reason = _stop_reason(job, attempt)
+    answer = PlacementStatusResponse(
+        job_id=job.id,
+        job_status=job.status,
+        attempt_status=attempt.status,
+        placement_status=placement.status,
+        stop=reason is not None and placement.status != "done",
+        reason=reason,
+    )
+    return answer, ended
+
+
+def _failure(report: PlacementStatusReport, node_name: str) -> Failure:
+    if report.failure is None:
+        code = report.exit_code
+        return Failure(
+            code=RankFailedError.code,
+            message=f"the ranks on node {node_name} exited with code {code}",
+            node=node_name,
+        )
+    f = report.failure
+    return Failure(
+        code=f.code, message=f.message, rank=f.rank, node=f.node or node_name, traceback=f.traceback
+    )
+
+
+# --- loss of nodes and leases (used by the reaper) --------------------------------------------
+
+
+def lose_placements(
+    session: Session, job_id: str, placement_ids: list[str], message_for: dict[str, str]
+) -> bool:
+    """Mark placements whose node went silent as done and fail their live attempt.
+
+    ``message_for`` maps a placement id to the failure message naming its node. Each
+    placement is re-checked under the job's lock (another replica may have handled it).
+    Returns True if anything changed.
+    """
+    job = _lock_job(session, job_id)
+    placements = list(
+        session.scalars(
+            select(Placement)
+            .where(Placement.id.in_(placement_ids), Placement.status != "done")
+            .order_by(Placement.id)
+            .with_for_update()
+            .execution_options(populate_existing=True)
+        )
+    )
+    if not placements:
+        return False
+    now = utcnow()
+    for placement in placements:
+        placement.status = "done"
+        placement.finished_at = now
+        attempt = _lock_attempt(session, placement.attempt_id)
+        node = session.get_one(Node, placement.node_id)
+        message = message_for.get(placement.id) or f"node {node.name} stopped heartbeating"
+        if attempt.status in _LIVE_ATTEMPT and job.status != JobStatus.CANCELLING.value:
+            failure = Failure(code=WorkerLostError.code, message=message, node=node.name)
+            fail_attempt(session, job, attempt, failure, f"{WorkerLostError.code}: {message}")
+    finish_cancellation(session, job)
+    return True

@@ -1,0 +1,173 @@
+"""The reaper: what happens when nobody reports.
+
+Run by every API replica, every ``reaper_interval_s``:
+
+1. placements whose lease expired are done; their live attempt fails and the job
+   fails with ``WorkerLostError`` naming the node ("node X stopped heartbeating");
+2. ready nodes silent for ``lease_timeout_s`` are ``lost``, and their placements go
+   the same way;
+3. a cancelling job whose remaining placements were never claimed (no process to
+   stop) or are all done becomes ``cancelled``;
+4. a scheduling pass runs when jobs are queued.
+
+Each job is handled in a transaction of its own under its row lock and re-checked
+there, so replicas doing the same sweep at the same time are harmless: the second
+one finds nothing left to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from service.config import Settings
+from service.db.engine import Database
+from service.db.models import Job, Node, Placement, utcnow
+from service.services.attempts import finish_cancellation, lose_placements
+from service.services.scheduler import has_queued_jobs, is_postgres, run_pass
+from service.services.wakeup import Wakeup
+from service.states import JobStatus, NodeStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SweepResult:
+    lost_placements: int = 0
+    lost_nodes: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    scheduled: list[str] = field(default_factory=list)
+
+
+def _expired_by_job(
+    session: Session, settings: Settings, now: datetime
+) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """Placements whose lease ran out, by job, with the failure message naming each node."""
+    rows = session.execute(
+        select(Placement.job_id, Placement.id, Placement.status, Node.name)
+        .join(Node, Node.id == Placement.node_id)
+        .where(Placement.status != "done", Placement.lease_expires_at < now)
+    ).all()
+    by_job: dict[str, tuple[list[str], dict[str, str]]] = {}
+    for job_id, placement_id, status, node_name in rows:
+        ids, messages = by_job.setdefault(job_id, ([], {}))
+        ids.append(placement_id)
+        messages[placement_id] = (
+            f"node {node_name} did not claim its placement within {settings.lease_timeout_s:g} s"
+            if status == "assigned"
+            else f"node {node_name} stopped heartbeating"
+        )
+    return by_job
+
+
+def _mark_lost(session: Session, node_id: str, cutoff: datetime) -> str | None:
+    stmt = select(Node).where(
+        Node.id == node_id, Node.status == NodeStatus.READY.value, Node.last_heartbeat_at < cutoff
+    )
+    if is_postgres(session):
+        stmt = stmt.with_for_update(skip_locked=True)
+    node = session.scalars(stmt).first()
+    if node is None:
+        return None
+    node.status = NodeStatus.LOST.value
+    return node.name
+
+
+def sweep(db: Database, settings: Settings) -> SweepResult:
+    """One reaper pass (synchronous; safe to run on several replicas at once)."""
+    result = SweepResult()
+    now = utcnow()
+    silent_cutoff = now - timedelta(seconds=settings.lease_timeout_s)
+
+    # 1. expired leases
+    with db.read_session() as session:
+        expired = _expired_by_job(session, settings, now)
+        silent_nodes = list(
+            session.scalars(
+                select(Node.id).where(
+                    Node.status == NodeStatus.READY.value, Node.last_heartbeat_at < silent_cutoff
+                )
+            )
+        )
+    for job_id, (placement_ids, messages) in expired.items():
+        with db.transaction() as session:
+            if lose_placements(session, job_id, placement_ids, messages):
+                result.lost_placements += len(placement_ids)
+
+    # 2. silent nodes
+    for node_id in silent_nodes:
+        with db.transaction() as session:
+            name = _mark_lost(session, node_id, silent_cutoff)
+        if name is None:
+            continue
+        result.lost_nodes.append(name)
+        log.warning("node %s is lost: no heartbeat for %.1f s", name, settings.lease_timeout_s)
+        lose_node_placements(db, node_id, f"node {name} stopped heartbeating")
+
+    # 3. cancellations with nothing left to stop
+    with db.read_session() as session:
+        cancelling = list(session.scalars(select(Job.id).where(Job.status == JobStatus.CANCELLING.value)))
+    for job_id in cancelling:
+        with db.transaction() as session:
+            if _settle_cancel(session, job_id):
+                result.cancelled.append(job_id)
+
+    # 4. scheduling
+    if has_queued_jobs(db):
+        result.scheduled = run_pass(db, settings).scheduled
+    return result
+
+
+def lose_node_placements(db: Database, node_id: str, message: str) -> int:
+    """Every placement of the node that is not done is lost (its job fails, ``message``
+    naming the node): the node went silent, or its agent restarted without its ranks."""
+    with db.read_session() as session:
+        rows = session.execute(
+            select(Placement.job_id, Placement.id).where(
+                Placement.node_id == node_id, Placement.status != "done"
+            )
+        ).all()
+    by_job: dict[str, list[str]] = {}
+    for job_id, placement_id in rows:
+        by_job.setdefault(job_id, []).append(placement_id)
+    for job_id, placement_ids in by_job.items():
+        with db.transaction() as session:
+            lose_placements(session, job_id, placement_ids, dict.fromkeys(placement_ids, message))
+    return len(rows)
+
+
+def _settle_cancel(session: Session, job_id: str) -> bool:
+    job = session.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
+    if job.status != JobStatus.CANCELLING.value:
+        return False
+    now = utcnow()
+    for placement in session.scalars(
+        select(Placement)
+        .where(Placement.job_id == job_id, Placement.status == "assigned")
+        .order_by(Placement.id)
+        .with_for_update()
+    ):
+        # Never claimed: no process exists to stop.
+        placement.status = "done"
+        placement.finished_at = now
+    return finish_cancellation(session, job)
+
+
+async def run_reaper(db: Database, settings: Settings, wakeup: Wakeup, stop: asyncio.Event) -> None:
+    """The background loop of one API replica, until ``stop`` is set."""
+    while not stop.is_set():
+        try:
+            result = await run_in_threadpool(sweep, db, settings)
+            if result.scheduled or result.cancelled:
+                wakeup.notify()
+        except Exception:  # keep the loop alive across database hiccups
+            log.exception("reaper pass failed")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), settings.reaper_interval_s)

@@ -1,0 +1,488 @@
+"""Metrics, logs and progress: what worker agents report, stored for users to read back.
+
+Storage is append-only rows with a global ``seq``:
+
+* ``metrics``: one row per point; the key job/attempt/name/rank/epoch/step makes a
+  retried batch a no-op (insert-on-conflict-do-nothing);
+* ``log_chunks``: one row per piece of a stream (``rank-N`` or ``agent-<node>``),
+  keyed by attempt/stream/byte offset, so a retried chunk is skipped too. Offsets count
+  UTF-8 bytes; ``size`` is the chunk's length in bytes.
+
+Every report of a job is written under the job's row lock (taken before the
+placement's, the order every worker write follows), so within one job ``seq`` order
+is commit order: a reader that remembers the last ``seq`` it saw and asks for what
+comes after never skips a row that commits later. Followers (``follow=true``,
+server-sent events) poll :func:`metric_points_after` and :func:`log_chunks_after`
+with a short session per poll: no connection is held between polls, and a follower
+on one API replica sees what arrived through another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Table, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from service.db.models import Attempt, Job, LogChunk, Metric, Node, Placement, utcnow
+from service.schemas.reports import (
+    LogStream,
+    LogStreams,
+    MetricPoint,
+    ProgressIn,
+    ReportAccepted,
+    ReportBatch,
+    ResultIn,
+    is_stream_name,
+)
+from service.services.leases import placement_for_lease
+from service.services.tokens import Principal
+from service.states import LIVE_ATTEMPT_STATUSES, JobStatus
+from torchyard.errors import NotFoundError, RequestValidationError, StaleLeaseError
+
+VAL_METRICS = ("val.loss", "val.top1", "val.top5")
+# Rows one log read looks at; chunks are small, a reader continues from X-Next-Offset.
+_LOG_ROWS_PER_READ = 2000
+_INSERT_ROWS = 500
+_LIVE_ATTEMPT = [s.value for s in LIVE_ATTEMPT_STATUSES]
+
+
+# --- leases ---------------------------------------------------------------------------------
+
+
+def locked_lease(
+    session: Session, principal: Principal, job_id: str, lease_token: str | None
+) -> tuple[Job, Placement]:
+    """The job and the live placement holding ``lease_token``, both row-locked (job first).
+
+    Raises ``StaleLeaseError`` (409) for an unknown, finished, expired or other worker's
+    lease, or one that belongs to another job. Checked again after the locks are held, so
+    a lease ended by a concurrent request is seen as stale.
+    """
+    found = placement_for_lease(session, principal, lease_token)
+    if found.job_id != job_id:
+        raise StaleLeaseError("the lease belongs to another job")
+    job = session.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
+    placement = session.scalars(
+        select(Placement)
+        .where(Placement.id == found.id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    ).one()
+    if placement.status == "done":
+        raise StaleLeaseError("the lease's placement is finished")
+    if placement.lease_expires_at < utcnow():
+        raise StaleLeaseError("the lease has expired")
+    return job, placement
+
+
+# --- ingestion ------------------------------------------------------------------------------
+
+
+def _insert_new(session: Session, table: Table, rows: list[dict[str, Any]]) -> int:
+    """Insert rows, skipping those whose unique key is already stored; how many were new."""
+    if not rows:
+        return 0
+    dialect = session.get_bind().dialect.name
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    stmt = insert(table).on_conflict_do_nothing().returning(table.c.seq)
+    inserted = 0
+    for start in range(0, len(rows), _INSERT_ROWS):
+        inserted += len(session.execute(stmt, rows[start : start + _INSERT_ROWS]).all())
+    return inserted
+
+
+def _node_streams(session: Session, job: Job, placement: Placement) -> tuple[range, str]:
+    """The global ranks this placement runs and its agent stream name."""
+    per_node = job.process_count_per_node
+    first = placement.node_rank * per_node
+    node_name = session.scalars(select(Node.name).where(Node.id == placement.node_id)).one()
+    return range(first, first + per_node), f"agent-{node_name}"
+
+
+def _check_batch(session: Session, job: Job, placement: Placement, batch: ReportBatch) -> None:
+    world_size = job.node_count * job.process_count_per_node
+    for i, point in enumerate(batch.metrics):
+        if point.rank >= world_size:
+            raise RequestValidationError(
+                f"metrics[{i}]: rank {point.rank} is outside the job's world size {world_size}"
+            )
+    if not batch.logs:
+        return
+    ranks, agent_stream = _node_streams(session, job, placement)
+    allowed = {f"rank-{r}" for r in ranks} | {agent_stream}
+    for i, chunk in enumerate(batch.logs):
+        if chunk.stream not in allowed:
+            raise RequestValidationError(
+                f"logs[{i}]: stream {chunk.stream!r} is not one of this node's streams "
+                f"({', '.join(sorted(allowed))})"
+            )
+
+
+def _progress_of(attempt: Attempt, progress: ProgressIn) -> dict[str, Any]:
+    fraction = min(1.0, progress.step / progress.total_steps) if progress.total_steps else None
+    return {
+        "attempt": attempt.number,
+        "epoch": progress.epoch,
+        "epochs": progress.epochs,
+        "step": progress.step,
+        "total_steps": progress.total_steps,
+        "fraction": None if fraction is None else round(fraction, 4),
+        "time": (progress.time or utcnow()).isoformat(),
+    }
+
+
+def _best_from_metrics(session: Session, job: Job, attempt: Attempt) -> dict[str, Any] | None:
+    """The validation metrics of the attempt's epoch with the lowest ``val.loss`` so far.
+
+    Ties keep the earliest epoch, as early stopping does: that epoch's weights are the
+    ones the model directory will hold.
+    """
+    best = session.execute(
+        select(Metric.epoch, Metric.step, Metric.rank)
+        .where(Metric.job_id == job.id, Metric.attempt_id == attempt.id, Metric.name == "val.loss")
+        .order_by(Metric.value, Metric.epoch, Metric.step)
+        .limit(1)
+    ).first()
+    if best is None:
+        return None
+    values = session.execute(
+        select(Metric.name, Metric.value).where(
+            Metric.job_id == job.id,
+            Metric.attempt_id == attempt.id,
+            Metric.epoch == best.epoch,
+            Metric.step == best.step,
+            Metric.rank == best.rank,
+            Metric.name.in_(VAL_METRICS),
+        )
+    ).all()
+    return {"attempt": attempt.number, "epoch": best.epoch, **{name: value for name, value in values}}
+
+
+def _result_of(attempt: Attempt, result: ResultIn) -> dict[str, Any]:
+    return {"attempt": attempt.number, **result.model_dump(mode="json")}
+
+
+def ingest_report(
+    session: Session, principal: Principal, job_id: str, lease_token: str | None, batch: ReportBatch
+) -> ReportAccepted:
+    """Store one report batch from the agent holding ``lease_token``, and commit.
+
+    Updates the job's ``progress`` (latest epoch/step), ``best`` (validation metrics of
+    the lowest-loss epoch so far) and ``result`` (the trainer's summary). A stale lease
+    or an invalid batch changes nothing.
+    """
+    job, placement = locked_lease(session, principal, job_id, lease_token)
+    _check_batch(session, job, placement, batch)
+    attempt = session.get_one(Attempt, placement.attempt_id)
+
+    metric_rows = [
+        {
+            "job_id": job.id,
+            "attempt_id": attempt.id,
+            "name": p.name,
+            "value": p.value,
+            "epoch": p.epoch,
+            "step": p.step,
+            "rank": p.rank,
+            "time": p.time,
+        }
+        for p in batch.metrics
+    ]
+    now = utcnow()
+    log_rows = []
+    for chunk in batch.logs:
+        log_rows.append(
+            {
+                "job_id": job.id,
+                "attempt_id": attempt.id,
+                "stream": chunk.stream,
+                "offset": chunk.offset,
+                "size": len(chunk.data.encode("utf-8")),
+                "data": chunk.data,
+                "created_at": now,
+            }
+        )
+    new_metrics = _insert_new(session, Metric.__table__, metric_rows)  # type: ignore[arg-type]
+    new_logs = _insert_new(session, LogChunk.__table__, log_rows)  # type: ignore[arg-type]
+
+    changed = False
+    if batch.progress is not None:
+        progress = _progress_of(attempt, batch.progress)
+        if progress != job.progress:
+            job.progress = progress
+            changed = True
+    if batch.result is not None:
+        result = _result_of(attempt, batch.result)
+        best: dict[str, Any] | None = {
+            "attempt": attempt.number,
+            "epoch": batch.result.best_epoch,
+            **{str(name): value for name, value in batch.result.best.items()},
+        }
+        if result != job.result:
+            job.result = result
+            changed = True
+    elif any(p.name in VAL_METRICS for p in batch.metrics):
+        best = _best_from_metrics(session, job, attempt)
+    else:
+        best = None
+    if best is not None and best != job.best:
+        job.best = best
+        changed = True
+    if changed:
+        job.updated_at = now
+    session.commit()
+    return ReportAccepted(
+        metrics=new_metrics,
+        metrics_duplicate=len(metric_rows) - new_metrics,
+        logs=new_logs,
+        logs_duplicate=len(log_rows) - new_logs,
+        progress=batch.progress is not None,
+        result=batch.result is not None,
+    )
+
+
+# --- metrics --------------------------------------------------------------------------------
+
+
+def metric_points_after(
+    session: Session, job_id: str, after_seq: int, names: Collection[str] | None, limit: int
+) -> list[MetricPoint]:
+    """The job's metric points with ``seq > after_seq`` (optionally only ``names``), oldest first.
+
+    No owner check here: callers resolve the job for the principal first.
+    """
+    stmt = (
+        select(
+            Metric.seq,
+            Metric.name,
+            Metric.value,
+            Metric.epoch,
+            Metric.step,
+            Metric.rank,
+            Metric.time,
+            Attempt.number,
+        )
+        .join(Attempt, Attempt.id == Metric.attempt_id)
+        .where(Metric.job_id == job_id, Metric.seq > after_seq)
+    )
+    if names:
+        stmt = stmt.where(Metric.name.in_(sorted(set(names))))
+    rows = session.execute(stmt.order_by(Metric.seq).limit(limit)).all()
+    return [
+        MetricPoint(
+            seq=r.seq,
+            name=r.name,
+            value=r.value,
+            epoch=r.epoch,
+            step=r.step,
+            rank=r.rank,
+            time=r.time,
+            attempt=r.number,
+        )
+        for r in rows
+    ]
+
+
+# --- logs -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LogPiece:
+    """A stored log chunk, for followers: ``data`` starts at byte ``offset`` of ``stream``."""
+
+    seq: int
+    attempt: int
+    stream: str
+    offset: int
+    data: str
+
+
+def log_chunks_after(
+    session: Session,
+    job_id: str,
+    stream: str | None,
+    after_seq: int,
+    *,
+    attempt_id: str | None = None,
+    limit: int = 1000,
+) -> list[LogPiece]:
+    """Log chunks of the job with ``seq > after_seq``, oldest first: one stream, or all with None.
+
+    Within a stream, chunks arrive in offset order, so concatenating ``data`` in seq order
+    rebuilds the text. No owner check here: callers resolve the job first.
+    """
+    stmt = (
+        select(LogChunk.seq, Attempt.number, LogChunk.stream, LogChunk.offset, LogChunk.data)
+        .join(Attempt, Attempt.id == LogChunk.attempt_id)
+        .where(LogChunk.job_id == job_id, LogChunk.seq > after_seq)
+    )
+    if stream is not None:
+        stmt = stmt.where(LogChunk.stream == stream)
+    if attempt_id is not None:
+        stmt = stmt.where(LogChunk.attempt_id == attempt_id)
+    rows = session.execute(stmt.order_by(LogChunk.seq).limit(limit)).all()
+    return [
+        LogPiece(seq=r.seq, attempt=r.number, stream=r.stream, offset=r.offset, data=r.data) for r in rows
+    ]
+
+
+def resolve_attempt(session: Session, job: Job, number: int | None) -> Attempt | None:
+    """Attempt ``number`` of the job (404 if there is none), or its latest (None before any)."""
+    stmt = select(Attempt).where(Attempt.job_id == job.id)
+    if number is None:
+        return session.scalars(stmt.order_by(Attempt.number.desc()).limit(1)).first()
+    attempt = session.scalars(stmt.where(Attempt.number == number)).first()
+    if attempt is None:
+        raise NotFoundError(f"job {job.id!r} has no attempt {number}")
+    return attempt
+
+
+def resolve_stream(
+    session: Session, job: Job, attempt: Attempt | None, *, rank: int | None, stream: str | None
+) -> str | None:
+    """The stored stream name a log request means: ``rank`` N, ``agent`` (node rank 0's
+    agent), ``agent-<node>`` or ``rank-N``; rank 0 when neither is given. None when the
+    attempt has no such stream yet (``agent`` before placement)."""
+    world_size = job.node_count * job.process_count_per_node
+    if rank is not None and stream is not None:
+        raise RequestValidationError("give either rank or stream, not both")
+    if stream is None:
+        rank = 0 if rank is None else rank
+        stream = f"rank-{rank}"
+    elif stream == "agent":
+        if attempt is None:
+            return None
+        node_name = session.scalars(
+            select(Node.name)
+            .join(Placement, Placement.node_id == Node.id)
+            .where(Placement.attempt_id == attempt.id, Placement.node_rank == 0)
+        ).first()
+        return None if node_name is None else f"agent-{node_name}"
+    elif not is_stream_name(stream):
+        raise RequestValidationError(
+            f"stream {stream!r} is not a log stream: use rank-<N>, agent or agent-<node name>"
+        )
+    if stream.startswith("rank-") and int(stream.removeprefix("rank-")) >= world_size:
+        raise RequestValidationError(
+            f"the job has ranks 0..{world_size - 1}; there is no {stream}",
+            details={"field": "rank", "allowed": f"0..{world_size - 1}"},
+        )
+    return stream
+
+
+def _attempt_complete(job: Job, attempt: Attempt | None) -> bool:
+    """Nothing more will be written for this attempt: it, or the whole job, has ended."""
+    if JobStatus(job.status).is_final():
+        return True
+    return attempt is not None and attempt.status not in _LIVE_ATTEMPT
+
+
+def _stream_end(session: Session, job_id: str, attempt_id: str, stream: str) -> int:
+    end = session.scalar(
+        select(func.max(LogChunk.offset + LogChunk.size)).where(
+            LogChunk.job_id == job_id, LogChunk.attempt_id == attempt_id, LogChunk.stream == stream
+        )
+    )
+    return int(end or 0)
+
+
+@dataclass(frozen=True)
+class LogSlice:
+    """Bytes of one stream from ``offset`` on; continue from ``next_offset``."""
+
+    data: bytes
+    offset: int
+    next_offset: int
+    stream: str | None
+    attempt: int | None
+    complete: bool
+
+
+def read_log(
+    session: Session,
+    job: Job,
+    attempt: Attempt | None,
+    stream: str | None,
+    offset: int,
+    limit_bytes: int,
+) -> LogSlice:
+    """Up to ``limit_bytes`` of ``stream`` starting at byte ``offset``.
+
+    ``complete`` is True when the attempt (or job) has ended and the reader is at the
+    end of the stream: nothing more will come. Bytes that never arrived (a batch the
+    agent had to drop) are skipped rather than waited for.
+    """
+    if attempt is None or stream is None:
+        return LogSlice(b"", offset, offset, stream, None, _attempt_complete(job, attempt))
+    of_stream = (
+        LogChunk.job_id == job.id,
+        LogChunk.attempt_id == attempt.id,
+        LogChunk.stream == stream,
+    )
+    # Start at the chunk holding ``offset``: the last one that begins at or before it.
+    first = select(func.max(LogChunk.offset)).where(*of_stream, LogChunk.offset <= offset).scalar_subquery()
+    rows = session.execute(
+        select(LogChunk.offset, LogChunk.size, LogChunk.data)
+        .where(*of_stream, LogChunk.offset >= func.coalesce(first, 0))
+        .order_by(LogChunk.offset)
+        .limit(_LOG_ROWS_PER_READ)
+    ).all()
+    out = bytearray()
+    start = position = offset
+    for chunk_offset, size, data in rows:
+        if chunk_offset + size <= position:
+            continue
+        if len(out) >= limit_bytes:
+            break
+        if chunk_offset > position:
+            if out:
+                break  # a gap: return the contiguous part; the next read skips it
+            start = position = chunk_offset
+        raw = data.encode("utf-8")
+        piece = raw[position - chunk_offset : position - chunk_offset + limit_bytes - len(out)]
+        out += piece
+        position += len(piece)
+    complete = _attempt_complete(job, attempt) and position >= _stream_end(
+        session, job.id, attempt.id, stream
+    )
+    return LogSlice(bytes(out), start, position, stream, attempt.number, complete)
+
+
+def _stream_sort_key(name: str) -> tuple[int, int, str]:
+    if name.startswith("rank-"):
+        return (1, int(name.removeprefix("rank-")), "")
+    return (0, 0, name)
+
+
+def list_streams(session: Session, job: Job, attempt: Attempt | None) -> LogStreams:
+    """The attempt's log streams with their sizes: every rank and every node's agent log,
+    including those that have not written anything yet."""
+    if attempt is None:
+        return LogStreams(attempt=None, complete=_attempt_complete(job, None), streams=[])
+    sizes: dict[str, int] = {
+        name: int(end)
+        for name, end in session.execute(
+            select(LogChunk.stream, func.max(LogChunk.offset + LogChunk.size))
+            .where(LogChunk.job_id == job.id, LogChunk.attempt_id == attempt.id)
+            .group_by(LogChunk.stream)
+        ).all()
+    }
+    for global_rank in range(job.node_count * job.process_count_per_node):
+        sizes.setdefault(f"rank-{global_rank}", 0)
+    nodes = session.scalars(
+        select(Node.name)
+        .join(Placement, Placement.node_id == Node.id)
+        .where(Placement.attempt_id == attempt.id)
+    ).all()
+    for node_name in nodes:
+        sizes.setdefault(f"agent-{node_name}", 0)
+    streams = []
+    for name in sorted(sizes, key=_stream_sort_key):
+        rank = int(name.removeprefix("rank-")) if name.startswith("rank-") else None
+        node = name.removeprefix("agent-") if name.startswith("agent-") else None
+        streams.append(LogStream(name=name, size=sizes[name], rank=rank, node=node))
+    return LogStreams(attempt=attempt.number, complete=_attempt_complete(job, attempt), streams=streams)

@@ -1,0 +1,244 @@
+"""Gang scheduling: queued jobs onto ready nodes, every node of a job at once or none.
+
+A job asking for N nodes × P processes is placed only when N distinct ready nodes
+each have P free units (free = the node's units minus the units of its placements
+that are not done). Its attempt and all N placements — node rank, units, lease
+token and lease expiry — are written in the same transaction that moves the job to
+``scheduled``; nothing is ever held for a job that cannot start, so two multi-node
+jobs can never each hold half of what they need and wait on each other.
+
+Order and fairness: strict first in, first out within a priority (higher priority
+first, then oldest first). The first job that the cluster could run but that does
+not fit the free capacity right now blocks every job behind it: nothing is
+backfilled past it, so a stream of small jobs cannot starve a large one, which
+starts as soon as running attempts release enough units. A job the present cluster
+could never run — fewer ready nodes than it needs, or none with enough units,
+because the cluster shrank after the job was accepted — does not block the queue;
+it waits with its reason until nodes come back.
+
+Concurrency: on PostgreSQL a pass takes a transaction-scoped advisory lock, so the
+capacity it reads cannot change under it from another API replica's pass, and reads
+queued jobs ``FOR UPDATE SKIP LOCKED`` (a job being cancelled right now is left for
+the next pass). On SQLite the writing session's ``BEGIN IMMEDIATE`` already makes
+the pass exclusive.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import secrets
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from sqlalchemy import exists, func, select, text
+from sqlalchemy.orm import Session
+
+from service.config import Settings
+from service.db.engine import Database
+from service.db.models import Attempt, Job, Node, Placement, utcnow
+from service.services.jobs import transition
+from service.states import AttemptStatus, JobStatus, NodeStatus
+
+log = logging.getLogger(__name__)
+
+# pg_advisory_xact_lock key that serialises scheduling passes across API replicas.
+SCHEDULER_LOCK_KEY = 7345002
+# Queued jobs looked at per pass; the rest wait for the next pass.
+MAX_JOBS_PER_PASS = 500
+
+
+@dataclass
+class NodeCapacity:
+    id: str
+    name: str
+    address: str
+    units: int
+    free: int
+
+
+@dataclass
+class PassResult:
+    """What one scheduling pass did."""
+
+    scheduled: list[str] = field(default_factory=list)
+    waiting: dict[str, str] = field(default_factory=dict)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def is_postgres(session: Session) -> bool:
+    return session.get_bind().dialect.name == "postgresql"
+
+
+def ready_capacity(session: Session, settings: Settings, now: datetime) -> list[NodeCapacity]:
+    """Ready nodes heard from within the lease timeout, with their free units."""
+    fresh_after = now - timedelta(seconds=settings.lease_timeout_s)
+    held = dict(
+        session.execute(
+            select(Placement.node_id, func.sum(Placement.units))
+            .where(Placement.status != "done")
+            .group_by(Placement.node_id)
+        ).all()
+    )
+    nodes = session.scalars(
+        select(Node)
+        .where(Node.status == NodeStatus.READY.value, Node.last_heartbeat_at >= fresh_after)
+        .order_by(Node.name)
+    )
+    return [
+        NodeCapacity(
+            id=n.id,
+            name=n.name,
+            address=n.address,
+            units=n.units,
+            free=max(0, n.units - int(held.get(n.id) or 0)),
+        )
+        for n in nodes
+    ]
+
+
+def _ports_in_use(session: Session, address: str) -> set[int]:
+    """Rendezvous ports of attempts on ``address`` that still have a placement not done."""
+    live = exists().where(Placement.attempt_id == Attempt.id, Placement.status != "done")
+    return set(session.scalars(select(Attempt.master_port).where(Attempt.master_addr == address, live)))
+
+
+def _pick_port(session: Session, settings: Settings, address: str, taken: dict[str, set[int]]) -> int | None:
+    used = _ports_in_use(session, address) | taken.setdefault(address, set())
+    # A random free port, not the lowest: a just-finished attempt's port may still be
+    # in TIME_WAIT on that host.
+    candidates = [p for p in range(settings.master_port_min, settings.master_port_max + 1) if p not in used]
+    if not candidates:
+        return None
+    port = random.choice(candidates)
+    taken[address].add(port)
+    return port
+
+
+def _wait_reason(job: Job, nodes: list[NodeCapacity]) -> tuple[str, bool]:
+    """Why ``job`` cannot start now, and whether it could start once capacity frees up."""
+    n, p = job.node_count, job.process_count_per_node
+    big_enough = sum(1 for c in nodes if c.units >= p)
+    if big_enough < n:
+        return (
+            f"waiting for {_plural(n, 'ready node')} with at least {_plural(p, 'processing unit')}; "
+            f"the cluster has {big_enough} now",
+            False,
+        )
+    available = sum(1 for c in nodes if c.free >= p)
+    return (f"waiting for {_plural(n, 'node')} with {_plural(p, 'free unit')}; {available} available", True)
+
+
+def _choose(nodes: list[NodeCapacity], n: int, p: int) -> list[NodeCapacity] | None:
+    fits = [c for c in nodes if c.free >= p]
+    if len(fits) < n:
+        return None
+    # Best fit: fill the nodes with the least room left first, keeping big holes for big jobs.
+    fits.sort(key=lambda c: (c.free - p, c.name))
+    return fits[:n]
+
+
+def _place(
+    session: Session,
+    settings: Settings,
+    job: Job,
+    chosen: list[NodeCapacity],
+    port: int,
+    now: datetime,
+) -> Attempt:
+    expires = now + timedelta(seconds=settings.lease_timeout_s)
+    job.attempts_count = (job.attempts_count or 0) + 1
+    attempt = Attempt(
+        job_id=job.id,
+        number=job.attempts_count,
+        status=AttemptStatus.SCHEDULED.value,
+        master_addr=chosen[0].address,
+        master_port=port,
+        created_at=now,
+    )
+    session.add(attempt)
+    session.flush()
+    for rank, node in enumerate(chosen):
+        session.add(
+            Placement(
+                attempt_id=attempt.id,
+                job_id=job.id,
+                node_id=node.id,
+                node_rank=rank,
+                units=job.process_count_per_node,
+                status="assigned",
+                lease_token=secrets.token_urlsafe(32),
+                lease_expires_at=expires,
+                created_at=now,
+            )
+        )
+        node.free -= job.process_count_per_node
+    names = ", ".join(c.name for c in chosen)
+    transition(session, job, JobStatus.SCHEDULED, f"attempt {attempt.number} placed on {names}")
+    return attempt
+
+
+def schedule(session: Session, settings: Settings) -> PassResult:
+    """One scheduling pass in the caller's write transaction (the caller commits)."""
+    result = PassResult()
+    if is_postgres(session):
+        session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEDULER_LOCK_KEY})
+    stmt = (
+        select(Job)
+        .where(Job.status == JobStatus.QUEUED.value)
+        .order_by(Job.priority.desc(), Job.created_at, Job.id)
+        .limit(MAX_JOBS_PER_PASS)
+    )
+    if is_postgres(session):
+        stmt = stmt.with_for_update(skip_locked=True)
+    queued = list(session.scalars(stmt))
+    if not queued:
+        return result
+    now = utcnow()
+    nodes = ready_capacity(session, settings, now)
+    taken_ports: dict[str, set[int]] = {}
+    blocker: Job | None = None
+    for job in queued:
+        reason: str
+        if blocker is not None:
+            reason, possible = _wait_reason(job, nodes)
+            if possible:
+                reason = f"queued behind job {blocker.name!r} ({blocker.id}), which is first in line"
+        else:
+            chosen = _choose(nodes, job.node_count, job.process_count_per_node)
+            if chosen is not None:
+                port = _pick_port(session, settings, chosen[0].address, taken_ports)
+                if port is not None:
+                    _place(session, settings, job, chosen, port, now)
+                    result.scheduled.append(job.id)
+                    continue
+                reason = (
+                    f"waiting for a free rendezvous port on {chosen[0].address} "
+                    f"(range {settings.master_port_min}-{settings.master_port_max} in use)"
+                )
+                possible = True
+            else:
+                reason, possible = _wait_reason(job, nodes)
+            if possible:
+                blocker = job
+        result.waiting[job.id] = reason
+        if job.wait_reason != reason:
+            job.wait_reason = reason
+    if result.scheduled:
+        log.info("scheduled %s", ", ".join(result.scheduled))
+    return result
+
+
+def run_pass(db: Database, settings: Settings) -> PassResult:
+    """A scheduling pass in a transaction of its own, committed."""
+    with db.transaction() as session:
+        return schedule(session, settings)
+
+
+def has_queued_jobs(db: Database) -> bool:
+    with db.read_session() as session:
+        first = session.scalars(select(Job.id).where(Job.status == JobStatus.QUEUED.value).limit(1)).first()
+        return first is not None

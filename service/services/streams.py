@@ -1,0 +1,631 @@
+"""Live followers of a job: server-sent events and ``logs?follow=true``, without a thread
+or a database connection per client.
+
+One :class:`JobFeed` per followed job (per API process) polls the database with a
+short-lived session in the threadpool, appends what is new (status changes from
+``job_events``, metric points, log chunks) to a bounded in-memory buffer, and wakes
+its subscribers, which are plain async generators. The database is the source of
+truth: a follower on one API replica sees what arrived through another, at the next
+poll. Writes made through this process wake the polls at once (an engine listener
+notices inserts into the three tables), so local followers see them within
+milliseconds, and idle feeds poll less often.
+
+Positions are a :class:`Cursor` of three sequence numbers (status, metric, log). Every
+report of a job is written under the job's row lock, so within one job ``seq`` order
+is commit order and "everything after this cursor" never skips a late commit. A
+server-sent event's id is the cursor after that event (``s<seq>.m<seq>.l<seq>``): a
+client that reconnects with ``Last-Event-ID`` resumes exactly after it, with no gap and
+no duplicate. A subscriber that falls behind the buffer (or resumes from further back)
+catches up from the database in pages, then joins the buffer again.
+
+The final status of a job is always the last item: a poll that reaches it while more
+metric points or log chunks are pending delivers those first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from sqlalchemy import event, func, select
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from service.db.engine import Database
+from service.db.models import Attempt, Job, JobEvent, LogChunk, Metric
+from service.services.reports import (
+    LogPiece,
+    log_chunks_after,
+    metric_points_after,
+    read_log,
+    resolve_attempt,
+)
+from service.states import JobStatus
+from torchyard.errors import RequestValidationError
+
+log = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.25
+IDLE_POLL_INTERVAL_S = 1.0
+IDLE_AFTER_S = 10.0
+READ_LIMIT = 1000
+BUFFER_ITEMS = 5_000
+BUFFER_LOG_BYTES = 16 * 1024 * 1024
+KEEPALIVE_S = 15.0
+FEED_LINGER_S = 5.0
+LOG_READ_BYTES = 256 * 1024
+
+_CURSOR = re.compile(r"^s(\d{1,19})\.m(\d{1,19})\.l(\d{1,19})$")
+_WATCHED_INSERT = re.compile(r"^\s*INSERT\s+INTO\s+\"?(job_events|metrics|log_chunks)\b", re.IGNORECASE)
+
+
+# --------------------------------------------------------------------------- positions and items
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """The last delivered ``seq`` of each kind (0: nothing yet)."""
+
+    status: int = 0
+    metric: int = 0
+    log: int = 0
+
+    def encode(self) -> str:
+        return f"s{self.status}.m{self.metric}.l{self.log}"
+
+    @classmethod
+    def decode(cls, text: str | None) -> Cursor:
+        """Parse a ``Last-Event-ID``; empty means the beginning."""
+        if not text:
+            return cls()
+        match = _CURSOR.match(text.strip())
+        if match is None:
+            raise RequestValidationError(
+                f"Last-Event-ID {text[:80]!r} is not an event id of this service (s<n>.m<n>.l<n>)",
+                details={"field": "Last-Event-ID"},
+            )
+        return cls(*(int(g) for g in match.groups()))
+
+    def covers(self, other: Cursor) -> bool:
+        """Whether this position is at or past ``other`` for every kind."""
+        return self.status >= other.status and self.metric >= other.metric and self.log >= other.log
+
+    def after(self, item: Item) -> Cursor:
+        if item.seq <= getattr(self, item.kind):
+            return self
+        return replace(self, **{item.kind: item.seq})
+
+
+@dataclass(frozen=True)
+class Item:
+    """One thing that happened to a job, in the order followers receive it."""
+
+    kind: str  # "status", "metric" or "log"
+    seq: int
+    data: dict[str, Any]
+    final: bool = False
+    stream: str | None = None
+    attempt: int | None = None
+    offset: int = 0
+    text: str = ""
+
+    @property
+    def weight(self) -> int:
+        return len(self.text) + 64
+
+
+@dataclass
+class Batch:
+    items: list[Item]
+    cursor: Cursor
+    drained: bool  # nothing more to read up to ``upto`` (or now)
+    final: bool  # the job's final status is among the items
+
+
+def _status_item(ev: JobEvent, job: Job | None) -> Item:
+    status = JobStatus(ev.status)
+    data: dict[str, Any] = {"seq": ev.seq, "status": ev.status, "message": ev.message, "at": ev.at.isoformat()}
+    final = status.is_final()
+    if final and job is not None:
+        data["final"] = True
+        data["failure"] = (
+            None
+            if job.failure_code is None
+            else {
+                "code": job.failure_code,
+                "message": job.failure_message,
+                "rank": job.failure_rank,
+                "node": job.failure_node,
+            }
+        )
+        data["best"] = job.best
+        data["result"] = job.result
+        data["model_sha256"] = job.model_sha256
+    return Item("status", ev.seq, data, final=final)
+
+
+def _metric_item(point: Any) -> Item:
+    data = point.model_dump(mode="json")
+    return Item("metric", point.seq, data)
+
+
+def _log_item(piece: LogPiece) -> Item:
+    rank = int(piece.stream.removeprefix("rank-")) if piece.stream.startswith("rank-") else None
+    data = {
+        "seq": piece.seq,
+        "stream": piece.stream,
+        "rank": rank,
+        "attempt": piece.attempt,
+        "offset": piece.offset,
+        "text": piece.data,
+    }
+    return Item("log", piece.seq, data, stream=piece.stream, attempt=piece.attempt, offset=piece.offset, text=piece.data)
+
+
+def read_batch(session: Session, job_id: str, after: Cursor, *, upto: Cursor | None = None, limit: int = READ_LIMIT) -> Batch:
+    """What happened to the job after ``after`` (and not past ``upto``), final status last.
+
+    Status changes are read first: every metric point and log chunk committed before a
+    final status is then visible to the reads that follow, so none is left behind it.
+    """
+    stmt = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.seq > after.status)
+    if upto is not None:
+        stmt = stmt.where(JobEvent.seq <= upto.status)
+    events = list(session.scalars(stmt.order_by(JobEvent.seq).limit(limit)))
+    metrics = metric_points_after(session, job_id, after.metric, None, limit)
+    pieces = log_chunks_after(session, job_id, None, after.log, limit=limit)
+    drained = len(metrics) < limit and len(pieces) < limit and len(events) < limit
+    if upto is not None:
+        metrics = [m for m in metrics if m.seq <= upto.metric]
+        pieces = [p for p in pieces if p.seq <= upto.log]
+        drained = drained or (
+            (not metrics or metrics[-1].seq == upto.metric or len(metrics) < limit)
+            and (not pieces or pieces[-1].seq == upto.log or len(pieces) < limit)
+        )
+    statuses: list[Item] = []
+    final = False
+    job = None
+    for ev in events:
+        if JobStatus(ev.status).is_final():
+            if not drained:
+                break  # the final status waits until everything before it is out
+            job = job or session.get(Job, job_id)
+            statuses.append(_status_item(ev, job))
+            final = True
+            break
+        statuses.append(_status_item(ev, None))
+    # Status changes before the data of the same poll, except the final one, which ends it.
+    items = [s for s in statuses if not s.final] + [_metric_item(m) for m in metrics] + [_log_item(p) for p in pieces]
+    items += [s for s in statuses if s.final]
+    cursor = after
+    for item in items:
+        cursor = cursor.after(item)
+    return Batch(items, cursor, drained, final)
+
+
+def read_heads(session: Session, job_id: str) -> tuple[Cursor, bool]:
+    """The job's current last seq of each kind, and whether its final status is recorded."""
+    status = session.scalar(select(func.max(JobEvent.seq)).where(JobEvent.job_id == job_id)) or 0
+    metric = session.scalar(select(func.max(Metric.seq)).where(Metric.job_id == job_id)) or 0
+    log_seq = session.scalar(select(func.max(LogChunk.seq)).where(LogChunk.job_id == job_id)) or 0
+    job_status = session.scalar(select(Job.status).where(Job.id == job_id))
+    final = job_status is not None and JobStatus(job_status).is_final()
+    return Cursor(int(status), int(metric), int(log_seq)), final
+
+
+# --------------------------------------------------------------------------- the shared feed
+
+
+@dataclass
+class _Subscription:
+    feed: JobFeed
+    position: int  # absolute index of the next buffer item to read
+
+
+@dataclass
+class JobFeed:
+    """The one poller of a job in this process, and its buffer of recent items."""
+
+    hub: StreamHub
+    job_id: str
+    base: Cursor = field(default_factory=Cursor)  # position just before the first buffered item
+    head: Cursor = field(default_factory=Cursor)  # position after the last buffered item
+    done: bool = False  # the final status is buffered (or was before the feed started)
+    items: deque[Item] = field(default_factory=deque)
+    first_index: int = 0  # absolute index of items[0]
+    log_bytes: int = 0
+    subscribers: int = 0
+    version: int = 0
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+    error: BaseException | None = None
+
+    @property
+    def end_index(self) -> int:
+        return self.first_index + len(self.items)
+
+    def _append(self, items: list[Item]) -> None:
+        for item in items:
+            self.items.append(item)
+            self.log_bytes += item.weight
+            self.head = self.head.after(item)
+        while self.items and (len(self.items) > BUFFER_ITEMS or self.log_bytes > BUFFER_LOG_BYTES):
+            dropped = self.items.popleft()
+            self.log_bytes -= dropped.weight
+            self.first_index += 1
+            self.base = self.base.after(dropped)
+
+    def _notify(self) -> None:
+        self.version += 1
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def run(self) -> None:
+        db = self.hub.db
+        try:
+            self.base, self.done = await run_in_threadpool(_with_read_session, db, read_heads, self.job_id)
+            self.head = self.base
+            self.ready.set()
+            last_news = time.monotonic()
+            idle_since: float | None = None
+            while not self.done:
+                if self.subscribers == 0:
+                    idle_since = idle_since or time.monotonic()
+                    if time.monotonic() - idle_since > FEED_LINGER_S:
+                        return
+                else:
+                    idle_since = None
+                interval = (
+                    IDLE_POLL_INTERVAL_S if time.monotonic() - last_news > IDLE_AFTER_S else self.hub.poll_interval
+                )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wake.wait(), interval)
+                self.wake.clear()
+                while True:
+                    batch = await run_in_threadpool(_with_read_session, db, read_batch, self.job_id, self.head)
+                    if batch.items:
+                        last_news = time.monotonic()
+                        self._append(batch.items)
+                        self.done = batch.final
+                        self._notify()
+                    if batch.drained or self.done:
+                        break
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a database outage: subscribers see it and end
+            log.exception("follower poll of job %s failed", self.job_id)
+            self.error = exc
+        finally:
+            self.ready.set()
+            self.done = True
+            self._notify()
+            self.hub._forget(self)
+
+    def subscribe(self) -> _Subscription:
+        self.subscribers += 1
+        return _Subscription(self, self.end_index)
+
+    def unsubscribe(self) -> None:
+        self.subscribers -= 1
+        if self.subscribers <= 0 and self.done:
+            self.hub._forget(self)
+
+
+def _with_read_session(db: Database, fn: Callable[..., Any], *args: Any) -> Any:
+    with db.read_session() as session:
+        return fn(session, *args)
+
+
+class StreamHub:
+    """All job feeds of one API process."""
+
+    def __init__(self, db: Database, *, poll_interval: float = POLL_INTERVAL_S) -> None:
+        self.db = db
+        self.poll_interval = poll_interval
+        self.feeds: dict[str, JobFeed] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._nudge_pending = False
+        self._listening = False
+
+    # -- in-process wake-ups
+
+    def start(self) -> None:
+        """Listen for inserts made through this process's engine, to wake the polls at once."""
+        self._loop = asyncio.get_running_loop()
+        event.listen(self.db.engine, "after_cursor_execute", self._after_execute)
+        event.listen(self.db.engine, "checkin", self._on_checkin)
+        self._listening = True
+
+    async def close(self) -> None:
+        if self._listening:
+            event.remove(self.db.engine, "after_cursor_execute", self._after_execute)
+            event.remove(self.db.engine, "checkin", self._on_checkin)
+            self._listening = False
+        for feed in list(self.feeds.values()):
+            if feed.task is not None:
+                feed.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await feed.task
+        self.feeds.clear()
+
+    def _after_execute(self, conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if _WATCHED_INSERT.match(statement):
+            conn.info["torchyard_stream_write"] = True
+
+    def _on_checkin(self, _dbapi_conn: Any, record: Any) -> None:
+        # A connection goes back to the pool after its transaction ended: what it wrote
+        # is committed (or rolled back, which costs one empty poll).
+        if record.info.pop("torchyard_stream_write", False):
+            self.nudge()
+
+    def nudge(self) -> None:
+        """Wake every feed's poll now (callable from any thread)."""
+        loop = self._loop
+        if loop is None or self._nudge_pending:
+            return
+        self._nudge_pending = True
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            loop.call_soon_threadsafe(self._wake_all)
+
+    def _wake_all(self) -> None:
+        self._nudge_pending = False
+        for feed in self.feeds.values():
+            feed.wake.set()
+
+    # -- feeds
+
+    def feed(self, job_id: str) -> JobFeed:
+        feed = self.feeds.get(job_id)
+        if feed is None or (feed.done and feed.task is not None and feed.task.done() and feed.error is not None):
+            feed = JobFeed(self, job_id)
+            self.feeds[job_id] = feed
+            feed.task = asyncio.get_running_loop().create_task(feed.run(), name=f"feed-{job_id}")
+        return feed
+
+    def _forget(self, feed: JobFeed) -> None:
+        if self.feeds.get(feed.job_id) is feed and (feed.subscribers <= 0 or feed.error is not None):
+            del self.feeds[feed.job_id]
+
+    async def follow(self, job_id: str, start: Cursor) -> AsyncGenerator[tuple[Item, Cursor], None]:
+        """Every item of the job after ``start``, each with the cursor after it, ending with
+        the final status (immediately, with nothing, if ``start`` is already past it)."""
+        feed = self.feed(job_id)
+        sub = feed.subscribe()
+        # Scan the buffer from its start: items up to ``start`` are skipped by their seq.
+        sub.position = feed.first_index
+        cursor = start
+        try:
+            await feed.ready.wait()
+            while True:
+                if feed.error is not None:
+                    raise RuntimeError("the database could not be read") from feed.error
+                if not cursor.covers(feed.base) or sub.position < feed.first_index:
+                    # Behind the buffer: catch up from the database to the buffer's start.
+                    upto = feed.base
+                    batch = await run_in_threadpool(
+                        _with_read_session, self.db, lambda s, c=cursor, u=upto: read_batch(s, job_id, c, upto=u)
+                    )
+                    for item in batch.items:
+                        cursor = cursor.after(item)
+                        yield item, cursor
+                        if item.final:
+                            return
+                    if batch.drained:
+                        # Nothing left up to the buffer's start: continue in the buffer.
+                        cursor = Cursor(
+                            max(cursor.status, upto.status), max(cursor.metric, upto.metric), max(cursor.log, upto.log)
+                        )
+                        sub.position = feed.first_index
+                    continue
+                index = max(sub.position, feed.first_index)
+                version = feed.version
+                changed = feed.changed
+                while index < feed.end_index:
+                    item = feed.items[index - feed.first_index]
+                    index += 1
+                    if item.seq <= getattr(cursor, item.kind):
+                        continue  # already delivered (a resume from inside the buffer)
+                    cursor = cursor.after(item)
+                    sub.position = index
+                    yield item, cursor
+                    if item.final:
+                        return
+                    if sub.position < feed.first_index:
+                        break  # evicted while we were yielding: catch up from the database
+                else:
+                    sub.position = index
+                    if feed.done:
+                        return
+                    if feed.version == version:
+                        await changed.wait()
+        finally:
+            feed.unsubscribe()
+
+
+# --------------------------------------------------------------------------- server-sent events
+
+
+@dataclass(frozen=True)
+class EventFilter:
+    """Which items an events subscriber wants beside status changes."""
+
+    metrics: bool = True
+    logs: bool = True
+    ranks: frozenset[int] | None = None  # log streams of these ranks (None: all)
+    agent: bool = True  # the agents' launcher logs
+
+    def wants(self, item: Item) -> bool:
+        if item.kind == "status":
+            return True
+        if item.kind == "metric":
+            return self.metrics
+        if not self.logs or item.stream is None:
+            return False
+        if item.stream.startswith("agent-"):
+            return self.agent
+        return self.ranks is None or item.data.get("rank") in self.ranks
+
+
+def _sse(kind: str, data: dict[str, Any], event_id: str | None = None) -> bytes:
+    lines = []
+    if event_id is not None:
+        lines.append(f"id: {event_id}")
+    lines.append(f"event: {kind}")
+    payload = json.dumps(data, separators=(",", ":"), allow_nan=False)
+    lines.append(f"data: {payload}")
+    return ("\n".join(lines) + "\n\n").encode()
+
+
+async def _with_keepalive(source: AsyncIterator[bytes], interval: float) -> AsyncIterator[bytes]:
+    """``source``'s chunks, plus a comment line whenever it is silent for ``interval``."""
+    iterator = source.__aiter__()
+    pending: asyncio.Task[bytes] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(iterator.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield b": keep-alive\n\n"
+                continue
+            try:
+                chunk = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield chunk
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
+                await pending
+        aclose = getattr(iterator, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def sse_events(
+    hub: StreamHub, job_id: str, start: Cursor, wanted: EventFilter, *, keepalive: float = KEEPALIVE_S
+) -> AsyncIterator[bytes]:
+    """The ``text/event-stream`` body of ``GET /v1/jobs/{id}/events``."""
+
+    async def events() -> AsyncIterator[bytes]:
+        yield b"retry: 1000\n\n"
+        delivered_final = False
+        last = start
+        async for item, cursor in hub.follow(job_id, start):
+            last = cursor
+            if wanted.wants(item):
+                yield _sse(item.kind, item.data, cursor.encode())
+            delivered_final = delivered_final or item.final
+        if not delivered_final:
+            # Resumed after the final status: say so, so the client stops reconnecting.
+            yield _sse("end", {"final": True, "cursor": last.encode()})
+
+    async for chunk in _with_keepalive(events(), keepalive):
+        yield chunk
+
+
+# --------------------------------------------------------------------------- logs?follow=true
+
+
+@dataclass(frozen=True)
+class LogTarget:
+    """Which log a text follower reads: a stream name (``rank-N``, ``agent``, ``agent-<node>``),
+    pinned to one attempt or following the job's latest."""
+
+    rank: int | None
+    stream: str | None
+    attempt: int | None
+
+
+def _open_log(session: Session, job_id: str, target: LogTarget, attempt_number: int | None) -> tuple[int | None, str | None]:
+    from service.services.reports import resolve_stream
+
+    job = session.get_one(Job, job_id)
+    attempt = resolve_attempt(session, job, attempt_number if attempt_number is not None else target.attempt)
+    stream = resolve_stream(session, job, attempt, rank=target.rank, stream=target.stream)
+    return (attempt.number if attempt is not None else None), stream
+
+
+def _read_log(session: Session, job_id: str, attempt_number: int, stream: str, offset: int) -> tuple[bytes, int, bool]:
+    job = session.get_one(Job, job_id)
+    attempt = session.scalars(
+        select(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt_number)
+    ).one()
+    piece = read_log(session, job, attempt, stream, offset, LOG_READ_BYTES)
+    return piece.data, piece.next_offset, piece.complete
+
+
+async def follow_log(hub: StreamHub, job_id: str, target: LogTarget, offset: int) -> AsyncIterator[bytes]:
+    """One log stream's bytes from ``offset`` as they arrive, until the job is final and
+    every chunk is out (or, pinned to an attempt, until that attempt has ended).
+    Following the latest attempt, a retried job's next attempt is followed from its start."""
+    db = hub.db
+    feed = hub.feed(job_id)
+    await feed.ready.wait()
+    # Live items after this point come from the feed; what came before, from the database.
+    live = hub.follow(job_id, feed.head)
+    attempt, stream = await run_in_threadpool(_with_read_session, db, _open_log, job_id, target, None)
+    position = offset
+    ended = False
+
+    async def read_all() -> AsyncIterator[bytes]:
+        """The stream from ``position`` to what is stored now; sets ``ended`` when the
+        attempt is over and nothing more will come."""
+        nonlocal position, ended
+        while attempt is not None and stream is not None:
+            data, position, complete = await run_in_threadpool(
+                _with_read_session, db, _read_log, job_id, attempt, stream, position
+            )
+            if data:
+                yield data
+            if len(data) < LOG_READ_BYTES:
+                ended = complete
+                return
+
+    try:
+        async for data in read_all():
+            yield data
+        if ended and target.attempt is not None:
+            return
+        async for item, _cursor in live:
+            if item.kind == "status":
+                status = item.data.get("status")
+                if item.final or (target.attempt is not None and status == JobStatus.QUEUED):
+                    async for data in read_all():
+                        yield data
+                    return
+                if target.attempt is None and status in (JobStatus.SCHEDULED, JobStatus.RUNNING):
+                    newer, new_stream = await run_in_threadpool(
+                        _with_read_session, db, _open_log, job_id, target, None
+                    )
+                    if newer != attempt or (new_stream is not None and stream is None):
+                        if attempt is not None and newer != attempt:
+                            position = 0  # a retry: its streams start afresh
+                        attempt, stream = newer, new_stream
+                        async for data in read_all():
+                            yield data
+                continue
+            if item.kind != "log" or stream is None or item.stream != stream or item.attempt != attempt:
+                continue
+            raw = item.text.encode("utf-8")
+            end = item.offset + len(raw)
+            if end <= position:
+                continue
+            # Bytes that never arrived (a batch an agent had to drop) are skipped, as plain reads do.
+            position = max(position, item.offset)
+            yield raw[position - item.offset :]
+            position = end
+    finally:
+        await live.aclose()

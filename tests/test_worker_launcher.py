@@ -1,0 +1,193 @@
+"""The agent's launcher without training: the torchrun command and environment, failure
+selection, and stopping a process tree whose members live in sessions of their own."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from worker.agent.agent import UnitPool
+from worker.agent.launcher import (
+    MARKER_VAR,
+    LaunchSpec,
+    RankGroup,
+    collect_failure,
+    first_failure,
+    marked_pids,
+    rank_env,
+    rank_log_files,
+    torchrun_command,
+)
+from worker.agent.node import interface_for
+
+# Stands in for torchrun: starts two "ranks" in sessions of their own (as torch elastic
+# does) that ignore SIGTERM, then waits.
+FAKE_TORCHRUN = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    rank = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    for _ in range(2):
+        subprocess.Popen([sys.executable, "-c", rank], start_new_session=True)
+    print("ranks started", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _spec(tmp_path: Path, **kw: object) -> LaunchSpec:
+    values: dict[str, object] = {
+        "run_dir": tmp_path,
+        "node_name": "node-a",
+        "node_rank": 1,
+        "node_count": 2,
+        "nproc": 2,
+        "master_addr": "10.1.2.3",
+        "master_port": 29555,
+        "cpus": 8,
+    }
+    values.update(kw)
+    return LaunchSpec(**values)  # type: ignore[arg-type]
+
+
+def test_torchrun_command_follows_the_trainer_contract(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    assert torchrun_command(spec) == [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", "1",
+        "--master-addr", "10.1.2.3", "--master-port", "29555",
+        "--log-dir", str(tmp_path / "torchrun-logs"), "--redirects", "3",
+        "-m", "worker.trainer", "--config", str(tmp_path / "job.json"),
+    ]  # fmt: skip
+
+
+def test_rank_environment_on_cpu_and_cuda(tmp_path: Path) -> None:
+    base = {"PATH": "/usr/bin", "RANK": "7", "MASTER_ADDR": "stale", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    cpu = rank_env(_spec(tmp_path, socket_ifname="eth1"), base, "node-a/x")
+    assert cpu[MARKER_VAR] == "node-a/x" and cpu["TORCHYARD_NODE_NAME"] == "node-a"
+    assert cpu["OMP_NUM_THREADS"] == "4"  # 8 cpus // 2 processes
+    assert cpu["TORCHYARD_DEVICE"] == "cpu" and cpu["CUDA_VISIBLE_DEVICES"] == ""
+    assert cpu["GLOO_SOCKET_IFNAME"] == "eth1"
+    assert "RANK" not in cpu and "MASTER_ADDR" not in cpu and cpu["PATH"] == "/usr/bin"
+    cuda = rank_env(_spec(tmp_path, gpu_ids=(2, 3), socket_ifname="ib0", cpus=3), base, "m")
+    assert cuda["CUDA_VISIBLE_DEVICES"] == "2,3" and cuda["TORCHYARD_DEVICE"] == "cuda"
+    assert cuda["NCCL_SOCKET_IFNAME"] == "ib0" and cuda["OMP_NUM_THREADS"] == "1"
+
+
+def test_rank_logs_map_to_global_ranks(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    for local in ("0", "1"):
+        d = tmp_path / "torchrun-logs" / "none_abc" / "attempt_0" / local
+        d.mkdir(parents=True)
+        (d / "stdout.log").write_text("out\n")
+        (d / "stderr.log").write_text("err\n")
+        (d / "error.json").write_text("{}")
+    streams = sorted((s, p.name) for s, p in rank_log_files(spec))
+    assert streams == [
+        ("rank-2", "stderr.log"),
+        ("rank-2", "stdout.log"),
+        ("rank-3", "stderr.log"),
+        ("rank-3", "stdout.log"),
+    ]
+
+
+def test_the_root_cause_is_the_earliest_primary_failure(tmp_path: Path) -> None:
+    records = [
+        {"code": "RankFailedError", "message": "gloo broke", "rank": 0, "time": 1.0, "secondary": True},
+        {"code": "TrainingDivergedError", "message": "nan", "rank": 3, "time": 3.0, "secondary": False},
+        {"code": "RankFailedError", "message": "boom", "rank": 2, "time": 2.0, "secondary": False},
+    ]
+    assert first_failure(records) == records[2]
+    for i, record in enumerate(records):
+        (tmp_path / f"failure-rank-{i}.json").write_text(json.dumps(record))
+    failure = collect_failure(_spec(tmp_path), 1, tmp_path / "agent.log")
+    assert failure["message"] == "boom" and failure["rank"] == 2 and failure["node"] == "node-a"
+
+
+def test_without_failure_files_torchruns_root_cause_names_the_rank(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    log_dir = tmp_path / "torchrun-logs" / "none_x" / "attempt_0" / "1"
+    log_dir.mkdir(parents=True)
+    (log_dir / "stderr.log").write_text("loading...\nSegmentation fault\n")
+    launcher_log = tmp_path / "agent.log"
+    launcher_log.write_text(
+        "Root Cause (first observed failure):\n[0]:\n  time      : x\n  host      : h\n"
+        "  rank      : 3 (local_rank: 1)\n  exitcode  : -11 (pid: 4242)\n"
+    )
+    failure = collect_failure(spec, 1, launcher_log)
+    assert failure["code"] == "RankFailedError" and failure["rank"] == 3
+    assert failure["message"] == "rank 3 (local rank 1) on node node-a was killed by SIGSEGV"
+    assert "Segmentation fault" in failure["traceback"]
+
+
+def test_stop_kills_every_process_of_the_run_even_in_other_sessions(tmp_path: Path) -> None:
+    group = RankGroup(_spec(tmp_path))
+    group.command = [sys.executable, "-c", FAKE_TORCHRUN]
+    with open(tmp_path / "agent.log", "w") as out:
+        group.start(out)
+    deadline = time.monotonic() + 30
+    while len(group.alive_pids()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = group.alive_pids()
+    assert len(pids) == 3  # the stand-in and its two ranks
+    started = time.monotonic()
+    group.stop(grace=1.0)
+    assert time.monotonic() - started < 8
+    assert group.alive_pids() == []
+    assert marked_pids(group.marker) == []
+
+
+def test_torchrun_dies_with_its_agent(tmp_path: Path) -> None:
+    # A pretend agent starts the stand-in through the guard, then is SIGKILLed.
+    agent_code = textwrap.dedent(
+        f"""
+        import sys, time
+        from pathlib import Path
+        from worker.agent.launcher import LaunchSpec, RankGroup
+        spec = LaunchSpec(run_dir=Path({str(tmp_path)!r}), node_name="node-z", node_rank=0, node_count=1,
+                          nproc=1, master_addr="127.0.0.1", master_port=29500, cpus=1)
+        group = RankGroup(spec)
+        group.command = [sys.executable, "-c", {FAKE_TORCHRUN!r}]
+        with open(spec.run_dir / "agent.log", "w") as out:
+            group.start(out)
+        print(group.marker, flush=True)
+        time.sleep(600)
+        """
+    )
+    agent = subprocess.Popen([sys.executable, "-c", agent_code], stdout=subprocess.PIPE, text=True)
+    assert agent.stdout is not None
+    marker = agent.stdout.readline().strip()
+    deadline = time.monotonic() + 30
+    while len(marked_pids(marker)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(marked_pids(marker)) == 3
+    os.kill(agent.pid, signal.SIGKILL)
+    agent.wait()
+    # torchrun (here the stand-in) is gone at once; the ranks it started are left to the
+    # real torchrun's SIGTERM handling, which a stand-in lacks: the next agent sweeps them.
+    deadline = time.monotonic() + 10
+    while len(marked_pids(marker)) > 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(marked_pids(marker)) == 2
+    from worker.agent.launcher import kill_leftovers
+
+    assert len(kill_leftovers("node-z")) == 2
+    deadline = time.monotonic() + 10
+    while marked_pids(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marked_pids(marker) == []
+
+
+def test_unit_pool_and_loopback_interface() -> None:
+    pool = UnitPool([0, 1, 2, 3])
+    a = pool.take(2)
+    b = pool.take(2)
+    assert set(a) | set(b) == {0, 1, 2, 3} and not set(a) & set(b)
+    pool.give(a)
+    assert pool.take(1) == (0,)
+    assert interface_for("127.0.0.1") == "lo"

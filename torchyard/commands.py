@@ -1,0 +1,595 @@
+"""The user commands of ``torchyard``: datasets, jobs, logs, metrics, models and the cluster.
+
+Each command talks to the API through :class:`torchyard.client.Client`. The URL and
+token come from ``--url``/``--token``, then ``TORCHYARD_URL``/``TORCHYARD_TOKEN``, then
+a local service's data directory (``TORCHYARD_DATA_DIR`` or ``./torchyard-data``,
+whose ``admin.token`` the local user never has to copy). Every command accepts
+``--json`` for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from torchyard.client import Client, Event, Job, MetricPoint
+from torchyard.terminal import (
+    EpochTable,
+    LiveProgress,
+    ProgressBar,
+    describe_status,
+    format_table,
+    format_time,
+    human_bytes,
+)
+
+Handler = Callable[[argparse.Namespace], int]
+
+# Handy submit flags: (flag, spec path, type, help).
+_SUBMIT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    ("--arch", "model.architecture", str, "torchvision architecture, e.g. resnet18"),
+    ("--init-from-job", "model.init_from_job", str, "fine-tune from a succeeded job's model"),
+    ("--epochs", "parameters.epochs", int, "passes over the training set"),
+    ("--batch-size", "parameters.batch_size", int, "images per batch per process"),
+    ("--warmup-epochs", "parameters.warmup_epochs", int, "epochs of linear warm-up"),
+    ("--lr", "parameters.learning_rate", float, "initial learning rate"),
+    ("--seed", "parameters.random_seed", int, "random seed"),
+    ("--patience", "parameters.patience", int, "early-stopping patience (epochs)"),
+    ("--print-frequency", "parameters.print_frequency", int, "a training log line every N iterations"),
+    ("--image-size", "parameters.image_size", int, "training/eval crop size (16..1024)"),
+    ("--augmentation", "parameters.augmentation", str, "standard, light or none"),
+    ("--nodes", "resources.node_count", int, "nodes to train on"),
+    ("--procs", "resources.process_count_per_node", int, "processes (ranks) per node"),
+    ("--priority", "priority", int, "higher runs first (-100..100)"),
+)
+
+
+def _client(args: argparse.Namespace) -> Client:
+    return Client(args.url, args.token)
+
+
+def _print_json(value: Any) -> None:
+    if hasattr(value, "model_dump"):
+        value = value.model_dump(mode="json")
+    elif isinstance(value, list):
+        value = [v.model_dump(mode="json") if hasattr(v, "model_dump") else v for v in value]
+    print(json.dumps(value, indent=2, sort_keys=False))
+
+
+def _note(text: str) -> None:
+    """A message for the person at the terminal (stderr, so stdout stays clean for pipes)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+def _datasets_upload(args: argparse.Namespace) -> int:
+    if (args.source is None) == (args.path is None):
+        raise SystemExit("error: give a folder or archive to upload, or --path PATH to register shared storage")
+    with _client(args) as client:
+        if args.path is not None:
+            name = args.name or Path(args.path).name
+            dataset = client.register_dataset(name, args.path, **({"sample": args.sample} if args.sample else {}))
+        else:
+            source = Path(args.source)
+            if not source.exists():
+                raise FileNotFoundError(f"no such file or folder: {source}")
+            bar = ProgressBar(f"uploading {source.name}")
+            if source.is_dir() and not args.json:
+                _note(f"packing {source} ...")
+            try:
+                dataset = client.upload_dataset(source, args.name, progress=bar)
+            finally:
+                bar.finish()
+    if args.json:
+        _print_json(dataset)
+    else:
+        print(dataset.id)
+        _note(
+            f"dataset {dataset.name!r}: {dataset.num_images} images in {len(dataset.classes)} classes "
+            f"({human_bytes(dataset.size_bytes)}), sha256 {dataset.sha256[:12]}"
+        )
+    return 0
+
+
+def _datasets_list(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        items = list(client.iter_datasets()) if args.all else client.list_datasets(limit=args.limit).items
+    if args.json:
+        _print_json(items)
+        return 0
+    rows = [
+        (d.id, d.name, d.source or "-", len(d.classes), d.num_images, human_bytes(d.size_bytes), format_time(d.created_at))
+        for d in items
+    ]
+    print(format_table(["ID", "NAME", "SOURCE", "CLASSES", "IMAGES", "SIZE", "CREATED"], rows))
+    return 0
+
+
+def _datasets_show(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        dataset = client.get_dataset(args.id)
+    if args.json:
+        _print_json(dataset)
+        return 0
+    extra = dataset.model_extra or {}
+    print(f"id:       {dataset.id}")
+    print(f"name:     {dataset.name}")
+    print(f"source:   {dataset.source}" + (f" ({extra['path']})" if extra.get("path") else ""))
+    print(f"images:   {dataset.num_images} ({human_bytes(dataset.size_bytes)})")
+    print(f"sha256:   {dataset.sha256}")
+    print(f"created:  {format_time(dataset.created_at)}")
+    print(f"classes:  {len(dataset.classes)}")
+    print(format_table(["CLASS", "IMAGES"], [(c, dataset.class_counts.get(c, 0)) for c in dataset.classes]))
+    return 0
+
+
+def _datasets_delete(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        client.delete_dataset(args.id)
+    if args.json:
+        _print_json({"id": args.id, "deleted": True})
+    else:
+        _note(f"deleted dataset {args.id}")
+    return 0
+
+
+# --------------------------------------------------------------------------- submit
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set`` value: JSON when it parses (numbers, true/false, null, lists), else text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        lowered = text.strip().lower()
+        if lowered in ("true", "yes", "on"):
+            return True
+        if lowered in ("false", "no", "off"):
+            return False
+        return text
+
+
+def set_path(spec: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``spec["a"]["b"] = value`` for ``"a.b"``, creating the levels in between."""
+    parts = dotted.split(".")
+    if not all(parts):
+        raise ValueError(f"bad field path {dotted!r}")
+    node = spec
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"{dotted}: {part!r} is not an object in the spec")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_spec(path: str) -> dict[str, Any]:
+    """A job spec from a .yaml/.yml/.json file (``-`` reads standard input)."""
+    import yaml
+
+    text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    try:
+        spec = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise ValueError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {exc}") from exc
+    if spec is None:
+        return {}
+    if not isinstance(spec, dict):
+        raise ValueError(f"{path}: a job spec must be a mapping")
+    return spec
+
+
+def build_spec(args: argparse.Namespace) -> dict[str, Any]:
+    """The spec file, then the handy flags, then ``--set`` overrides (most explicit wins)."""
+    spec = load_spec(args.spec) if args.spec else {}
+    if args.name is not None:
+        spec["name"] = args.name
+    if args.train is not None:
+        spec["train_dataset"] = args.train
+    if args.val is not None:
+        spec["validation_dataset"] = args.val
+    if args.pretrained:
+        set_path(spec, "model.pretrained", True)
+    for flag, dotted, _type, _help in _SUBMIT_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            set_path(spec, dotted, value)
+    for item in args.set or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        set_path(spec, key.strip(), parse_value(raw))
+    return spec
+
+
+def _resolve_datasets(client: Client, spec: dict[str, Any]) -> None:
+    """Dataset fields may name a dataset instead of giving its id."""
+    for key in ("train_dataset", "validation_dataset"):
+        ref = spec.get(key)
+        if isinstance(ref, str) and ref:
+            spec[key] = client.find_dataset(ref).id
+
+
+def follow_job(client: Client, job: Job, *, show_logs: bool = False, out: Any = None) -> Job:
+    """Print a job's live progress until it ends; return the final job."""
+    progress = LiveProgress(out, show_logs=show_logs, epochs=job.parameters.get("epochs"))
+    for event in client.events(job.id, logs=show_logs, ranks=[0] if show_logs else None):
+        progress.handle(event.kind, event.data)
+    return client.get_job(job.id)
+
+
+def _submit(args: argparse.Namespace) -> int:
+    spec = build_spec(args)
+    with _client(args) as client:
+        _resolve_datasets(client, spec)
+        if args.dry_run:
+            _print_json(spec)
+            return 0
+        job = client.submit_job(spec)
+        if args.json and not args.follow:
+            _print_json(job)
+            return 0
+        print(job.id)
+        _note(f"submitted job {job.name!r} ({job.model.get('architecture')}), status {job.status}")
+        if not args.follow:
+            _note(f"follow it with: torchyard logs {job.id} -f   or   torchyard metrics {job.id} --watch")
+            return 0
+        final = follow_job(client, job, show_logs=args.logs, out=sys.stderr if args.json else None)
+    if args.json:
+        _print_json(final)
+    return 0 if final.status == "succeeded" else 1
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+def _progress_text(job: Job) -> str:
+    progress = job.progress or {}
+    epoch, epochs = progress.get("epoch"), progress.get("epochs") or job.parameters.get("epochs")
+    if epoch is None:
+        return "-"
+    return f"epoch {epoch}/{epochs}" if epochs else f"epoch {epoch}"
+
+
+def _best_top1(job: Job) -> str:
+    best = job.best or {}
+    value = best.get("val.top1", best.get("top1"))
+    return f"{float(value):.2%}" if isinstance(value, int | float) else "-"
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.all:
+            items = list(client.iter_jobs(status=args.status))
+        else:
+            items = client.list_jobs(status=args.status, limit=args.limit).items
+    if args.json:
+        _print_json(items)
+        return 0
+    rows = [
+        (j.id, j.name, j.status, _progress_text(j), _best_top1(j), format_time(j.created_at)) for j in items
+    ]
+    print(format_table(["ID", "NAME", "STATUS", "PROGRESS", "BEST TOP-1", "CREATED"], rows))
+    return 0
+
+
+def _kv(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items())
+    return str(value)
+
+
+def print_job(job: Job) -> None:
+    print(f"id:          {job.id}")
+    print(f"name:        {job.name}")
+    print(f"status:      {job.status}")
+    if job.reason:
+        print(f"waiting:     {job.reason}")
+    if job.failure is not None:
+        where = ", ".join(f"{k} {v}" for k, v in (("rank", job.failure.rank), ("node", job.failure.node)) if v is not None)
+        print(f"failure:     {job.failure.code}: {job.failure.message}" + (f" [{where}]" if where else ""))
+        if job.failure.traceback:
+            print("traceback:\n  " + job.failure.traceback.rstrip().replace("\n", "\n  "))
+    print(f"model:       {_kv(job.model)}")
+    print(f"datasets:    train {job.train_dataset}, validation {job.validation_dataset}")
+    print(f"parameters:  {_kv(job.parameters)}")
+    print(f"resources:   {_kv(job.resources)}")
+    if job.progress:
+        print(f"progress:    {_kv(job.progress)}")
+    if job.best:
+        print(f"best:        {_kv(job.best)}")
+    if job.nodes:
+        print(f"nodes:       {', '.join(job.nodes)}")
+    if job.model_sha256:
+        size = f" ({human_bytes(job.model_size)})" if job.model_size else ""
+        print(f"model dir:   sha256 {job.model_sha256}{size}")
+    print(f"created:     {format_time(job.created_at)}")
+    if job.started_at:
+        print(f"started:     {format_time(job.started_at)}")
+    if job.finished_at:
+        print(f"finished:    {format_time(job.finished_at)}")
+    if job.history:
+        print("history:")
+        for change in job.history:
+            print(f"  {format_time(change.at)}  {change.status}" + (f"  {change.message}" if change.message else ""))
+
+
+def _show(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.get_job(args.id)
+    if args.json:
+        _print_json(job)
+    else:
+        print_job(job)
+    return 0
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.cancel_job(args.id)
+        if args.wait and not job.is_final:
+            job = client.wait(job.id)
+    if args.json:
+        _print_json(job)
+    else:
+        print(f"{job.id} {job.status}")
+    return 0
+
+
+def _logs(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.follow:
+            for text in client.follow_logs(args.id, rank=args.rank, stream=args.stream, offset=args.offset):
+                sys.stdout.write(text)
+                sys.stdout.flush()
+        else:
+            sys.stdout.write(client.logs(args.id, rank=args.rank, stream=args.stream, offset=args.offset))
+    sys.stdout.flush()
+    return 0
+
+
+def _points_table(points: Iterable[MetricPoint]) -> str:
+    rows = [(p.seq, p.name, f"{p.value:.6g}", p.epoch, p.step, p.rank, format_time(p.time)) for p in points]
+    return format_table(["SEQ", "NAME", "VALUE", "EPOCH", "STEP", "RANK", "TIME"], rows)
+
+
+def _metrics(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.watch:
+            return _watch_metrics(client, args)
+        points = list(client.iter_metrics(args.id, name=args.name))
+    if args.json:
+        _print_json(points)
+    elif args.name or args.raw:
+        print(_points_table(points))
+    else:
+        table = EpochTable()
+        for p in points:
+            table.add(p.model_dump())
+        print(table.render() if table.rows else "no metrics yet")
+    return 0
+
+
+def _watch_metrics(client: Client, args: argparse.Namespace) -> int:
+    """Live table: redrawn in place on a terminal, one line per new epoch otherwise."""
+    table = EpochTable()
+    tty = sys.stdout.isatty() and not args.json
+    printed: set[int] = set()
+    header_done = False
+    status = "-"
+
+    def redraw() -> None:
+        sys.stdout.write("\x1b[H\x1b[2J")
+        sys.stdout.write(f"job {args.id}  status {status}\n\n{table.render()}\n")
+        sys.stdout.flush()
+
+    def emit(event: Event) -> None:
+        nonlocal header_done
+        if args.json:
+            print(json.dumps({"event": event.kind, "id": event.id, "data": event.data}), flush=True)
+            return
+        if tty:
+            redraw()
+            return
+        cols = [c for c in table.columns()]
+        for epoch in sorted(table.rows):
+            if epoch in printed or not (table.is_complete(epoch) or event.is_final):
+                continue
+            if not header_done:
+                print(format_table(["epoch"] + [h for _, h, _ in cols], []))
+                header_done = True
+            print("  ".join(table.row(epoch, cols)), flush=True)
+            printed.add(epoch)
+
+    for event in client.events(args.id, logs=False):
+        if event.kind == "metric":
+            if args.name and event.data.get("name") not in args.name:
+                continue
+            table.add(event.data)
+        elif event.kind == "status":
+            status = describe_status(event.data)
+        emit(event)
+    if not args.json and not tty:
+        print(f"status: {status}")
+    return 0
+
+
+# --------------------------------------------------------------------------- model, cluster, predict
+
+
+def _download(args: argparse.Namespace) -> int:
+    out = Path(args.output) if args.output else Path(f"model-{args.id}")
+    bar = ProgressBar(f"model {args.id[:12]}")
+    with _client(args) as client:
+        try:
+            path = client.download_model(
+                args.id,
+                out,
+                progress=bar,
+                keep_archive=args.keep_archive,
+                on_resume=lambda n: _note(f"resuming the download at byte {n}"),
+            )
+        finally:
+            bar.finish()
+        job = client.get_job(args.id)
+    if args.json:
+        _print_json({"job": job.id, "path": str(path), "sha256": job.model_sha256, "verified": True})
+    else:
+        print(path)
+        _note(f"model directory verified (sha256 {job.model_sha256}); load it with torchyard.modeldir.load_model")
+    return 0
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        cluster = client.cluster()
+    if args.json:
+        _print_json(cluster)
+        return 0
+    print(
+        f"nodes ready: {cluster.ready_nodes}   max nodes: {cluster.max_nodes}   "
+        f"max units per node: {cluster.max_units_per_node}"
+    )
+    rows = [
+        (n.name, n.status, n.accelerator, n.units, n.free_units, n.address, format_time(n.last_heartbeat_at))
+        for n in cluster.nodes
+    ]
+    print(format_table(["NODE", "STATUS", "ACCEL", "UNITS", "FREE", "ADDRESS", "HEARTBEAT"], rows))
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from torchyard.modeldir import predict
+
+    results = predict(args.model_dir, args.images, topk=args.topk, device=args.device)
+    if args.json:
+        _print_json(
+            [
+                {"image": str(image), "top": [{"class": c, "probability": p} for c, p in top]}
+                for image, top in zip(args.images, results, strict=True)
+            ]
+        )
+        return 0
+    for image, top in zip(args.images, results, strict=True):
+        print(f"{image}: " + "  ".join(f"{c} ({p:.1%})" for c, p in top))
+    return 0
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def client_options() -> argparse.ArgumentParser:
+    """Options shared by every command that talks to the API."""
+    parent = argparse.ArgumentParser(add_help=False)
+    conn = parent.add_argument_group("connection")
+    conn.add_argument("--url", default=None, help="API URL (default: $TORCHYARD_URL, else http://127.0.0.1:8000)")
+    conn.add_argument(
+        "--token", default=None, help="API token (default: $TORCHYARD_TOKEN, else <data dir>/admin.token)"
+    )
+    parent.add_argument("--json", action="store_true", help="machine-readable JSON output")
+    return parent
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the user commands to the ``torchyard`` parser."""
+    common = client_options()
+
+    datasets = sub.add_parser("datasets", help="upload, list, show and delete datasets")
+    ds_sub = datasets.add_subparsers(dest="datasets_command", required=True)
+    up = ds_sub.add_parser(
+        "upload",
+        parents=[common],
+        help="upload a folder of class sub-folders or an archive; --path registers shared storage",
+    )
+    up.add_argument("source", nargs="?", help="folder (packed to .tar.gz on the fly) or .zip/.tar/.tar.gz archive")
+    up.add_argument("--path", help="register this folder on the service's shared storage instead of uploading")
+    up.add_argument("--name", help="dataset name (default: the folder or file name)")
+    up.add_argument("--sample", type=int, help="with --path: decode only this many images (large sets)")
+    up.set_defaults(handler=_datasets_upload)
+    ls = ds_sub.add_parser("list", parents=[common], help="list datasets, newest first")
+    ls.add_argument("--limit", type=int, default=50)
+    ls.add_argument("--all", action="store_true", help="every page")
+    ls.set_defaults(handler=_datasets_list)
+    show = ds_sub.add_parser("show", parents=[common], help="one dataset with its per-class counts")
+    show.add_argument("id")
+    show.set_defaults(handler=_datasets_show)
+    delete = ds_sub.add_parser("delete", parents=[common], help="delete a dataset (refused while a job uses it)")
+    delete.add_argument("id")
+    delete.set_defaults(handler=_datasets_delete)
+
+    submit = sub.add_parser(
+        "submit",
+        parents=[common],
+        help="submit a training job from a YAML/JSON spec, with flag overrides",
+        description="Submit a job. Fields come from SPEC, then the flags below, then --set KEY=VALUE "
+        "(e.g. --set parameters.epochs=3). Dataset fields accept an id or a dataset name.",
+    )
+    submit.add_argument("spec", nargs="?", help="job spec file (.yaml, .yml or .json; - for stdin)")
+    submit.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec field by its dotted path")
+    submit.add_argument("--name", help="job name")
+    submit.add_argument("--train", help="training dataset (id or name)")
+    submit.add_argument("--val", help="validation dataset (id or name)")
+    submit.add_argument("--pretrained", action="store_true", default=None, help="start from offline pretrained weights")
+    for flag, _dotted, kind, text in _SUBMIT_FLAGS:
+        submit.add_argument(flag, type=kind, default=None, help=text)
+    submit.add_argument("--follow", "-f", action="store_true", help="show live progress until the job ends")
+    submit.add_argument("--logs", action="store_true", help="with --follow: also print rank 0's log")
+    submit.add_argument("--dry-run", action="store_true", help="print the spec that would be sent")
+    submit.set_defaults(handler=_submit)
+
+    jobs = sub.add_parser("jobs", parents=[common], help="list jobs, newest first")
+    jobs.add_argument("--status", action="append", help="only jobs with this status (repeatable)")
+    jobs.add_argument("--limit", type=int, default=50)
+    jobs.add_argument("--all", action="store_true", help="every page")
+    jobs.set_defaults(handler=_jobs)
+
+    show_job = sub.add_parser("show", parents=[common], help="a job's status, progress, failure and history")
+    show_job.add_argument("id")
+    show_job.set_defaults(handler=_show)
+
+    cancel = sub.add_parser("cancel", parents=[common], help="cancel a job (idempotent)")
+    cancel.add_argument("id")
+    cancel.add_argument("--wait", action="store_true", help="wait until the job is cancelled")
+    cancel.set_defaults(handler=_cancel)
+
+    logs = sub.add_parser("logs", parents=[common], help="a job's log (rank 0 unless --rank/--stream)")
+    logs.add_argument("id")
+    logs.add_argument("-f", "--follow", action="store_true", help="stream new lines until the job ends")
+    logs.add_argument("--rank", type=int, default=None, help="global rank (default 0)")
+    logs.add_argument("--stream", default=None, help="a stream by name, e.g. the agent log")
+    logs.add_argument("--offset", type=int, default=0, help="start at this byte offset")
+    logs.set_defaults(handler=_logs)
+
+    metrics = sub.add_parser("metrics", parents=[common], help="a job's metrics as a per-epoch table")
+    metrics.add_argument("id")
+    metrics.add_argument("--watch", "-w", action="store_true", help="refresh live until the job ends")
+    metrics.add_argument("--name", action="append", help="only this metric (repeatable); lists the points")
+    metrics.add_argument("--raw", action="store_true", help="list every point instead of the epoch table")
+    metrics.set_defaults(handler=_metrics)
+
+    download = sub.add_parser(
+        "download", parents=[common], help="download, verify and unpack a succeeded job's model directory"
+    )
+    download.add_argument("id")
+    download.add_argument("-o", "--output", help="directory to create (default: ./model-<job id>)")
+    download.add_argument("--keep-archive", action="store_true", help="keep the .tar.gz beside the directory")
+    download.set_defaults(handler=_download)
+
+    cluster = sub.add_parser("cluster", parents=[common], help="nodes, processing units and limits")
+    cluster.set_defaults(handler=_cluster)
+
+    predict = sub.add_parser(
+        "predict", help="classify images with a downloaded model directory (no service needed)"
+    )
+    predict.add_argument("model_dir")
+    predict.add_argument("images", nargs="+", metavar="IMAGE")
+    predict.add_argument("--topk", type=int, default=5, help="classes to show per image")
+    predict.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    predict.add_argument("--json", action="store_true", help="machine-readable JSON output")
+    predict.set_defaults(handler=_predict)

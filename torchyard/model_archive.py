@@ -1,0 +1,257 @@
+"""The ``.tar.gz`` form of a model directory: packed deterministically, checked and unpacked safely.
+
+An archive holds one top-level folder ``model/`` with the files its ``SHA256SUMS``
+manifest lists (at least ``config.json``, ``model.safetensors`` and ``metrics.json``)
+and the manifest itself; nothing else. Packing the same directory twice gives the same
+bytes (sorted members, fixed times and owners, no gzip timestamp), so the archive's
+sha256 identifies the model.
+
+Checking and unpacking read the archive as a stream and refuse anything but regular
+files directly under ``model/`` (no links, devices, nested folders or odd names), cap
+the member count and the unpacked size (decompression bombs), and compare every file
+with its manifest checksum. Used by the worker (upload, ``init_from_job`` download),
+the API (upload check) and clients (download).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import re
+import shutil
+import tarfile
+import tempfile
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, BinaryIO
+
+from torchyard.errors import InvalidModelDirectoryError
+
+SHA256_HEADER = "X-Torchyard-Sha256"
+TOP_FOLDER = "model"
+MANIFEST_FILE = "SHA256SUMS"
+# The model directory layout (SPEC §4); torchyard.modeldir writes it.
+REQUIRED_FILES = ("config.json", "model.safetensors", "metrics.json")
+MAX_MEMBERS = 64
+MAX_MANIFEST_BYTES = 64 * 1024
+_CHUNK = 1 << 20
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class ArchivedFile:
+    name: str
+    size: int
+    sha256: str
+
+
+def sha256_of(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def parse_manifest(text: str) -> dict[str, str]:
+    """``SHA256SUMS`` lines (``<sha256>  <name>``) as ``{name: sha256}``; names are flat."""
+    listed: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        digest, sep, name = line.partition("  ")
+        name = name.strip()
+        if not sep or not _SHA256.match(digest) or not _NAME.match(name) or name == MANIFEST_FILE:
+            raise InvalidModelDirectoryError(f"{MANIFEST_FILE} line {number} is malformed")
+        if name in listed:
+            raise InvalidModelDirectoryError(f"{MANIFEST_FILE} lists {name} twice")
+        listed[name] = digest
+    missing = [name for name in REQUIRED_FILES if name not in listed]
+    if missing:
+        raise InvalidModelDirectoryError(f"{MANIFEST_FILE} does not list {', '.join(missing)}")
+    return listed
+
+
+def read_manifest(folder: str | Path) -> dict[str, str]:
+    path = Path(folder) / MANIFEST_FILE
+    if not path.is_file():
+        raise InvalidModelDirectoryError(f"model directory has no {MANIFEST_FILE} manifest")
+    if path.stat().st_size > MAX_MANIFEST_BYTES:
+        raise InvalidModelDirectoryError(f"{MANIFEST_FILE} is too large")
+    return parse_manifest(path.read_text(encoding="utf-8"))
+
+
+def _member(name: str, size: int, *, directory: bool = False) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mtime = 0
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    if directory:
+        info.type = tarfile.DIRTYPE
+        info.mode = 0o755
+    else:
+        info.mode = 0o644
+    return info
+
+
+def pack_model_dir(folder: str | Path, dest: str | Path) -> tuple[str, int]:
+    """Write the deterministic ``.tar.gz`` of a model directory to ``dest``; ``(sha256, size)``.
+
+    Only the manifest and the files it lists are packed, each checked against its
+    checksum first, so the archive carries exactly what the manifest vouches for.
+    """
+    folder = Path(folder)
+    listed = read_manifest(folder)
+    for name, digest in listed.items():
+        file = folder / name
+        if not file.is_file() or file.is_symlink():
+            raise InvalidModelDirectoryError(f"model directory is missing {name}")
+        if sha256_of(file) != digest:
+            raise InvalidModelDirectoryError(
+                f"checksum mismatch for {name}: the file is corrupt or was modified"
+            )
+    names = sorted([*listed, MANIFEST_FILE])
+    # Weights barely compress: the fastest level loses little and saves seconds on large models.
+    with (
+        open(dest, "wb") as raw,
+        gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=1) as gz,
+        tarfile.open(fileobj=gz, mode="w", format=tarfile.USTAR_FORMAT) as tar,
+    ):
+        tar.addfile(_member(TOP_FOLDER, 0, directory=True))
+        for name in names:
+            path = folder / name
+            with open(path, "rb") as fh:
+                tar.addfile(_member(f"{TOP_FOLDER}/{name}", os.fstat(fh.fileno()).st_size), fh)
+    return sha256_of(dest), Path(dest).stat().st_size
+
+
+def _members(path: Path) -> Iterator[tuple[tarfile.TarFile, tarfile.TarInfo]]:
+    with tarfile.open(path, "r|gz") as tar:
+        for count, member in enumerate(tar, start=1):
+            if count > MAX_MEMBERS:
+                raise InvalidModelDirectoryError(f"model archive has more than {MAX_MEMBERS} entries")
+            yield tar, member
+
+
+def _file_name(member: tarfile.TarInfo) -> str | None:
+    """The flat file name of an acceptable member; None for the ``model/`` folder entry."""
+    name = member.name
+    if member.type == tarfile.DIRTYPE and name.rstrip("/") == TOP_FOLDER:
+        return None
+    if member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
+        raise InvalidModelDirectoryError(
+            f"model archive entry {name!r} is not a regular file (links, devices and folders are refused)"
+        )
+    top, sep, base = name.partition("/")
+    if top != TOP_FOLDER or not sep or not _NAME.match(base):
+        raise InvalidModelDirectoryError(
+            f"model archive entry {name!r} is not a plain file directly under {TOP_FOLDER}/"
+        )
+    return base
+
+
+def _copy_member(source: IO[bytes], size: int, out: BinaryIO | None, manifest: bytearray | None) -> str:
+    digest = hashlib.sha256()
+    remaining = size
+    while remaining:
+        chunk = source.read(min(_CHUNK, remaining))
+        if not chunk:
+            raise InvalidModelDirectoryError("model archive is truncated")
+        remaining -= len(chunk)
+        digest.update(chunk)
+        if out is not None:
+            out.write(chunk)
+        if manifest is not None:
+            manifest.extend(chunk)
+    return digest.hexdigest()
+
+
+def _walk(path: Path, max_unpacked_bytes: int, extract_to: Path | None) -> dict[str, ArchivedFile]:
+    try:
+        return _walk_members(path, max_unpacked_bytes, extract_to)
+    except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        raise InvalidModelDirectoryError(f"model archive is not a valid .tar.gz: {exc}") from exc
+
+
+def _walk_members(path: Path, max_unpacked_bytes: int, extract_to: Path | None) -> dict[str, ArchivedFile]:
+    files: dict[str, ArchivedFile] = {}
+    manifest_bytes: bytearray | None = None
+    total = 0
+    for tar, member in _members(path):
+        name = _file_name(member)
+        if name is None:
+            continue
+        if name in files:
+            raise InvalidModelDirectoryError(f"model archive holds {name} twice")
+        total += member.size
+        if total > max_unpacked_bytes:
+            raise InvalidModelDirectoryError(f"model archive unpacks to more than {max_unpacked_bytes} bytes")
+        capture = None
+        if name == MANIFEST_FILE:
+            if member.size > MAX_MANIFEST_BYTES:
+                raise InvalidModelDirectoryError(f"{MANIFEST_FILE} is too large")
+            capture = manifest_bytes = bytearray()
+        source = tar.extractfile(member)
+        if source is None:  # pragma: no cover - regular files always have a reader
+            raise InvalidModelDirectoryError(f"cannot read {name} from the model archive")
+        if extract_to is None:
+            digest = _copy_member(source, member.size, None, capture)
+        else:
+            fd = os.open(extract_to / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(fd, "wb") as out:
+                digest = _copy_member(source, member.size, out, capture)
+        files[name] = ArchivedFile(name=name, size=member.size, sha256=digest)
+    if manifest_bytes is None:
+        raise InvalidModelDirectoryError(f"model archive has no {TOP_FOLDER}/{MANIFEST_FILE} manifest")
+    try:
+        listed = parse_manifest(manifest_bytes.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InvalidModelDirectoryError(f"{MANIFEST_FILE} is not UTF-8 text") from exc
+    for name, digest in listed.items():
+        if name not in files:
+            raise InvalidModelDirectoryError(f"model archive is missing {name}")
+        if files[name].sha256 != digest:
+            raise InvalidModelDirectoryError(
+                f"checksum mismatch for {name}: the file is corrupt or was modified"
+            )
+    unlisted = sorted(set(files) - set(listed) - {MANIFEST_FILE})
+    if unlisted:
+        raise InvalidModelDirectoryError(f"model archive holds files its manifest does not list: {unlisted}")
+    return files
+
+
+def inspect_model_archive(path: str | Path, *, max_unpacked_bytes: int) -> dict[str, ArchivedFile]:
+    """Check a model archive without unpacking it; the files it holds by name.
+
+    Raises ``InvalidModelDirectoryError`` for anything but a well-formed archive whose
+    files all match the manifest.
+    """
+    return _walk(Path(path), max_unpacked_bytes, None)
+
+
+def extract_model_archive(path: str | Path, dest: str | Path, *, max_unpacked_bytes: int) -> Path:
+    """Unpack a model archive into the directory ``dest`` (replaced if present), checked.
+
+    The files land in a temporary sibling folder first, which becomes ``dest`` only
+    once every checksum matched.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.unpack-", dir=dest.parent))
+    try:
+        _walk(Path(path), max_unpacked_bytes, tmp)
+        os.chmod(tmp, 0o755)
+        if dest.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+            os.replace(dest, old / dest.name)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest

@@ -1,0 +1,465 @@
+"""The trained-model directory: writer, checksum manifest, loader and inference helpers.
+
+A model directory (SPEC §4) holds:
+
+- ``config.json``: format version, architecture, class names in output order, the
+  evaluation geometry (``image_size``) and normalization (``mean``/``std``), the
+  training parameters and provenance (versions, dataset checksums, best epoch...);
+- ``model.safetensors``: the plain model's ``state_dict`` (no DDP ``module.`` prefix),
+  loadable without unpickling anything;
+- ``metrics.json``: final and best metrics plus the per-epoch history;
+- ``SHA256SUMS``: ``<sha256>  <filename>`` lines for the three files above.
+
+The loader here turns a downloaded directory back into an ``nn.Module`` plus class
+names without the service running::
+
+    model, classes, config = load_model("digits-model")
+    predict("digits-model", ["seven.png"])  # [[("7", 0.98), ("1", 0.01), ...]]
+
+The ImageDirectory helpers (how class folders and image files are found) live here
+too, so the trainer and :func:`evaluate_dir` read a dataset the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision
+from PIL import Image
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torchvision.transforms import v2 as T
+
+from torchyard.errors import InvalidDatasetError, InvalidModelDirectoryError
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+METRICS_FILE = "metrics.json"
+MANIFEST_FILE = "SHA256SUMS"
+REQUIRED_FILES = (CONFIG_FILE, WEIGHTS_FILE, METRICS_FILE)
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+# The evaluation resize keeps the ImageNet recipe's crop ratio (224 crop of a 256 resize).
+EVAL_CROP_RATIO = 0.875
+
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff"})
+_IGNORED_NAMES = frozenset({"__MACOSX", "Thumbs.db", "desktop.ini"})
+
+
+# --------------------------------------------------------------------------- ImageDirectory
+
+
+def _visible_entries(folder: Path) -> list[Path]:
+    """Entries of ``folder`` without hidden files and archive-tool litter (``__MACOSX``...)."""
+    return sorted(p for p in folder.iterdir() if not p.name.startswith(".") and p.name not in _IGNORED_NAMES)
+
+
+def image_directory_root(root: str | Path, classes: Sequence[str] | None = None) -> Path:
+    """The folder holding the class sub-folders: ``root`` itself, or its one wrapping folder.
+
+    A dataset may be wrapped in a single top-level folder (``digits/0/..., digits/1/...``),
+    as archives often are; hidden entries and ``__MACOSX`` are ignored when deciding.
+    When the expected ``classes`` are given and ``root``'s folders are exactly those,
+    ``root`` is the answer even if it holds a single (class) folder.
+    """
+    path = Path(root)
+    if not path.is_dir():
+        raise InvalidDatasetError(f"dataset folder {path.name!r} does not exist")
+    entries = _visible_entries(path)
+    if classes is not None and {p.name for p in entries if p.is_dir()} == set(classes):
+        return path
+    if len(entries) == 1 and entries[0].is_dir():
+        inner = [p for p in _visible_entries(entries[0]) if p.is_dir()]
+        if inner:
+            return entries[0]
+    return path
+
+
+def image_directory_classes(root: str | Path) -> list[str]:
+    """Sorted class names (sub-folder names) of an ImageDirectory."""
+    base = image_directory_root(root)
+    return sorted(p.name for p in _visible_entries(base) if p.is_dir())
+
+
+def is_image_file(path: Path) -> bool:
+    return path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".")
+
+
+def image_directory_samples(root: str | Path, classes: Sequence[str]) -> list[tuple[str, int]]:
+    """``(image path, class index)`` pairs of an ImageDirectory, in a stable sorted order.
+
+    The class index is the position in ``classes`` (the job's ordered class list). The
+    dataset's class folders must be exactly ``classes``; images may sit in nested
+    folders below their class folder.
+    """
+    base = image_directory_root(root, classes)
+    found = {p.name for p in _visible_entries(base) if p.is_dir()}
+    expected = set(classes)
+    if found != expected:
+        missing, extra = sorted(expected - found), sorted(found - expected)
+        parts = []
+        if missing:
+            parts.append(f"missing class folders {missing}")
+        if extra:
+            parts.append(f"unexpected class folders {extra}")
+        raise InvalidDatasetError(
+            f"dataset {base.name!r} does not match the job's classes: " + "; ".join(parts)
+        )
+    samples: list[tuple[str, int]] = []
+    for index, name in enumerate(classes):
+        class_dir = base / name
+        files = [
+            p
+            for p in sorted(class_dir.rglob("*"))
+            if p.is_file()
+            and is_image_file(p)
+            and not any(
+                part.startswith(".") or part in _IGNORED_NAMES for part in p.relative_to(class_dir).parts
+            )
+        ]
+        if not files:
+            raise InvalidDatasetError(f"class {name!r} of dataset {base.name!r} has no images")
+        samples.extend((str(p), index) for p in files)
+    return samples
+
+
+def load_rgb_image(path: str | Path) -> Image.Image:
+    """Decode an image file as RGB, turning decoding failures into ``InvalidDatasetError``."""
+    try:
+        with Image.open(path) as img:
+            return img.convert("RGB")
+    # PIL reports damaged files through several exception types, depending on the format.
+    except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as exc:
+        raise InvalidDatasetError(f"cannot read image {Path(path).name!r}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------- transforms
+
+
+def eval_resize_size(image_size: int) -> int:
+    return int(image_size / EVAL_CROP_RATIO)
+
+
+def eval_geometry(image_size: int) -> T.Compose:
+    """Evaluation geometry: resize to ``image_size / 0.875`` then centre crop; uint8 CHW output."""
+    return T.Compose(
+        [
+            T.Resize(eval_resize_size(image_size), antialias=True),
+            T.CenterCrop(image_size),
+            T.PILToTensor(),
+        ]
+    )
+
+
+def channel_stats(values: Sequence[float] | torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Per-channel ``mean``/``std`` as a float32 ``(1, C, 1, 1)`` tensor on ``device``."""
+    return torch.as_tensor(values, dtype=torch.float32).view(1, -1, 1, 1).to(device)
+
+
+def normalize_batch(
+    images: torch.Tensor, mean: Sequence[float] | torch.Tensor, std: Sequence[float] | torch.Tensor
+) -> torch.Tensor:
+    """uint8 ``(N, C, H, W)`` images to normalized float32: ``(x / 255 - mean) / std``.
+
+    The trainer runs this on the training device (uint8 batches travel 4x lighter);
+    :func:`eval_transform` applies the same arithmetic to single images.
+    """
+    mean_t = mean if isinstance(mean, torch.Tensor) else channel_stats(mean, images.device)
+    std_t = std if isinstance(std, torch.Tensor) else channel_stats(std, images.device)
+    return (images.to(torch.float32) / 255.0 - mean_t) / std_t
+
+
+def eval_transform(config: dict[str, Any]) -> Callable[[Image.Image], torch.Tensor]:
+    """The transform a model directory expects at inference: PIL RGB image -> normalized tensor."""
+    image_size = int(config["image_size"])
+    mean = [float(v) for v in config.get("mean", IMAGENET_MEAN)]
+    std = [float(v) for v in config.get("std", IMAGENET_STD)]
+    geometry = eval_geometry(image_size)
+
+    def transform(image: Image.Image) -> torch.Tensor:
+        return normalize_batch(geometry(image).unsqueeze(0), mean, std)[0]
+
+    return transform
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def sha256_file(path: str | Path, chunk_size: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(chunk_size):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def plain_state_dict(model: nn.Module | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A CPU, contiguous, unshared copy of a state dict, without DDP's ``module.`` prefix."""
+    if isinstance(model, nn.Module):
+        inner = getattr(model, "module", model)  # unwrap DistributedDataParallel
+        state = (inner if isinstance(inner, nn.Module) else model).state_dict()
+    else:
+        state = model
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        name = key.removeprefix("module.")
+        out[name] = value.detach().to("cpu", copy=True).contiguous()
+    return out
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(payload, fh, indent=2, sort_keys=False, allow_nan=False)
+        fh.write("\n")
+
+
+def write_manifest(directory: str | Path, names: Iterable[str] = REQUIRED_FILES) -> None:
+    folder = Path(directory)
+    lines = [f"{sha256_file(folder / name)}  {name}\n" for name in sorted(names)]
+    (folder / MANIFEST_FILE).write_text("".join(lines), encoding="utf-8")
+
+
+def write_model_dir(
+    dest: str | Path,
+    model: nn.Module | dict[str, torch.Tensor],
+    config: dict[str, Any],
+    metrics: dict[str, Any],
+    *,
+    before_publish: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write a complete model directory at ``dest`` atomically and return its path.
+
+    ``model`` is a module (DDP-wrapped or not) or a state dict. Everything is written
+    into a sibling ``<name>.tmp-*`` folder which is renamed to ``dest`` once complete,
+    so a reader never sees a partial directory; an existing ``dest`` is replaced.
+    ``config`` must name ``architecture``, ``classes`` and ``image_size``;
+    ``format_version``, ``num_classes``, ``mean`` and ``std`` are filled in when absent.
+    ``before_publish`` is called with the finished temporary folder just before the rename.
+    """
+    dest = Path(dest)
+    for key in ("architecture", "classes", "image_size"):
+        if key not in config:
+            raise ValueError(f"model config needs {key!r}")
+    full_config: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "num_classes": len(config["classes"]),
+        "mean": list(IMAGENET_MEAN),
+        "std": list(IMAGENET_STD),
+        **config,
+    }
+    if full_config["num_classes"] != len(full_config["classes"]):
+        raise ValueError("num_classes does not match the number of class names")
+    state = plain_state_dict(model)
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{dest.name}.tmp-", dir=dest.parent))
+    try:
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        _write_json(tmp / CONFIG_FILE, full_config)
+        _write_json(tmp / METRICS_FILE, metrics)
+        write_manifest(tmp)
+        os.chmod(tmp, 0o755)
+        if before_publish is not None:
+            before_publish(tmp)
+        old: Path | None = None
+        if dest.exists():
+            old = dest.with_name(f"{dest.name}.old-{os.getpid()}")
+            os.replace(dest, old)
+        os.replace(tmp, dest)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """The folder holding ``config.json``: ``path`` itself, or its one wrapping sub-folder.
+
+    Extracting a downloaded ``.tar.gz`` may add a top-level folder; both layouts load.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise InvalidModelDirectoryError(f"model directory {folder.name!r} does not exist")
+    if (folder / CONFIG_FILE).is_file():
+        return folder
+    subdirs = [p for p in _visible_entries(folder) if p.is_dir()]
+    if len(subdirs) == 1 and (subdirs[0] / CONFIG_FILE).is_file():
+        return subdirs[0]
+    raise InvalidModelDirectoryError(f"model directory {folder.name!r} has no {CONFIG_FILE}")
+
+
+def verify_model_dir(path: str | Path) -> None:
+    """Check the manifest: every required file is listed, present, and matches its sha256.
+
+    Raises ``InvalidModelDirectoryError`` naming the first problem found.
+    """
+    folder = resolve_model_dir(path)
+    manifest = folder / MANIFEST_FILE
+    if not manifest.is_file():
+        raise InvalidModelDirectoryError(f"model directory has no {MANIFEST_FILE} manifest")
+    listed: dict[str, str] = {}
+    for number, line in enumerate(manifest.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        digest, sep, name = line.partition("  ")
+        name = name.strip()
+        if (
+            not sep
+            or len(digest) != 64
+            or not all(c in "0123456789abcdef" for c in digest)
+            or not name
+            or "/" in name
+            or "\\" in name
+            or name in (".", "..")
+        ):
+            raise InvalidModelDirectoryError(f"{MANIFEST_FILE} line {number} is malformed")
+        listed[name] = digest
+    for name in REQUIRED_FILES:
+        if name not in listed:
+            raise InvalidModelDirectoryError(f"{MANIFEST_FILE} does not list {name}")
+    for name, digest in listed.items():
+        file = folder / name
+        if not file.is_file():
+            raise InvalidModelDirectoryError(f"model directory is missing {name}")
+        if sha256_file(file) != digest:
+            raise InvalidModelDirectoryError(
+                f"checksum mismatch for {name}: the file is corrupt or was modified"
+            )
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """Parse and sanity-check ``config.json`` of a model directory."""
+    folder = resolve_model_dir(path)
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InvalidModelDirectoryError(f"cannot read {CONFIG_FILE}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise InvalidModelDirectoryError(f"{CONFIG_FILE} is not a JSON object")
+    version = config.get("format_version")
+    if version != FORMAT_VERSION:
+        raise InvalidModelDirectoryError(f"unsupported model directory format_version {version!r}")
+    classes = config.get("classes")
+    if not isinstance(classes, list) or not classes or not all(isinstance(c, str) for c in classes):
+        raise InvalidModelDirectoryError(f"{CONFIG_FILE} has no valid 'classes' list")
+    if config.get("num_classes") != len(classes):
+        raise InvalidModelDirectoryError(f"{CONFIG_FILE}: num_classes does not match the class list")
+    if not isinstance(config.get("image_size"), int):
+        raise InvalidModelDirectoryError(f"{CONFIG_FILE} has no integer 'image_size'")
+    arch = config.get("architecture")
+    if arch not in torchvision.models.list_models(module=torchvision.models):
+        raise InvalidModelDirectoryError(f"{CONFIG_FILE} names an unknown architecture {arch!r}")
+    return config
+
+
+def load_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """The weights of a model directory (safetensors: nothing is unpickled)."""
+    folder = resolve_model_dir(path)
+    try:
+        return load_file(str(folder / WEIGHTS_FILE), device="cpu")
+    except Exception as exc:  # safetensors raises its own error types
+        raise InvalidModelDirectoryError(f"cannot read {WEIGHTS_FILE}: {exc}") from exc
+
+
+def build_architecture(config: dict[str, Any]) -> nn.Module:
+    """An untrained module shaped as the directory's config describes."""
+    kwargs = dict(config.get("model_kwargs") or {})
+    return torchvision.models.get_model(
+        config["architecture"], weights=None, num_classes=int(config["num_classes"]), **kwargs
+    )
+
+
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu", *, verify: bool = True
+) -> tuple[nn.Module, list[str], dict[str, Any]]:
+    """Load a model directory: ``(module in eval mode, class names, config)``.
+
+    The manifest is verified first (``verify=False`` skips it). Raises
+    ``InvalidModelDirectoryError`` for anything missing, corrupt or inconsistent.
+    """
+    if verify:
+        verify_model_dir(path)
+    config = read_config(path)
+    state = load_state(path)
+    model = build_architecture(config)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise InvalidModelDirectoryError(f"weights do not match {config['architecture']}: {exc}") from exc
+    model.to(device).eval()
+    return model, list(config["classes"]), config
+
+
+# --------------------------------------------------------------------------- inference
+
+
+def _batches(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+@torch.inference_mode()
+def _logits(
+    model: nn.Module, config: dict[str, Any], paths: Sequence[str | Path], device: torch.device
+) -> torch.Tensor:
+    geometry = eval_geometry(int(config["image_size"]))
+    mean, std = config.get("mean", IMAGENET_MEAN), config.get("std", IMAGENET_STD)
+    images = torch.stack([geometry(load_rgb_image(p)) for p in paths]).to(device)
+    return model(normalize_batch(images, mean, std)).float()
+
+
+def predict(
+    path: str | Path,
+    image_paths: Sequence[str | Path],
+    topk: int = 5,
+    *,
+    device: str | torch.device = "cpu",
+    batch_size: int = 64,
+) -> list[list[tuple[str, float]]]:
+    """Classify images with a model directory: per image, the ``topk`` ``(class, probability)``."""
+    model, classes, config = load_model(path, device)
+    k = max(1, min(topk, len(classes)))
+    results: list[list[tuple[str, float]]] = []
+    for chunk in _batches(list(image_paths), batch_size):
+        probs = _logits(model, config, chunk, torch.device(device)).softmax(dim=1)
+        values, indices = probs.topk(k, dim=1)
+        for row_v, row_i in zip(values.tolist(), indices.tolist(), strict=True):
+            results.append([(classes[i], float(v)) for v, i in zip(row_v, row_i, strict=True)])
+    return results
+
+
+def evaluate_dir(
+    path: str | Path,
+    image_dir: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    batch_size: int = 64,
+) -> dict[str, Any]:
+    """Top-1 accuracy of a model directory over a labeled ImageDirectory.
+
+    Returns ``{"top1": fraction, "correct": int, "n": int}``; the dataset's class
+    folders must be the model's classes.
+    """
+    model, classes, config = load_model(path, device)
+    samples = image_directory_samples(image_dir, classes)
+    correct = 0
+    for chunk in _batches(samples, batch_size):
+        logits = _logits(model, config, [p for p, _ in chunk], torch.device(device))
+        targets = torch.tensor([t for _, t in chunk], device=logits.device)
+        correct += int((logits.argmax(dim=1) == targets).sum().item())
+    return {"top1": correct / len(samples), "correct": correct, "n": len(samples)}

@@ -1,0 +1,219 @@
+"""``torchyard serve``: the API on uvicorn, optionally with one local worker agent beside it.
+
+``--with-worker`` is the embedded default for a single machine: the API and a worker
+agent (a child process) share the data directory. The worker's token is created once
+and kept in ``<data dir>/worker.token`` (mode 0600). On SIGINT/SIGTERM the worker is
+stopped first, while the API still answers its last reports, then the API shuts down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from service.config import Settings
+
+log = logging.getLogger(__name__)
+
+WORKER_TOKEN_FILE = "worker.token"
+WORKER_STOP_GRACE_S = 30.0
+GRACEFUL_SHUTDOWN_S = 5
+_PR_SET_PDEATHSIG = 1
+
+
+def worker_token_path(settings: Settings) -> Path:
+    return settings.data_dir / WORKER_TOKEN_FILE
+
+
+def ensure_worker_token(settings: Settings) -> str:
+    """Prepare the database (migrations, admin token) and return the local worker's token,
+    creating it at the first start."""
+    from service.api.app import bootstrap
+    from service.services.tokens import ensure_bootstrap_token
+    from service.states import Role
+
+    db = bootstrap(settings)
+    try:
+        with db.transaction() as session:
+            ensure_bootstrap_token(session, worker_token_path(settings), Role.WORKER, "local-worker")
+    finally:
+        db.dispose()
+    return worker_token_path(settings).read_text().strip()
+
+
+def default_worker_slots() -> int:
+    """CPU slots of the local worker on a machine without GPUs: one per core, up to 8
+    (on a GPU machine the agent counts GPUs instead)."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything starts so the worker can connect at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def _local_api_url(host: str, port: int) -> str:
+    if host in ("0.0.0.0", "", "::"):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    # If `serve` is killed outright, its worker must not outlive it (Linux only).
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class LocalWorker:
+    """The worker agent child process of ``serve --with-worker``."""
+
+    def __init__(self, api_url: str, token: str, name: str, slots: int, work_dir: Path, log_path: Path) -> None:
+        self.api_url = api_url
+        self.token = token
+        self.name = name
+        self.slots = slots
+        self.work_dir = work_dir
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        cmd = [
+            sys.executable, "-m", "torchyard.cli", "worker",
+            "--api", self.api_url,
+            "--name", self.name,
+            "--slots", str(self.slots),
+            "--work-dir", str(self.work_dir),
+        ]  # fmt: skip
+        # The token travels in the environment, not on the command line (visible in `ps`).
+        env = {**os.environ, "TORCHYARD_TOKEN": self.token}
+        log.info("starting the local worker agent %r (log: %s)", self.name, self.log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            self.process = subprocess.Popen(
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C reaches `serve`, which stops the worker in order
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            )
+        threading.Thread(target=self._watch, name="local-worker-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        process = self.process
+        if process is None:
+            return
+        code = process.wait()
+        if not getattr(self, "_stopping", False):
+            log.error("the local worker agent exited with status %s; see %s", code, self.log_path)
+
+    def stop(self, grace: float = WORKER_STOP_GRACE_S) -> None:
+        """SIGTERM, then SIGKILL after ``grace`` seconds (the agent stops its ranks on SIGTERM)."""
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        self._stopping = True
+        log.info("stopping the local worker agent")
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            log.warning("the local worker agent did not stop within %.0f s: killing it", grace)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn that, on a stop signal, first runs ``before_exit`` (in a thread), then exits."""
+
+    def __init__(self, config: uvicorn.Config, before_exit: Any = None) -> None:
+        super().__init__(config)
+        self._before_exit = before_exit
+        self._exiting = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._before_exit is None or self._exiting:
+            super().handle_exit(sig, frame)
+            return
+        self._exiting = True
+        self._captured_signals.append(sig)
+
+        def stop_then_exit() -> None:
+            try:
+                self._before_exit()
+            finally:
+                self.should_exit = True
+
+        threading.Thread(target=stop_then_exit, name="serve-stop", daemon=True).start()
+
+
+def serve(
+    settings: Settings,
+    *,
+    with_worker: bool = False,
+    worker_name: str | None = None,
+    worker_slots: int | None = None,
+) -> int:
+    """Run the API (and, with ``with_worker``, a local worker agent) until SIGINT/SIGTERM."""
+    from service.api.app import create_app
+
+    worker: LocalWorker | None = None
+    if with_worker:
+        token = ensure_worker_token(settings)
+        name = worker_name or f"{socket.gethostname().split('.')[0] or 'local'}-local"
+        worker = LocalWorker(
+            _local_api_url(settings.host, settings.port),
+            token,
+            name,
+            worker_slots or default_worker_slots(),
+            settings.data_dir / "worker",
+            settings.data_dir / "logs" / "local-worker.log",
+        )
+    sock = _bind(settings.host, settings.port)
+    config = uvicorn.Config(
+        create_app(settings),
+        log_level="info",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    server = _Server(config, before_exit=worker.stop if worker is not None else None)
+    # uvicorn re-raises the stop signal once it has shut down; these handlers make that a
+    # plain return, so the worker is always reaped below.
+    stopped: list[int] = []
+    previous = {
+        sig: signal.signal(sig, lambda s, _f: stopped.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        if worker is not None:
+            worker.start()
+        log.info("torchyard API on %s", _local_api_url(settings.host, settings.port))
+        server.run(sockets=[sock])
+    finally:
+        if worker is not None:
+            worker.stop()
+        sock.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0

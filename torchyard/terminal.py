@@ -1,0 +1,201 @@
+"""Terminal output of the CLI and the demo: tables, a progress bar, live job progress."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, TextIO
+
+# Per-epoch columns of the metrics table: (metric name, header, format).
+EPOCH_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("train.loss", "train.loss", "{:.4f}"),
+    ("train.lr", "lr", "{:.3g}"),
+    ("train.images_per_sec", "img/s", "{:.1f}"),
+    ("val.loss", "val.loss", "{:.4f}"),
+    ("val.top1", "val.top1", "{:.2%}"),
+    ("val.top5", "val.top5", "{:.2%}"),
+    ("epoch.seconds", "seconds", "{:.1f}"),
+)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def format_time(value: datetime | str | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    return value.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A plain left-aligned table with a header line."""
+    text_rows = [[("-" if v is None else str(v)) for v in row] for row in rows]
+    widths = [len(h) for h in headers]
+    for row in text_rows:
+        for i, value in enumerate(row):
+            widths[i] = max(widths[i], len(value))
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    for row in text_rows:
+        lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+    return "\n".join(lines)
+
+
+class ProgressBar:
+    """A transfer progress bar on a terminal (stderr); silent when it is not a terminal."""
+
+    def __init__(self, label: str, stream: TextIO | None = None, *, min_interval: float = 0.1) -> None:
+        self.label = label
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty()
+        self.min_interval = min_interval
+        self._last = 0.0
+        self._started = time.monotonic()
+        self._first_done: int | None = None
+        self._shown = False
+
+    def __call__(self, done: int, total: int | None) -> None:
+        now = time.monotonic()
+        if self._first_done is None:
+            self._first_done = done
+        if not self.enabled or (now - self._last < self.min_interval and done != total):
+            return
+        self._last = now
+        rate = (done - self._first_done) / max(now - self._started, 1e-6)
+        if total:
+            width = 30
+            filled = int(width * done / total)
+            bar = "#" * filled + "." * (width - filled)
+            text = f"{self.label} [{bar}] {done / total:6.1%} {human_bytes(done)}/{human_bytes(total)}"
+        else:
+            text = f"{self.label} {human_bytes(done)}"
+        self.stream.write(f"\r{text}  {human_bytes(rate)}/s\x1b[K")
+        self.stream.flush()
+        self._shown = True
+
+    def finish(self) -> None:
+        if self._shown:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+@dataclass
+class EpochTable:
+    """Metric points folded into one row per epoch (the last value of each metric)."""
+
+    rows: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def add(self, point: Mapping[str, Any]) -> int:
+        epoch = int(point["epoch"])
+        if int(point.get("rank", 0)) == 0:
+            self.rows.setdefault(epoch, {})[str(point["name"])] = float(point["value"])
+        return epoch
+
+    def columns(self) -> list[tuple[str, str, str]]:
+        present = {name for row in self.rows.values() for name in row}
+        return [c for c in EPOCH_COLUMNS if c[0] in present]
+
+    def row(self, epoch: int, columns: Sequence[tuple[str, str, str]] | None = None) -> list[str]:
+        values = self.rows.get(epoch, {})
+        cols = columns if columns is not None else self.columns()
+        return [str(epoch)] + [fmt.format(values[name]) if name in values else "-" for name, _, fmt in cols]
+
+    def render(self) -> str:
+        cols = self.columns()
+        return format_table(["epoch"] + [h for _, h, _ in cols], [self.row(e, cols) for e in sorted(self.rows)])
+
+    def is_complete(self, epoch: int) -> bool:
+        """An epoch's row is complete once its duration is recorded (the trainer's last point)."""
+        return "epoch.seconds" in self.rows.get(epoch, {})
+
+
+def describe_status(data: Mapping[str, Any]) -> str:
+    text = str(data.get("status"))
+    if data.get("message"):
+        text += f" ({data['message']})"
+    failure = data.get("failure")
+    if isinstance(failure, Mapping):
+        where = ", ".join(
+            f"{k} {failure[k]}" for k in ("rank", "node") if failure.get(k) is not None
+        )
+        text += f": {failure.get('code')}: {failure.get('message')}" + (f" [{where}]" if where else "")
+    return text
+
+
+class LiveProgress:
+    """Prints a job's events as they arrive: status changes, one line per finished epoch,
+    and (on a terminal) a refreshing line with the current step and training loss."""
+
+    def __init__(self, out: TextIO | None = None, *, show_logs: bool = False, epochs: int | None = None) -> None:
+        self.out = out or sys.stdout
+        self.tty = self.out.isatty()
+        self.show_logs = show_logs
+        self.epochs = epochs
+        self.table = EpochTable()
+        self._printed: set[int] = set()
+        self._live = False
+        self.final: dict[str, Any] | None = None
+
+    def _line(self, text: str) -> None:
+        if self._live:
+            self.out.write("\r\x1b[K")
+            self._live = False
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def _live_line(self, text: str) -> None:
+        if not self.tty:
+            return
+        self.out.write("\r\x1b[K" + text)
+        self.out.flush()
+        self._live = True
+
+    def _epoch_line(self, epoch: int) -> str:
+        values = self.table.rows.get(epoch, {})
+        parts = [f"epoch {epoch}" + (f"/{self.epochs}" if self.epochs else "")]
+        for name, header, fmt in EPOCH_COLUMNS:
+            if name in values:
+                parts.append(f"{header} {fmt.format(values[name])}")
+        return "  ".join(parts)
+
+    def handle(self, kind: str, data: Mapping[str, Any]) -> None:
+        if kind == "status":
+            self._flush_epochs()
+            self._line(f"status: {describe_status(data)}")
+            if data.get("final"):
+                self.final = dict(data)
+        elif kind == "metric":
+            epoch = self.table.add(data)
+            for done in sorted(self.table.rows):
+                if done < epoch:
+                    self._print_epoch(done)
+            if self.table.is_complete(epoch):
+                self._print_epoch(epoch)
+            elif data.get("name") == "train.loss":
+                total = f"/{self.epochs}" if self.epochs else ""
+                self._live_line(
+                    f"epoch {epoch}{total}  step {data.get('step')}  train.loss {float(data['value']):.4f}"
+                )
+        elif kind == "log" and self.show_logs:
+            text = str(data.get("text", "")).rstrip("\n")
+            for line in text.splitlines():
+                self._line(f"[{data.get('stream', 'log')}] {line}")
+
+    def _print_epoch(self, epoch: int) -> None:
+        if epoch not in self._printed:
+            self._printed.add(epoch)
+            self._line(self._epoch_line(epoch))
+
+    def _flush_epochs(self) -> None:
+        for epoch in sorted(self.table.rows):
+            if self.table.is_complete(epoch):
+                self._print_epoch(epoch)

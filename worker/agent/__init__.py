@@ -1,0 +1,1 @@
+"""The worker agent: registers a node, claims work over HTTP, launches torchrun."""

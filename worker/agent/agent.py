@@ -1,0 +1,259 @@
+"""The worker agent: one per node. Registers, heartbeats, claims work, runs it.
+
+Three kinds of threads:
+
+* the heartbeat thread renews the node and the leases of its placements every
+  ``heartbeat_interval_s`` and passes stop orders (cancel, failure elsewhere, stale
+  lease) to the placements concerned;
+* the claim loop long-polls the API for work, back to back (no sleep between polls;
+  a backoff only after errors), and starts a placement thread per claim;
+* one thread per placement (see :mod:`worker.agent.placement`).
+
+The API may be unreachable for a while: every call is retried with backoff. A
+placement whose lease the API no longer knows (409 or a ``stale`` stop order) has
+its ranks killed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import signal
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchyard.errors import NotFoundError, TorchyardError
+from worker.agent.api import Backoff, WorkerApi, is_retryable, retrying
+from worker.agent.launcher import kill_leftovers
+from worker.agent.node import NodeResources, address_towards, detect_resources, interface_for
+from worker.agent.placement import AgentContext, PlacementRun
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HEARTBEAT_S = 2.0
+MAX_CLAIM_WAIT_S = 30.0
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    api_url: str
+    token: str
+    name: str
+    address: str | None = None
+    slots: int = 1
+    force_cpu: bool = False
+    work_dir: Path = Path("torchyard-worker")
+    grace_s: float = 10.0
+
+
+class UnitPool:
+    """This node's processing units, handed to placements (GPU indexes on a CUDA node)."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self._free = list(ids)
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> tuple[int, ...]:
+        with self._lock:
+            if n > len(self._free):
+                # The API never over-commits a node; a mismatch means a run is still winding
+                # down locally after the API gave up on it. Share rather than refuse.
+                log.warning("%d unit(s) asked, %d free: sharing units", n, len(self._free))
+                taken = tuple(self._free) + tuple(range(n - len(self._free)))
+                self._free = []
+                return taken
+            taken, self._free = tuple(self._free[:n]), self._free[n:]
+            return taken
+
+    def give(self, ids: tuple[int, ...]) -> None:
+        with self._lock:
+            self._free = sorted(set(self._free) | set(ids))
+
+
+class Agent:
+    def __init__(self, options: AgentOptions, resources: NodeResources | None = None) -> None:
+        self.options = options
+        self.resources = resources or detect_resources(options.slots, force_cpu=options.force_cpu)
+        self.address = options.address or address_towards(options.api_url)
+        self.api = WorkerApi(options.api_url, options.token)
+        self.shutdown = threading.Event()
+        self.runs: dict[str, PlacementRun] = {}
+        self._runs_lock = threading.Lock()
+        self.units = UnitPool(list(self.resources.gpu_ids) or list(range(self.resources.units)))
+        work_dir = options.work_dir.resolve()
+        work_dir.mkdir(parents=True, exist_ok=True)
+        self.ctx = AgentContext(
+            api=self.api,
+            node_name=options.name,
+            work_dir=work_dir,
+            cpus=self.resources.cpus,
+            grace_s=options.grace_s,
+            socket_ifname=interface_for(self.address),
+            release=self._release,
+        )
+        self.claim_wait = MAX_CLAIM_WAIT_S
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def register(self) -> None:
+        info: dict[str, Any] = {
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "python": platform.python_version(),
+            "cpus": self.resources.cpus,
+            "gpus": len(self.resources.gpu_ids),
+            "socket_ifname": self.ctx.socket_ifname,
+        }
+        answer = retrying(
+            lambda: self.api.register(
+                self.options.name, self.address, self.resources.units, self.resources.accelerator, info
+            ),
+            f"registering node {self.options.name} at {self.options.api_url}",
+            stop=self.shutdown,
+        )
+        self.ctx.heartbeat_interval_s = float(answer.get("heartbeat_interval_s") or DEFAULT_HEARTBEAT_S)
+        self.ctx.lease_timeout_s = float(answer.get("lease_timeout_s") or self.ctx.lease_timeout_s)
+        self.claim_wait = min(MAX_CLAIM_WAIT_S, float(answer.get("claim_poll_timeout_s") or MAX_CLAIM_WAIT_S))
+        log.info(
+            "node %s registered: %d unit(s) of %s at %s (heartbeat %.1f s, lease %.1f s)",
+            self.options.name,
+            self.resources.units,
+            self.resources.accelerator,
+            self.address,
+            self.ctx.heartbeat_interval_s,
+            self.ctx.lease_timeout_s,
+        )
+
+    def run(self) -> int:
+        """Serve until :meth:`stop` (or SIGTERM/SIGINT when run in the main thread)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.shutdown.set())
+        kill_leftovers(self.options.name)
+        # The model loader (torch, torchvision) takes seconds to import: do it now, not
+        # between the end of training and the model upload. Before registering, and not in
+        # a thread: loading torch holds the interpreter for seconds on a busy machine, which
+        # would stall the heartbeat thread long enough for the API to declare the node lost.
+        _warm_imports()
+        self.register()
+        if self.shutdown.is_set():
+            return 0
+        threads = [
+            threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True),
+            threading.Thread(target=self._claim_loop, name="claim", daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        self.shutdown.wait()
+        log.info("shutting down: stopping %d placement(s)", len(self.runs))
+        for placement in self._active():
+            placement.request_stop("shutdown", "the agent is shutting down")
+        for placement in self._active():
+            placement.thread.join(self.options.grace_s + 60)
+        self.api.close()
+        log.info("agent stopped")
+        return 0
+
+    def stop(self) -> None:
+        self.shutdown.set()
+
+    # --- placements ------------------------------------------------------------------------
+
+    def _active(self) -> list[PlacementRun]:
+        with self._runs_lock:
+            return list(self.runs.values())
+
+    def _release(self, placement: PlacementRun) -> None:
+        with self._runs_lock:
+            self.runs.pop(placement.lease_token, None)
+        self.units.give(placement.unit_ids)
+
+    def _start(self, work: dict[str, Any]) -> None:
+        units = self.units.take(int(work["process_count_per_node"]))
+        # GPU indexes are handed to the ranks; CPU slots are only counted.
+        placement = PlacementRun(self.ctx, work, units, gpu_ids=units if self.resources.is_cuda else ())
+        with self._runs_lock:
+            self.runs[placement.lease_token] = placement
+        if self.shutdown.is_set():
+            placement.request_stop("shutdown", "the agent is shutting down")
+        placement.start()
+
+    # --- loops -----------------------------------------------------------------------------
+
+    def _claim_loop(self) -> None:
+        backoff = Backoff()
+        while not self.shutdown.is_set():
+            try:
+                work = self.api.claim(self.options.name, self.claim_wait)
+            except Exception as exc:
+                if isinstance(exc, NotFoundError):
+                    log.warning("the API does not know node %s: registering again", self.options.name)
+                    self._reregister()
+                    continue
+                delay = backoff.next()
+                level = logging.WARNING if is_retryable(exc) else logging.ERROR
+                log.log(level, "claim failed (%s); retrying in %.1f s", exc, delay)
+                self.shutdown.wait(delay)
+                continue
+            backoff.reset()
+            if work is not None:
+                log.info(
+                    "claimed job %s (attempt %d, node rank %d)",
+                    work["job_id"],
+                    work["attempt_number"],
+                    work["node_rank"],
+                )
+                try:
+                    self._start(work)
+                except Exception:  # the lease runs out and the API fails the job
+                    log.exception("could not start job %s", work.get("job_id"))
+
+    def _heartbeat_loop(self) -> None:
+        while not self.shutdown.is_set():
+            interval = self.ctx.heartbeat_interval_s
+            active = self._active()
+            try:
+                answer = self.api.heartbeat(
+                    self.options.name, [p.lease_token for p in active], timeout=max(5.0, 2 * interval)
+                )
+            except NotFoundError:
+                log.warning("the API does not know node %s: registering again", self.options.name)
+                self._reregister()
+                continue
+            except Exception as exc:
+                log.warning("heartbeat failed: %s", exc)
+            else:
+                try:
+                    self._apply_stop_orders(answer.get("stop") or [], active)
+                except Exception:  # the heartbeat must go on whatever happens
+                    log.exception("applying stop orders failed")
+            self.shutdown.wait(interval)
+
+    def _apply_stop_orders(self, orders: list[dict[str, Any]], active: list[PlacementRun]) -> None:
+        by_lease = {p.lease_token: p for p in active}
+        for order in orders:
+            placement = by_lease.get(order.get("lease_token", ""))
+            if placement is None or placement.stop_event.is_set():
+                continue
+            kind = order.get("reason", "stale")
+            message = order.get("message", "")
+            log.info("job %s: stop (%s): %s", placement.job_id, kind, message)
+            placement.request_stop(kind if kind in ("cancelled", "attempt_ended") else "stale", message)
+
+    def _reregister(self) -> None:
+        try:
+            self.register()
+        except TorchyardError as exc:
+            log.error("registering again failed: %s", exc)
+            self.shutdown.wait(5)
+
+
+def _warm_imports() -> None:
+    try:
+        import torchyard.modeldir  # noqa: F401
+    except Exception as exc:  # the upload reports any real problem later
+        log.debug("warming the model loader import failed: %s", exc)

@@ -1,0 +1,117 @@
+"""A node's cache of datasets, keyed by content checksum.
+
+A dataset is downloaded once per node from the API (a worker route streaming a tar),
+extracted with the same safe extractor the service uses, verified against its sha256,
+and moved into ``<cache>/<sha256>/`` with one rename. Two fetchers of the same dataset
+on one node (two agents, or two jobs) serialise on a lock file: the second one finds
+the first one's copy. A copy is never modified once in place.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from service.datasets.archive import ExtractionLimits, extract_archive
+from torchyard.dataset_digest import dataset_sha256
+from torchyard.errors import InvalidDatasetError, error_from_body
+
+log = logging.getLogger(__name__)
+
+SHA256_HEADER = "X-Torchyard-Sha256"
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_CHUNK = 1024 * 1024
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def cached_dataset(cache_dir: Path, sha256: str) -> Path | None:
+    """The data root of a cached dataset, or None when it is not in the cache."""
+    path = Path(cache_dir) / sha256
+    return path if path.is_dir() else None
+
+
+def _download(client: httpx.Client, dataset_id: str, sha256: str, dest: Path) -> int:
+    url = f"/v1/worker/datasets/{dataset_id}/archive"
+    with client.stream("GET", url) as response:
+        if response.status_code != 200:
+            response.read()
+            try:
+                body = response.json()
+            except ValueError:
+                body = response.text
+            raise error_from_body(response.status_code, body)
+        announced = response.headers.get(SHA256_HEADER)
+        if announced != sha256:
+            raise InvalidDatasetError(
+                f"dataset {dataset_id}: the service sends content {announced!r}, the job expects {sha256!r}"
+            )
+        expected = response.headers.get("content-length")
+        written = 0
+        with open(dest, "wb") as out:
+            for chunk in response.iter_bytes(_CHUNK):
+                out.write(chunk)
+                written += len(chunk)
+        if expected is not None and written != int(expected):
+            raise InvalidDatasetError(
+                f"dataset {dataset_id}: download incomplete ({written} of {expected} bytes)"
+            )
+    return written
+
+
+def fetch_dataset(client: httpx.Client, dataset_id: str, sha256: str, cache_dir: Path) -> Path:
+    """The local data root (the folder of class folders) of a dataset, downloading it if needed.
+
+    ``client`` is an httpx client with the API's base URL and the worker token. The
+    content is checked against ``sha256`` (the checksum recorded at upload); a mismatch
+    raises InvalidDatasetError and nothing is cached.
+    """
+    if not _SHA256.match(sha256):
+        raise InvalidDatasetError(f"dataset {dataset_id}: {sha256!r} is not a sha256 checksum")
+    cache_dir = Path(cache_dir)
+    if (hit := cached_dataset(cache_dir, sha256)) is not None:
+        return hit
+    staging = cache_dir / ".staging"
+    staging.mkdir(parents=True, exist_ok=True)
+    with _locked(cache_dir / f".{sha256}.lock"):
+        if (hit := cached_dataset(cache_dir, sha256)) is not None:
+            return hit  # another fetcher finished while we waited
+        tar_path = staging / f"{sha256}-{uuid.uuid4().hex}.tar"
+        extracted: Path | None = None
+        try:
+            size = _download(client, dataset_id, sha256, tar_path)
+            # The tar is not compressed: its content can be no larger than the tar itself,
+            # and each file takes at least one 512-byte header.
+            limits = ExtractionLimits(max_bytes=size, max_files=max(1, size // 512))
+            extracted = extract_archive(tar_path, staging, limits)
+            got = dataset_sha256(extracted)
+            if got != sha256:
+                raise InvalidDatasetError(
+                    f"dataset {dataset_id}: downloaded content has checksum {got}, expected {sha256}"
+                )
+            final = cache_dir / sha256
+            os.rename(extracted, final)
+            extracted = None
+        finally:
+            tar_path.unlink(missing_ok=True)
+            if extracted is not None:
+                shutil.rmtree(extracted, ignore_errors=True)
+    log.info("dataset %s (%s) cached in %s (%d bytes downloaded)", dataset_id, sha256, final, size)
+    return final

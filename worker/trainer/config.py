@@ -1,0 +1,111 @@
+"""The job description the agent writes as ``job.json`` (parsed and validated)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from torchyard.errors import RankFailedError
+
+log = logging.getLogger(__name__)
+
+DOUBLE_EPSILON = 2.220446049250313e-16
+Augmentation = Literal["standard", "light", "none"]
+
+
+class _Section(BaseModel):
+    # Unknown keys are tolerated (and logged) so a newer agent does not break an older trainer.
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class ModelSpec(_Section):
+    architecture: str
+    pretrained: bool = False
+    memory_efficient: bool = False
+
+
+class Parameters(_Section):
+    """Training parameters, with the ranges and defaults of SPEC §2."""
+
+    epochs: int = Field(5, gt=0)
+    batch_size: int = Field(16, gt=0)
+    warmup_epochs: int = Field(0, ge=0)
+    learning_rate: float = Field(0.001, ge=DOUBLE_EPSILON, allow_inf_nan=False)
+    random_seed: int = Field(1, ge=-(2**63), le=2**63 - 1)
+    patience: int = Field(3, gt=0)
+    print_frequency: int = Field(10, gt=0)
+    image_size: int = Field(224, ge=16, le=1024)
+    augmentation: Augmentation = "standard"
+
+    @model_validator(mode="after")
+    def _warmup_within_epochs(self) -> Parameters:
+        if self.warmup_epochs > self.epochs:
+            raise ValueError(f"warmup_epochs ({self.warmup_epochs}) must not exceed epochs ({self.epochs})")
+        return self
+
+
+class DatasetRef(_Section):
+    id: str
+    sha256: str | None = None
+
+
+class Datasets(_Section):
+    train: DatasetRef
+    validation: DatasetRef
+
+
+class JobConfig(_Section):
+    job_id: str
+    attempt_id: str = ""
+    model: ModelSpec
+    init_from_dir: str | None = None
+    parameters: Parameters = Field(default_factory=lambda: Parameters.model_validate({}))
+    train_dir: str
+    val_dir: str
+    classes: list[str] = Field(min_length=1)
+    datasets: Datasets | None = None
+    output_dir: str
+    loader_workers: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _classes_unique(self) -> JobConfig:
+        if len(set(self.classes)) != len(self.classes):
+            raise ValueError("classes contains duplicates")
+        return self
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def unknown_fields(self) -> list[str]:
+        """Dotted names of keys this trainer does not know (they are ignored)."""
+        found = [f"{key}" for key in (self.model_extra or {})]
+        for name in ("model", "parameters", "datasets"):
+            section = getattr(self, name)
+            if section is not None:
+                found += [f"{name}.{key}" for key in (section.model_extra or {})]
+        return found
+
+    def summary(self) -> dict[str, Any]:
+        """What rank 0 logs at start: everything but the bulky class list."""
+        data = self.model_dump(exclude={"classes"})
+        data["num_classes"] = self.num_classes
+        return data
+
+
+def load_job(path: str | Path) -> JobConfig:
+    """Read and validate ``job.json``; a malformed file is a ``RankFailedError``."""
+    file = Path(path)
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+        job = JobConfig.model_validate(raw)
+    except (OSError, ValueError, ValidationError) as exc:
+        raise RankFailedError(f"invalid job configuration {file.name}: {exc}") from exc
+    unknown = job.unknown_fields()
+    if unknown:
+        log.warning("ignoring unknown job.json fields: %s", ", ".join(unknown))
+    return job

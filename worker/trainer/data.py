@@ -1,0 +1,164 @@
+"""Input pipeline: ImageDirectory datasets, augmentation, samplers and loaders.
+
+Images are decoded and cropped in the loader (PIL), handed over as uint8 tensors and
+normalized on the training device (:func:`torchyard.modeldir.normalize_batch`): a
+uint8 batch is four times lighter to pin and copy than a float one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torchvision.transforms import v2 as T
+
+from torchyard.errors import InvalidDatasetError
+from torchyard.modeldir import eval_geometry, image_directory_samples, load_rgb_image
+from worker.trainer.config import Augmentation, JobConfig
+from worker.trainer.distributed import DistEnv
+from worker.trainer.seeding import derive_seed, seed_loader_worker
+
+log = logging.getLogger(__name__)
+
+
+class ImageDataset(Dataset[tuple[torch.Tensor, int]]):
+    """``(path, class index)`` samples decoded as RGB and transformed to uint8 CHW tensors."""
+
+    def __init__(self, samples: Sequence[tuple[str, int]], transform: Callable[[Image.Image], torch.Tensor]):
+        self.samples = list(samples)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        path, target = self.samples[index]
+        return self.transform(load_rgb_image(path)), target
+
+
+def train_transform(image_size: int, augmentation: Augmentation) -> T.Compose:
+    """Training geometry for an augmentation level (uint8 CHW output)."""
+    steps: list[Callable[..., object]]
+    if augmentation == "standard":
+        # The ImageNet recipe, for photos.
+        steps = [T.RandomResizedCrop(image_size, antialias=True), T.RandomHorizontalFlip()]
+    elif augmentation == "light":
+        # Mild scale/aspect jitter and no flip: for digits, text and scans a mirror image
+        # is another symbol.
+        steps = [T.RandomResizedCrop(image_size, scale=(0.8, 1.0), ratio=(0.9, 1.1), antialias=True)]
+    elif augmentation == "none":
+        steps = [T.Resize(image_size, antialias=True), T.CenterCrop(image_size)]
+    else:
+        raise ValueError(f"unknown augmentation {augmentation!r}")
+    return T.Compose([*steps, T.PILToTensor()])
+
+
+def shard_indices(n: int, rank: int, world_size: int) -> list[int]:
+    """This rank's share of ``n`` items: each index on exactly one rank, no padding."""
+    return list(range(rank, n, world_size))
+
+
+def default_loader_workers(device: torch.device, local_world_size: int) -> int:
+    """Loader processes per rank: enough to feed a GPU; few on a CPU node, where the
+    workers would compete with the training threads for the same cores."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    per_rank = max(1, cpus // max(1, local_world_size))
+    if device.type == "cuda":
+        return min(16, max(1, per_rank - 1))
+    return max(0, min(2, per_rank - 1))
+
+
+@dataclass
+class Loaders:
+    train: DataLoader[tuple[torch.Tensor, int]]
+    train_sampler: DistributedSampler[tuple[torch.Tensor, int]]
+    val: DataLoader[tuple[torch.Tensor, int]]
+    num_train: int
+    num_val: int
+    workers: int
+    generator: torch.Generator
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.train)
+
+
+def build_loaders(job: JobConfig, env: DistEnv, device: torch.device, start_epoch: int = 0) -> Loaders:
+    """Datasets, samplers and loaders of this rank.
+
+    Training: a shuffling ``DistributedSampler`` (seeded from ``random_seed``; call
+    ``set_epoch``) and ``drop_last`` batches, so every rank runs the same number of
+    iterations and no batch of one image reaches BatchNorm. Validation: a plain shard
+    ``range(rank, n, world_size)``, so the ranks together see every image exactly once.
+    """
+    params = job.parameters
+    train_samples = image_directory_samples(job.train_dir, job.classes)
+    val_samples = image_directory_samples(job.val_dir, job.classes)
+    per_rank = -(-len(train_samples) // env.world_size)
+    if per_rank < 2:
+        raise InvalidDatasetError(
+            f"the training set has {len(train_samples)} images: too few for {env.world_size} processes"
+        )
+
+    train_set = ImageDataset(train_samples, train_transform(params.image_size, params.augmentation))
+    val_set = ImageDataset(val_samples, eval_geometry(params.image_size))
+    val_shard = torch.utils.data.Subset(val_set, shard_indices(len(val_set), env.rank, env.world_size))
+
+    sampler: DistributedSampler[tuple[torch.Tensor, int]] = DistributedSampler(
+        train_set,
+        num_replicas=env.world_size,
+        rank=env.rank,
+        shuffle=True,
+        seed=derive_seed(params.random_seed, "sampler"),
+    )
+    workers = (
+        job.loader_workers
+        if job.loader_workers is not None
+        else default_loader_workers(device, env.local_world_size)
+    )
+    # Seeded per rank and per starting epoch: loader workers get distinct, reproducible streams.
+    generator = torch.Generator()
+    generator.manual_seed(derive_seed(params.random_seed, "loader", env.rank, start_epoch))
+    common: dict[str, object] = {
+        "num_workers": workers,
+        "pin_memory": device.type == "cuda",
+        "worker_init_fn": seed_loader_worker,
+        "generator": generator,
+    }
+    if workers > 0:
+        common["persistent_workers"] = True
+        common["prefetch_factor"] = 4 if device.type == "cuda" else 2
+    train_loader = DataLoader(
+        train_set,
+        batch_size=params.batch_size,
+        sampler=sampler,
+        drop_last=per_rank >= params.batch_size,
+        **common,  # type: ignore[arg-type]
+    )
+    val_loader = DataLoader(val_shard, batch_size=params.batch_size, shuffle=False, **common)  # type: ignore[arg-type]
+    log.info(
+        "data: %d training images, %d validation images (%d on this rank), %d classes, %d loader workers, %d steps/epoch",
+        len(train_set),
+        len(val_set),
+        len(val_shard),
+        job.num_classes,
+        workers,
+        len(train_loader),
+    )
+    return Loaders(
+        train=train_loader,
+        train_sampler=sampler,
+        val=val_loader,
+        num_train=len(train_set),
+        num_val=len(val_set),
+        workers=workers,
+        generator=generator,
+    )

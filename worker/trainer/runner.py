@@ -1,0 +1,414 @@
+"""One rank's whole job: set up, (resume,) train epoch by epoch, publish the model."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from torchyard import modeldir
+from worker.trainer import checkpoint as ckpt
+from worker.trainer import distributed
+from worker.trainer.config import JobConfig
+from worker.trainer.data import build_loaders
+from worker.trainer.distributed import DistEnv
+from worker.trainer.early_stopping import EarlyStopping
+from worker.trainer.engine import (
+    BatchPreparer,
+    FaultInjector,
+    LossMeter,
+    TrainLoop,
+    autocast_factory,
+    diverged_error,
+    validate,
+)
+from worker.trainer.events import EVENTS_FILE, EventWriter, NullEventWriter
+from worker.trainer.models import BuiltModel, build_model
+from worker.trainer.schedule import POLY_POWER, build_scheduler
+from worker.trainer.seeding import derive_seed, seed_everything
+
+log = logging.getLogger(__name__)
+
+MODEL_DIR = "model"
+MOMENTUM = 0.9
+WEIGHT_DECAY = 1e-4
+
+
+@dataclass
+class ResumeState:
+    """What a resumed attempt starts from (zeros/empties for a fresh start)."""
+
+    epochs_done: int = 0
+    stopped: bool = False
+    stopper: dict[str, float | int] | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
+    best_model: dict[str, torch.Tensor] | None = None
+
+
+def configure_threads() -> None:
+    """Respect the agent's ``OMP_NUM_THREADS`` (threads per rank) for torch's CPU ops."""
+    raw = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if raw.isdigit() and int(raw) > 0:
+        torch.set_num_threads(int(raw))
+
+
+def _plain(model: nn.Module) -> nn.Module:
+    inner = getattr(model, "module", model)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def _restore(
+    job: JobConfig,
+    env: DistEnv,
+    device: torch.device,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stopper: EarlyStopping,
+) -> ResumeState:
+    """Load ``checkpoint.pt`` on rank 0 and share what every rank needs.
+
+    Rank 0 loads weights before DDP wraps the model (DDP then broadcasts them) and
+    the optimizer state; its momentum buffers and the epoch/early-stopping counters
+    are broadcast, so nodes that lack the file resume identically.
+    """
+    state: dict[str, Any] | None = None
+    if env.is_primary:
+        state = ckpt.load_checkpoint(
+            Path(job.output_dir) / ckpt.CHECKPOINT_FILE,
+            job_id=job.job_id,
+            architecture=job.model.architecture,
+            classes=list(job.classes),
+        )
+    header = [0.0] * 6
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        es = state["early_stopping"]
+        header = [
+            1.0,
+            float(state["epoch"]),
+            float(bool(state.get("stopped"))),
+            float(es["best_loss"]),
+            float(es["best_epoch"]),
+            float(es["epochs_without_improvement"]),
+        ]
+    has, epochs_done, stopped, best_loss, best_epoch, bad = distributed.broadcast_values(header, device)
+    if not has:
+        return ResumeState()
+    stopper.load_state_dict(
+        {"best_loss": best_loss, "best_epoch": int(best_epoch), "epochs_without_improvement": int(bad)}
+    )
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            slot = optimizer.state[param]
+            if slot.get("momentum_buffer") is None:
+                slot["momentum_buffer"] = torch.zeros_like(param)
+    distributed.broadcast_tensors(
+        optimizer.state[p]["momentum_buffer"] for g in optimizer.param_groups for p in g["params"]
+    )
+    resumed = ResumeState(epochs_done=int(epochs_done), stopped=bool(stopped), stopper=stopper.state_dict())
+    if state is not None:
+        resumed.history = list(state.get("history", []))
+        # No separate copy means the checkpointed weights are the best epoch's.
+        resumed.best_model = state.get("best_model") or state["model"]
+        log.info("resuming after epoch %d (best epoch %d so far)", resumed.epochs_done, stopper.best_epoch)
+    return resumed
+
+
+def _model_config(
+    job: JobConfig, built: BuiltModel, env: DistEnv, device: torch.device, summary: dict[str, Any]
+) -> dict[str, Any]:
+    params = job.parameters
+    datasets = None
+    if job.datasets is not None:
+        datasets = {
+            "train": {"id": job.datasets.train.id, "sha256": job.datasets.train.sha256},
+            "validation": {"id": job.datasets.validation.id, "sha256": job.datasets.validation.sha256},
+        }
+    return {
+        "format_version": modeldir.FORMAT_VERSION,
+        "architecture": job.model.architecture,
+        "num_classes": job.num_classes,
+        "classes": list(job.classes),
+        "image_size": params.image_size,
+        "eval_resize": modeldir.eval_resize_size(params.image_size),
+        "mean": list(modeldir.IMAGENET_MEAN),
+        "std": list(modeldir.IMAGENET_STD),
+        "model_kwargs": built.model_kwargs,
+        "best_epoch": summary["best_epoch"],
+        "stopped_early": summary["stopped_early"],
+        "epochs_run": summary["epochs_run"],
+        "parameters": params.model_dump(),
+        "augmentation": params.augmentation,
+        "pretrained": job.model.pretrained,
+        "initialized_from": built.initialized_from,
+        "datasets": datasets,
+        "world_size": env.world_size,
+        "device": device.type,
+        "mixed_precision": "bf16" if device.type == "cuda" else None,
+        "lr_schedule": {"warmup": "linear", "decay": "polynomial", "power": POLY_POWER},
+        "torch_version": torch.__version__,
+        "torchvision_version": torchvision.__version__,
+        "job_id": job.job_id,
+        "attempt_id": job.attempt_id,
+        "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def _val_metrics(entry: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in entry.items() if k.startswith("val.")}
+
+
+def run_job(job: JobConfig, env: DistEnv) -> dict[str, Any] | None:
+    """Train the job on this rank. Rank 0 returns the result summary, other ranks None."""
+    configure_threads()
+    params = job.parameters
+    output_dir = Path(job.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    device = distributed.select_device(env)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    if env.is_primary:
+        log.info("job configuration: %s", job.summary())
+
+    # Model problems fail every rank the same way, before anyone waits on a peer.
+    seed_everything(derive_seed(params.random_seed, "init"))
+    built = build_model(job)
+    model = built.module
+
+    distributed.setup(env, device)
+    loaders = build_loaders(job, env, device)
+    steps_per_epoch = loaders.steps_per_epoch
+    total_steps = steps_per_epoch * params.epochs
+    warmup_steps = steps_per_epoch * params.warmup_epochs
+    effective_lr = params.learning_rate * env.world_size
+
+    memory_format = torch.channels_last if device.type == "cuda" else torch.contiguous_format
+    model.to(device)
+    model.to(memory_format=memory_format)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=effective_lr, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY
+    )
+    stopper = EarlyStopping(patience=params.patience)
+    resumed = _restore(job, env, device, model, optimizer, stopper)
+    start_epoch = resumed.epochs_done
+    if start_epoch:
+        # Fresh loader streams for a resumed attempt (reproducible from the seed and epoch).
+        loaders.generator.manual_seed(derive_seed(params.random_seed, "loader", env.rank, start_epoch))
+    scheduler = build_scheduler(
+        optimizer,
+        base_lr=effective_lr,
+        total_steps=total_steps,
+        warmup_steps=warmup_steps,
+        start_step=min(start_epoch * steps_per_epoch, total_steps),
+    )
+    # BatchNorm buffers are synchronised explicitly before validation (distributed.sync_buffers).
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        forward_sync_buffers=False,
+        gradient_as_bucket_view=True,
+    )
+
+    events: EventWriter = EventWriter(output_dir / EVENTS_FILE) if env.is_primary else NullEventWriter()
+    prepare = BatchPreparer(device, modeldir.IMAGENET_MEAN, modeldir.IMAGENET_STD)
+    autocast = autocast_factory(device)
+    loop = TrainLoop(
+        model=ddp,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loaders.train,
+        steps_per_epoch=steps_per_epoch,
+        prepare=prepare,
+        autocast=autocast,
+        meter=LossMeter(device, learning_rate=params.learning_rate, effective_lr=effective_lr),
+        events=events,
+        faults=FaultInjector(env.rank),
+        device=device,
+        epochs=params.epochs,
+        total_steps=total_steps,
+        print_frequency=params.print_frequency,
+        is_primary=env.is_primary,
+        step=start_epoch * steps_per_epoch,
+    )
+    log.info(
+        "training %s for epochs %d..%d: %d steps/epoch, %d warm-up steps, effective lr %g on %d process(es)",
+        job.model.architecture,
+        start_epoch + 1,
+        params.epochs,
+        steps_per_epoch,
+        warmup_steps,
+        effective_lr,
+        env.world_size,
+    )
+
+    history = resumed.history
+    best_state = resumed.best_model
+    stopped = resumed.stopped
+    epoch = start_epoch
+    try:
+        while not stopped and epoch < params.epochs:
+            epoch += 1
+            epoch_started = time.perf_counter()
+            seed_everything(derive_seed(params.random_seed, "epoch", epoch, env.rank))
+            loaders.train_sampler.set_epoch(epoch)
+            train = loop.train_epoch(epoch)
+            distributed.sync_buffers(model)
+            val = validate(
+                model,
+                loaders.val,
+                prepare=prepare,
+                autocast=autocast,
+                num_classes=job.num_classes,
+                device=device,
+            )
+            if not all(math.isfinite(v) for v in val.values()):
+                raise diverged_error(
+                    val["val.loss"],
+                    epoch=epoch,
+                    step=loop.step,
+                    learning_rate=params.learning_rate,
+                    effective_lr=effective_lr,
+                )
+            improved = stopper.update(val["val.loss"], epoch)
+            stopped = stopper.should_stop
+            seconds = time.perf_counter() - epoch_started
+            history.append(
+                {
+                    "epoch": epoch,
+                    "train.loss": train.loss,
+                    "train.lr": train.lr,
+                    "train.images_per_sec": train.images_per_sec,
+                    **val,
+                    "epoch.seconds": seconds,
+                }
+            )
+            log.info(
+                "epoch %d/%d validation: %s%s",
+                epoch,
+                params.epochs,
+                ", ".join(f"{k} {v:.4f}" for k, v in val.items()),
+                " (best so far)" if improved else f" (best: epoch {stopper.best_epoch})",
+            )
+            if env.is_primary:
+                for name, value in (*val.items(), ("epoch.seconds", seconds)):
+                    events.metric(name, value, epoch=epoch, step=loop.step)
+                events.progress(epoch=epoch, epochs=params.epochs, step=loop.step, total_steps=total_steps)
+                current = modeldir.plain_state_dict(model)
+                if improved:
+                    best_state = current
+                _save_checkpoint(
+                    job,
+                    env,
+                    output_dir,
+                    epoch=epoch,
+                    step=loop.step,
+                    model_state=current,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    stopper=stopper,
+                    best_model=None if improved else best_state,
+                    history=history,
+                    stopped=stopped,
+                )
+            if stopped and epoch < params.epochs:
+                log.info("stopping early: no lower validation loss for %d epochs", params.patience)
+
+        if not env.is_primary:
+            return None
+        if best_state is None or not history:
+            raise RuntimeError("no trained epoch to publish")
+        return _publish(job, env, device, built, events, output_dir, stopper, history, best_state, stopped)
+    finally:
+        events.close()
+
+
+def _save_checkpoint(
+    job: JobConfig,
+    env: DistEnv,
+    output_dir: Path,
+    *,
+    epoch: int,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    stopper: EarlyStopping,
+    best_model: dict[str, torch.Tensor] | None,
+    history: list[dict[str, float]],
+    stopped: bool,
+) -> None:
+    started = time.perf_counter()
+    ckpt.save_checkpoint(
+        output_dir / ckpt.CHECKPOINT_FILE,
+        {
+            "job_id": job.job_id,
+            "architecture": job.model.architecture,
+            "classes": list(job.classes),
+            "world_size": env.world_size,
+            "epoch": epoch,
+            "step": step,
+            "model": model_state,
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "early_stopping": stopper.state_dict(),
+            "best_metric": stopper.best_loss,
+            "best_epoch": stopper.best_epoch,
+            "best_model": best_model,
+            "history": history,
+            "stopped": stopped,
+        },
+    )
+    log.info("checkpoint after epoch %d written in %.1fs", epoch, time.perf_counter() - started)
+
+
+def _publish(
+    job: JobConfig,
+    env: DistEnv,
+    device: torch.device,
+    built: BuiltModel,
+    events: EventWriter,
+    output_dir: Path,
+    stopper: EarlyStopping,
+    history: list[dict[str, float]],
+    best_state: dict[str, torch.Tensor],
+    stopped: bool,
+) -> dict[str, Any]:
+    """Rank 0: write the model directory (best epoch's weights) and the result event."""
+    epochs_run = int(history[-1]["epoch"])
+    best_entry = next(h for h in history if int(h["epoch"]) == stopper.best_epoch)
+    summary: dict[str, Any] = {
+        "best_epoch": stopper.best_epoch,
+        "best": _val_metrics(best_entry),
+        "final": {k: v for k, v in history[-1].items() if k != "epoch"},
+        "stopped_early": bool(stopped and epochs_run < job.parameters.epochs),
+        "epochs_run": epochs_run,
+    }
+    metrics = {**summary, "history": history}
+    config = _model_config(job, built, env, device, summary)
+
+    def announce(_: Path) -> None:
+        events.result(**summary)
+
+    destination = modeldir.write_model_dir(
+        output_dir / MODEL_DIR, best_state, config, metrics, before_publish=announce
+    )
+    log.info(
+        "model directory written: best epoch %d (%s), %d epoch(s) run%s",
+        summary["best_epoch"],
+        ", ".join(f"{k} {v:.4f}" for k, v in summary["best"].items()),
+        epochs_run,
+        ", stopped early" if summary["stopped_early"] else "",
+    )
+    log.debug("model directory at %s", destination)
+    return summary

@@ -1,0 +1,34 @@
+"""Seeds for every random generator, all derived from the job's ``random_seed``."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import numpy as np
+import torch
+
+
+def derive_seed(base: int, *parts: object) -> int:
+    """A seed in ``[0, 2**62)`` derived from ``base`` and a purpose (``"init"``, epoch, rank...).
+
+    Hashing keeps the streams of different purposes independent and accepts any 64-bit
+    signed ``random_seed`` (numpy and torch need non-negative seeds).
+    """
+    text = ":".join(str(p) for p in (base, *parts))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 2
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python ``random``, numpy's global generator and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def seed_loader_worker(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: torch already seeds each worker from the loader's
+    generator; give python ``random`` and numpy the same per-worker seed."""
+    seed = torch.initial_seed() % 2**62
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
