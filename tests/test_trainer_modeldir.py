@@ -185,3 +185,9 @@ def test_init_from_dir_errors(tmp_path: Path, digits: Digits) -> None:
     job = load_job(write_job(tmp_path / "run2", digits, init_from_dir=source))
     with pytest.raises(InvalidModelDirectoryError, match="checksum mismatch"):
         build_model(job)
+
+
+def test_image_size_below_the_architecture_minimum(tmp_path: Path, digits: Digits) -> None:
+    job = load_job(write_job(tmp_path, digits, architecture="inception_v3", image_size=64))
+    with pytest.raises(InvalidModelDirectoryError, match=r"inception_v3 needs image_size >= 75"):
+        build_model(job)

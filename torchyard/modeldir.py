@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torchvision.transforms import v2 as T
 
+from torchyard.dataset_digest import is_ignored_name, is_image_name
 from torchyard.errors import InvalidDatasetError, InvalidModelDirectoryError
 
 FORMAT_VERSION = 1
@@ -52,8 +53,6 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # The evaluation resize keeps the ImageNet recipe's crop ratio (224 crop of a 256 resize).
 EVAL_CROP_RATIO = 0.875
 
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff"})
-_IGNORED_NAMES = frozenset({"__MACOSX", "Thumbs.db", "desktop.ini"})
 
 
 # --------------------------------------------------------------------------- ImageDirectory
@@ -61,7 +60,7 @@ _IGNORED_NAMES = frozenset({"__MACOSX", "Thumbs.db", "desktop.ini"})
 
 def _visible_entries(folder: Path) -> list[Path]:
     """Entries of ``folder`` without hidden files and archive-tool litter (``__MACOSX``...)."""
-    return sorted(p for p in folder.iterdir() if not p.name.startswith(".") and p.name not in _IGNORED_NAMES)
+    return sorted(p for p in folder.iterdir() if not is_ignored_name(p.name))
 
 
 def image_directory_root(root: str | Path, classes: Sequence[str] | None = None) -> Path:
@@ -92,7 +91,7 @@ def image_directory_classes(root: str | Path) -> list[str]:
 
 
 def is_image_file(path: Path) -> bool:
-    return path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".")
+    return is_image_name(path.name) and not is_ignored_name(path.name)
 
 
 def image_directory_samples(root: str | Path, classes: Sequence[str]) -> list[tuple[str, int]]:
@@ -123,9 +122,7 @@ def image_directory_samples(root: str | Path, classes: Sequence[str]) -> list[tu
             for p in sorted(class_dir.rglob("*"))
             if p.is_file()
             and is_image_file(p)
-            and not any(
-                part.startswith(".") or part in _IGNORED_NAMES for part in p.relative_to(class_dir).parts
-            )
+            and not any(is_ignored_name(part) for part in p.relative_to(class_dir).parts)
         ]
         if not files:
             raise InvalidDatasetError(f"class {name!r} of dataset {base.name!r} has no images")

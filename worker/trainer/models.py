@@ -125,6 +125,17 @@ def resize_head(model: nn.Module, old_num_classes: int, new_num_classes: int) ->
     return names
 
 
+def _min_image_size(architecture: str) -> int:
+    """Smallest input the architecture accepts (torchvision's ``min_size`` metadata).
+
+    Vision transformers are sized to the job's ``image_size`` when trained from scratch.
+    """
+    if architecture.startswith("vit_"):
+        return 0
+    weights = torchvision.models.get_model_weights(architecture).DEFAULT
+    return int(weights.meta.get("min_size", (0, 0))[0])
+
+
 def _architecture_kwargs(
     architecture: str, image_size: int, pretrained: bool, memory_efficient: bool
 ) -> dict[str, Any]:
@@ -165,6 +176,9 @@ def build_model(job: JobConfig) -> BuiltModel:
         )
     num_classes = job.num_classes
     image_size = job.parameters.image_size
+    smallest = _min_image_size(arch)
+    if image_size < smallest:
+        raise InvalidModelDirectoryError(f"{arch} needs image_size >= {smallest}, not {image_size}")
     if job.init_from_dir:
         return _from_model_dir(job, Path(job.init_from_dir))
 
