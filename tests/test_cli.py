@@ -97,7 +97,7 @@ def agent(live_server: LiveServer) -> Iterator[FakeAgent]:
 
 def upload_both(env: dict[str, str], digits: tuple[Path, Path]) -> tuple[str, str]:
     train = ok(cli(env, "datasets", "upload", str(digits[0]), "--name", "digits-train")).strip()
-    val = ok(cli(env, "datasets", "upload", str(digits[1]), "--name", "digits-val")).strip()
+    val = ok(cli(env, "datasets", "upload", "digits-val", str(digits[1]))).strip()  # NAME PATH works too
     return train, val
 
 
@@ -153,7 +153,7 @@ def test_submit_jobs_show_and_cancel(
     # the spec file, then the handy flags, then --set: the most explicit wins
     dry = json.loads(
         ok(cli(env, "submit", str(spec), "--epochs", "3", "--batch-size", "8", "--set", "parameters.epochs=4",
-               "--set", "parameters.learning_rate=1e-3", "--lr", "0.5", "--dry-run"))  # fmt: skip
+               "--set", "parameters.learning_rate=1e-3", "--lr", "0.5", "--dry-run"))
     )
     assert dry["train_dataset"] == train_id
     assert dry["parameters"] == {

@@ -20,6 +20,7 @@ two runs do the same arithmetic.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -178,6 +179,11 @@ def _by_epoch(points: list[dict[str, Any]]) -> dict[int, float]:
     return {p["epoch"]: p["value"] for p in points}
 
 
+def _series(points: list[dict[str, Any]]) -> list[tuple[int, int, float]]:
+    """(epoch, step, value) of a metric's points, in order."""
+    return sorted((p["epoch"], p["step"], p["value"]) for p in points)
+
+
 def _placements(job: dict[str, Any]) -> dict[int, str]:
     """node rank → node name, of the job's latest attempt."""
     return {p["node_rank"]: p["node"] for p in job["attempts"][-1]["placements"]}
@@ -193,7 +199,7 @@ def _check_two_node_run(env: Env, job: dict[str, Any], node_names: set[str]) -> 
     # The effective learning rate is learning_rate × world size (2 nodes × 1 process).
     assert f"effective lr {LEARNING_RATE * 2:g} on 2 process(es)" in rank0
     lrs = [p["value"] for p in env.metric(job["id"], "train.lr")]
-    assert lrs and max(lrs) <= LEARNING_RATE * 2 + 1e-12
+    assert lrs and LEARNING_RATE < max(lrs) <= LEARNING_RATE * 2 + 1e-12
     # Each node's launcher log shows its share of the rendezvous.
     for rank, node in placed.items():
         agent_log = env.log(job["id"], stream=f"agent-{node}")
@@ -217,11 +223,13 @@ def test_two_nodes_on_one_machine_match_one_node_with_two_processes(env: Env) ->
     assert jobs[single]["status"] == "succeeded", jobs[single]
     assert jobs[single]["nodes"] == ["node-c"]
 
-    # Same seed, same data, same world size: the same training, on 2 nodes or on 1.
+    # Same seed, same data, same world size: the same training, on 2 nodes or on 1
+    # (every rank does its arithmetic on one thread in both jobs).
     for name in ("val.loss", "val.top1", "train.loss"):
-        a, b = _by_epoch(env.metric(multi, name)), _by_epoch(env.metric(single, name))
-        assert sorted(a) == sorted(b) == [1, 2], (name, a, b)
-        assert a == pytest.approx(b, rel=1e-4, abs=1e-6), (name, a, b)
+        a, b = _series(env.metric(multi, name)), _series(env.metric(single, name))
+        assert [p[:2] for p in a] == [p[:2] for p in b], (name, a, b)
+        assert {p[0] for p in a} == {1, 2}, (name, a)
+        assert [p[2] for p in a] == pytest.approx([p[2] for p in b], rel=1e-5, abs=1e-7), (name, a, b)
     print(
         f"\n2x1 and 1x2 jobs (concurrently) took {took:.1f} s; val.loss {_by_epoch(env.metric(multi, 'val.loss'))}"
     )
@@ -287,7 +295,7 @@ def test_a_failing_rank_on_one_node_stops_every_node(env: Env) -> None:
     placed = _placements(job)
     dirs = _node_dirs(env, job)
     job = env.wait(job_id, timeout=120)
-    failed_at = time.monotonic()
+    failed_at = time.time()
     assert job["status"] == "failed", job
     failure = job["failure"]
     # The root cause, not its echo on the other node (a broken gloo collective).
@@ -295,12 +303,15 @@ def test_a_failing_rank_on_one_node_stops_every_node(env: Env) -> None:
     assert (failure["rank"], failure["node"]) == (1, placed[1]), failure
     assert "injected failure" in failure["message"]
     assert "Traceback" in failure["traceback"] and "injected failure" in failure["traceback"]
-    # Nothing of the job runs on either node.
+    # Nothing of the job runs on either node, seconds after the rank raised.
+    raised_at = json.loads((dirs[placed[1]] / "failure-rank-1.json").read_text())["time"]
     for node, directory in dirs.items():
         assert wait_until_gone(str(directory), timeout=30) == [], node
+    all_gone = time.time() - raised_at
+    assert all_gone < 30, all_gone
     print(
-        f"\nrank 1 failed on {placed[1]}: every rank of both nodes gone {time.monotonic() - failed_at:.1f} s "
-        "after the job failed"
+        f"\nrank 1 raised on {placed[1]}: job failed {failed_at - raised_at:.1f} s later, "
+        f"every rank of both nodes gone within {all_gone:.1f} s"
     )
 
 
@@ -314,7 +325,8 @@ def test_a_node_killed_mid_job_stops_every_node(make_settings: Any, tmp_path: Pa
         # A node dies mid-job: its agent and every process of its run, at once, without a word.
         job = env.wait(env.submit(nodes=2, ppn=1, epochs=20), _running)
         placed = _placements(job)
-        victim, survivor = placed[1], placed[0]
+        # The node of node rank 0: it also held the rendezvous store the other node talks to.
+        victim, survivor = placed[0], placed[1]
         dirs = _node_dirs(env, job)
         agents = {a.name: a for a in env.agents}
         doomed = [pid for pid, _ in processes_mentioning(str(dirs[victim]))]

@@ -12,6 +12,7 @@ import tarfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,9 @@ def test_trains_end_to_end_and_the_model_reproduces_its_validation_top1(env: Env
     took = time.monotonic() - started
     assert job["model_sha256"] and job["nodes"] == ["cpu-1"]
     assert [h["status"] for h in job["history"]] == ["queued", "scheduled", "running", "succeeded"]
+    at = {h["status"]: datetime.fromisoformat(h["at"]) for h in job["history"]}
+    # The idle agent was long-polling: the job was placed at once.
+    assert (at["scheduled"] - at["queued"]).total_seconds() < 1.0, job["history"]
     assert job["progress"]["epoch"] >= 1
 
     # Every metric of SPEC §4, with sane values.

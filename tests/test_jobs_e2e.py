@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
-import httpx
+import time
+from collections.abc import Iterator
+from typing import Any
 
-from service.config import Settings
+import httpx
+import pytest
+
 from tests.conftest import LiveServer
 from tests.factories import auth, create_token, insert_dataset, job_spec, register_node, token_id
 
 
-def test_submit_get_list_filter_paginate_cancel(live_server: LiveServer, settings: Settings) -> None:
-    with httpx.Client(base_url=live_server.url, headers=auth(live_server.admin_token)) as admin:
+@pytest.fixture
+def live_server(make_settings: Any) -> Iterator[LiveServer]:
+    # Two nodes allowed but one registered (and no agent heartbeating it, so a long lease):
+    # the 2-node jobs below are valid but cannot be placed, so they stay queued.
+    server = LiveServer(make_settings(max_nodes=2, lease_timeout_s=600)).start()
+    yield server
+    server.stop()
+
+
+def test_submit_get_list_filter_paginate_cancel(live_server: LiveServer) -> None:
+    settings = live_server.settings
+    with httpx.Client(base_url=live_server.url, headers=auth(live_server.admin_token), timeout=60) as admin:
         assert httpx.get(f"{live_server.url}/healthz").json() == {"status": "ok"}
         user = create_token(admin, "user", "carol")
         uid = token_id(admin, user)
-        # Two big jobs need a node that does not exist yet: they wait in the queue.
         register_node(admin, create_token(admin, "worker"), "gpu-1", units=8)
     train, val = insert_dataset(settings, uid), insert_dataset(settings, uid)
     with httpx.Client(base_url=live_server.url, headers=auth(user), timeout=60) as c:
@@ -22,7 +35,13 @@ def test_submit_get_list_filter_paginate_cancel(live_server: LiveServer, setting
         for i in range(5):
             r = c.post(
                 "/v1/jobs",
-                json=job_spec(train, val, name=f"job-{i}", parameters={"epochs": i + 1}),
+                json=job_spec(
+                    train,
+                    val,
+                    name=f"job-{i}",
+                    parameters={"epochs": i + 1},
+                    resources={"node_count": 2},
+                ),
             )
             assert r.status_code == 201, r.text
             assert r.headers["content-type"] == "application/json"
@@ -40,9 +59,16 @@ def test_submit_get_list_filter_paginate_cancel(live_server: LiveServer, setting
         assert [j["id"] for j in page2["items"] + page3["items"]] == ids[::-1][2:]
         assert page3["next_cursor"] is None
 
-        queued_before = {j["id"] for j in c.get("/v1/jobs", params={"status": "queued"}).json()["items"]}
+        queued = {j["id"] for j in c.get("/v1/jobs", params={"status": "queued"}).json()["items"]}
+        assert queued == set(ids)
+        # The scheduler (at submission or its next pass) says why the job waits.
+        deadline = time.monotonic() + 10
+        while not (reason := c.get(f"/v1/jobs/{ids[0]}").json()["reason"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert reason is not None
+        assert "waiting for 2 ready nodes" in reason
         # Cancel is idempotent; a queued job is cancelled at once.
-        target = next(i for i in ids if i in queued_before)
+        target = ids[2]
         first = c.post(f"/v1/jobs/{target}/cancel").json()
         second = c.post(f"/v1/jobs/{target}/cancel").json()
         assert first["status"] == second["status"] == "cancelled"

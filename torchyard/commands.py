@@ -69,8 +69,13 @@ def _note(text: str) -> None:
 
 
 def _datasets_upload(args: argparse.Namespace) -> int:
-    if (args.source is None) == (args.path is None):
-        raise SystemExit("error: give a folder or archive to upload, or --path PATH to register shared storage")
+    if len(args.source) == 2:  # `datasets upload NAME PATH`
+        if args.name is not None:
+            raise ValueError("give the dataset name once: as NAME or as --name")
+        args.name, args.source = args.source[0], args.source[1:]
+    if len(args.source) > 2 or bool(args.source) == (args.path is not None):
+        raise ValueError("give [NAME] PATH of a folder or archive to upload, or --path PATH to register shared storage")
+    args.source = args.source[0] if args.source else None
     with _client(args) as client:
         if args.path is not None:
             name = args.name or Path(args.path).name
@@ -507,7 +512,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         parents=[common],
         help="upload a folder of class sub-folders or an archive; --path registers shared storage",
     )
-    up.add_argument("source", nargs="?", help="folder (packed to .tar.gz on the fly) or .zip/.tar/.tar.gz archive")
+    up.add_argument(
+        "source",
+        nargs="*",
+        metavar="[NAME] PATH",
+        help="folder (packed to .tar.gz on the fly) or .zip/.tar/.tar.gz archive, optionally after its name",
+    )
     up.add_argument("--path", help="register this folder on the service's shared storage instead of uploading")
     up.add_argument("--name", help="dataset name (default: the folder or file name)")
     up.add_argument("--sample", type=int, help="with --path: decode only this many images (large sets)")

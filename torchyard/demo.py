@@ -167,6 +167,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                         "epochs": args.epochs,
                         "batch_size": args.batch_size,
                         "learning_rate": args.lr,
+                        # a short warm-up keeps the first steps at this rate stable
+                        "warmup_epochs": 1 if args.epochs > 1 else 0,
                         "image_size": 32,
                         "augmentation": "light",
                         "patience": max(3, args.epochs),

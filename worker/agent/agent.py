@@ -139,7 +139,13 @@ class Agent:
         # a thread: loading torch holds the interpreter for seconds on a busy machine, which
         # would stall the heartbeat thread long enough for the API to declare the node lost.
         _warm_imports()
-        self.register()
+        try:
+            self.register()  # retried while the API is unreachable
+        except Exception:
+            if self.shutdown.is_set():
+                log.info("stopped before the node could register")
+                return 0
+            raise
         if self.shutdown.is_set():
             return 0
         threads = [

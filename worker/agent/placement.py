@@ -124,8 +124,17 @@ class PlacementRun:
         self.log = runlog.logger
         try:
             self._run(runlog.path)
-        except Exception:
+        except Exception as exc:
             self.log.exception("job %s: the agent failed running its placement", self.job_id)
+            if self.group is not None:
+                self.group.stop(self.ctx.grace_s)
+            if self.final_state is None:
+                message = f"the worker agent on node {self.ctx.node_name} failed: {type(exc).__name__}: {exc}"
+                self._finish(
+                    "failed",
+                    None,
+                    {"code": RankFailedError.code, "message": message, "node": self.ctx.node_name},
+                )
         finally:
             if self.group is not None:
                 self.group.sweep()
@@ -178,7 +187,7 @@ class PlacementRun:
         reporter = self._start_reporter(spec, agent_log)
         self._report_running()
 
-        exit_code = self._watch(group)
+        exit_code = self._watch(group, reporter)
         self.log.info("torchrun ended: exit code %s", exit_code)
 
         outcome: tuple[str, dict[str, Any] | None]
@@ -331,12 +340,14 @@ class PlacementRun:
         if answer.get("stop"):
             self.request_stop("cancelled", answer.get("reason") or "the API asked to stop")
 
-    def _watch(self, group: RankGroup) -> int | None:
+    def _watch(self, group: RankGroup, reporter: Any) -> int | None:
         while True:
             code = group.wait(0.2)
             if code is not None:
                 group.sweep()
                 return code
+            if reporter is not None and reporter.lease_lost:
+                self.request_stop("stale", "the API refused the lease (409)")
             if self.stop_event.is_set():
                 self.log.info(
                     "stopping the ranks (%s: %s): SIGTERM, SIGKILL after %.0f s",
