@@ -297,3 +297,18 @@ def test_concurrent_passes_never_overcommit(
         job = job_row(db, job_id)
         assert len(placements(db, job_id)) == job.node_count
     assert set(scheduled) <= set(jobs)
+
+
+def test_multi_node_gang_never_mixes_loopback_and_remote_nodes() -> None:
+    from service.services.scheduler import NodeCapacity, _choose
+
+    def node(name: str, address: str) -> NodeCapacity:
+        return NodeCapacity(id=name, name=name, address=address, units=1, free=1)
+
+    mixed = [node("local", "127.0.0.1"), node("remote", "10.0.0.2")]
+    assert _choose(mixed, 2, 1) is None
+    assert [c.name for c in _choose(mixed, 1, 1) or []] in (["local"], ["remote"])
+    same_host = [node("a", "127.0.0.1"), node("b", "127.0.0.1"), node("r", "10.0.0.2")]
+    assert {c.name for c in _choose(same_host, 2, 1) or []} == {"a", "b"}
+    remote = [node("l", "127.0.0.1"), node("x", "10.0.0.2"), node("y", "10.0.0.3")]
+    assert {c.name for c in _choose(remote, 2, 1) or []} == {"x", "y"}

@@ -25,6 +25,7 @@ the pass exclusive.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import random
 import secrets
@@ -132,8 +133,22 @@ def _wait_reason(job: Job, nodes: list[NodeCapacity]) -> tuple[str, bool]:
     return (f"waiting for {_plural(n, 'node')} with {_plural(p, 'free unit')}; {available} available", True)
 
 
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
 def _choose(nodes: list[NodeCapacity], n: int, p: int) -> list[NodeCapacity] | None:
     fits = [c for c in nodes if c.free >= p]
+    if n > 1:
+        # A node known only by a loopback address cannot be reached from another host:
+        # never mix it into a multi-node gang (its ranks would wait for a rendezvous
+        # that can never happen). Nodes all on loopback share one host and are fine.
+        remote = [c for c in fits if not _is_loopback(c.address)]
+        local = [c for c in fits if _is_loopback(c.address)]
+        fits = remote if len(remote) >= n else local
     if len(fits) < n:
         return None
     # Best fit: fill the nodes with the least room left first, keeping big holes for big jobs.
