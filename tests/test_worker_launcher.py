@@ -144,12 +144,15 @@ def test_stop_kills_every_process_of_the_run_even_in_other_sessions(tmp_path: Pa
 
 def test_torchrun_dies_with_its_agent(tmp_path: Path) -> None:
     # A pretend agent starts the stand-in through the guard, then is SIGKILLed.
+    work_dir = tmp_path / "work"
+    run_dir = work_dir / "runs" / "r1"
+    run_dir.mkdir(parents=True)
     agent_code = textwrap.dedent(
         f"""
         import sys, time
         from pathlib import Path
         from worker.agent.launcher import LaunchSpec, RankGroup
-        spec = LaunchSpec(run_dir=Path({str(tmp_path)!r}), node_name="node-z", node_rank=0, node_count=1,
+        spec = LaunchSpec(run_dir=Path({str(run_dir)!r}), node_name="node-z", node_rank=0, node_count=1,
                           nproc=1, master_addr="127.0.0.1", master_port=29500, cpus=1)
         group = RankGroup(spec)
         group.command = [sys.executable, "-c", {FAKE_TORCHRUN!r}]
@@ -176,7 +179,10 @@ def test_torchrun_dies_with_its_agent(tmp_path: Path) -> None:
     assert len(marked_pids(marker)) == 2
     from worker.agent.launcher import kill_leftovers
 
-    assert len(kill_leftovers("node-z")) == 2
+    # Another agent of the same node name but with its own work directory (a second
+    # service on this machine) leaves them alone; the same agent restarted sweeps them.
+    assert kill_leftovers("node-z", tmp_path / "other-work") == []
+    assert len(kill_leftovers("node-z", work_dir)) == 2
     deadline = time.monotonic() + 10
     while marked_pids(marker) and time.monotonic() < deadline:
         time.sleep(0.05)

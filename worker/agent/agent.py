@@ -133,7 +133,7 @@ class Agent:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.shutdown.set())
-        kill_leftovers(self.options.name)
+        kill_leftovers(self.options.name, self.ctx.work_dir)
         # The model loader (torch, torchvision) takes seconds to import: do it now, not
         # between the end of training and the model upload. Before registering, and not in
         # a thread: loading torch holds the interpreter for seconds on a busy machine, which

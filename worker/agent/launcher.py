@@ -11,6 +11,7 @@ whatever is left after the grace period; a final sweep kills any marked straggle
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -160,7 +161,8 @@ class RankGroup:
 
     def __init__(self, spec: LaunchSpec, *, env: Mapping[str, str] | None = None) -> None:
         self.spec = spec
-        self.marker = f"{spec.node_name}/{secrets.token_hex(8)}"
+        # run_dir is <work dir>/runs/<run>: the agent's work directory scopes the marker.
+        self.marker = marker_scope(spec.node_name, spec.run_dir.parent.parent) + secrets.token_hex(8)
         self.env = rank_env(spec, os.environ if env is None else env, self.marker)
         self.command = torchrun_command(spec)
         self.process: subprocess.Popen[bytes] | None = None
@@ -351,9 +353,19 @@ def collect_failure(spec: LaunchSpec, exit_code: int | None, launcher_log: Path)
     }
 
 
-def kill_leftovers(node_name: str) -> list[int]:
+def marker_scope(node_name: str, work_dir: Path) -> str:
+    """The marker prefix of one agent's runs: its node name and work directory.
+
+    A restarted agent (same name, same work directory) finds what its predecessor left;
+    another agent on the same machine — a second demo, a test — never matches it.
+    """
+    digest = hashlib.sha256(str(work_dir.resolve()).encode()).hexdigest()[:12]
+    return f"{node_name}@{digest}/"
+
+
+def kill_leftovers(node_name: str, work_dir: Path) -> list[int]:
     """Kill processes left by an earlier agent of this node (one that was itself killed)."""
-    pids = marked_pids(f"{node_name}/", prefix=True)
+    pids = marked_pids(marker_scope(node_name, work_dir), prefix=True)
     if pids:
         log.warning(
             "killing %d process(es) left by an earlier agent of node %s: %s", len(pids), node_name, pids
