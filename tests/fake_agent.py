@@ -80,16 +80,16 @@ class FakeAgent:
         self.report(placement, metrics=[point])
 
     def upload_model(self, placement: dict[str, Any], classes: list[str]) -> str:
-        """Upload a small untrained resnet18 model directory; its archive's sha256."""
+        """Upload a small untrained model directory (mobilenet_v3_small); its archive's sha256."""
         with tempfile.TemporaryDirectory() as tmp:
             import torchvision
 
-            model = torchvision.models.get_model("resnet18", weights=None, num_classes=len(classes))
             torch.manual_seed(0)
+            model = torchvision.models.get_model("mobilenet_v3_small", weights=None, num_classes=len(classes))
             folder = write_model_dir(
                 Path(tmp) / "model",
                 model,
-                {"architecture": "resnet18", "classes": classes, "image_size": 32},
+                {"architecture": "mobilenet_v3_small", "classes": classes, "image_size": 32},
                 {"best": {"val.top1": 0.5}},
             )
             archive = Path(tmp) / "model.tar.gz"

@@ -237,3 +237,39 @@ def test_a_follower_sees_writes_made_through_another_replica(setup: Setup, setti
         assert text_out == [text]
     finally:
         other.stop()
+
+
+def test_followers_behind_a_small_buffer_catch_up_in_pages(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a buffer far smaller than the job's history and short database pages,
+    live followers, slow ones and late ones still get everything exactly once."""
+    from service.services import streams
+
+    monkeypatch.setattr(streams, "BUFFER_ITEMS", 8)
+    monkeypatch.setattr(streams, "READ_LIMIT", 5)
+    job_id = setup.submit()
+
+    def slow() -> list[Event]:
+        got = []
+        for event in setup.client.events(job_id):
+            got.append(event)
+            time.sleep(0.05)  # falls behind the buffer while the job reports
+        return got
+
+    live, live_out = in_thread(lambda: collect(setup.client, job_id))
+    lagging, lagging_out = in_thread(slow)
+    text_thread, text_out = in_thread(lambda: "".join(setup.client.follow_logs(job_id)))
+    time.sleep(0.3)
+    text = run_job(setup, job_id, chunks=8, epochs=2, pause=0)
+    for thread in (live, lagging, text_thread):
+        thread.join(60)
+        assert not thread.is_alive()
+    late = collect(setup.client, job_id)  # a long history: read in pages of 5
+    expected = by_kind(late)
+    assert len(expected["metric"]) == 2 * (8 + 2) and len(expected["log"]) == 16
+    for events in (live_out[0], lagging_out[0]):
+        assert by_kind(events) == expected
+        assert events[-1].data["status"] == "failed"
+    assert text_out == [text]
+    middle = late[len(late) // 2]
+    resumed = collect(setup.client, job_id, last_event_id=middle.id)
+    assert by_kind(late[: len(late) // 2 + 1] + resumed) == expected

@@ -356,7 +356,10 @@ class Client:
             body: Any = response.json()
         except ValueError:
             body = response.text[:500]
-        raise error_from_body(response.status_code, body)
+        error = error_from_body(response.status_code, body)
+        if error.details is None and isinstance(body, dict) and isinstance(body.get("errors"), list):
+            error.details = body["errors"]  # a validation error: each bad field and its allowed range
+        raise error
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
@@ -505,17 +508,12 @@ class Client:
         return Job.model_validate(self._json("POST", f"/v1/jobs/{job_id}/cancel"))
 
     def wait(self, job_id: str, *, timeout: float | None = None) -> Job:
-        """Block until the job is final (following its status events) and return it."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for event in self.events(job_id, metrics=False, logs=False, timeout=timeout):
-            if event.is_final:
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                break
-        job = self.get_job(job_id)
-        if not job.is_final and deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"job {job_id} still {job.status} after {timeout} s")
-        return job
+        """Block until the job is final (following its status events) and return it.
+
+        Raises ``TimeoutError`` if it is not final after ``timeout`` seconds."""
+        for _event in self.events(job_id, metrics=False, logs=False, timeout=timeout):
+            pass
+        return self.get_job(job_id)
 
     # -- metrics, logs, events
 
@@ -615,14 +613,24 @@ class Client:
 
         A dropped connection is resumed from the last event id, so no event is lost
         or repeated. ``metrics``/``logs`` select the kinds beside status changes;
-        ``ranks`` limits the log streams.
+        ``ranks`` limits the log streams. With ``timeout``, ``TimeoutError`` is raised
+        when the job is not over after that many seconds.
         """
         params: dict[str, Any] = {"metrics": str(metrics).lower(), "logs": str(logs).lower()}
         if ranks is not None:
             params["rank"] = list(ranks)
+        deadline = None if timeout is None else time.monotonic() + timeout
         position = last_event_id
         failures = 0
         while True:
+            # The service sends a comment line every 15 s while nothing happens: a read
+            # timeout well above that means the connection is dead.
+            read_timeout = 60.0
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"job {job_id} is not over after {timeout} s")
+                read_timeout = min(read_timeout, remaining)
             headers = {"Accept": "text/event-stream"}
             if position:
                 headers["Last-Event-ID"] = position
@@ -632,7 +640,7 @@ class Client:
                     f"/v1/jobs/{job_id}/events",
                     params=params,
                     headers=headers,
-                    timeout=httpx.Timeout(self._timeout, read=timeout),
+                    timeout=httpx.Timeout(self._timeout, read=read_timeout),
                 ) as response:
                     self._raise_for(response)
                     for event_id, kind, data in _parse_sse(response.iter_lines()):
@@ -645,6 +653,8 @@ class Client:
                             return
                 # The stream closed before the final status: resume where it stopped.
             except (httpx.TransportError, httpx.StreamError) as exc:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"job {job_id} is not over after {timeout} s") from exc
                 failures += 1
                 if failures > reconnects:
                     if isinstance(exc, httpx.TransportError):

@@ -95,6 +95,7 @@ class LocalWorker:
         self.work_dir = work_dir
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
+        self._stopping = False
 
     def start(self) -> None:
         cmd = [
@@ -125,7 +126,7 @@ class LocalWorker:
         if process is None:
             return
         code = process.wait()
-        if not getattr(self, "_stopping", False):
+        if not self._stopping:
             log.error("the local worker agent exited with status %s; see %s", code, self.log_path)
 
     def stop(self, grace: float = WORKER_STOP_GRACE_S) -> None:

@@ -33,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from sqlalchemy import event, func, select
@@ -121,6 +122,11 @@ class Item:
     def weight(self) -> int:
         return len(self.text) + 64
 
+    @cached_property
+    def payload(self) -> str:
+        """``data`` as JSON, encoded once however many followers send it."""
+        return json.dumps(self.data, separators=(",", ":"), allow_nan=False)
+
 
 @dataclass
 class Batch:
@@ -182,14 +188,15 @@ def read_batch(session: Session, job_id: str, after: Cursor, *, upto: Cursor | N
     events = list(session.scalars(stmt.order_by(JobEvent.seq).limit(limit)))
     metrics = metric_points_after(session, job_id, after.metric, None, limit)
     pieces = log_chunks_after(session, job_id, None, after.log, limit=limit)
-    drained = len(metrics) < limit and len(pieces) < limit and len(events) < limit
+    # A kind is exhausted when its read came back short, or reached ``upto``.
+    drained = (
+        len(events) < limit
+        and (len(metrics) < limit or (upto is not None and metrics[-1].seq >= upto.metric))
+        and (len(pieces) < limit or (upto is not None and pieces[-1].seq >= upto.log))
+    )
     if upto is not None:
         metrics = [m for m in metrics if m.seq <= upto.metric]
         pieces = [p for p in pieces if p.seq <= upto.log]
-        drained = drained or (
-            (not metrics or metrics[-1].seq == upto.metric or len(metrics) < limit)
-            and (not pieces or pieces[-1].seq == upto.log or len(pieces) < limit)
-        )
     statuses: list[Item] = []
     final = False
     job = None
@@ -211,14 +218,26 @@ def read_batch(session: Session, job_id: str, after: Cursor, *, upto: Cursor | N
     return Batch(items, cursor, drained, final)
 
 
-def read_heads(session: Session, job_id: str) -> tuple[Cursor, bool]:
-    """The job's current last seq of each kind, and whether its final status is recorded."""
-    status = session.scalar(select(func.max(JobEvent.seq)).where(JobEvent.job_id == job_id)) or 0
-    metric = session.scalar(select(func.max(Metric.seq)).where(Metric.job_id == job_id)) or 0
-    log_seq = session.scalar(select(func.max(LogChunk.seq)).where(LogChunk.job_id == job_id)) or 0
+@dataclass(frozen=True)
+class Heads:
+    cursor: Cursor  # the job's current last seq of each kind
+    items: int  # how many items the job has so far
+    final: bool  # its final status is recorded
+
+
+def read_heads(session: Session, job_id: str) -> Heads:
+    """Where the job's history ends now, how long it is, and whether it is over."""
+    values = []
+    count = 0
+    for table in (JobEvent, Metric, LogChunk):
+        last, n = session.execute(
+            select(func.max(table.seq), func.count()).where(table.job_id == job_id)
+        ).one()
+        values.append(int(last or 0))
+        count += int(n)
     job_status = session.scalar(select(Job.status).where(Job.id == job_id))
     final = job_status is not None and JobStatus(job_status).is_final()
-    return Cursor(int(status), int(metric), int(log_seq)), final
+    return Heads(Cursor(*values), count, final)
 
 
 # --------------------------------------------------------------------------- the shared feed
@@ -273,8 +292,19 @@ class JobFeed:
     async def run(self) -> None:
         db = self.hub.db
         try:
-            self.base, self.done = await run_in_threadpool(_with_read_session, db, read_heads, self.job_id)
-            self.head = self.base
+            heads: Heads = await run_in_threadpool(_with_read_session, db, read_heads, self.job_id)
+            if heads.items <= BUFFER_ITEMS // 2:
+                # A short history is read into the buffer once: followers that start from
+                # the beginning (the usual case) then need no database read of their own.
+                while True:
+                    batch = await run_in_threadpool(_with_read_session, db, read_batch, self.job_id, self.head)
+                    self._append(batch.items)
+                    self.done = self.done or batch.final
+                    if batch.drained or self.done:
+                        break
+            else:
+                self.base = self.head = heads.cursor
+                self.done = heads.final
             self.ready.set()
             last_news = time.monotonic()
             idle_since: float | None = None
@@ -445,6 +475,9 @@ class StreamHub:
                 else:
                     sub.position = index
                     if feed.done:
+                        if feed.error is not None:
+                            # Cut the stream (no "end"): the client reconnects and resumes.
+                            raise RuntimeError("the database could not be read") from feed.error
                         return
                     if feed.version == version:
                         await changed.wait()
@@ -476,14 +509,9 @@ class EventFilter:
         return self.ranks is None or item.data.get("rank") in self.ranks
 
 
-def _sse(kind: str, data: dict[str, Any], event_id: str | None = None) -> bytes:
-    lines = []
-    if event_id is not None:
-        lines.append(f"id: {event_id}")
-    lines.append(f"event: {kind}")
-    payload = json.dumps(data, separators=(",", ":"), allow_nan=False)
-    lines.append(f"data: {payload}")
-    return ("\n".join(lines) + "\n\n").encode()
+def _sse(kind: str, payload: str, event_id: str | None = None) -> bytes:
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}event: {kind}\ndata: {payload}\n\n".encode()
 
 
 async def _with_keepalive(source: AsyncIterator[bytes], interval: float) -> AsyncIterator[bytes]:
@@ -526,11 +554,11 @@ async def sse_events(
         async for item, cursor in hub.follow(job_id, start):
             last = cursor
             if wanted.wants(item):
-                yield _sse(item.kind, item.data, cursor.encode())
+                yield _sse(item.kind, item.payload, cursor.encode())
             delivered_final = delivered_final or item.final
         if not delivered_final:
             # Resumed after the final status: say so, so the client stops reconnecting.
-            yield _sse("end", {"final": True, "cursor": last.encode()})
+            yield _sse("end", json.dumps({"final": True, "cursor": last.encode()}))
 
     async for chunk in _with_keepalive(events(), keepalive):
         yield chunk
@@ -567,16 +595,28 @@ def _read_log(session: Session, job_id: str, attempt_number: int, stream: str, o
     return piece.data, piece.next_offset, piece.complete
 
 
-async def follow_log(hub: StreamHub, job_id: str, target: LogTarget, offset: int) -> AsyncIterator[bytes]:
+async def follow_log(
+    hub: StreamHub,
+    job_id: str,
+    target: LogTarget,
+    offset: int,
+    resolved: tuple[int | None, str | None] | None = None,
+) -> AsyncIterator[bytes]:
     """One log stream's bytes from ``offset`` as they arrive, until the job is final and
     every chunk is out (or, pinned to an attempt, until that attempt has ended).
-    Following the latest attempt, a retried job's next attempt is followed from its start."""
+    Following the latest attempt, a retried job's next attempt is followed from its start.
+    ``resolved`` is the (attempt number, stream name) the caller already looked up."""
     db = hub.db
     feed = hub.feed(job_id)
     await feed.ready.wait()
     # Live items after this point come from the feed; what came before, from the database.
     live = hub.follow(job_id, feed.head)
-    attempt, stream = await run_in_threadpool(_with_read_session, db, _open_log, job_id, target, None)
+    attempt: int | None
+    stream: str | None
+    if resolved is None:
+        attempt, stream = await run_in_threadpool(_with_read_session, db, _open_log, job_id, target, None)
+    else:
+        attempt, stream = resolved
     position = offset
     ended = False
 

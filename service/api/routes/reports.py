@@ -238,7 +238,10 @@ def get_logs(
     name = reports_service.resolve_stream(session, job, chosen, rank=rank, stream=stream)
     if follow:
         session.close()  # a follower holds no connection while it streams
-        return follow_log_response(request, job.id, rank=rank, stream=stream, attempt=attempt, offset=offset)
+        resolved = (chosen.number if chosen is not None else None, name)
+        return follow_log_response(
+            request, job.id, rank=rank, stream=stream, attempt=attempt, offset=offset, resolved=resolved
+        )
     piece = reports_service.read_log(session, job, chosen, name, offset, limit_bytes)
     headers = {
         "X-Offset": str(piece.offset),

@@ -98,15 +98,24 @@ async def job_events(
 
 
 def follow_log_response(
-    request: Request, job_id: str, *, rank: int | None, stream: str | None, attempt: int | None, offset: int
+    request: Request,
+    job_id: str,
+    *,
+    rank: int | None,
+    stream: str | None,
+    attempt: int | None,
+    offset: int,
+    resolved: tuple[int | None, str | None] | None = None,
 ) -> StreamingResponse:
     """The ``follow=true`` answer of ``GET /v1/jobs/{id}/logs``: the stream's text from
     ``offset`` as it arrives, ending when the job is final and every chunk is out.
 
-    The caller has checked the job and the stream name and holds no session any more."""
+    The caller has checked the job and the stream name (``resolved``: the attempt number
+    and stream name it found) and holds no session any more."""
+    target = LogTarget(rank, stream, attempt)
 
     async def body() -> AsyncIterator[bytes]:
-        async for data in follow_log(hub_for(request.app), job_id, LogTarget(rank, stream, attempt), offset):
+        async for data in follow_log(hub_for(request.app), job_id, target, offset, resolved):
             yield data
 
     return StreamingResponse(body(), media_type="text/plain; charset=utf-8", headers=_STREAM_HEADERS)
