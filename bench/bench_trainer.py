@@ -157,7 +157,7 @@ def _check_none_left(tag: str) -> None:
         time.sleep(0.2)
         left = _tagged(tag)
     if not left:
-        print("all processes stopped: API, agent, torchrun and ranks", flush=True)
+        print("no child process left running", flush=True)
         return
     for pid, _ in left:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -544,11 +544,17 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, terminate)
     started = time.perf_counter()
+    interrupted = False
     try:
         with tempfile.TemporaryDirectory(prefix="torchyard-bench-") as tmp:
             _bench(args, Path(tmp))
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
         _check_none_left(args.tag)
+    if interrupted:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
     print(f"bench wall time {time.perf_counter() - started:.0f} s", flush=True)
 
 

@@ -16,8 +16,10 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
 
 SQLITE_BUSY_TIMEOUT_MS = 60_000
+
 
 
 def _sqlite_engine(url: str, begin_sql: str) -> Engine:
@@ -33,7 +35,9 @@ def _sqlite_engine(url: str, begin_sql: str) -> Engine:
         # Let SQLAlchemy, not pysqlite, decide when transactions begin.
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
+        # journal_mode is not set here: WAL is a property of the file, set once by
+        # Database(); asking for it on every new connection takes a lock, and a burst of
+        # new connections then queues on the busy timeout.
         cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
         cur.execute("PRAGMA foreign_keys=ON")
         cur.execute("PRAGMA synchronous=NORMAL")
@@ -46,6 +50,16 @@ def _sqlite_engine(url: str, begin_sql: str) -> Engine:
     return engine
 
 
+def _enable_wal(url: str) -> None:
+    """Put the SQLite file in WAL mode (persistent: once per file is enough)."""
+    engine = create_engine(url, poolclass=NullPool, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+    finally:
+        engine.dispose()
+
+
 class Database:
     """The service's handle on its SQL store."""
 
@@ -53,6 +67,7 @@ class Database:
         self.url = url
         self.is_sqlite = url.startswith("sqlite")
         if self.is_sqlite:
+            _enable_wal(url)
             self.engine = _sqlite_engine(url, "BEGIN IMMEDIATE")
             self.read_engine = _sqlite_engine(url, "BEGIN")
         else:
