@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import Counter
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
+from fastapi.routing import APIRoute
 
+from service.api.app import create_app
+from service.api.routing import SessionScopedRoute
 from service.config import Settings
 from tests.conftest import LiveServer
 from tests.factories import auth, create_token, insert_dataset, job_spec, register_node, token_id
@@ -62,3 +68,39 @@ def test_twenty_threads_submit_list_and_cancel(live_server: LiveServer, settings
     # Cancelled at once when still queued, or cancelling if the scheduler had placed it already.
     by_status = Counter(j["status"] for j in seen)
     assert by_status["cancelled"] + by_status["cancelling"] == 20 * 2
+
+
+def test_a_burst_larger_than_the_pools_is_served_without_error(live_server: LiveServer) -> None:
+    """More simultaneous requests than the threadpool (40) and the connection pool hold.
+
+    Sync routes whose sessions stayed open until after the response was validated (in
+    another threadpool call) used to deadlock here until the pool timed out, and the
+    requests still waiting then failed with 500.
+    """
+    requests = 240
+    token = live_server.admin_token
+    paths = ["/v1/jobs", "/v1/cluster", "/v1/datasets"]
+
+    async def burst() -> Counter[int]:
+        limits = httpx.Limits(max_connections=requests, max_keepalive_connections=requests)
+        async with httpx.AsyncClient(
+            base_url=live_server.url, headers=auth(token), timeout=120, limits=limits
+        ) as c:
+            responses = await asyncio.gather(*[c.get(paths[i % len(paths)]) for i in range(requests)])
+        return Counter(r.status_code for r in responses)
+
+    assert asyncio.run(burst()) == Counter({200: requests})
+
+
+def test_every_route_releases_its_sessions_as_it_returns(settings: Settings) -> None:
+    def api_routes(routes: list[Any]) -> Iterator[APIRoute]:
+        for route in routes:
+            if isinstance(route, APIRoute):
+                yield route
+            included = getattr(route, "original_router", None)  # an included router
+            if included is not None:
+                yield from api_routes(included.routes)
+
+    routes = list(api_routes(create_app(settings).routes))
+    assert routes
+    assert [r.path for r in routes if not isinstance(r, SessionScopedRoute)] == []

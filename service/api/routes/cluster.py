@@ -3,10 +3,11 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from service.api.deps import CurrentUser, ReadSessionDep, SettingsDep
+from service.api.routing import SessionScopedRoute
 from service.schemas.nodes import ClusterPublic
 from service.services.cluster import cluster_view
 
-router = APIRouter(prefix="/v1/cluster", tags=["cluster"])
+router = APIRouter(prefix="/v1/cluster", tags=["cluster"], route_class=SessionScopedRoute)
 
 
 @router.get("")

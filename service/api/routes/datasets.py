@@ -12,12 +12,13 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import CurrentUser, ReadSessionDep, SessionDep, SettingsDep, WorkerDep
+from service.api.routing import SessionScopedRoute
 from service.api.uploads import receive_json, receive_multipart
 from service.schemas.datasets import NAME_MAX, DatasetList, DatasetPublic, DatasetRegister
 from service.services import datasets as datasets_service
 from torchyard.errors import RequestValidationError, TorchyardError
 
-router = APIRouter(tags=["datasets"])
+router = APIRouter(tags=["datasets"], route_class=SessionScopedRoute)
 
 
 class _UnsupportedMediaType(TorchyardError):

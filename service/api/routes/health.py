@@ -4,8 +4,9 @@ from fastapi import APIRouter
 from sqlalchemy import text
 
 from service.api.deps import DatabaseDep
+from service.api.routing import SessionScopedRoute
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], route_class=SessionScopedRoute)
 
 
 @router.get("/healthz")

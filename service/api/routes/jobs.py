@@ -5,11 +5,12 @@ from typing import Annotated
 from fastapi import APIRouter, Query, status
 
 from service.api.deps import CurrentUser, ReadSessionDep, SessionDep, SettingsDep, WakeupDep
+from service.api.routing import SessionScopedRoute
 from service.schemas.jobs import JobCreate, JobList, JobPublic
 from service.services import jobs as jobs_service
 from service.states import JobStatus
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=SessionScopedRoute)
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)

@@ -22,12 +22,12 @@ from urllib.parse import quote
 import anyio
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from service.api.deps import CurrentUser, DatabaseDep, ReadSessionDep, SessionDep, SettingsDep, WorkerDep
 from service.api.routes.streams import follow_log_response
+from service.api.routing import SessionScopedRoute
 from service.db.engine import Database
 from service.schemas.reports import (
     INT32_MAX,
@@ -49,7 +49,7 @@ from service.services.tokens import Principal
 from torchyard.errors import PayloadTooLargeError
 from torchyard.model_archive import SHA256_HEADER
 
-router = APIRouter()
+router = APIRouter(route_class=SessionScopedRoute)
 
 LeaseHeader = Annotated[str | None, Header(alias=LEASE_HEADER, description="The placement's lease token.")]
 _WRITE_CHUNK = 1 << 20
@@ -82,7 +82,7 @@ class _CappedRequest(Request):
         return self._body
 
 
-class _CappedBodyRoute(APIRoute):
+class _CappedBodyRoute(SessionScopedRoute):
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 

@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import CurrentUser, DatabaseDep
+from service.api.routing import SessionScopedRoute
 from service.db.engine import Database
 from service.schemas.reports import MAX_RANK
 from service.services import jobs as jobs_service
@@ -47,7 +48,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             app.state.stream_hub = None
 
 
-router = APIRouter(tags=["jobs"], lifespan=lifespan)
+router = APIRouter(tags=["jobs"], lifespan=lifespan, route_class=SessionScopedRoute)
 
 
 def _check_job(db: Database, user: Principal, job_id: str) -> str:

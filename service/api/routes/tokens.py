@@ -7,11 +7,12 @@ from fastapi import APIRouter, Depends, status
 from pydantic import BaseModel, Field
 
 from service.api.deps import AdminUser, SessionDep, get_principal
+from service.api.routing import SessionScopedRoute
 from service.schemas.common import StrictModel
 from service.services.tokens import Principal, create_token
 from service.states import Role
 
-router = APIRouter(prefix="/v1/tokens", tags=["tokens"])
+router = APIRouter(prefix="/v1/tokens", tags=["tokens"], route_class=SessionScopedRoute)
 
 
 class TokenCreate(StrictModel):
@@ -35,7 +36,7 @@ def post_token(body: TokenCreate, session: SessionDep, _admin: AdminUser) -> Tok
     return TokenCreated(id=row.id, name=row.name, role=Role(row.role), token=plain, created_at=row.created_at)
 
 
-whoami_router = APIRouter(prefix="/v1", tags=["tokens"])
+whoami_router = APIRouter(prefix="/v1", tags=["tokens"], route_class=SessionScopedRoute)
 
 
 class WhoAmI(BaseModel):

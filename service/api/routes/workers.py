@@ -15,6 +15,7 @@ from fastapi import APIRouter, Header, Query, Request, Response, status
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import DatabaseDep, SessionDep, SettingsDep, WakeupDep, WorkerDep
+from service.api.routing import SessionScopedRoute
 from service.config import Settings
 from service.db.engine import Database
 from service.schemas.nodes import NodeRegister
@@ -33,7 +34,7 @@ from service.services.leases import LEASE_HEADER
 from service.services.reaper import lose_node_placements
 from service.services.tokens import Principal
 
-router = APIRouter(prefix="/v1/worker", tags=["worker"])
+router = APIRouter(prefix="/v1/worker", tags=["worker"], route_class=SessionScopedRoute)
 
 LeaseHeader = Annotated[str | None, Header(alias=LEASE_HEADER, description="The placement's lease token.")]
 
