@@ -93,11 +93,17 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.lease_timeout_s <= self.heartbeat_interval_s:
-            raise ValueError("lease_timeout_s must be larger than heartbeat_interval_s")
+            raise ValueError(
+                f"TORCHYARD_LEASE_TIMEOUT_S ({self.lease_timeout_s:g}) must be larger than "
+                f"TORCHYARD_HEARTBEAT_INTERVAL_S ({self.heartbeat_interval_s:g})"
+            )
         if self.master_port_min > self.master_port_max:
-            raise ValueError("master_port_min must not exceed master_port_max")
+            raise ValueError(
+                f"TORCHYARD_MASTER_PORT_MIN ({self.master_port_min}) must not exceed "
+                f"TORCHYARD_MASTER_PORT_MAX ({self.master_port_max})"
+            )
         if self.database_url and not self.database_url.startswith(("sqlite", "postgresql")):
-            raise ValueError("database_url must be a sqlite:// or postgresql:// URL")
+            raise ValueError("TORCHYARD_DATABASE_URL must be a sqlite:// or postgresql:// URL")
         return self
 
     @property

@@ -7,6 +7,8 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from pydantic import ValidationError
+
 from torchyard import commands, demo
 from torchyard.client import ServiceUnreachableError
 from torchyard.errors import TorchyardError
@@ -130,9 +132,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TorchyardError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 1
+    except ValidationError as exc:
+        if exc.title != "Settings":
+            raise
+        for line in settings_errors(exc):
+            print(f"error: {line}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+
+
+def settings_errors(exc: ValidationError) -> list[str]:
+    """One line per invalid setting, named as the environment variable that sets it."""
+    lines = []
+    for error in exc.errors():
+        where = f"TORCHYARD_{str(error['loc'][0]).upper()}" if error["loc"] else "settings"
+        given = error.get("input")
+        shown = "" if given is None or isinstance(given, dict) else f" (got {given!r})"
+        message = error["msg"].removeprefix("Value error, ")
+        lines.append(f"InvalidSettingsError: {where}: {message}{shown}")
+    return lines
 
 
 if __name__ == "__main__":
