@@ -12,7 +12,9 @@ import textwrap
 import time
 from pathlib import Path
 
-from worker.agent.agent import UnitPool
+import pytest
+
+from worker.agent.agent import Agent, AgentOptions, UnitPool
 from worker.agent.launcher import (
     MARKER_VAR,
     LaunchSpec,
@@ -24,7 +26,9 @@ from worker.agent.launcher import (
     rank_log_files,
     torchrun_command,
 )
-from worker.agent.node import interface_for
+from worker.agent.node import NodeResources, interface_for
+from worker.agent.placement import PlacementRun
+from worker.agent.runs import prune_runs
 
 # Stands in for torchrun: starts two "ranks" in sessions of their own (as torch elastic
 # does) that ignore SIGTERM, then waits.
@@ -197,3 +201,61 @@ def test_unit_pool_and_loopback_interface() -> None:
     pool.give(a)
     assert pool.take(1) == (0,)
     assert interface_for("127.0.0.1") == "lo"
+
+
+def _run_dir(runs: Path, name: str, age_s: float) -> Path:
+    path = runs / name
+    (path / "checkpoints").mkdir(parents=True)
+    (path / "checkpoints" / "last.pt").write_bytes(b"x" * 1024)
+    (path / "agent.log").write_text("done\n")
+    stamp = time.time() - age_s
+    for p in (path / "checkpoints" / "last.pt", path / "checkpoints", path / "agent.log", path):
+        os.utime(p, (stamp, stamp))
+    return path
+
+
+def test_prune_keeps_the_newest_finished_runs_and_never_a_running_one(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    oldest = _run_dir(runs, "j1-a1-n", 400)
+    running = _run_dir(runs, "j2-a1-n", 300)  # old, but its placement is still running
+    older = _run_dir(runs, "j3-a1-n", 200)
+    newest = _run_dir(runs, "j4-a1-n", 100)
+    (runs / "stray-file").write_text("not a run")
+
+    removed = prune_runs(runs, keep=2, active=[running])
+    assert sorted(removed) == [oldest]
+    assert running.exists() and older.exists() and newest.exists()
+    assert (runs / "stray-file").exists()
+
+    assert prune_runs(runs, keep=0, active=[running]) == [newest, older]
+    assert running.exists()
+    assert prune_runs(tmp_path / "missing", keep=0, active=[]) == []
+    with pytest.raises(ValueError):
+        prune_runs(runs, keep=-1, active=[])
+
+
+def test_a_finished_placement_prunes_old_runs_but_not_its_peers(tmp_path: Path) -> None:
+    """The agent's release of a placement: units back, then old run directories removed."""
+    agent = Agent(
+        AgentOptions(api_url="http://127.0.0.1:9", token="t", name="n", work_dir=tmp_path, keep_runs=1),
+        NodeResources(units=2, cpus=2, gpu_ids=(), accelerator="cpu"),
+    )
+
+    def placement(job: str) -> PlacementRun:
+        work = {"job_id": job, "lease_token": f"lease-{job}", "node_rank": 0, "process_count_per_node": 1,
+                "attempt_number": 1}
+        run = PlacementRun(agent.ctx, work, agent.units.take(1), gpu_ids=())
+        agent.runs[run.lease_token] = run
+        return run
+
+    older = _run_dir(agent.ctx.runs_dir, "old-a1-n", 500)
+    peer, finished = placement("peer"), placement("done")
+    _run_dir(agent.ctx.runs_dir, peer.run_dir.name, 1000)  # the oldest, but still running
+    _run_dir(agent.ctx.runs_dir, finished.run_dir.name, 10)
+
+    agent._release(finished)
+    assert list(agent.runs) == ["lease-peer"]
+    assert agent.units.take(1) == (finished.unit_ids[0],)
+    assert not older.exists()
+    assert peer.run_dir.exists() and finished.run_dir.exists()
+    agent.api.close()

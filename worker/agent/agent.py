@@ -31,6 +31,7 @@ from worker.agent.api import Backoff, WorkerApi, is_retryable, retrying
 from worker.agent.launcher import kill_leftovers
 from worker.agent.node import NodeResources, address_towards, detect_resources, interface_for
 from worker.agent.placement import AgentContext, PlacementRun
+from worker.agent.runs import DEFAULT_KEEP_RUNS, prune_runs
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class AgentOptions:
     force_cpu: bool = False
     work_dir: Path = Path("torchyard-worker")
     grace_s: float = 10.0
+    keep_runs: int = DEFAULT_KEEP_RUNS
 
 
 class UnitPool:
@@ -176,7 +178,12 @@ class Agent:
     def _release(self, placement: PlacementRun) -> None:
         with self._runs_lock:
             self.runs.pop(placement.lease_token, None)
+            active = [run.run_dir for run in self.runs.values()]
         self.units.give(placement.unit_ids)
+        try:
+            prune_runs(self.ctx.runs_dir, self.options.keep_runs, active)
+        except OSError:
+            log.exception("pruning old run directories failed")
 
     def _start(self, work: dict[str, Any]) -> None:
         units = self.units.take(int(work["process_count_per_node"]))

@@ -8,6 +8,8 @@ import os
 import socket
 from pathlib import Path
 
+from worker.agent.runs import DEFAULT_KEEP_RUNS
+
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "TORCHYARD_TOKEN"
@@ -40,6 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="datasets cache and run directories (default ./torchyard-worker)",
     )
     parser.add_argument(
+        "--keep-runs",
+        type=int,
+        default=DEFAULT_KEEP_RUNS,
+        help=f"finished run directories (checkpoints, logs) kept on this node; older ones are "
+        f"removed (default {DEFAULT_KEEP_RUNS})",
+    )
+    parser.add_argument(
         "--grace-period",
         type=float,
         default=10.0,
@@ -60,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
     if args.slots < 1:
         log.error("--slots must be at least 1")
         return 2
+    if args.keep_runs < 0:
+        log.error("--keep-runs must be 0 or more")
+        return 2
     name = args.name or socket.gethostname().split(".")[0] or "node"
     options = AgentOptions(
         api_url=args.api,
@@ -70,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         force_cpu=args.cpu,
         work_dir=args.work_dir,
         grace_s=args.grace_period,
+        keep_runs=args.keep_runs,
     )
     return Agent(options).run()
 

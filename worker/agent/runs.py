@@ -1,0 +1,55 @@
+"""Pruning of finished run directories, so a long-lived node's disk does not fill up.
+
+Each placement trains in ``<work dir>/runs/<job>-a<attempt>-<node>``: the job file,
+the ranks' logs, per-epoch checkpoints and the model directory. Everything a user
+needs from there has been shipped to the API by the time the placement ends (logs,
+metrics, the model), so the agent keeps only the most recent finished runs, for an
+operator's post-mortem, and removes older ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KEEP_RUNS = 10
+
+
+def prune_runs(runs_dir: Path, keep: int, active: Iterable[Path]) -> list[Path]:
+    """Remove finished run directories beyond the ``keep`` most recently modified.
+
+    Directories in ``active`` (placements still running) are never touched, nor
+    counted. Returns what was removed.
+    """
+    if keep < 0:
+        raise ValueError("keep must be 0 or more")
+    live = {p.resolve() for p in active}
+    try:
+        entries = [p for p in runs_dir.iterdir() if p.is_dir() and not p.is_symlink()]
+    except FileNotFoundError:
+        return []
+    finished = [p for p in entries if p.resolve() not in live]
+    finished.sort(key=_modified, reverse=True)
+    removed = []
+    for path in finished[keep:]:
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+        else:
+            log.warning("could not remove the old run directory %s", path)
+    if removed:
+        log.info("removed %d old run director%s from %s", len(removed), "y" if len(removed) == 1 else "ies", runs_dir)
+    return removed
+
+
+def _modified(path: Path) -> float:
+    """When the run last changed: its directory or its newest top-level file."""
+    try:
+        times = [path.stat().st_mtime] + [child.stat().st_mtime for child in path.iterdir()]
+    except OSError:
+        return 0.0
+    return max(times)
