@@ -46,7 +46,7 @@ def test_defaults_are_filled_and_echoed(client: TestClient, ready: dict[str, str
         "image_size": 224,
         "augmentation": "standard",
     }
-    assert body["resources"] == {"node_count": 1, "process_count_per_node": 1}
+    assert body["resources"] == {"node_count": 1, "process_count_per_node": 1, "max_runtime_s": None}
     assert body["model"] == {
         "architecture": "resnet18",
         "pretrained": False,
@@ -85,6 +85,20 @@ def test_parameter_bounds(
     assert err["field"] == f"parameters.{field}"
     assert err["allowed"] == allowed
     assert allowed in body["message"]
+
+
+@pytest.mark.parametrize(("ok", "bad"), [(1, 0), (30 * 24 * 3600, 30 * 24 * 3600 + 1)])
+def test_max_runtime_bounds(client: TestClient, ready: dict[str, str], ok: int, bad: int) -> None:
+    r = _submit(client, ready, resources={"max_runtime_s": ok})
+    assert r.status_code == 201, r.text
+    assert r.json()["resources"]["max_runtime_s"] == ok
+    r = _submit(client, ready, resources={"max_runtime_s": bad})
+    assert r.status_code == 422, r.text
+    [err] = r.json()["errors"]
+    assert err["field"] == "resources.max_runtime_s"
+    assert err["allowed"] == ">= 1 and <= 2592000 (30 days), or null for no limit"
+    assert _submit(client, ready, resources={"max_runtime_s": None}).status_code == 201
+    assert _submit(client, ready, resources={"max_runtime_s": "soon"}).status_code == 422
 
 
 def test_warmup_may_equal_but_not_exceed_epochs(client: TestClient, ready: dict[str, str]) -> None:

@@ -44,6 +44,7 @@ _SUBMIT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--augmentation", "parameters.augmentation", str, "standard, light or none"),
     ("--nodes", "resources.node_count", int, "nodes to train on"),
     ("--procs", "resources.process_count_per_node", int, "processes (ranks) per node"),
+    ("--max-runtime", "resources.max_runtime_s", int, "seconds the job may run before TimeoutError"),
     ("--priority", "priority", int, "higher runs first (-100..100)"),
 )
 

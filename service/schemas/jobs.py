@@ -13,6 +13,7 @@ from service.schemas.common import StrictModel
 DOUBLE_EPSILON = 2.220446049250313e-16
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
+MAX_RUNTIME_S = 30 * 24 * 3600
 
 
 def _allowed(text: str) -> dict[str, Any]:
@@ -83,6 +84,14 @@ class Resources(StrictModel):
         ge=1,
         le=INT32_MAX,
         json_schema_extra=_allowed(">= 1 and <= the processing units of a node"),
+    )
+    max_runtime_s: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_RUNTIME_S,
+        description="Wall-clock limit counted from the job's start (status running); past it every "
+        "rank is stopped and the job fails with TimeoutError. Unset: no limit.",
+        json_schema_extra=_allowed(f">= 1 and <= {MAX_RUNTIME_S} (30 days), or null for no limit"),
     )
 
 

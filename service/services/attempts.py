@@ -43,7 +43,7 @@ from service.services.nodes import get_own_node, touch_node
 from service.services.scheduler import is_postgres, schedule
 from service.services.tokens import Principal
 from service.states import LIVE_ATTEMPT_STATUSES, AttemptStatus, JobStatus
-from torchyard.errors import ConflictError, RankFailedError, StaleLeaseError, WorkerLostError
+from torchyard.errors import ConflictError, JobTimeoutError, RankFailedError, StaleLeaseError, WorkerLostError
 
 log = logging.getLogger(__name__)
 
@@ -387,4 +387,35 @@ def lose_placements(
             failure = Failure(code=WorkerLostError.code, message=message, node=node.name)
             fail_attempt(session, job, attempt, failure, f"{WorkerLostError.code}: {message}")
     finish_cancellation(session, job)
+    return True
+
+
+def runtime_limit_s(job: Job) -> int | None:
+    """The job's ``resources.max_runtime_s``, or None when it has no limit."""
+    value = (job.spec or {}).get("resources", {}).get("max_runtime_s")
+    return int(value) if value is not None else None
+
+
+def time_out(session: Session, job_id: str, now: datetime) -> bool:
+    """Fail a running job that has outrun its ``max_runtime_s`` with ``TimeoutError``.
+
+    Its live attempt fails with it, so every node is told to stop its ranks at its next
+    heartbeat (as when a rank fails elsewhere). Re-checked under the job's lock; True if
+    the job was timed out here.
+    """
+    job = _lock_job(session, job_id)
+    limit = runtime_limit_s(job)
+    if job.status != JobStatus.RUNNING.value or limit is None or job.started_at is None:
+        return False
+    if job.started_at + timedelta(seconds=limit) > now:
+        return False
+    message = f"the job ran longer than its limit of {limit} s (resources.max_runtime_s)"
+    failure = Failure(code=JobTimeoutError.code, message=message)
+    attempts = session.scalars(
+        select(Attempt).where(Attempt.job_id == job.id, Attempt.status.in_(_LIVE_ATTEMPT)).with_for_update()
+    ).all()
+    for attempt in attempts:
+        fail_attempt(session, job, attempt, failure, f"{JobTimeoutError.code}: {message}")
+    if job.status == JobStatus.RUNNING.value:  # no live attempt left to fail with it
+        transition(session, job, JobStatus.FAILED, f"{JobTimeoutError.code}: {message}", failure=failure)
     return True

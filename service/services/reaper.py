@@ -8,7 +8,9 @@ Run by every API replica, every ``reaper_interval_s``:
    the same way;
 3. a cancelling job whose remaining placements were never claimed (no process to
    stop) or are all done becomes ``cancelled``;
-4. a scheduling pass runs when jobs are queued.
+4. a running job past its ``resources.max_runtime_s`` fails with ``TimeoutError``;
+   its nodes stop their ranks at their next heartbeat;
+5. a scheduling pass runs when jobs are queued.
 
 Each job is handled in a transaction of its own under its row lock and re-checked
 there, so replicas doing the same sweep at the same time are harmless: the second
@@ -30,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Job, Node, Placement, utcnow
-from service.services.attempts import finish_cancellation, lose_placements
+from service.services.attempts import finish_cancellation, lose_placements, time_out
 from service.services.scheduler import has_queued_jobs, is_postgres, run_pass
 from service.services.wakeup import Wakeup
 from service.states import JobStatus, NodeStatus
@@ -43,6 +45,7 @@ class SweepResult:
     lost_placements: int = 0
     lost_nodes: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    timed_out: list[str] = field(default_factory=list)
     scheduled: list[str] = field(default_factory=list)
 
 
@@ -119,7 +122,21 @@ def sweep(db: Database, settings: Settings) -> SweepResult:
             if _settle_cancel(session, job_id):
                 result.cancelled.append(job_id)
 
-    # 4. scheduling
+    # 4. runtime limits
+    with db.read_session() as session:
+        running = session.execute(
+            select(Job.id, Job.started_at, Job.spec).where(Job.status == JobStatus.RUNNING.value)
+        ).all()
+    for job_id, started_at, spec in running:
+        limit = ((spec or {}).get("resources") or {}).get("max_runtime_s")
+        if limit is None or started_at is None or started_at + timedelta(seconds=limit) > now:
+            continue
+        with db.transaction() as session:
+            if time_out(session, job_id, now):
+                result.timed_out.append(job_id)
+                log.warning("job %s timed out after %s s", job_id, limit)
+
+    # 5. scheduling
     if has_queued_jobs(db):
         result.scheduled = run_pass(db, settings).scheduled
     return result
