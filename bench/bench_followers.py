@@ -56,6 +56,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -325,6 +326,15 @@ async def run_bench(args: argparse.Namespace, database_url: str | None) -> int:
                 await asyncio.sleep(0.1)
             await asyncio.sleep(1.0)
             rss_connected = rss_mib(service.process.pid)
+            stop_polling = asyncio.Event()
+            poll_latencies: list[float] = []
+            poll_errors: list[str] = []
+            pollers = [
+                asyncio.create_task(
+                    poll(client, job_id, stop_polling, args.poll_interval, poll_latencies, poll_errors)
+                )
+                for _ in range(args.pollers)
+            ]
             run = asyncio.create_task(asyncio.to_thread(worker.run, job_id, args.seconds, args.rate))
             # Late joiners, one at a time, while all the others stream and the job reports.
             await asyncio.sleep(min(2.0, args.seconds / 4))
@@ -338,6 +348,8 @@ async def run_bench(args: argparse.Namespace, database_url: str | None) -> int:
                             break
                 await asyncio.sleep(0.1)
             points, lines = await run
+            stop_polling.set()
+            await asyncio.gather(*pollers)
             rss_busy = rss_mib(service.process.pid)
             await asyncio.to_thread(worker.finish, job_id, admin)
             await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
@@ -374,10 +386,39 @@ async def run_bench(args: argparse.Namespace, database_url: str | None) -> int:
               f"{len(followers)} followers connected, {rss_busy:.0f} MiB at the end of the reports, "
               f"{rss_after:.0f} MiB after")  # fmt: skip
         print(f"  API CPU time             {cpu_used:.1f} s over the run")
+        if args.pollers:
+            print(f"  pollers                  {args.pollers} clients every {args.poll_interval:g} s, "
+                  f"{len(poll_latencies)} requests "
+                  f"(GET /v1/jobs/ID and /metrics?after=), p50 {pct(poll_latencies, 0.5) * 1000:.0f} ms, "
+                  f"p99 {pct(poll_latencies, 0.99) * 1000:.0f} ms, max {max(poll_latencies, default=0) * 1000:.0f} ms"
+                  f", errors: {len(poll_errors)}" + (f" (first: {poll_errors[0]})" if poll_errors else ""))  # fmt: skip
+        errors += poll_errors
         return 0 if not errors and complete_events == len(events) and complete_logs == len(logs) else 1
     finally:
         admin.close()
         service.stop()
+
+
+async def poll(client: httpx.AsyncClient, job_id: str, stop: asyncio.Event, interval: float,
+               latencies: list[float], errors: list[str]) -> None:
+    """A polling client: the job's status, then its new metric points, every ``interval`` s."""
+    after = 0
+    await asyncio.sleep(random.uniform(0, interval))  # clients are not in lockstep
+    while not stop.is_set():
+        began = time.monotonic()
+        for path, params in ((f"/v1/jobs/{job_id}", {}), (f"/v1/jobs/{job_id}/metrics", {"after": after})):
+            start = time.monotonic()
+            try:
+                r = await client.get(path, params=params)
+            except httpx.HTTPError as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+                continue
+            latencies.append(time.monotonic() - start)
+            if r.status_code != 200:
+                errors.append(f"{r.status_code} {r.text[:100]}")
+            elif "next_after" in r.json():
+                after = r.json()["next_after"] or after
+        await asyncio.sleep(max(0.0, interval - (time.monotonic() - began)))
 
 
 def main() -> int:
@@ -387,6 +428,10 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="how long the job reports")
     parser.add_argument("--rate", type=float, default=20.0, help="reports per second (a point and a line each)")
     parser.add_argument("--late", type=int, default=10, help="followers joining one by one mid-run")
+    parser.add_argument(
+        "--pollers", type=int, default=0, help="clients polling the job's status and metrics while it reports"
+    )
+    parser.add_argument("--poll-interval", type=float, default=1.0, help="seconds between a poller's rounds")
     parser.add_argument(
         "--database-url", default=None, help="a PostgreSQL server (the bench uses a scratch database on it)"
     )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -12,6 +14,7 @@ import httpx
 
 from tests.conftest import free_port
 from tests.factories import auth
+from torchyard.serving import _bind
 
 
 def _run(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -78,3 +81,28 @@ def test_serve_refuses_bad_settings(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert "error: InvalidSettingsError: TORCHYARD_LEASE_TIMEOUT_S: Input should be greater than 0 (got '-1')" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_serve_socket_lets_asyncio_disable_nagle() -> None:
+    """Connections accepted on `serve`'s socket have TCP_NODELAY set.
+
+    Without it a keep-alive client waits for its own delayed ACK between the response's
+    header and body writes: about 40 ms a request."""
+    listener = _bind("127.0.0.1", free_port())
+    nodelay: list[int] = []
+
+    async def main() -> None:
+        def accepted(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sock = writer.get_extra_info("socket")
+            nodelay.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(accepted, sock=listener)
+        async with server:
+            _reader, writer = await asyncio.open_connection(*listener.getsockname()[:2])
+            while not nodelay:
+                await asyncio.sleep(0.01)
+            writer.close()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert nodelay == [1]
