@@ -22,47 +22,12 @@ import argparse
 import asyncio
 import os
 import platform
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def start_server(data_dir: Path, port: int, database_url: str | None) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "TORCHYARD_DATA_DIR": str(data_dir)}
-    if database_url:
-        env["TORCHYARD_DATABASE_URL"] = database_url
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torchyard.cli", "serve", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"torchyard serve exited with {proc.returncode}")
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("torchyard serve did not become healthy in 120 s")
+from bench_followers import Service
 
 
 async def burst(url: str, token: str, path: str, n: int) -> tuple[Counter[str], list[float], float]:
@@ -98,30 +63,21 @@ def main() -> None:
     parser.add_argument("--database-url", default=None)
     args = parser.parse_args()
 
-    data_dir = Path(tempfile.mkdtemp(prefix="torchyard-burst-"))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(data_dir, port, args.database_url)
+    service = Service(args.database_url)  # `torchyard serve` in a temporary data directory
     try:
-        token = (data_dir / "admin.token").read_text().strip()
         print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
         print(f"database: {'PostgreSQL' if args.database_url else 'SQLite'}; {args.requests} x GET {args.path}")
         print("| round | status codes | burst wall time | p50 | p99 | max |")
         print("| --- | --- | --- | --- | --- | --- |")
         for round_ in range(1, args.rounds + 1):
-            codes, latencies, wall = asyncio.run(burst(url, token, args.path, args.requests))
+            codes, latencies, wall = asyncio.run(burst(service.url, service.admin_token, args.path, args.requests))
             shown = ", ".join(f"{code}: {count}" for code, count in sorted(codes.items()))
             print(
                 f"| {round_} | {shown} | {wall:.2f} s | {statistics.median(latencies):.2f} s "
                 f"| {percentile(latencies, 0.99):.2f} s | {latencies[-1]:.2f} s |"
             )
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
+        service.stop()
 
 if __name__ == "__main__":
     main()

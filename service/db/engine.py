@@ -21,7 +21,6 @@ from sqlalchemy.pool import NullPool
 SQLITE_BUSY_TIMEOUT_MS = 60_000
 
 
-
 def _sqlite_engine(url: str, begin_sql: str) -> Engine:
     engine = create_engine(
         url,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -390,10 +391,13 @@ def lose_placements(
     return True
 
 
-def runtime_limit_s(job: Job) -> int | None:
-    """The job's ``resources.max_runtime_s``, or None when it has no limit."""
-    value = (job.spec or {}).get("resources", {}).get("max_runtime_s")
-    return int(value) if value is not None else None
+def overrun_limit_s(spec: dict[str, Any] | None, started_at: datetime | None, now: datetime) -> int | None:
+    """The job's ``resources.max_runtime_s`` if a job that started at ``started_at`` has
+    reached it by ``now``; None when it has no limit, has not started or is within it."""
+    limit = ((spec or {}).get("resources") or {}).get("max_runtime_s")
+    if limit is None or started_at is None or started_at + timedelta(seconds=limit) > now:
+        return None
+    return int(limit)
 
 
 def time_out(session: Session, job_id: str, now: datetime) -> bool:
@@ -404,10 +408,8 @@ def time_out(session: Session, job_id: str, now: datetime) -> bool:
     the job was timed out here.
     """
     job = _lock_job(session, job_id)
-    limit = runtime_limit_s(job)
-    if job.status != JobStatus.RUNNING.value or limit is None or job.started_at is None:
-        return False
-    if job.started_at + timedelta(seconds=limit) > now:
+    limit = overrun_limit_s(job.spec, job.started_at, now)
+    if job.status != JobStatus.RUNNING.value or limit is None:
         return False
     message = f"the job ran longer than its limit of {limit} s (resources.max_runtime_s)"
     failure = Failure(code=JobTimeoutError.code, message=message)

@@ -32,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Job, Node, Placement, utcnow
-from service.services.attempts import finish_cancellation, lose_placements, time_out
+from service.services.attempts import finish_cancellation, lose_placements, overrun_limit_s, time_out
 from service.services.scheduler import has_queued_jobs, is_postgres, run_pass
 from service.services.wakeup import Wakeup
 from service.states import JobStatus, NodeStatus
@@ -128,9 +128,9 @@ def sweep(db: Database, settings: Settings) -> SweepResult:
             select(Job.id, Job.started_at, Job.spec).where(Job.status == JobStatus.RUNNING.value)
         ).all()
     for job_id, started_at, spec in running:
-        limit = ((spec or {}).get("resources") or {}).get("max_runtime_s")
-        if limit is None or started_at is None or started_at + timedelta(seconds=limit) > now:
-            continue
+        limit = overrun_limit_s(spec, started_at, now)
+        if limit is None:
+            continue  # checked before taking the write lock; time_out checks again under it
         with db.transaction() as session:
             if time_out(session, job_id, now):
                 result.timed_out.append(job_id)

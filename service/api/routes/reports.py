@@ -237,7 +237,8 @@ def get_logs(
     chosen = reports_service.resolve_attempt(session, job, attempt)
     name = reports_service.resolve_stream(session, job, chosen, rank=rank, stream=stream)
     if follow:
-        session.close()  # a follower holds no connection while it streams
+        # The session is closed as this returns (SessionScopedRoute): a follower holds
+        # no connection while it streams.
         resolved = (chosen.number if chosen is not None else None, name)
         return follow_log_response(
             request, job.id, rank=rank, stream=stream, attempt=attempt, offset=offset, resolved=resolved
