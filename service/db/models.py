@@ -92,6 +92,8 @@ class Token(Base):
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # Refreshed at most once a minute (see ``service.services.tokens.LAST_USED_RESOLUTION``).
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class Dataset(Base):
@@ -192,7 +194,11 @@ class Node(Base):
     units: Mapped[int] = mapped_column(Integer)
     accelerator: Mapped[str] = mapped_column(String(64))
     status: Mapped[str] = mapped_column(String(16), default=NodeStatus.READY.value)
+    # The worker token that registered the node: no other token may speak for it.
     token_id: Mapped[str] = mapped_column(ForeignKey("tokens.id"))
+    # sha256 of the per-node key of the agent holding the node; a second agent with the
+    # same token but another key is refused while this one's heartbeats are fresh.
+    agent_key_hash: Mapped[str | None] = mapped_column(String(64))
     info: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
