@@ -59,14 +59,14 @@ def test_defaults_are_filled_and_echoed(client: TestClient, ready: dict[str, str
 
 # (field, value at the bound that is accepted, value just beyond it that is refused, allowed text)
 BOUNDS = [
-    ("epochs", 1, 0, "> 0"),
-    ("batch_size", 1, 0, "> 0"),
+    ("epochs", 1, 0, "> 0 and <= 2147483647"),
+    ("batch_size", 1, 0, "> 0 and <= 2147483647"),
     ("warmup_epochs", 0, -1, ">= 0 and <= epochs"),
     ("learning_rate", EPS, math.nextafter(EPS, 0), ">= 2.220446049250313e-16 and finite"),
     ("random_seed", 2**63 - 1, 2**63, "a 64-bit signed integer"),
     ("random_seed", -(2**63), -(2**63) - 1, "a 64-bit signed integer"),
-    ("patience", 1, 0, "> 0"),
-    ("print_frequency", 1, 0, "> 0"),
+    ("patience", 1, 0, "> 0 and <= 2147483647"),
+    ("print_frequency", 1, 0, "> 0 and <= 2147483647"),
     ("image_size", 16, 15, "16..1024"),
     ("image_size", 1024, 1025, "16..1024"),
 ]

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
+from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
 from sqlalchemy.orm import Session
+
+from service.api.errors import surrogate_field, surrogate_message
 
 
 def release_sessions(endpoint: Callable[..., Any]) -> Callable[..., Any]:
@@ -43,8 +46,33 @@ def release_sessions(endpoint: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+class UnicodeCheckedRequest(Request):
+    """A request whose JSON body is refused (422 ``ValidationError``) when its text is not
+    Unicode: a lone UTF-16 surrogate (``"\\ud800"``) is valid JSON, but neither the
+    database drivers nor a JSON response can encode it."""
+
+    async def json(self) -> Any:
+        value = await super().json()
+        found = surrogate_field(value)
+        if found is not None:
+            # FastAPI passes an HTTPException raised while it reads a body on unchanged.
+            raise HTTPException(422, surrogate_message(*found))
+        return value
+
+
 class SessionScopedRoute(APIRoute):
-    """An APIRoute whose sync endpoint releases its database sessions as it returns."""
+    """An APIRoute whose sync endpoint releases its database sessions as it returns, and
+    whose JSON bodies are checked to be Unicode text."""
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
         super().__init__(path, release_sessions(endpoint), **kwargs)
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            if not isinstance(request, UnicodeCheckedRequest):
+                request = UnicodeCheckedRequest(request.scope, request.receive)
+            return await handler(request)
+
+        return checked

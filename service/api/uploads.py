@@ -20,6 +20,7 @@ from python_multipart.multipart import parse_options_header
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from service.api.errors import malformed_json_message, surrogate_field, surrogate_message
 from torchyard.errors import PayloadTooLargeError, RequestValidationError
 
 _FLUSH_BYTES = 1024 * 1024
@@ -209,6 +210,12 @@ async def receive_json(request: Request, max_bytes: int = 64 * 1024) -> Any:
         if len(body) > max_bytes:
             raise PayloadTooLargeError(f"the JSON body is larger than {max_bytes} bytes")
     try:
-        return json.loads(body)
-    except ValueError as exc:
-        raise RequestValidationError(f"the body is not valid JSON: {exc}") from None
+        value = json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise RequestValidationError(malformed_json_message(exc.msg, exc.doc, exc.pos)) from None
+    except ValueError as exc:  # not UTF-8
+        raise RequestValidationError(f"the JSON body is not UTF-8 text: {exc}") from None
+    found = surrogate_field(value)
+    if found is not None:
+        raise RequestValidationError(surrogate_message(*found), details={"field": found[0]})
+    return value

@@ -21,6 +21,10 @@ def _allowed(text: str) -> dict[str, Any]:
     return {"allowed": text}
 
 
+# A count of at least one, stored as a 32-bit integer.
+_POSITIVE_INT32 = f"> 0 and <= {INT32_MAX}"
+
+
 class ModelSpec(StrictModel):
     architecture: Annotated[
         str,
@@ -45,8 +49,8 @@ class ModelSpec(StrictModel):
 
 
 class Parameters(StrictModel):
-    epochs: int = Field(default=5, gt=0, le=INT32_MAX, json_schema_extra=_allowed("> 0"))
-    batch_size: int = Field(default=16, gt=0, le=INT32_MAX, json_schema_extra=_allowed("> 0"))
+    epochs: int = Field(default=5, gt=0, le=INT32_MAX, json_schema_extra=_allowed(_POSITIVE_INT32))
+    batch_size: int = Field(default=16, gt=0, le=INT32_MAX, json_schema_extra=_allowed(_POSITIVE_INT32))
     warmup_epochs: int = Field(
         default=0, ge=0, le=INT32_MAX, json_schema_extra=_allowed(">= 0 and <= epochs")
     )
@@ -59,8 +63,8 @@ class Parameters(StrictModel):
     random_seed: int = Field(
         default=1, ge=INT64_MIN, le=INT64_MAX, json_schema_extra=_allowed("a 64-bit signed integer")
     )
-    patience: int = Field(default=3, gt=0, le=INT32_MAX, json_schema_extra=_allowed("> 0"))
-    print_frequency: int = Field(default=10, gt=0, le=INT32_MAX, json_schema_extra=_allowed("> 0"))
+    patience: int = Field(default=3, gt=0, le=INT32_MAX, json_schema_extra=_allowed(_POSITIVE_INT32))
+    print_frequency: int = Field(default=10, gt=0, le=INT32_MAX, json_schema_extra=_allowed(_POSITIVE_INT32))
     image_size: int = Field(default=224, ge=16, le=1024, json_schema_extra=_allowed("16..1024"))
     augmentation: Literal["standard", "light", "none"] = Field(
         default="standard", json_schema_extra=_allowed("standard, light or none")

@@ -64,7 +64,8 @@ KEEPALIVE_S = 15.0
 FEED_LINGER_S = 5.0
 LOG_READ_BYTES = 256 * 1024
 
-_CURSOR = re.compile(r"^s(\d{1,19})\.m(\d{1,19})\.l(\d{1,19})$")
+_CURSOR = re.compile(r"^s([0-9]{1,19})\.m([0-9]{1,19})\.l([0-9]{1,19})$")
+_SEQ_MAX = 2**63 - 1  # seq columns are 64-bit
 _WATCHED_INSERT = re.compile(r"^\s*INSERT\s+INTO\s+\"?(job_events|metrics|log_chunks)\b", re.IGNORECASE)
 
 
@@ -88,12 +89,13 @@ class Cursor:
         if not text:
             return cls()
         match = _CURSOR.match(text.strip())
-        if match is None:
+        seqs = [int(g) for g in match.groups()] if match else []
+        if match is None or max(seqs) > _SEQ_MAX:
             raise RequestValidationError(
                 f"Last-Event-ID {text[:80]!r} is not an event id of this service (s<n>.m<n>.l<n>)",
                 details={"field": "Last-Event-ID"},
             )
-        return cls(*(int(g) for g in match.groups()))
+        return cls(*seqs)
 
     def covers(self, other: Cursor) -> bool:
         """Whether this position is at or past ``other`` for every kind."""
