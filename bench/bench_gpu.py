@@ -29,12 +29,12 @@ import argparse
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from gpu_common import (
     GpuSampler,
     describe_device,
@@ -167,14 +167,16 @@ def photo_set(args: argparse.Namespace) -> Path:
     return root
 
 
-def trainer_loader(root: Path, batch: int, workers: int, prefetch: int) -> torch.utils.data.DataLoader[Any]:
-    """The trainer's training loader on ``root/train`` (same dataset class, transform, options)."""
+def trainer_loader(root: Path, batch: int, workers: int, prefetch: int, gpu: bool) -> Any:
+    """The trainer's training loader on ``root/train`` (same dataset classes, transform, options)."""
     from torchyard.modeldir import image_directory_samples
     from worker.trainer.data import ImageDataset, train_transform
+    from worker.trainer.gpu_decode import EncodedTrainSet, encoded_collate
 
     classes = sorted(p.name for p in (root / "train").iterdir())
     samples = image_directory_samples(str(root / "train"), classes)
-    dataset = ImageDataset(samples, train_transform(IMAGE_SIZE, "standard"))
+    transform = train_transform(IMAGE_SIZE, "standard")
+    dataset: Any = EncodedTrainSet(samples, transform) if gpu else ImageDataset(samples, transform)
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=batch,
@@ -184,88 +186,35 @@ def trainer_loader(root: Path, batch: int, workers: int, prefetch: int) -> torch
         pin_memory=True,
         persistent_workers=workers > 0,
         prefetch_factor=prefetch if workers > 0 else None,
+        collate_fn=encoded_collate if gpu else None,
     )
 
 
-class EncodedFiles(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
-    """File bytes as uint8 tensors (the GPU does the decoding)."""
+def batches(root: Path, batch: int, workers: int, prefetch: int, gpu: bool) -> Iterator[Any]:
+    """Normalized device batches, endlessly, exactly as the trainer prepares them."""
+    from torchyard import modeldir
+    from worker.trainer.engine import BatchPreparer, DecodeThenPrepare, device_batches
+    from worker.trainer.gpu_decode import GpuDecoder
 
-    def __init__(self, root: Path) -> None:
-        from torchyard.modeldir import image_directory_samples
-
-        classes = sorted(p.name for p in (root / "train").iterdir())
-        self.samples = image_directory_samples(str(root / "train"), classes)
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        from torchvision.io import read_file
-
-        path, target = self.samples[index]
-        return read_file(path), target
-
-
-def _encoded_collate(batch: list[tuple[torch.Tensor, int]]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    return [b[0] for b in batch], torch.tensor([b[1] for b in batch])
-
-
-def gpu_random_resized_crop(
-    images: list[torch.Tensor], size: int, generator: torch.Generator
-) -> torch.Tensor:
-    """RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3) + horizontal flip of decoded CHW uint8
-    GPU images, as one uint8 batch."""
-    from torchvision.transforms.v2 import RandomResizedCrop
-
-    out = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=images[0].device)
-    flips = torch.rand(len(images), generator=generator) < 0.5
-    for i, image in enumerate(images):
-        top, left, h, w = RandomResizedCrop.get_params(image, scale=[0.08, 1.0], ratio=[3 / 4, 4 / 3])  # type: ignore[arg-type]
-        crop = image[:, top : top + h, left : left + w].unsqueeze(0).float()
-        resized = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-        if flips[i]:
-            resized = resized.flip(-1)
-        out[i] = resized[0].round_().clamp_(0, 255).to(torch.uint8)
-    return out
-
-
-def gpu_decode_batches(root: Path, batch: int, workers: int) -> Any:
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    loader = torch.utils.data.DataLoader(
-        EncodedFiles(root),
-        batch_size=batch,
-        shuffle=True,
-        drop_last=True,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        collate_fn=_encoded_collate,
-    )
-    generator = torch.Generator().manual_seed(0)
+    device = torch.device("cuda", 0)
+    loader = trainer_loader(root, batch, workers, prefetch, gpu)
+    prepare: Any = BatchPreparer(device, modeldir.IMAGENET_MEAN, modeldir.IMAGENET_STD)
+    if gpu:
+        prepare = DecodeThenPrepare(GpuDecoder(device, IMAGE_SIZE, "standard"), prepare)
     while True:
-        for data, targets in loader:
-            decoded = decode_jpeg(data, mode=ImageReadMode.RGB, device="cuda")
-            images = gpu_random_resized_crop(list(decoded), IMAGE_SIZE, generator)
-            yield images, targets.cuda(non_blocking=True)
-
-
-def cpu_batches(root: Path, batch: int, workers: int, prefetch: int) -> Any:
-    loader = trainer_loader(root, batch, workers, prefetch)
-    while True:
-        for images, targets in loader:
-            yield images.cuda(non_blocking=True), targets.cuda(non_blocking=True)
+        yield from device_batches(loader, prepare, device)
 
 
 def rate_of(
-    batches: Any, batch: int, steps: int, warmup: int, work: Any = None
+    source: Iterator[Any], batch: int, steps: int, warmup: int, work: Any = None
 ) -> tuple[float, float | None]:
     for _ in range(warmup):
-        images, targets = next(batches)
+        images, targets = next(source)
         if work is not None:
             work(images, targets)
     with GpuSampler() as gpu, timed_window() as window:
         for _ in range(steps):
-            images, targets = next(batches)
+            images, targets = next(source)
             if work is not None:
                 work(images, targets)
     return batch * steps / window["seconds"], gpu.mean
@@ -274,74 +223,48 @@ def rate_of(
 def cmd_decode(args: argparse.Namespace) -> None:
     root = photo_set(args)
     rows = []
-    for workers in args.worker_counts:
-        rate, _ = rate_of(
-            cpu_batches(root, args.batch_size, workers, args.prefetch), args.batch_size, args.steps, 3
-        )
-        rows.append([f"PIL in {workers} loader workers (the trainer's loader)", f"{rate:.0f}", "n/a"])
-        print(f"  cpu decode, {workers} workers: {rate:.0f} images/s", flush=True)
-    for workers in (4, 8):
-        rate, util = rate_of(
-            gpu_decode_batches(root, args.batch_size, workers), args.batch_size, args.steps, 3
-        )
-        rows.append(
-            [
-                f"decode_jpeg(device='cuda') + GPU crop, {workers} file readers",
-                f"{rate:.0f}",
-                f"{util or 0:.0f} %",
-            ]
-        )
-        print(f"  gpu decode, {workers} readers: {rate:.0f} images/s", flush=True)
+    for gpu, counts in ((False, args.worker_counts), (True, args.gpu_worker_counts)):
+        for workers in counts:
+            source = batches(root, args.batch_size, workers, args.prefetch, gpu)
+            rate, util = rate_of(source, args.batch_size, args.steps, 3)
+            what = "nvJPEG decode + GPU crop/flip" if gpu else "PIL decode + crop/flip (CPU)"
+            rows.append([what, str(workers), f"{rate:.0f}", "n/a" if util is None else f"{util:.0f} %"])
+            print(f"  {what}, {workers} workers: {rate:.0f} images/s", flush=True)
     print(
-        f"\nimage pipeline alone (JPEG decode + random resized crop + flip to {IMAGE_SIZE} px, batch {args.batch_size}):"
+        f"\nimage pipeline alone, the trainer's classes (JPEG -> random resized crop + flip at "
+        f"{IMAGE_SIZE} px, normalized on the GPU), batch {args.batch_size}:"
     )
-    print(table(rows, ["pipeline", "images/s", "GPU util"]))
+    print(table(rows, ["decoding", "loader workers", "images/s", "GPU util"]))
 
 
-def cmd_pipeline(args: argparse.Namespace, synthetic: float | None = None) -> None:
-    from torchyard import modeldir
-    from worker.trainer.engine import BatchPreparer
-
+def cmd_pipeline(args: argparse.Namespace) -> None:
     root = photo_set(args)
+    synthetic = measure_synthetic(
+        args.batch_size, steps=args.steps, warmup=args.warmup, ddp=True, fused=True, compile_mode=None
+    )["images_per_sec"]
     rows = []
-    if synthetic is None:
-        synthetic = measure_synthetic(
-            args.batch_size, steps=args.steps, warmup=args.warmup, ddp=True, fused=True, compile_mode=None
-        )["images_per_sec"]
-    for name, make in (
-        (
-            "trainer loader (PIL in workers)",
-            lambda: cpu_batches(root, args.batch_size, args.workers, args.prefetch),
-        ),
-        ("GPU decode", lambda: gpu_decode_batches(root, args.batch_size, 8)),
-    ):
-        if name == "GPU decode" and not args.gpu_decode:
-            continue
+    for gpu in (False, True):
         _ensure_group()
         model = resnet50(num_classes=10)
         optimizer = sgd(model, fused=True)
         ddp = DistributedDataParallel(model, device_ids=[0], gradient_as_bucket_view=True)
         step = train_step_fn(ddp, optimizer)
-        prepare = BatchPreparer(torch.device("cuda", 0), modeldir.IMAGENET_MEAN, modeldir.IMAGENET_STD)
-
-        def work(
-            images: torch.Tensor, targets: torch.Tensor, step: Any = step, prepare: Any = prepare
-        ) -> None:
-            batch, labels = prepare(images, targets)
-            step(batch, labels)
-
-        rate, util = rate_of(make(), args.batch_size, args.steps, args.warmup, work)
-        rows.append([name, f"{rate:.0f}", f"{util or 0:.0f} %", f"{rate / synthetic:.3f}"])
-        print(
-            f"  training fed by {name}: {rate:.0f} images/s ({rate / synthetic:.1%} of synthetic)", flush=True
+        source = batches(root, args.batch_size, args.workers, args.prefetch, gpu)
+        rate, util = rate_of(source, args.batch_size, args.steps, args.warmup, step)
+        name = "nvJPEG on the GPU" if gpu else "PIL in loader workers"
+        rows.append(
+            [name, f"{rate:.0f}", "n/a" if util is None else f"{util:.0f} %", f"{rate / synthetic:.3f}"]
         )
-        del model, optimizer, ddp, step
+        print(
+            f"  training, images decoded by {name}: {rate:.0f} images/s ({rate / synthetic:.1%} of synthetic)"
+        )
+        del model, optimizer, ddp, step, source
         torch.cuda.empty_cache()
     print(
-        f"\nResNet-50 training on JPEG photos, batch {args.batch_size}, {args.workers} loader workers "
-        f"(synthetic at the same batch: {synthetic:.0f} images/s):"
+        f"\nResNet-50 training on JPEG photos as the trainer runs it (DDP, fused SGD), batch {args.batch_size}, "
+        f"{args.workers} loader workers; synthetic at the same settings: {synthetic:.0f} images/s:"
     )
-    print(table(rows, ["input", "images/s", "GPU util", "/ synthetic"]))
+    print(table(rows, ["training images decoded by", "images/s", "GPU util", "/ synthetic"]))
 
 
 def main() -> None:
@@ -364,11 +287,13 @@ def main() -> None:
     parser.add_argument("--data", default=None, help="JPEG ImageDirectory root (written when missing)")
     parser.add_argument("--per-class", type=int, default=400)
     parser.add_argument("--workers", type=int, default=None, help="loader workers (default: the trainer's)")
-    parser.add_argument("--worker-counts", default="", help="decode: loader worker counts to try")
-    parser.add_argument("--prefetch", type=int, default=4)
     parser.add_argument(
-        "--gpu-decode", action="store_true", help="pipeline: also train from GPU-decoded images"
+        "--worker-counts", default="", help="decode: loader worker counts to try (CPU decoding)"
     )
+    parser.add_argument(
+        "--gpu-worker-counts", default="4,8", help="decode: loader worker counts to try (GPU decoding)"
+    )
+    parser.add_argument("--prefetch", type=int, default=4)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.exit(2, "bench_gpu needs a CUDA GPU\n")
@@ -380,23 +305,22 @@ def main() -> None:
 
         args.workers = default_loader_workers(torch.device("cuda", 0), 1)
     args.worker_counts = [int(w) for w in args.worker_counts.split(",") if w] or [args.workers]
+    args.gpu_worker_counts = [int(w) for w in args.gpu_worker_counts.split(",") if w]
     print(describe_device())
     print(
         f"CPUs usable: {len(os.sched_getaffinity(0))}; loader workers (trainer default): {args.workers}",
         flush=True,
     )
-    synthetic = None
     if args.part in ("all", "synthetic"):
         best = cmd_synthetic(args)
         if args.batch_size is None:
             args.batch_size = best["batch"]
-        synthetic = best["images_per_sec"] if best["batch"] == args.batch_size else None
     if args.batch_size is None:
         args.batch_size = 256
     if args.part in ("all", "decode"):
         cmd_decode(args)
     if args.part in ("all", "pipeline"):
-        cmd_pipeline(args, synthetic)
+        cmd_pipeline(args)
 
 
 if __name__ == "__main__":

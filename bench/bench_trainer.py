@@ -67,7 +67,7 @@ from typing import Any
 
 import httpx
 
-from torchyard.sample_data import write_digits
+from torchyard.sample_data import write_digits, write_photos
 from worker.agent.node import usable_cpus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -188,9 +188,14 @@ def _wait_idle(pids: list[int], timeout: float = 90.0) -> None:
         last = now
 
 
+# Set by --gpu-decode for the trainer's ranks (the agent passes it on).
+GPU_DECODE: dict[str, str] = {}
+
+
 def _child_env(tag: str, **extra: str) -> dict[str, str]:
     """The bench's environment without TORCHYARD_* settings, with the run's tag."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
+    env.update(GPU_DECODE)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"
     env[TAG_VAR] = tag
@@ -527,7 +532,24 @@ def main() -> None:
         default=None,
         help="loader workers per rank, both runs (default: the trainer's default in job mode, 0 direct)",
     )
-    parser.add_argument("--per-class", type=int, default=None, help="cap on digits per class (default: all)")
+    parser.add_argument(
+        "--data",
+        choices=["digits", "photos"],
+        default="digits",
+        help="digits: the PNG digits; photos: photo-sized JPEGs (torchyard.sample_data.write_photos)",
+    )
+    parser.add_argument(
+        "--per-class",
+        type=int,
+        default=None,
+        help="digits: cap per class (default: all); photos: training images per class (default 300)",
+    )
+    parser.add_argument(
+        "--gpu-decode",
+        choices=["auto", "off"],
+        default="auto",
+        help="the trainer's TORCHYARD_GPU_DECODE (JPEG decoding on the GPU; default auto)",
+    )
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     if args.nproc < 1 or args.repeats < 1:
@@ -538,6 +560,8 @@ def main() -> None:
         args.threads = args.threads or max(1, usable_cpus() // args.nproc)
         args.workers = 0 if args.workers is None else args.workers
     args.tag = uuid.uuid4().hex
+    if args.gpu_decode == "off":
+        GPU_DECODE["TORCHYARD_GPU_DECODE"] = "off"
 
     def terminate(signum: int, _frame: FrameType | None) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
@@ -559,13 +583,18 @@ def main() -> None:
 
 
 def _bench(args: argparse.Namespace, root: Path) -> None:
-    digits = root / "digits"
-    train_dir, val_dir = write_digits(digits, per_class=args.per_class, size=args.image_size)
-    n_train = sum(1 for _ in train_dir.rglob("*.png"))
+    digits = root / args.data
+    if args.data == "photos":
+        train_dir, val_dir = write_photos(
+            digits, train_per_class=args.per_class or 300, val_per_class=50, workers=usable_cpus()
+        )
+    else:
+        train_dir, val_dir = write_digits(digits, per_class=args.per_class, size=args.image_size)
+    n_train = sum(1 for p in train_dir.rglob("*") if p.is_file())
     print(
         f"{args.arch} at {args.image_size} px, batch {args.batch_size}/process, {args.nproc} processes x "
         f"{args.threads} threads, {args.workers} loader workers, {args.epochs} epochs of {n_train} images, "
-        f"mode {args.mode}",
+        f"mode {args.mode}, {args.data}, GPU decoding {args.gpu_decode}",
         flush=True,
     )
     service = Service(root, args) if args.mode == "job" else None
@@ -575,10 +604,10 @@ def _bench(args: argparse.Namespace, root: Path) -> None:
     try:
         if service is not None:
             service.start()
-            train_id = service.upload(train_dir, "digits-train")
-            val_id = service.upload(val_dir, "digits-val")
+            train_id = service.upload(train_dir, f"{args.data}-train")
+            val_id = service.upload(val_dir, f"{args.data}-val")
             print(
-                f"API at {service.url}, worker agent ready with {args.nproc} slots, digits uploaded",
+                f"API at {service.url}, worker agent ready with {args.nproc} slots, {args.data} uploaded",
                 flush=True,
             )
         for i in range(args.repeats):

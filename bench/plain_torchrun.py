@@ -97,6 +97,8 @@ def main() -> None:
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
 
     rates = []
+    # Non-finite losses are counted on the device and checked once an epoch: no sync per step.
+    bad_steps = torch.zeros((), dtype=torch.int64, device=device)
     for epoch in range(1, args.epochs + 1):
         sampler.set_epoch(epoch)
         ddp.train()
@@ -111,9 +113,10 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             scheduler.step()
-            if not torch.isfinite(loss):
-                raise RuntimeError("loss is not finite")
+            bad_steps += (~torch.isfinite(loss.detach())).long()
             images += y.shape[0]
+        if bad_steps.item():
+            raise RuntimeError("loss is not finite")
         elapsed = time.perf_counter() - started
         count = torch.tensor([float(images)], dtype=torch.float64, device=device)
         dist.all_reduce(count)

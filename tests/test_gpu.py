@@ -159,10 +159,29 @@ def test_more_processes_than_gpus_is_refused_at_submission(service: Service) -> 
     assert "process_count_per_node" in r.text
 
 
-@pytest.mark.parametrize("image_size", [32, 224])
-def test_a_job_trains_on_the_gpu_and_its_model_agrees_on_the_cpu(service: Service, image_size: int) -> None:
-    digits = service.root / f"digits-{image_size}"
-    train, val = upload_digits(service.user, digits, per_class=200, size=image_size)
+def _upload_photos(service: Service, root: Path) -> tuple[str, str]:
+    from tests.worker_fixtures import upload_dataset
+    from torchyard.sample_data import write_photos
+
+    train_dir, val_dir = write_photos(root, classes=10, train_per_class=60, val_per_class=20, workers=4)
+    return upload_dataset(service.user, train_dir, "photos-train")["id"], upload_dataset(
+        service.user, val_dir, "photos-val"
+    )["id"]
+
+
+@pytest.mark.parametrize(
+    ("data", "image_size"),
+    [("digits", 32), ("digits", 224), ("photos", 96)],
+    ids=["digits-png-32px", "digits-png-224px", "photos-jpeg-96px"],
+)
+def test_a_job_trains_on_the_gpu_and_its_model_agrees_on_the_cpu(
+    service: Service, data: str, image_size: int
+) -> None:
+    folder = service.root / f"{data}-{image_size}"
+    if data == "digits":
+        train, val = upload_digits(service.user, folder, per_class=200, size=image_size)
+    else:
+        train, val = _upload_photos(service, folder)
     job_id = service.submit(train, val, image_size)
     job = wait_for_job(service.user, job_id, timeout=600)
     assert job["status"] == "succeeded", f"{job}\n{service.agent_log.read_text()[-6000:]}"
@@ -177,10 +196,13 @@ def test_a_job_trains_on_the_gpu_and_its_model_agrees_on_the_cpu(service: Servic
     # The rank really ran on CUDA with NCCL.
     log = service.user.get(f"/v1/jobs/{job_id}/logs", params={"rank": 0}).text
     assert "backend nccl" in log and "device cuda:0" in log, log[-3000:]
+    # JPEG training images are decoded on the GPU; the PNG digits by the loader workers.
+    decoded_on_gpu = "training images decoded on the GPU" in log
+    assert decoded_on_gpu == (data == "photos"), log[-3000:]
 
     r = service.user.get(f"/v1/jobs/{job_id}/model")
     assert r.status_code == 200 and r.headers["etag"].strip('"') == job["model_sha256"]
-    dest = service.root / f"model-{image_size}"
+    dest = service.root / f"model-{data}-{image_size}"
     with tarfile.open(fileobj=io.BytesIO(r.content), mode="r:gz") as tf:
         tf.extractall(dest, filter="data")
     model_dir = next(p.parent for p in dest.rglob("config.json"))
@@ -190,12 +212,12 @@ def test_a_job_trains_on_the_gpu_and_its_model_agrees_on_the_cpu(service: Servic
 
     from torchyard.modeldir import evaluate_dir
 
-    result = evaluate_dir(model_dir, digits / "val", device="cpu")
+    result = evaluate_dir(model_dir, folder / "val", device="cpu")
     reported = job["best"]["val.top1"]
     assert result["top1"] == pytest.approx(reported, abs=TOP1_TOLERANCE), (result, job["best"])
     # A trained model, not chance (10 classes).
     assert reported > 0.5, job["best"]
     print(
-        f"\n{image_size} px on {torch.cuda.get_device_name(0)}: val.top1 {reported:.4f} on the GPU, "
+        f"\n{data} at {image_size} px on {torch.cuda.get_device_name(0)}: val.top1 {reported:.4f} on the GPU, "
         f"{result['top1']:.4f} on the CPU; {max(rates):.0f} images/s"
     )

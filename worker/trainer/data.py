@@ -11,6 +11,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from PIL import Image
@@ -21,6 +22,13 @@ from torchyard.errors import InvalidDatasetError
 from torchyard.modeldir import eval_geometry, image_directory_samples, load_rgb_image
 from worker.trainer.config import Augmentation, JobConfig
 from worker.trainer.distributed import DistEnv
+from worker.trainer.gpu_decode import (
+    EncodedTrainSet,
+    GpuDecoder,
+    encoded_collate,
+    gpu_decode_wanted,
+    gpu_decode_works,
+)
 from worker.trainer.seeding import derive_seed, seed_loader_worker
 
 log = logging.getLogger(__name__)
@@ -78,13 +86,15 @@ def default_loader_workers(device: torch.device, local_world_size: int) -> int:
 
 @dataclass
 class Loaders:
-    train: DataLoader[tuple[torch.Tensor, int]]
-    train_sampler: DistributedSampler[tuple[torch.Tensor, int]]
+    train: DataLoader[Any]
+    train_sampler: DistributedSampler[Any]
     val: DataLoader[tuple[torch.Tensor, int]]
     num_train: int
     num_val: int
     workers: int
     generator: torch.Generator
+    # Set when training images are decoded on the GPU: turns a loader batch into device pixels.
+    gpu_decoder: GpuDecoder | None = None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -108,11 +118,19 @@ def build_loaders(job: JobConfig, env: DistEnv, device: torch.device, start_epoc
             f"the training set has {len(train_samples)} images: too few for {env.world_size} processes"
         )
 
-    train_set = ImageDataset(train_samples, train_transform(params.image_size, params.augmentation))
+    transform = train_transform(params.image_size, params.augmentation)
+    gpu_decoder = None
+    train_set: Dataset[Any]
+    has_jpeg = any(path.lower().endswith((".jpg", ".jpeg")) for path, _ in train_samples)
+    if has_jpeg and device.type == "cuda" and gpu_decode_wanted() and gpu_decode_works(device):
+        gpu_decoder = GpuDecoder(device, params.image_size, params.augmentation)
+        train_set = EncodedTrainSet(train_samples, transform)
+    else:
+        train_set = ImageDataset(train_samples, transform)
     val_set = ImageDataset(val_samples, eval_geometry(params.image_size))
     val_shard = torch.utils.data.Subset(val_set, shard_indices(len(val_set), env.rank, env.world_size))
 
-    sampler: DistributedSampler[tuple[torch.Tensor, int]] = DistributedSampler(
+    sampler: DistributedSampler[Any] = DistributedSampler(
         train_set,
         num_replicas=env.world_size,
         rank=env.rank,
@@ -141,24 +159,30 @@ def build_loaders(job: JobConfig, env: DistEnv, device: torch.device, start_epoc
         batch_size=params.batch_size,
         sampler=sampler,
         drop_last=per_rank >= params.batch_size,
+        collate_fn=encoded_collate if gpu_decoder is not None else None,
         **common,  # type: ignore[arg-type]
     )
     val_loader = DataLoader(val_shard, batch_size=params.batch_size, shuffle=False, **common)  # type: ignore[arg-type]
     log.info(
-        "data: %d training images, %d validation images (%d on this rank), %d classes, %d loader workers, %d steps/epoch",
-        len(train_set),
+        "data: %d training images, %d validation images (%d on this rank), %d classes, %d loader workers, "
+        "%d steps/epoch, training images decoded %s",
+        len(train_samples),
         len(val_set),
         len(val_shard),
         job.num_classes,
         workers,
         len(train_loader),
+        "on the GPU (nvJPEG; other formats in the loader workers)"
+        if gpu_decoder
+        else "in the loader workers",
     )
     return Loaders(
         train=train_loader,
         train_sampler=sampler,
         val=val_loader,
-        num_train=len(train_set),
+        num_train=len(train_samples),
         num_val=len(val_set),
         workers=workers,
         generator=generator,
+        gpu_decoder=gpu_decoder,
     )

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +53,67 @@ class BatchPreparer:
         if self.channels_last:
             batch = batch.contiguous(memory_format=torch.channels_last)
         return batch, targets
+
+
+BatchPrepare = Callable[[Any, Any], tuple[torch.Tensor, torch.Tensor]]
+
+
+class DecodeThenPrepare:
+    """A GPU-decoded training batch (uint8 pixels on the device) normalized by ``prepare``."""
+
+    def __init__(
+        self, decode: Callable[[Any], tuple[torch.Tensor, torch.Tensor]], prepare: BatchPreparer
+    ) -> None:
+        self.decode = decode
+        self.prepare = prepare
+
+    def __call__(self, batch: Any, _targets: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        images, targets = self.decode(batch)
+        return self.prepare(images, targets)
+
+
+def device_batches(
+    loader: Iterable[Any], prepare: BatchPrepare, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The loader's batches, prepared on the device.
+
+    On CUDA the next batch is copied (and decoded, with GPU decoding) on a side stream
+    while the current one trains: the generator prepares batch k+1 when the training
+    loop asks for it, after it has queued batch k's step.
+    """
+    if device.type != "cuda":
+        for item in loader:
+            yield prepare(*_split(item))
+        return
+    stream = torch.cuda.Stream(device)
+    iterator = iter(loader)
+
+    def load() -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event] | None:
+        item = next(iterator, None)
+        if item is None:
+            return None
+        with torch.cuda.stream(stream):
+            batch, labels = prepare(*_split(item))
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return batch, labels, ready
+
+    pending = load()
+    while pending is not None:
+        batch, labels, ready = pending
+        current = torch.cuda.current_stream(device)
+        current.wait_event(ready)
+        # Made on the side stream, used on this one: keep the allocator from reusing them early.
+        batch.record_stream(current)
+        labels.record_stream(current)
+        yield batch, labels
+        pending = load()
+
+
+def _split(item: Any) -> tuple[Any, Any]:
+    if isinstance(item, (tuple, list)) and len(item) == 2:
+        return item[0], item[1]
+    return item, None
 
 
 def model_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -184,9 +245,9 @@ class TrainLoop:
     model: nn.Module  # the DistributedDataParallel wrapper
     optimizer: Optimizer
     scheduler: LRScheduler
-    loader: Iterable[tuple[torch.Tensor, torch.Tensor]]
+    loader: Iterable[Any]
     steps_per_epoch: int
-    prepare: BatchPreparer
+    prepare: BatchPrepare
     autocast: Callable[[], AbstractContextManager[Any]]
     meter: LossMeter
     events: EventWriter
@@ -207,9 +268,8 @@ class TrainLoop:
         started = window_start = time.perf_counter()
         window_images = epoch_images = 0
         lr = self.current_lr()
-        for index, (images, targets) in enumerate(self.loader):
+        for index, (batch, labels) in enumerate(device_batches(self.loader, self.prepare, self.device)):
             self.faults.check(self.step)
-            batch, labels = self.prepare(images, targets)
             with self.autocast():
                 loss = model_loss(self.model(batch), labels)
             self.optimizer.zero_grad(set_to_none=True)

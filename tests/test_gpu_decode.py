@@ -1,0 +1,151 @@
+"""GPU decoding of training images (worker.trainer.gpu_decode) and the side-stream batch feed.
+
+The decoding classes run on any device: here on the CPU, where torchvision decodes with
+libjpeg, and on CUDA (nvJPEG) in the GPU-marked test at the end.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from torchyard.modeldir import IMAGENET_MEAN, IMAGENET_STD, image_directory_samples, load_rgb_image
+from torchyard.sample_data import write_photos
+from worker.trainer.data import train_transform
+from worker.trainer.engine import BatchPreparer, DecodeThenPrepare, device_batches
+from worker.trainer.gpu_decode import (
+    EncodedBatch,
+    EncodedTrainSet,
+    GpuDecoder,
+    encoded_collate,
+    gpu_decode_wanted,
+    gpu_decode_works,
+)
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("photos")
+    write_photos(root, classes=3, train_per_class=4, val_per_class=1)
+    # One PNG among the JPEGs: decoded by the loader worker, not the GPU.
+    png = root / "train" / "class-00" / "extra.png"
+    Image.open(next((root / "train" / "class-00").glob("*.jpg"))).save(png)
+    return root
+
+
+def _samples(root: Path) -> list[tuple[str, int]]:
+    classes = sorted(p.name for p in (root / "train").iterdir())
+    return image_directory_samples(str(root / "train"), classes)
+
+
+def test_jpegs_travel_encoded_and_other_formats_as_transformed_pixels(photos: Path) -> None:
+    samples = _samples(photos)
+    dataset = EncodedTrainSet(samples, train_transform(32, "light"))
+    kinds = {}
+    for index, (path, target) in enumerate(samples):
+        payload, is_jpeg, label = dataset[index]
+        assert label == target
+        kinds[Path(path).suffix] = is_jpeg
+        if is_jpeg:
+            assert payload.tobytes() == Path(path).read_bytes()
+        else:
+            assert payload.dtype == np.uint8 and payload.shape == (3, 32, 32)
+    assert kinds == {".jpg": True, ".png": False}
+    batch = encoded_collate([dataset[i] for i in range(len(dataset))])
+    assert batch.targets.tolist() == [t for _, t in samples]
+    assert sum(batch.is_jpeg) == len(samples) - 1
+
+
+@pytest.mark.parametrize("augmentation", ["standard", "light", "none"])
+def test_decoded_batches_have_the_training_geometry(photos: Path, augmentation: str) -> None:
+    samples = _samples(photos)
+    dataset = EncodedTrainSet(samples, train_transform(48, augmentation))  # type: ignore[arg-type]
+    batch = encoded_collate([dataset[i] for i in range(len(dataset))])
+    images, targets = GpuDecoder(torch.device("cpu"), 48, augmentation)(batch)  # type: ignore[arg-type]
+    assert images.dtype == torch.uint8 and images.shape == (len(samples), 3, 48, 48)
+    assert torch.equal(targets, batch.targets)
+    # Real pixels, not an empty buffer: each image has texture.
+    assert all(float(img.float().std()) > 5.0 for img in images)
+
+
+def test_without_augmentation_the_decoder_matches_the_cpu_transform(photos: Path) -> None:
+    samples = [s for s in _samples(photos) if s[0].endswith(".jpg")][:4]
+    cpu = train_transform(64, "none")
+    expected = torch.stack([cpu(load_rgb_image(path)) for path, _ in samples]).float()
+    dataset = EncodedTrainSet(samples, cpu)
+    images, _ = GpuDecoder(torch.device("cpu"), 64, "none")(
+        encoded_collate([dataset[i] for i in range(len(samples))])
+    )
+    # Same geometry; only the resampling kernels differ (PIL's vs torch's antialiased bilinear).
+    assert (images.float() - expected).abs().mean() < 3.0
+
+
+def test_the_augmented_crop_follows_the_global_seed(photos: Path) -> None:
+    samples = _samples(photos)
+    dataset = EncodedTrainSet(samples, train_transform(32, "standard"))
+    batch = encoded_collate([dataset[i] for i in range(len(dataset))])
+    decoder = GpuDecoder(torch.device("cpu"), 32, "standard")
+    torch.manual_seed(7)
+    first, _ = decoder(batch)
+    torch.manual_seed(7)
+    again, _ = decoder(batch)
+    torch.manual_seed(8)
+    other, _ = decoder(batch)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
+
+def test_device_batches_prepare_every_batch_once_in_order() -> None:
+    device = torch.device("cpu")
+    prepare = BatchPreparer(device, IMAGENET_MEAN, IMAGENET_STD)
+    loader = [(torch.full((2, 3, 4, 4), i, dtype=torch.uint8), torch.tensor([i, i])) for i in range(5)]
+    out = list(device_batches(loader, prepare, device))
+    assert [int(labels[0]) for _, labels in out] == [0, 1, 2, 3, 4]
+    assert all(batch.dtype == torch.float32 for batch, _ in out)
+
+    class Decoder:
+        def __call__(self, batch: EncodedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.zeros((len(batch.payloads), 3, 4, 4), dtype=torch.uint8), batch.targets
+
+    encoded = [
+        EncodedBatch([np.zeros(3, np.uint8)] * 2, [True, True], torch.tensor([k, k])) for k in range(3)
+    ]
+    decoded = list(device_batches(encoded, DecodeThenPrepare(Decoder(), prepare), device))
+    assert [int(labels[0]) for _, labels in decoded] == [0, 1, 2]
+
+
+def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHYARD_GPU_DECODE", raising=False)
+    assert gpu_decode_wanted()
+    for off in ("0", "off", "false"):
+        monkeypatch.setenv("TORCHYARD_GPU_DECODE", off)
+        assert not gpu_decode_wanted()
+    monkeypatch.setenv("TORCHYARD_GPU_DECODE", "sometimes")
+    with pytest.raises(ValueError, match="TORCHYARD_GPU_DECODE"):
+        gpu_decode_wanted()
+    assert not gpu_decode_works(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU machine)")
+def test_nvjpeg_decodes_like_pil(photos: Path) -> None:
+    device = torch.device("cuda", 0)
+    assert gpu_decode_works(device)
+    samples = [s for s in _samples(photos) if s[0].endswith(".jpg")][:4]
+    cpu = train_transform(64, "none")
+    expected = torch.stack([cpu(load_rgb_image(path)) for path, _ in samples]).float()
+    dataset = EncodedTrainSet(samples, cpu)
+    batch = encoded_collate([dataset[i] for i in range(len(samples))])
+    prepare = BatchPreparer(device, IMAGENET_MEAN, IMAGENET_STD)
+    images, _ = GpuDecoder(device, 64, "none")(batch)
+    assert images.device.type == "cuda"
+    assert (images.float().cpu() - expected).abs().mean() < 3.0
+    fed = list(
+        device_batches([batch, batch], DecodeThenPrepare(GpuDecoder(device, 64, "none"), prepare), device)
+    )
+    assert len(fed) == 2 and fed[0][0].shape == (4, 3, 64, 64)
+    assert fed[0][0].is_contiguous(memory_format=torch.channels_last)
