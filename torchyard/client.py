@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import IO, Any, Generic, TypeVar
+from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel, ConfigDict
@@ -46,6 +47,8 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_DATA_DIR = "./torchyard-data"
 FINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
 MAX_MODEL_UNPACKED_BYTES = 64 * 1024**3
+AMBIGUOUS = "AmbiguousReferenceError"
+"""The error code of a name or id prefix that matches several of the caller's objects."""
 
 ProgressCallback = Callable[[int, int | None], None]
 """Called with (bytes done, bytes in total or None) while a transfer runs."""
@@ -87,6 +90,24 @@ def resolve_token(token: str | None = None) -> str | None:
         return path.read_text().strip() or None
     except OSError:
         return None
+
+
+def missing_token_message() -> str:
+    """Why no token was found: where :func:`resolve_token` looked, and how to give one."""
+    path = data_dir() / "admin.token"
+    try:
+        path.read_text()
+        why = "is empty"
+    except FileNotFoundError:
+        why = "does not exist"
+    except OSError as exc:
+        why = f"cannot be read ({exc.strerror or exc})"
+    default = "" if os.environ.get("TORCHYARD_DATA_DIR") else " (TORCHYARD_DATA_DIR is not set: the default is used)"
+    return (
+        f"no API token: --token and TORCHYARD_TOKEN are not set, and the local service's token file "
+        f"{path} {why}{default}. Set TORCHYARD_TOKEN to a token, or TORCHYARD_DATA_DIR to the data "
+        "directory of the service you started (e.g. TORCHYARD_DATA_DIR=torchyard-demo/data after the demo)"
+    )
 
 
 # --------------------------------------------------------------------------- response models
@@ -253,6 +274,11 @@ def pack_directory(folder: str | Path, dest: IO[bytes]) -> None:
             for name in sorted(filenames):
                 if not name.startswith(".") and not (base / name).is_symlink():
                     add(base / name, str(Path(root.name) / rel / name))
+
+
+def _segment(ref: str) -> str:
+    """An id, name or id prefix as one URL path segment."""
+    return quote(ref, safe="")
 
 
 def _etag_digest(value: str | None) -> str | None:
@@ -451,23 +477,24 @@ class Client:
             cursor = page.next_cursor
 
     def get_dataset(self, dataset_id: str) -> Dataset:
-        return Dataset.model_validate(self._json("GET", f"/v1/datasets/{dataset_id}"))
+        return Dataset.model_validate(self._json("GET", f"/v1/datasets/{_segment(dataset_id)}"))
 
     def delete_dataset(self, dataset_id: str) -> None:
         """Delete a dataset (409 ``ConflictError`` while a live job uses it)."""
-        self._request("DELETE", f"/v1/datasets/{dataset_id}")
+        self._request("DELETE", f"/v1/datasets/{_segment(dataset_id)}")
 
     def find_dataset(self, ref: str) -> Dataset:
-        """A dataset by id, else the newest one with that exact name."""
+        """A dataset by id, name or unique id prefix; of several with that exact name, the newest."""
         try:
             return self.get_dataset(ref)
         except TorchyardError as exc:
-            if exc.status_code != 404:
+            if exc.status_code != 404 and exc.code != AMBIGUOUS:
                 raise
+            not_found = exc
         for dataset in self.iter_datasets():
             if dataset.name == ref:
                 return dataset
-        raise error_from_body(404, {"code": "NotFoundError", "message": f"no dataset with id or name {ref!r}"})
+        raise not_found
 
     # -- jobs
 
@@ -501,11 +528,11 @@ class Client:
             cursor = page.next_cursor
 
     def get_job(self, job_id: str) -> Job:
-        return Job.model_validate(self._json("GET", f"/v1/jobs/{job_id}"))
+        return Job.model_validate(self._json("GET", f"/v1/jobs/{_segment(job_id)}"))
 
     def cancel_job(self, job_id: str) -> Job:
         """Idempotent cancel; the job ends ``cancelled`` once its ranks are stopped."""
-        return Job.model_validate(self._json("POST", f"/v1/jobs/{job_id}/cancel"))
+        return Job.model_validate(self._json("POST", f"/v1/jobs/{_segment(job_id)}/cancel"))
 
     def wait(self, job_id: str, *, timeout: float | None = None) -> Job:
         """Block until the job is final (following its status events) and return it.
@@ -533,7 +560,7 @@ class Client:
             params["after"] = after
         if limit is not None:
             params["limit"] = limit
-        return MetricPage.model_validate(self._json("GET", f"/v1/jobs/{job_id}/metrics", params=params))
+        return MetricPage.model_validate(self._json("GET", f"/v1/jobs/{_segment(job_id)}/metrics", params=params))
 
     def iter_metrics(
         self, job_id: str, *, name: str | Sequence[str] | None = None, after: int | None = None
@@ -550,7 +577,7 @@ class Client:
     def logs(self, job_id: str, *, rank: int | None = None, stream: str | None = None, offset: int = 0) -> str:
         """The log text of one stream (rank ``rank``, default 0; or ``stream``, e.g. the agent log)."""
         params = self._log_params(rank, stream, offset)
-        return self._request("GET", f"/v1/jobs/{job_id}/logs", params=params).text
+        return self._request("GET", f"/v1/jobs/{_segment(job_id)}/logs", params=params).text
 
     @staticmethod
     def _log_params(rank: int | None, stream: str | None, offset: int) -> dict[str, Any]:
@@ -580,7 +607,7 @@ class Client:
             try:
                 with self._http.stream(
                     "GET",
-                    f"/v1/jobs/{job_id}/logs",
+                    f"/v1/jobs/{_segment(job_id)}/logs",
                     params=params,
                     timeout=httpx.Timeout(self._timeout, read=None),
                 ) as response:
@@ -637,7 +664,7 @@ class Client:
             try:
                 with self._http.stream(
                     "GET",
-                    f"/v1/jobs/{job_id}/events",
+                    f"/v1/jobs/{_segment(job_id)}/events",
                     params=params,
                     headers=headers,
                     timeout=httpx.Timeout(self._timeout, read=read_timeout),
@@ -721,7 +748,7 @@ class Client:
             headers["Range"] = f"bytes={have}-"
             if expected:
                 headers["If-Range"] = f'"{expected}"'
-        path = f"/v1/jobs/{job_id}/model"
+        path = f"/v1/jobs/{_segment(job_id)}/model"
         try:
             with self._http.stream(
                 "GET", path, headers=headers, timeout=httpx.Timeout(self._timeout, read=300.0)

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from torchyard.client import Client, Event, Job, MetricPoint
+from torchyard.client import Client, Event, Job, MetricPoint, missing_token_message
+from torchyard.errors import AuthenticationError
 from torchyard.terminal import (
+    EpochLines,
     EpochTable,
     LiveProgress,
     ProgressBar,
@@ -25,9 +29,13 @@ from torchyard.terminal import (
     format_table,
     format_time,
     human_bytes,
+    job_timing,
+    timing_text,
 )
 
 Handler = Callable[[argparse.Namespace], int]
+
+log = logging.getLogger(__name__)
 
 # Handy submit flags: (flag, spec path, type, help).
 _SUBMIT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
@@ -50,7 +58,11 @@ _SUBMIT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
 
 
 def _client(args: argparse.Namespace) -> Client:
-    return Client(args.url, args.token)
+    client = Client(args.url, args.token)
+    if client.token is None:
+        client.close()
+        raise AuthenticationError(missing_token_message())
+    return client
 
 
 def _print_json(value: Any) -> None:
@@ -215,11 +227,15 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _resolve_datasets(client: Client, spec: dict[str, Any]) -> None:
-    """Dataset fields may name a dataset instead of giving its id."""
+    """Dataset fields may name a dataset (or give a unique id prefix) instead of its id;
+    so may ``model.init_from_job`` for the job."""
     for key in ("train_dataset", "validation_dataset"):
         ref = spec.get(key)
         if isinstance(ref, str) and ref:
             spec[key] = client.find_dataset(ref).id
+    model = spec.get("model")
+    if isinstance(model, dict) and isinstance(model.get("init_from_job"), str) and model["init_from_job"]:
+        model["init_from_job"] = client.get_job(model["init_from_job"]).id
 
 
 def follow_job(client: Client, job: Job, *, show_logs: bool = False, out: Any = None) -> Job:
@@ -308,6 +324,10 @@ def print_job(job: Job) -> None:
     print(f"resources:   {_kv(job.resources)}")
     if job.progress:
         print(f"progress:    {_kv(job.progress)}")
+    fraction = (job.progress or {}).get("fraction")
+    timing = job_timing(job.started_at, job.finished_at, fraction if isinstance(fraction, int | float) else None)
+    if timing:
+        print(f"time:        {timing}")
     if job.best:
         print(f"best:        {_kv(job.best)}")
     if job.nodes:
@@ -348,16 +368,52 @@ def _cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def _epoch_notes(client: Client, job: Job, out: TextIO) -> None:
+    """A line on ``out`` as each epoch of ``job`` ends, with the elapsed training time
+    and an estimate of the time left; returns when the job ends."""
+    epochs = job.parameters.get("epochs")
+    table = EpochTable()
+    noted: set[int] = set()
+    for event in client.events(job.id, logs=False):
+        if event.kind != "metric":
+            continue
+        epoch = table.add(event.data)
+        if table.is_complete(epoch) and epoch not in noted:
+            noted.add(epoch)
+            timing = timing_text(*table.timing(epoch, epochs))
+            total = f"/{epochs}" if epochs else ""
+            out.write(f"-- epoch {epoch}{total} done" + (f": {timing}" if timing else "") + "\n")
+            out.flush()
+
+
 def _logs(args: argparse.Namespace) -> int:
     with _client(args) as client:
         if args.follow:
-            for text in client.follow_logs(args.id, rank=args.rank, stream=args.stream, offset=args.offset):
+            job = client.get_job(args.id)
+            # Epoch progress goes to stderr beside the log, from a second connection, so
+            # that stdout stays the log's exact text.
+            notes = threading.Thread(
+                target=_notes_quietly, args=(args, job), name="epoch-notes", daemon=True
+            )
+            if not args.json:
+                notes.start()
+            for text in client.follow_logs(job.id, rank=args.rank, stream=args.stream, offset=args.offset):
                 sys.stdout.write(text)
                 sys.stdout.flush()
+            if notes.is_alive():
+                notes.join(timeout=30.0)  # the job is over: its last epoch's note is on its way
         else:
             sys.stdout.write(client.logs(args.id, rank=args.rank, stream=args.stream, offset=args.offset))
     sys.stdout.flush()
     return 0
+
+
+def _notes_quietly(args: argparse.Namespace, job: Job) -> None:
+    try:
+        with Client(args.url, args.token) as client:
+            _epoch_notes(client, job, sys.stderr)
+    except Exception as exc:  # progress notes are a convenience: the log itself carries on
+        log.debug("epoch progress notes stopped: %s", exc)
 
 
 def _points_table(points: Iterable[MetricPoint]) -> str:
@@ -383,37 +439,44 @@ def _metrics(args: argparse.Namespace) -> int:
 
 
 def _watch_metrics(client: Client, args: argparse.Namespace) -> int:
-    """Live table: redrawn in place on a terminal, one line per new epoch otherwise."""
+    """Live table: redrawn in place on a terminal, one fixed-width line per finished epoch
+    otherwise (a pipe or a file), each with the elapsed training time and the time left."""
+    job = client.get_job(args.id)  # the full id, whatever the user typed, and the epoch count
+    epochs = job.parameters.get("epochs")
     table = EpochTable()
     tty = sys.stdout.isatty() and not args.json
     printed: set[int] = set()
-    header_done = False
+    lines: EpochLines | None = None
     status = "-"
 
     def redraw() -> None:
+        done = [e for e in sorted(table.rows) if table.is_complete(e)]
+        where = ""
+        if done:
+            timing = timing_text(*table.timing(done[-1], epochs))
+            where = f"  epoch {done[-1]}" + (f"/{epochs}" if epochs else "") + (f"  {timing}" if timing else "")
         sys.stdout.write("\x1b[H\x1b[2J")
-        sys.stdout.write(f"job {args.id}  status {status}\n\n{table.render()}\n")
+        sys.stdout.write(f"job {job.id}  status {status}{where}\n\n{table.render()}\n")
         sys.stdout.flush()
 
     def emit(event: Event) -> None:
-        nonlocal header_done
+        nonlocal lines
         if args.json:
             print(json.dumps({"event": event.kind, "id": event.id, "data": event.data}), flush=True)
             return
         if tty:
             redraw()
             return
-        cols = [c for c in table.columns()]
         for epoch in sorted(table.rows):
             if epoch in printed or not (table.is_complete(epoch) or event.is_final):
                 continue
-            if not header_done:
-                print(format_table(["epoch"] + [h for _, h, _ in cols], []))
-                header_done = True
-            print("  ".join(table.row(epoch, cols)), flush=True)
+            if lines is None:
+                lines = EpochLines(table, epochs)
+                print(lines.header())
+            print(lines.row(epoch), flush=True)
             printed.add(epoch)
 
-    for event in client.events(args.id, logs=False):
+    for event in client.events(job.id, logs=False):
         if event.kind == "metric":
             if args.name and event.data.get("name") not in args.name:
                 continue
@@ -430,12 +493,13 @@ def _watch_metrics(client: Client, args: argparse.Namespace) -> int:
 
 
 def _download(args: argparse.Namespace) -> int:
-    out = Path(args.output) if args.output else Path(f"model-{args.id}")
-    bar = ProgressBar(f"model {args.id[:12]}")
     with _client(args) as client:
+        job = client.get_job(args.id)  # the full id, whatever the user typed
+        out = Path(args.output) if args.output else Path(f"model-{job.id}")
+        bar = ProgressBar(f"model {job.id[:12]}")
         try:
             path = client.download_model(
-                args.id,
+                job.id,
                 out,
                 progress=bar,
                 keep_archive=args.keep_archive,
@@ -443,7 +507,7 @@ def _download(args: argparse.Namespace) -> int:
             )
         finally:
             bar.finish()
-        job = client.get_job(args.id)
+        job = client.get_job(job.id)
     if args.json:
         _print_json({"job": job.id, "path": str(path), "sha256": job.model_sha256, "verified": True})
     else:

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -241,24 +242,50 @@ def _summary(
     top1_text = f"{float(top1):.2%}" if isinstance(top1, int | float) else "n/a"
     env = f"TORCHYARD_DATA_DIR={shlex.quote(_rel(data_dir))}"
     sample = next(iter(sorted((val_dir / "7").glob("*.png"))), None)
+    command, setup = command_hint(Path(sys.executable), os.environ.get("PATH"))
     _say(out)
     _say(out, f"final top-1 (validation): {top1_text}" + (f" (best epoch {epoch})" if epoch is not None else ""))
     _say(out, f"done in {seconds:.0f} s.")
     _say(out)
     _say(out, "How to go on:")
+    _say(out, f"  command:       {command}")
     _say(out, f"  service URL:   {service.url} (this run); `torchyard serve` listens on http://127.0.0.1:8000")
     _say(out, f"  admin token:   {_rel(data_dir / 'admin.token')} (mode 0600; the CLI reads it, no copying)")
     _say(out, f"  model:         {_rel(model_dir)}")
+    _say(out, f"  sample data:   {_rel(val_dir.parent / 'train')} and {_rel(val_dir)}: class folders of PNGs that "
+         "`torchyard demo` wrote (upload them with `torchyard datasets upload NAME FOLDER`)")
     _say(out, "  next commands:")
+    if setup:
+        _say(out, f"    {setup}{' ' * max(1, 36 - len(setup))}# puts `torchyard` on PATH in this shell")
     _say(out, f"    {env} torchyard serve --with-worker     # start the service again")
-    _say(out, f"    export {env}                            # then, in another terminal:")
+    again = f" (and `{setup}` there too)" if setup else ""
+    _say(out, f"    export {env}                            # then, in another terminal{again}:")
     _say(out, "    torchyard jobs")
-    _say(out, f"    torchyard metrics {job.id}")
-    _say(out, f"    torchyard logs {job.id} --rank 0")
+    _say(out, f"    torchyard metrics {job.name}{' ' * max(1, 28 - len(job.name))}# a job's name, id or id prefix")
+    _say(out, f"    torchyard logs {job.id[:8]} --rank 0")
     if sample is not None:
         _say(out, f"    torchyard predict {shlex.quote(_rel(model_dir))} {shlex.quote(_rel(sample))} --topk 3")
     _say(out, "    torchyard submit --train digits-train --val digits-val --arch resnet18 "
          f"--image-size 32 --augmentation light --epochs {max(10, args.epochs)} --lr {args.lr} --follow")
+
+
+def command_hint(executable: Path, search_path: str | None) -> tuple[str, str | None]:
+    """Where the ``torchyard`` command is, and the shell line that puts it on PATH
+    (None when ``search_path`` already finds it). ``make demo`` installs it in
+    ``.venv/bin``, which a fresh shell does not search."""
+    script = executable.parent / "torchyard"
+    found = shutil.which("torchyard", path=search_path)
+    if found is not None and (not script.is_file() or Path(found).resolve() == script.resolve()):
+        return f"`torchyard` ({found}) is on your PATH", None
+    if not script.is_file():
+        python = shlex.quote(str(executable))
+        return f"`torchyard` is not installed as a command: run it as {python} -m torchyard.cli", None
+    where = shlex.quote(_rel(script))
+    activate = executable.parent / "activate"
+    if not activate.is_file():
+        return f"{where} (its folder is not on your PATH: type the whole path)", None
+    line = f"source {shlex.quote(_rel(activate))}"
+    return f"{where}, not on your PATH: run `{line}` in each new shell, or type {where}", line
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

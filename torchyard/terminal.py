@@ -37,6 +37,54 @@ def format_time(value: datetime | str | None) -> str:
     return value.astimezone().strftime("%Y-%m-%d %H:%M:%S")
 
 
+def format_duration(seconds: float | None) -> str:
+    """``42s``, ``3m05s``, ``2h07m``; ``-`` when unknown. No spaces, so a column of them
+    splits cleanly."""
+    if seconds is None or seconds != seconds or seconds < 0:
+        return "-"
+    total = round(seconds)
+    if total < 60:
+        return f"{total}s"
+    if total < 3600:
+        return f"{total // 60}m{total % 60:02d}s"
+    return f"{total // 3600}h{total % 3600 // 60:02d}m"
+
+
+def remaining_seconds(elapsed: float | None, fraction: float | None) -> float | None:
+    """The time left if the rest goes at the pace so far: ``elapsed × (1 − f) / f``;
+    None while nothing is done yet. An estimate: early stopping may end a job sooner."""
+    if elapsed is None or fraction is None or fraction <= 0 or elapsed < 0:
+        return None
+    return 0.0 if fraction >= 1 else elapsed * (1 - fraction) / fraction
+
+
+def timing_text(elapsed: float | None, left: float | None) -> str:
+    """``elapsed 1m12s, about 48s left`` (the parts that are known)."""
+    parts = []
+    if elapsed is not None:
+        parts.append(f"elapsed {format_duration(elapsed)}")
+    if left is not None:
+        parts.append(f"about {format_duration(left)} left")
+    return ", ".join(parts)
+
+
+def job_timing(
+    started_at: datetime | None,
+    finished_at: datetime | None,
+    fraction: float | None,
+    now: datetime | None = None,
+) -> str:
+    """How long a job has run and, while it runs, about how long it has left (from the
+    fraction of its training steps done); empty before it started."""
+    if started_at is None:
+        return ""
+    end = finished_at or now or datetime.now(started_at.tzinfo)
+    elapsed = max(0.0, (end - started_at).total_seconds())
+    if finished_at is not None:
+        return f"took {format_duration(elapsed)}"
+    return timing_text(elapsed, remaining_seconds(elapsed, fraction))
+
+
 def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """A plain left-aligned table with a header line."""
     text_rows = [[("-" if v is None else str(v)) for v in row] for row in rows]
@@ -117,6 +165,47 @@ class EpochTable:
         """An epoch's row is complete once its duration is recorded (the trainer's last point)."""
         return "epoch.seconds" in self.rows.get(epoch, {})
 
+    def timing(self, epoch: int, epochs: int | None) -> tuple[float | None, float | None]:
+        """(elapsed, left) in seconds at the end of ``epoch``: the training time of the
+        epochs so far (their recorded durations) and the time the remaining epochs of
+        ``epochs`` take at that pace. None for what is unknown."""
+        seconds = [row["epoch.seconds"] for e, row in self.rows.items() if e <= epoch and "epoch.seconds" in row]
+        if not seconds:
+            return None, None
+        elapsed = sum(seconds)
+        return elapsed, remaining_seconds(elapsed, epoch / epochs if epochs else None)
+
+
+# Width of a metric or time column in output that grows line by line: wide enough for
+# every format of EPOCH_COLUMNS at ordinary magnitudes (0.000125, 1234.5, 100.00%).
+VALUE_WIDTH = 8
+
+
+class EpochLines:
+    """The per-epoch table as fixed-width lines printed one at a time (to a pipe or a
+    file as much as to a terminal): columns and widths are settled with the header, so
+    every later row lines up under it. Ends with the elapsed and left columns."""
+
+    def __init__(self, table: EpochTable, epochs: int | None) -> None:
+        self.table = table
+        self.epochs = epochs
+        self.columns = table.columns()
+        self.headers = ["epoch", *(h for _, h, _ in self.columns), "elapsed", "left"]
+        self.widths = [max(len("epoch"), len(str(epochs or 0)))] + [
+            max(len(h), VALUE_WIDTH) for h in self.headers[1:]
+        ]
+
+    def _line(self, cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, self.widths, strict=True)).rstrip()
+
+    def header(self) -> str:
+        return self._line(self.headers)
+
+    def row(self, epoch: int) -> str:
+        elapsed, left = self.table.timing(epoch, self.epochs)
+        cells = [*self.table.row(epoch, self.columns), format_duration(elapsed), format_duration(left)]
+        return self._line(cells)
+
 
 def describe_status(data: Mapping[str, Any]) -> str:
     text = str(data.get("status"))
@@ -165,6 +254,11 @@ class LiveProgress:
         for name, header, fmt in EPOCH_COLUMNS:
             if name in values:
                 parts.append(f"{header} {fmt.format(values[name])}")
+        elapsed, left = self.table.timing(epoch, self.epochs)
+        if elapsed is not None:
+            parts.append(f"elapsed {format_duration(elapsed)}")
+        if left is not None:
+            parts.append(f"left {format_duration(left)}")
         return "  ".join(parts)
 
     def handle(self, kind: str, data: Mapping[str, Any]) -> None:

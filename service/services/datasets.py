@@ -22,8 +22,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
+from typing import Literal
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import ColumnElement, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
@@ -33,6 +34,7 @@ from service.datasets.validate import ValidatedDataset, validate_image_directory
 from service.db.models import Dataset, Job, Node, Placement, utcnow
 from service.schemas.common import decode_cursor, encode_cursor
 from service.schemas.datasets import DatasetPublic, DatasetRegister
+from service.services import refs
 from service.services.tokens import Principal
 from service.states import ACTIVE_STATUSES
 from torchyard.dataset_digest import list_files
@@ -185,18 +187,41 @@ def register_path(
 # ---------------------------------------------------------------------------- reading
 
 
-def get_dataset(session: Session, principal: Principal, dataset_id: str, *, lock: bool = False) -> Dataset:
+def get_dataset(
+    session: Session, principal: Principal, dataset_id: str, *, lock: bool = False, exact: bool = False
+) -> Dataset:
     """The dataset, if the principal may see it; another user's (or a deleted) dataset is a 404.
 
+    Unless ``exact``, ``dataset_id`` may also be the dataset's name or a unique prefix of
+    its id, among the datasets the principal may list (see :mod:`service.services.refs`).
     ``lock`` holds the row until the transaction ends (shared lock on PostgreSQL), so that
     a job submission and a deletion of the same dataset cannot interleave.
     """
-    stmt = select(Dataset).where(Dataset.id == dataset_id, Dataset.deleted_at.is_(None))
-    if lock:
-        stmt = stmt.with_for_update(read=True)
-    row = session.scalars(stmt).first()
+    return _visible_dataset(session, principal, dataset_id, exact=exact, lock="share" if lock else None)
+
+
+def _visible_dataset(
+    session: Session, principal: Principal, ref: str, *, exact: bool, lock: Literal["share", "update"] | None
+) -> Dataset:
+    """The dataset ``ref`` names for the principal, its row locked ``"share"`` or ``"update"``."""
+
+    def by_id(wanted: str) -> Dataset | None:
+        stmt = select(Dataset).where(Dataset.id == wanted, Dataset.deleted_at.is_(None))
+        if lock is not None:
+            stmt = stmt.with_for_update(read=lock == "share")
+        return session.scalars(stmt).first()
+
+    row = by_id(ref)
     if row is None or (not principal.is_admin and row.owner_id != principal.id):
-        raise NotFoundError(f"dataset {dataset_id!r} not found")
+        found = None
+        if not exact:
+            visible: list[ColumnElement[bool]] = [Dataset.deleted_at.is_(None)]
+            if not principal.is_admin:
+                visible.append(Dataset.owner_id == principal.id)
+            found = refs.resolve(session, Dataset, visible, ref, "dataset")
+        row = None if found is None else by_id(found)
+        if row is None:
+            raise NotFoundError(f"dataset {ref!r} not found (no dataset you may see has this id, name or id prefix)")
     return row
 
 
@@ -246,10 +271,7 @@ def dataset_public(row: Dataset) -> DatasetPublic:
 
 def delete_dataset(session: Session, settings: Settings, principal: Principal, dataset_id: str) -> None:
     """Delete a dataset no queued or running job uses (409 otherwise)."""
-    stmt = select(Dataset).where(Dataset.id == dataset_id, Dataset.deleted_at.is_(None)).with_for_update()
-    row = session.scalars(stmt).first()
-    if row is None or (not principal.is_admin and row.owner_id != principal.id):
-        raise NotFoundError(f"dataset {dataset_id!r} not found")
+    row = _visible_dataset(session, principal, dataset_id, exact=False, lock="update")
     users = session.execute(
         select(Job.id, Job.status)
         .where(
@@ -304,8 +326,8 @@ def resolve_job_datasets(
     Another user's or a deleted dataset is a 404 (admin may use any); differing label
     sets are a 422 InvalidDatasetError naming the labels missing on each side.
     """
-    train = get_dataset(session, principal, train_id, lock=True)
-    val = get_dataset(session, principal, val_id, lock=True)
+    train = get_dataset(session, principal, train_id, lock=True, exact=True)
+    val = get_dataset(session, principal, val_id, lock=True, exact=True)
     train_labels, val_labels = set(train.classes), set(val.classes)
     if train_labels != val_labels:
         only_train = sorted(train_labels - val_labels)

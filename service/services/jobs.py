@@ -20,6 +20,7 @@ from service.schemas.jobs import (
     PlacementPublic,
     StatusChange,
 )
+from service.services import refs
 from service.services.cluster import check_resources
 from service.services.datasets import resolve_job_datasets
 from service.services.tokens import Principal
@@ -134,13 +135,22 @@ def transition(
 
 
 def get_job(session: Session, principal: Principal, job_id: str, *, for_update: bool = False) -> Job:
-    """The job, if the principal may see it; another user's job is a 404."""
-    stmt = select(Job).where(Job.id == job_id)
-    if for_update:
-        stmt = stmt.with_for_update()
-    job = session.scalars(stmt).first()
+    """The job, if the principal may see it; another user's job is a 404.
+
+    ``job_id`` may also be the job's name or a unique prefix of its id, among the jobs
+    the principal may list (see :mod:`service.services.refs`)."""
+
+    def by_id(wanted: str) -> Job | None:
+        stmt = select(Job).where(Job.id == wanted)
+        return session.scalars(stmt.with_for_update() if for_update else stmt).first()
+
+    job = by_id(job_id)
     if job is None or (not principal.is_admin and job.owner_id != principal.id):
-        raise NotFoundError(f"job {job_id!r} not found")
+        visible = [] if principal.is_admin else [Job.owner_id == principal.id]
+        found = refs.resolve(session, Job, visible, job_id, "job")
+        job = None if found is None else by_id(found)
+        if job is None:
+            raise NotFoundError(f"job {job_id!r} not found (no job you may see has this id, name or id prefix)")
     return job
 
 

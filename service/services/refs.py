@@ -1,0 +1,88 @@
+"""What a user may type where a job or dataset id is expected: the id, the object's
+name, or a unique prefix of the id (at least four characters, as git accepts).
+
+Only the objects the principal may list are ever looked at (their own; every one for
+an admin), in the query itself: another user's object can neither be matched nor
+make a reference ambiguous, and is never named in an error.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+from sqlalchemy import ColumnElement, select
+from sqlalchemy.orm import Session
+
+from service.db.models import Dataset, Job
+from torchyard.errors import ConflictError
+
+MIN_PREFIX = 4
+# Ids are 32 lowercase hex digits; a shorter run of hex digits may be the start of one.
+_ID_PREFIX = re.compile(rf"[0-9a-fA-F]{{{MIN_PREFIX},31}}")
+_SHOWN = 10
+
+M = TypeVar("M", Job, Dataset)
+
+
+class AmbiguousReferenceError(ConflictError):
+    """A name or id prefix that matches more than one of the principal's objects."""
+
+    code = "AmbiguousReferenceError"
+
+
+def _describe(row: Job | Dataset) -> dict[str, Any]:
+    described: dict[str, Any] = {"id": row.id, "name": row.name, "created_at": row.created_at.isoformat()}
+    if isinstance(row, Job):
+        described["status"] = row.status
+    return described
+
+
+def _ambiguous(kind: str, ref: str, by_name: bool, rows: list[Any]) -> AmbiguousReferenceError:
+    shown = rows[:_SHOWN]
+    listed = "; ".join(
+        f"{r.id} ({r.name}" + (f", {r.status}" if isinstance(r, Job) else "") + ")" for r in shown
+    )
+    count = f"more than {_SHOWN}" if len(rows) > _SHOWN else str(len(rows))
+    if by_name:
+        how, hint = f"{count} {kind}s have this name", "give the id (or a unique start of it)"
+    else:
+        how, hint = f"{count} {kind} ids start with it", "give more characters of the id"
+    return AmbiguousReferenceError(
+        f"{kind} {ref!r} is ambiguous: {how}: {listed}; {hint}",
+        details={"ref": ref, "candidates": [_describe(r) for r in shown]},
+    )
+
+
+def resolve(
+    session: Session,
+    model: type[M],
+    visible: Sequence[ColumnElement[bool]],
+    ref: str,
+    kind: str,
+) -> str | None:
+    """The id of the one visible object named ``ref``, else of the one whose id starts
+    with ``ref``; None when nothing matches. More than one match is a 409
+    ``AmbiguousReferenceError`` listing the candidates.
+
+    ``visible`` restricts the rows to those the principal may list. The caller has
+    already looked ``ref`` up as a whole id.
+    """
+    order = (model.created_at.desc(), model.id.desc())
+    named = list(session.scalars(select(model).where(*visible, model.name == ref).order_by(*order).limit(_SHOWN + 1)))
+    if len(named) == 1:
+        return named[0].id
+    if named:
+        raise _ambiguous(kind, ref, True, named)
+    if not _ID_PREFIX.fullmatch(ref):
+        return None
+    prefix = ref.lower()
+    started = list(
+        session.scalars(select(model).where(*visible, model.id.startswith(prefix)).order_by(*order).limit(_SHOWN + 1))
+    )
+    if len(started) == 1:
+        return started[0].id
+    if started:
+        raise _ambiguous(kind, ref, False, started)
+    return None
