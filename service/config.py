@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
+from typing import Annotated, Literal
+from urllib.parse import unquote, urlsplit
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+# The database password that docker-compose.yml and .env.example ship with: published,
+# so refused outside a local try-out.
+EXAMPLE_DATABASE_PASSWORD = "torchyard"
+LOCAL_ENVS = ("local", "development")
 
 
 class Settings(BaseSettings):
@@ -14,6 +22,11 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="TORCHYARD_", extra="ignore")
 
+    env: Literal["local", "development", "production"] = Field(
+        default="production",
+        description="Where the service runs. Outside `local` and `development`, a database URL "
+        "with the example password of docker-compose.yml and .env.example is refused.",
+    )
     data_dir: Path = Field(
         default=Path("./torchyard-data"),
         description="Artifact store: SQLite file, datasets, logs, model directories, admin token.",
@@ -32,13 +45,34 @@ class Settings(BaseSettings):
         default=8 * 1024**3, gt=0, description="Largest total size an archive may expand to."
     )
     max_extracted_files: int = Field(default=1_000_000, gt=0, description="Most files an archive may hold.")
+    max_compression_ratio: float = Field(
+        default=100.0,
+        ge=1,
+        description="An uploaded archive may expand to at most this many times its own size "
+        "(16 MiB is always allowed); more is refused as a likely zip bomb, from the sizes the "
+        "archive declares before they are written.",
+    )
+    max_concurrent_uploads_per_user: int = Field(
+        default=2,
+        ge=1,
+        description="Dataset uploads (receiving, extracting, validating) one user may have in "
+        "progress at once, over all API replicas; more are refused with 409.",
+    )
+    staging_sweep_interval_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="How often each API replica removes what interrupted uploads left in the "
+        "staging folder (it also does at start); folders of uploads in progress are kept.",
+    )
     max_image_pixels: int = Field(
         default=50_000_000, gt=0, description="Largest image (width × height) decoded during validation."
     )
-    dataset_roots: list[Path] = Field(
+    # NoDecode: pydantic-settings would otherwise parse the variable as JSON before the
+    # validator below sees it, and fail on a plain path or a comma-separated list.
+    dataset_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=list,
-        description="Shared-storage folders under which datasets may be registered by path "
-        "(JSON list or comma-separated).",
+        description="Shared-storage folders under which datasets may be registered by path: "
+        "one path, a comma-separated list, or a JSON list.",
     )
     max_nodes: int | None = Field(
         default=None,
@@ -86,9 +120,7 @@ class Settings(BaseSettings):
     @field_validator("dataset_roots", mode="before")
     @classmethod
     def _split_roots(cls, value: object) -> object:
-        if isinstance(value, str) and not value.strip().startswith("["):
-            return [part for part in value.split(",") if part.strip()]
-        return value
+        return _path_list(value)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
@@ -104,6 +136,12 @@ class Settings(BaseSettings):
             )
         if self.database_url and not self.database_url.startswith(("sqlite", "postgresql")):
             raise ValueError("TORCHYARD_DATABASE_URL must be a sqlite:// or postgresql:// URL")
+        if self.env not in LOCAL_ENVS and _url_password(self.database_url) == EXAMPLE_DATABASE_PASSWORD:
+            raise ValueError(
+                "TORCHYARD_DATABASE_URL uses the example database password of docker-compose.yml and "
+                ".env.example; choose a password of your own (with docker compose: POSTGRES_PASSWORD in "
+                f".env), or set TORCHYARD_ENV=local for a try-out on one machine (TORCHYARD_ENV is {self.env!r})"
+            )
         return self
 
     @property
@@ -118,6 +156,29 @@ class Settings(BaseSettings):
     @property
     def admin_token_path(self) -> Path:
         return self.data_dir / "admin.token"
+
+
+def _url_password(url: str | None) -> str | None:
+    if not url:
+        return None
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        return None
+    return unquote(password) if password is not None else None
+
+
+def _path_list(value: object) -> object:
+    """A list setting given as text: a JSON list, or one item / comma-separated items."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"not a valid JSON list ({exc})") from None
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 @lru_cache

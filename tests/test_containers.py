@@ -3,8 +3,9 @@
 No container is built or started here (where tests run, no Docker engine does): the
 Dockerfile is linted with hadolint, and the compose file is parsed and checked
 against what the code expects: service names, health checks, the GPU reservation,
-the CPU profile, volumes, environment variable names that are real settings, and
-commands that the real ``torchyard`` parser accepts.
+the worker profiles, volumes, environment variable names that are real settings,
+``.env.example``, the refusal of the example database password outside a local
+try-out, and commands that the real ``torchyard`` parser accepts.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
-from service.config import Settings
+from service.config import EXAMPLE_DATABASE_PASSWORD, Settings
 from torchyard.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,9 +32,28 @@ CLIENT_ENV = {"TORCHYARD_TOKEN", "TORCHYARD_URL"}
 _VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 
 
-def interpolate(value: str) -> str:
-    """Compose's ``${VAR:-default}`` with every variable unset (the defaults apply)."""
-    return _VAR.sub(lambda m: m.group(2) or "", value)
+def interpolate(value: str, env: dict[str, str] | None = None) -> str:
+    """Compose's ``${VAR:-default}``, with the variables of ``env`` set (unset: the defaults apply)."""
+    given = env or {}
+    return _VAR.sub(lambda m: given.get(m.group(1)) or m.group(2) or "", value)
+
+
+def dotenv(path: Path) -> dict[str, str]:
+    """The ``NAME=value`` lines of a compose .env file (comments and blank lines skipped)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            name, _, value = line.partition("=")
+            out[name.strip()] = value.strip()
+    return out
+
+
+def api_settings(compose: dict[str, Any], env: dict[str, str] | None = None) -> Settings:
+    """The settings the API container gets, with ``env`` as the compose .env file."""
+    api_env = compose["services"]["api"]["environment"]
+    return Settings.model_validate(
+        {k.removeprefix("TORCHYARD_").lower(): interpolate(v, env) for k, v in api_env.items()}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +132,10 @@ def test_compose_services_and_healthchecks(compose: dict[str, Any]) -> None:
     env = api["environment"]
     assert interpolate(env["TORCHYARD_DATABASE_URL"]).startswith("postgresql://torchyard:")
     assert "@postgres:5432/" in env["TORCHYARD_DATABASE_URL"]
-    # the settings the API gets are real settings, and valid together
+    # the settings the API gets are real settings, and valid together (with a password of
+    # one's own; the example one is refused: test_compose_refuses_the_example_password)
     assert set(env) <= SETTINGS_ENV, set(env) - SETTINGS_ENV
-    Settings(**{k.removeprefix("TORCHYARD_").lower(): interpolate(v) for k, v in env.items()})
+    assert api_settings(compose, {"POSTGRES_PASSWORD": "s3cret"}).dataset_roots == [Path("/datasets")]
     data_dir = env["TORCHYARD_DATA_DIR"]
     assert any(v.endswith(f":{data_dir}") for v in api["volumes"])
     assert any(p.endswith(":8000") for p in api["ports"])
@@ -133,8 +155,10 @@ def test_compose_workers(compose: dict[str, Any]) -> None:
         assert any(v.endswith(f":{args.work_dir}") for v in worker["volumes"])
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
-    assert "profiles" not in gpu
+    # a plain `docker compose up` starts no worker: none has a token yet
+    assert gpu["profiles"] == ["gpu"]
     assert cpu["profiles"] == ["cpu"]
+    assert all("profiles" not in services[name] for name in ("postgres", "api"))
     assert "--cpu" in cpu["command"] and "deploy" not in cpu
     # the same image for the API and the workers
     assert services["api"]["image"] == gpu["image"] == cpu["image"]
@@ -155,3 +179,34 @@ def test_compose_named_volumes_are_declared(compose: dict[str, Any]) -> None:
             "TORCHYARD_IMAGE", "TORCHYARD_WORKER_TOKEN", "TORCHYARD_DATASETS_DIR",
             "TORCHYARD_GPU_NODE_NAME", "TORCHYARD_CPU_NODE_NAME", "TORCHYARD_CPU_SLOTS",
         }, env_name  # fmt: skip
+
+
+def test_compose_refuses_the_example_password(compose: dict[str, Any]) -> None:
+    """With no .env, compose's defaults are the example password in production: refused."""
+    pg_password = interpolate(compose["services"]["postgres"]["environment"]["POSTGRES_PASSWORD"])
+    assert pg_password == EXAMPLE_DATABASE_PASSWORD
+    with pytest.raises(ValidationError, match="example database password") as refused:
+        api_settings(compose)
+    assert "TORCHYARD_ENV=local" in str(refused.value)
+    assert api_settings(compose, {"TORCHYARD_ENV": "local"}).env == "local"
+    with pytest.raises(ValidationError, match="example database password"):
+        api_settings(compose, {"TORCHYARD_ENV": "production", "POSTGRES_PASSWORD": EXAMPLE_DATABASE_PASSWORD})
+
+
+def test_env_example_matches_compose(compose: dict[str, Any]) -> None:
+    example = dotenv(ROOT / ".env.example")
+    text = (ROOT / "docker-compose.yml").read_text()
+    used = {m.group(1) for m in _VAR.finditer(text)}
+    # every variable it sets is one compose reads
+    assert set(example) <= used, set(example) - used
+    # as shipped it is a local try-out: the example password, accepted because TORCHYARD_ENV=local
+    assert example["TORCHYARD_ENV"] == "local"
+    assert example["POSTGRES_PASSWORD"] == EXAMPLE_DATABASE_PASSWORD
+    assert api_settings(compose, example).env == "local"
+    # the same file set to production is refused until the password is changed
+    with pytest.raises(ValidationError, match="example database password"):
+        api_settings(compose, {**example, "TORCHYARD_ENV": "production"})
+    api_settings(compose, {**example, "TORCHYARD_ENV": "production", "POSTGRES_PASSWORD": "mine"})
+    # the worker token is left for the operator to add (an empty one would only fail later)
+    assert "TORCHYARD_WORKER_TOKEN" not in example
+    assert ".env" in (ROOT / ".gitignore").read_text().split()

@@ -31,6 +31,7 @@ def _serve(args: argparse.Namespace) -> int:
         with_worker=args.with_worker,
         worker_name=args.worker_name,
         worker_slots=args.worker_slots,
+        log_level="debug" if args.verbose else args.log_level,
     )
 
 
@@ -86,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--worker-name", default=None, help="node name of the local worker (default <host>-local)")
     serve.add_argument("--worker-slots", type=int, default=None, help="CPU slots of the local worker")
+    serve.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="info (default) leaves out routine lines (worker heartbeat/claim and health-check "
+        "requests, migration set-up); debug shows them",
+    )
     serve.set_defaults(handler=_serve)
 
     from worker.agent.main import add_arguments as add_worker_arguments
@@ -121,6 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.verbose:
         # One line per HTTP request would bury what the commands print.
         logging.getLogger("httpx").setLevel(logging.WARNING)
+        # Alembic names each of its plugins as it is imported.
+        logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     handler: Handler = args.handler
     try:
         return handler(args)

@@ -4,6 +4,10 @@
 agent (a child process) share the data directory. The worker's token is created once
 and kept in ``<data dir>/worker.token`` (mode 0600). On SIGINT/SIGTERM the worker is
 stopped first, while the API still answers its last reports, then the API shuts down.
+
+The log keeps to what matters: at the default level the access lines of routine polling
+(worker heartbeats and claims, health checks) are left out unless they fail, and so is
+Alembic's start-up chatter; ``--log-level debug`` shows everything.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -31,6 +36,47 @@ WORKER_TOKEN_FILE = "worker.token"
 WORKER_STOP_GRACE_S = 30.0
 GRACEFUL_SHUTDOWN_S = 5
 _PR_SET_PDEATHSIG = 1
+# Requests every worker (or health check) makes every few seconds: one access line each
+# would be most of the log.
+_ROUTINE_PATHS = re.compile(r"^(/v1/worker/nodes/[^/?]+/(heartbeat|claim)|/healthz)(\?|$)")
+
+
+class _RoutineAccessFilter(logging.Filter):
+    """Leaves out uvicorn access lines of routine polling that succeeded."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        # uvicorn.access: (client address, method, path with query, HTTP version, status)
+        if isinstance(args, tuple) and len(args) == 5:
+            path, status = args[2], args[4]
+            if isinstance(path, str) and isinstance(status, int) and status < 400:
+                return _ROUTINE_PATHS.match(path) is None
+        return True
+
+
+class _MigrationsAppliedFilter(logging.Filter):
+    """Keeps Alembic's lines about migrations actually run, not the set-up details."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.getMessage().startswith("Running ")
+
+
+def configure_logging(level: str) -> None:
+    """The log level of ``serve``; below debug, routine lines are left out (see above)."""
+    debug = level == "debug"
+    logging.getLogger().setLevel(level.upper())
+    # Alembic logs each of its plugins as it is imported, and its dialect set-up at every
+    # start; at debug level all of it is kept.
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.DEBUG if debug else logging.WARNING)
+    for name, quiet in (
+        ("alembic.runtime.migration", _MigrationsAppliedFilter),
+        ("uvicorn.access", _RoutineAccessFilter),
+    ):
+        logger = logging.getLogger(name)
+        for existing in [f for f in logger.filters if isinstance(f, quiet)]:
+            logger.removeFilter(existing)
+        if not debug:
+            logger.addFilter(quiet())
 
 
 def worker_token_path(settings: Settings) -> Path:
@@ -180,8 +226,10 @@ def serve(
     with_worker: bool = False,
     worker_name: str | None = None,
     worker_slots: int | None = None,
+    log_level: str = "info",
 ) -> int:
     """Run the API (and, with ``with_worker``, a local worker agent) until SIGINT/SIGTERM."""
+    configure_logging(log_level)
     from service.api.app import create_app
 
     worker: LocalWorker | None = None
@@ -199,7 +247,7 @@ def serve(
     sock = _bind(settings.host, settings.port)
     config = uvicorn.Config(
         create_app(settings),
-        log_level="info",
+        log_level=log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     server = _Server(config, before_exit=worker.stop if worker is not None else None)

@@ -15,6 +15,7 @@ from service.api.routes import cluster, datasets, health, jobs, reports, streams
 from service.config import Settings, get_settings
 from service.db.engine import Database
 from service.db.migrate import upgrade
+from service.services.datasets import sweep_staging_periodically
 from service.services.jobs import classification_architectures
 from service.services.reaper import run_reaper
 from service.services.tokens import ensure_bootstrap_token
@@ -45,11 +46,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Expired leases, lost nodes, settled cancellations and scheduling passes.
         stop_reaper = asyncio.Event()
         reaper = asyncio.create_task(run_reaper(app.state.db, settings, app.state.wakeup, stop_reaper))
+        # What uploads interrupted by a crash left in the staging folder.
+        sweeper = asyncio.create_task(sweep_staging_periodically(settings, stop_reaper))
         try:
             yield
         finally:
             stop_reaper.set()
             await reaper
+            await sweeper
             app.state.db.dispose()
 
     app = FastAPI(

@@ -5,10 +5,16 @@ staging folder; the caller then moves that folder into place with one rename. Ev
 member name is checked before anything is written: absolute paths, drive letters,
 ``..`` components, backslashes and control characters are refused, and so are
 symbolic links, hard links, device files, fifos and sparse files: only regular files
-and folders are ever created. The number of entries and the number of bytes actually
-written are counted while extracting (archive headers are not trusted), so a zip or
-tar bomb is refused after writing at most the configured limit. On any refusal or
-error the temporary folder is removed before the error is raised.
+and folders are ever created.
+
+Bombs are refused before anything is written where the archive says how big it is: a
+zip's central directory gives every member's size, and a tar header gives the size of
+the member that follows it. Besides the absolute limit, content may be at most
+``max_ratio`` times the archive's own size (above a small allowance), so a 2 MB archive
+cannot fill gigabytes of staging space. Declared sizes may lie: the number of entries
+and the bytes actually written are counted too, and writing stops the moment the running
+total passes the limit. On any refusal or error the temporary folder is removed before
+the error is raised.
 """
 
 from __future__ import annotations
@@ -47,10 +53,41 @@ _DRIVE = re.compile(r"^[A-Za-z]:")
 
 @dataclass(frozen=True)
 class ExtractionLimits:
-    """Caps on what one archive may expand to."""
+    """Caps on what one archive may expand to.
+
+    ``max_ratio`` (None: no such check) caps the content at that many times the size of
+    the archive file; archives expanding to no more than ``ratio_allowance`` bytes pass
+    whatever their ratio (small sets of very regular images compress very well).
+    """
 
     max_bytes: int = 20 * 1024**3
     max_files: int = 500_000
+    max_ratio: float | None = None
+    ratio_allowance: int = 16 * 1024**2
+
+    def byte_cap(self, archive_size: int) -> int:
+        """The most bytes an archive of ``archive_size`` bytes may expand to."""
+        if self.max_ratio is None:
+            return self.max_bytes
+        return min(self.max_bytes, max(self.ratio_allowance, int(archive_size * self.max_ratio)))
+
+
+@dataclass(frozen=True)
+class _ByteCap:
+    """The byte limit of one extraction, and how to say why it is what it is."""
+
+    limit: int
+    archive_size: int
+    limits: ExtractionLimits
+
+    def too_large(self, message: str) -> str:
+        """``message`` (which names the limit), with the reason for the limit when it is the ratio."""
+        if self.limit < self.limits.max_bytes:
+            message += (
+                f"; content may be at most {self.limits.max_ratio:g} times the size of the archive "
+                f"({self.archive_size} bytes): an archive expanding more is refused as a likely zip bomb"
+            )
+        return message
 
 
 def detect_format(path: Path) -> ArchiveFormat:
@@ -104,11 +141,22 @@ def safe_member_parts(name: str) -> tuple[str, ...]:
 class _Extractor:
     """Creates folders and files inside ``dest`` only, counting entries and bytes."""
 
-    def __init__(self, dest: Path, limits: ExtractionLimits) -> None:
+    def __init__(self, dest: Path, limits: ExtractionLimits, cap: _ByteCap) -> None:
         self.dest = dest
         self.limits = limits
+        self.cap = cap
         self.entries = 0
         self.bytes_written = 0
+
+    def check_declared(self, name: str, size: int) -> None:
+        """Refuse a member whose declared size would pass the limit, before writing it."""
+        if self.bytes_written + size > self.cap.limit:
+            raise InvalidDatasetError(
+                self.cap.too_large(
+                    f"the archive expands to more than {self.cap.limit} bytes "
+                    f"(member {name!r} declares {size} bytes after {self.bytes_written} bytes before it)"
+                )
+            )
 
     def _count_entry(self, name: str) -> None:
         self.entries += 1
@@ -146,10 +194,12 @@ class _Extractor:
                 if not chunk:
                     break
                 self.bytes_written += len(chunk)
-                if self.bytes_written > self.limits.max_bytes:
+                if self.bytes_written > self.cap.limit:
                     raise InvalidDatasetError(
-                        f"the archive expands to more than {self.limits.max_bytes} bytes "
-                        f"(limit reached in member {name!r})"
+                        self.cap.too_large(
+                            f"the archive expands to more than {self.cap.limit} bytes "
+                            f"(limit reached in member {name!r})"
+                        )
                     )
                 out.write(chunk)
 
@@ -208,10 +258,12 @@ def _open_decompressed(path: Path, fmt: ArchiveFormat) -> io.BufferedIOBase:
 
 def _extract_tar(path: Path, fmt: ArchiveFormat, ex: _Extractor) -> None:
     limits = ex.limits
-    max_stream = limits.max_bytes + (limits.max_files + 16) * _TAR_OVERHEAD_PER_ENTRY
+    max_stream = ex.cap.limit + (limits.max_files + 16) * _TAR_OVERHEAD_PER_ENTRY
     with _open_decompressed(path, fmt) as raw:
         reader = _ForwardReader(
-            raw, max_stream, f"the archive expands to more than {limits.max_bytes} bytes (with its headers)"
+            raw,
+            max_stream,
+            ex.cap.too_large(f"the archive expands to more than {ex.cap.limit} bytes (with its headers)"),
         )
         with tarfile.open(fileobj=reader, mode="r:") as tf:  # type: ignore[call-overload]
             while (member := tf.next()) is not None:
@@ -229,6 +281,7 @@ def _extract_tar(path: Path, fmt: ArchiveFormat, ex: _Extractor) -> None:
                 if member.isdir():
                     ex.mkdir(name, parts)
                 elif member.isreg():
+                    ex.check_declared(name, member.size)
                     src = tf.extractfile(member)
                     if src is None:  # pragma: no cover - isreg() members always have data
                         raise InvalidDatasetError(f"archive member {name!r} has no data")
@@ -240,23 +293,23 @@ def _extract_tar(path: Path, fmt: ArchiveFormat, ex: _Extractor) -> None:
                 tf.members = []
 
 
-def _precheck_zip(infos: list[zipfile.ZipInfo], limits: ExtractionLimits) -> None:
-    """Refuse early what the central directory already shows to be too big (sizes may lie:
-    the bytes written are counted anyway)."""
-    if len(infos) > limits.max_files:
-        raise InvalidDatasetError(f"the archive holds {len(infos)} entries, more than {limits.max_files}")
+def _precheck_zip(infos: list[zipfile.ZipInfo], cap: _ByteCap) -> None:
+    """Refuse, before writing anything, what the central directory shows to be too big
+    (sizes may lie: the bytes written are counted anyway)."""
+    max_files = cap.limits.max_files
+    if len(infos) > max_files:
+        raise InvalidDatasetError(f"the archive holds {len(infos)} entries, more than {max_files}")
     declared = sum(i.file_size for i in infos)
-    if declared > limits.max_bytes:
+    if declared > cap.limit:
         raise InvalidDatasetError(
-            f"the archive declares {declared} bytes of content, more than {limits.max_bytes}"
+            cap.too_large(f"the archive declares {declared} bytes of content, more than {cap.limit}")
         )
 
 
 def _extract_zip(path: Path, ex: _Extractor) -> None:
-    limits = ex.limits
     with zipfile.ZipFile(path) as zf:
         infos = zf.infolist()
-        _precheck_zip(infos, limits)
+        _precheck_zip(infos, ex.cap)
         for info in infos:
             name = info.filename
             parts = safe_member_parts(name)
@@ -285,9 +338,10 @@ def extract_archive(archive: Path, staging_dir: Path, limits: ExtractionLimits |
     """
     limits = limits or ExtractionLimits()
     fmt = detect_format(archive)
+    size = archive.stat().st_size
     staging_dir.mkdir(parents=True, exist_ok=True)
     dest = Path(tempfile.mkdtemp(prefix="extract-", dir=staging_dir))
-    ex = _Extractor(dest, limits)
+    ex = _Extractor(dest, limits, _ByteCap(limits.byte_cap(size), size, limits))
     try:
         if fmt == "zip":
             _extract_zip(archive, ex)

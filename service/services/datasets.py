@@ -13,13 +13,14 @@ never sees its copy removed by a deletion.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import logging
 import os
 import shutil
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Literal
@@ -28,6 +29,7 @@ from sqlalchemy import ColumnElement, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
+from service.datasets import staging
 from service.datasets.archive import ExtractionLimits, extract_archive
 from service.datasets.tarstream import DatasetTar
 from service.datasets.validate import ValidatedDataset, validate_image_directory
@@ -65,11 +67,20 @@ def staging_dir(settings: Settings) -> Path:
     return datasets_dir(settings) / ".staging"
 
 
-def new_upload_path(settings: Settings) -> Path:
-    """A fresh file name in the staging folder for an incoming upload."""
-    staging = staging_dir(settings)
-    staging.mkdir(parents=True, exist_ok=True)
-    return staging / f"upload-{uuid.uuid4().hex}.part"
+def upload_workspace(settings: Settings, principal: Principal) -> AbstractContextManager[Path]:
+    """A private, empty folder in the staging area for one upload and its extraction,
+    removed when the block ends. 409 ConflictError when the user already has
+    ``max_concurrent_uploads_per_user`` uploads in progress."""
+    return staging.workspace(
+        staging_dir(settings), owner=principal.id, max_per_owner=settings.max_concurrent_uploads_per_user
+    )
+
+
+async def sweep_staging_periodically(settings: Settings, stop: asyncio.Event) -> None:
+    """Remove what interrupted uploads left in the staging area: at once (a process that
+    was killed left its uploads' folders behind), then every ``staging_sweep_interval_s``.
+    Folders in use by an upload, of this process or another, are kept."""
+    await staging.sweep_periodically(staging_dir(settings), settings.staging_sweep_interval_s, stop)
 
 
 def data_root(settings: Settings, dataset: Dataset) -> Path:
@@ -113,17 +124,28 @@ def _new_row(principal: Principal, name: str, source: str, storage: str, v: Vali
 
 
 def create_from_archive(
-    session: Session, settings: Settings, principal: Principal, name: str, archive: Path
+    session: Session,
+    settings: Settings,
+    principal: Principal,
+    name: str,
+    archive: Path,
+    workspace: Path | None = None,
 ) -> Dataset:
     """Extract, validate and store an uploaded archive; record the dataset.
 
-    Raises InvalidDatasetError / NotLabeledDatasetError with nothing left behind.
-    The caller removes ``archive``.
+    The archive is extracted into ``workspace`` (from :func:`upload_workspace`), or into
+    a folder of its own in the staging area. Raises InvalidDatasetError /
+    NotLabeledDatasetError with nothing left behind. The caller removes ``archive``.
     """
+    if workspace is None:
+        with staging.workspace(staging_dir(settings)) as own:
+            return create_from_archive(session, settings, principal, name, archive, own)
     limits = ExtractionLimits(
-        max_bytes=settings.max_extracted_bytes, max_files=settings.max_extracted_files
+        max_bytes=settings.max_extracted_bytes,
+        max_files=settings.max_extracted_files,
+        max_ratio=settings.max_compression_ratio,
     )
-    extracted = extract_archive(archive, staging_dir(settings), limits)
+    extracted = extract_archive(archive, workspace, limits)
     try:
         v = validate_image_directory(
             extracted, max_pixels=settings.max_image_pixels, max_files=settings.max_extracted_files

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -76,26 +77,27 @@ async def create_dataset(
     image count, size and the content sha256."""
     content_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if content_type == "multipart/form-data":
-        dest = datasets_service.new_upload_path(settings)
-        try:
-            form = await receive_multipart(
-                request, dest, max_file_bytes=settings.max_upload_bytes, text_fields=frozenset({"name"})
-            )
-        except TorchyardError as exc:
-            # The rest of the body is not wanted: close the connection after this answer
-            # rather than let the server drain what the client is still sending.
-            return JSONResponse(exc.to_dict(), status_code=exc.status_code, headers={"Connection": "close"})
-        try:
+        with ExitStack() as stack:
+            try:
+                work = stack.enter_context(datasets_service.upload_workspace(settings, user))
+                dest = work / "upload.part"
+                form = await receive_multipart(
+                    request, dest, max_file_bytes=settings.max_upload_bytes, text_fields=frozenset({"name"})
+                )
+            except TorchyardError as exc:
+                # The rest of the body is not wanted: close the connection after this answer
+                # rather than let the server drain what the client is still sending.
+                return JSONResponse(
+                    exc.to_dict(), status_code=exc.status_code, headers={"Connection": "close"}
+                )
             if not form.has_file:
                 raise RequestValidationError("the multipart body has no 'file' part", details={"field": "file"})
             name = form.fields.get("name") or _default_name(form.filename)
             if len(name) > NAME_MAX:
                 raise RequestValidationError(f"name is longer than {NAME_MAX} characters")
             row = await run_in_threadpool(
-                datasets_service.create_from_archive, session, settings, user, name, dest
+                datasets_service.create_from_archive, session, settings, user, name, dest, work
             )
-        finally:
-            dest.unlink(missing_ok=True)
     elif content_type == "application/json":
         payload = await receive_json(request)
         try:
