@@ -107,12 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     db_up = db_sub.add_parser("upgrade", help="apply the migrations up to the newest schema")
     db_up.set_defaults(handler=_db_upgrade)
 
-    token = sub.add_parser("token", help="API tokens (direct database access)")
+    token = sub.add_parser("token", help="API tokens: create (database), list and revoke (API, admin token)")
     token_sub = token.add_subparsers(dest="token_command", required=True)
-    token_create = token_sub.add_parser("create", help="create a token and print it once")
+    token_create = token_sub.add_parser(
+        "create", help="create a token and print it once (writes to the database directly)"
+    )
     token_create.add_argument("--role", required=True, choices=["admin", "user", "worker"])
     token_create.add_argument("--name", required=True)
     token_create.set_defaults(handler=_token_create)
+    commands.register_token_commands(token_sub)
 
     commands.register(sub)
     demo.register(sub)

@@ -221,6 +221,17 @@ class CreatedToken(ApiModel):
     token: str
 
 
+class TokenInfo(ApiModel):
+    """A token as ``GET /v1/tokens`` lists it: never its secret."""
+
+    id: str
+    name: str
+    role: str
+    created_at: datetime | None = None
+    last_used_at: datetime | None = None
+    revoked_at: datetime | None = None
+
+
 @dataclass(frozen=True)
 class Event:
     """One server-sent event of ``GET /v1/jobs/{id}/events``.
@@ -412,6 +423,17 @@ class Client:
     def create_token(self, name: str, role: str = "user") -> CreatedToken:
         """Create a token (admin only); the plain token is in the result, shown once."""
         return CreatedToken.model_validate(self._json("POST", "/v1/tokens", json={"name": name, "role": role}))
+
+    def list_tokens(self, *, include_revoked: bool = True) -> list[TokenInfo]:
+        """Every token (admin only): id, name, role, created, last used, revoked."""
+        body = self._json("GET", "/v1/tokens", params={"include_revoked": str(include_revoked).lower()})
+        return [TokenInfo.model_validate(item) for item in body["items"]]
+
+    def revoke_token(self, token_id: str) -> TokenInfo:
+        """Revoke a token (admin only, idempotent): it gets 401 from now on."""
+        from urllib.parse import quote as quote_segment
+
+        return TokenInfo.model_validate(self._json("DELETE", f"/v1/tokens/{quote_segment(token_id, safe='')}"))
 
     def cluster(self) -> Cluster:
         """Nodes, their processing units and health, and the cluster's limits."""

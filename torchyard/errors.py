@@ -95,6 +95,12 @@ class ModelNotReadyError(ConflictError):
     code = "ModelNotReadyError"
 
 
+class NodeNameInUseError(ConflictError):
+    """Another worker token, or another live agent, holds the node name."""
+
+    code = "NodeNameInUseError"
+
+
 # Job failure codes (SPEC §5). They describe why a job failed; they are raised inside
 # the trainer or the worker and recorded on the job, not returned by request handlers.
 class TrainingDivergedError(TorchyardError):
@@ -134,6 +140,7 @@ ERRORS_BY_CODE: dict[str, type[TorchyardError]] = {
         IllegalTransitionError,
         StaleLeaseError,
         ModelNotReadyError,
+        NodeNameInUseError,
         TrainingDivergedError,
         WorkerLostError,
         RankFailedError,

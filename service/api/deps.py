@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Header, Request
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.db.engine import Database
-from service.services.tokens import Principal, authenticate
+from service.db.models import utcnow
+from service.services.nodes import AGENT_KEY_HEADER
+from service.services.tokens import Principal, authenticate, record_use, use_is_due
 from service.services.wakeup import Wakeup
 from service.states import Role
 from torchyard.errors import PermissionDeniedError
+
+log = logging.getLogger(__name__)
 
 
 def get_db(request: Request) -> Database:
@@ -55,10 +62,24 @@ def get_principal(request: Request) -> Principal:
     cached: Principal | None = getattr(request.state, "principal", None)
     if cached is not None:
         return cached
-    with get_db(request).read_session() as session:
+    db = get_db(request)
+    with db.read_session() as session:
         principal = authenticate(session, _bearer(request))
+    now = utcnow()
+    if use_is_due(principal, now):
+        _record_use(db, principal, now)
     request.state.principal = principal
     return principal
+
+
+def _record_use(db: Database, principal: Principal, now: datetime) -> None:
+    """Refresh the token's last-used time (at most once a minute); never fails the request."""
+    try:
+        with db.session() as session:
+            record_use(session, principal.id, now)
+            session.commit()
+    except SQLAlchemyError as exc:
+        log.warning("could not record the use of token %s: %s", principal.id, exc)
 
 
 def require_user(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
@@ -79,6 +100,15 @@ def require_worker(principal: Annotated[Principal, Depends(get_principal)]) -> P
     return principal
 
 
+def get_agent_key(
+    key: Annotated[
+        str | None,
+        Header(alias=AGENT_KEY_HEADER, description="The agent's per-node key, as sent at registration."),
+    ] = None,
+) -> str | None:
+    return key
+
+
 DatabaseDep = Annotated[Database, Depends(get_db)]
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
 SessionDep = Annotated[Session, Depends(get_session)]
@@ -87,3 +117,4 @@ CurrentUser = Annotated[Principal, Depends(require_user)]
 AdminUser = Annotated[Principal, Depends(require_admin)]
 WorkerDep = Annotated[Principal, Depends(require_worker)]
 WakeupDep = Annotated[Wakeup, Depends(get_wakeup)]
+AgentKeyDep = Annotated[str | None, Depends(get_agent_key)]

@@ -16,6 +16,14 @@ class NodeRegister(StrictModel):
     units: int = Field(ge=1, le=1024, description="Processing units: GPUs, or CPU slots.")
     accelerator: str = Field(default="cpu", min_length=1, max_length=64)
     info: dict[str, Any] | None = None
+    agent_key: str | None = Field(
+        default=None,
+        min_length=16,
+        max_length=200,
+        description="The agent's per-node secret: while this agent heartbeats, another agent of the same "
+        "token registering the name gets 409 NodeNameInUseError. Sent again in the X-Torchyard-Agent-Key "
+        "header of heartbeats and claims.",
+    )
 
 
 class NodeAttemptPublic(BaseModel):

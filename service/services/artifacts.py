@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
-from service.db.models import Job, utcnow
+from service.db.models import Job, Node, Placement, utcnow
 from service.services.jobs import get_job
 from service.services.leases import placement_for_lease
 from service.services.reports import locked_lease
@@ -211,9 +212,23 @@ def model_for_user(session: Session, principal: Principal, store: ModelStore, jo
     return _model_file(store, get_job(session, principal, job_id))
 
 
-def model_for_worker(session: Session, store: ModelStore, job_id: str) -> ModelFile:
-    """The model archive of any succeeded job (agents fetch it for ``init_from_job``)."""
+def model_for_worker(session: Session, principal: Principal, store: ModelStore, job_id: str) -> ModelFile:
+    """A succeeded job's model archive, for an agent fine-tuning from it. Only for a worker
+    token whose nodes ran that job, or run (now) a job that starts from its model."""
     job = session.get(Job, job_id)
     if job is None:
         raise NotFoundError(f"job {job_id!r} not found")
+    ran_it = Placement.job_id == job.id
+    fine_tunes_from_it = and_(Placement.status != "done", Job.init_from_job_id == job.id)
+    placed = session.scalars(
+        select(Placement.id)
+        .join(Node, Node.id == Placement.node_id)
+        .join(Job, Job.id == Placement.job_id)
+        .where(Node.token_id == principal.id, or_(ran_it, fine_tunes_from_it))
+        .limit(1)
+    ).first()
+    if placed is None:
+        raise PermissionDeniedError(
+            f"the model of job {job_id!r} is not used by any job placed on this worker's nodes"
+        )
     return _model_file(store, job)

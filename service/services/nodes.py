@@ -1,16 +1,56 @@
-"""The node registry: agents register their node and keep it alive with heartbeats."""
+"""The node registry: agents register their node and keep it alive with heartbeats.
+
+A node name belongs to the worker token that first registered it: another token gets
+409 ``NodeNameInUseError`` and changes nothing, unless the owner token was revoked.
+Within that token, the node is held by one agent at a time, known by the per-node key
+it sends (at registration, then in the ``X-Torchyard-Agent-Key`` header). An agent with
+another key is refused while the holder's heartbeats are fresh; once the node has been
+silent for the lease timeout, a new agent may take it over, and the old one, should it
+speak again, is told to stop.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.db.models import Node, utcnow
+from service.db.models import Node, Token, utcnow
 from service.services.tokens import Principal
 from service.states import NodeStatus
-from torchyard.errors import ConflictError, NotFoundError
+from torchyard.errors import NodeNameInUseError, NotFoundError
+
+AGENT_KEY_HEADER = "X-Torchyard-Agent-Key"
+
+
+def hash_agent_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _key_matches(node: Node, key: str | None) -> bool:
+    if node.agent_key_hash is None:
+        return True  # registered without a key: nothing to compare
+    return key is not None and hmac.compare_digest(node.agent_key_hash, hash_agent_key(key))
+
+
+def is_fresh(node: Node, now: datetime, lease_timeout_s: float) -> bool:
+    """The node's agent heartbeated within the lease timeout (and the node is not lost)."""
+    return node.status == NodeStatus.READY.value and now - node.last_heartbeat_at < timedelta(
+        seconds=lease_timeout_s
+    )
+
+
+def _holder(node: Node, now: datetime) -> str:
+    info = node.info or {}
+    where = ", ".join(
+        f"{label} {info[key]}" for key, label in (("hostname", "host"), ("pid", "pid")) if info.get(key) is not None
+    )
+    silent = (now - node.last_heartbeat_at).total_seconds()
+    return f"{where + ', ' if where else ''}last heartbeat {silent:.1f} s ago"
 
 
 def register_node(
@@ -22,15 +62,33 @@ def register_node(
     units: int,
     accelerator: str,
     info: dict[str, Any] | None = None,
+    agent_key: str | None = None,
+    lease_timeout_s: float,
 ) -> Node:
-    """Create or refresh the node ``name``; a node belongs to the worker token that made it."""
+    """Create or take the node ``name`` for this agent. The caller commits.
+
+    Refused with ``NodeNameInUseError`` (nothing changed) when another worker token owns
+    the name, or another agent of this token holds it and is alive.
+    """
     now = utcnow()
     node = session.scalars(select(Node).where(Node.name == name).with_for_update()).first()
     if node is None:
         node = Node(name=name, token_id=principal.id, registered_at=now)
         session.add(node)
     elif node.token_id != principal.id:
-        raise ConflictError(f"node name {name!r} is registered by another worker token")
+        owner = session.get(Token, node.token_id)
+        if owner is not None and owner.revoked_at is None:
+            raise NodeNameInUseError(
+                f"node name {name!r} is registered by another worker token; start this agent with "
+                "another --name, or revoke that token to free the name"
+            )
+        node.token_id = principal.id  # the owner's token was revoked: the name is free
+    elif not _key_matches(node, agent_key) and is_fresh(node, now, lease_timeout_s):
+        raise NodeNameInUseError(
+            f"another agent holds node name {name!r} ({_holder(node, now)}); stop that agent, or start "
+            f"this one with another --name (a node silent for {lease_timeout_s:g} s may be taken over)"
+        )
+    node.agent_key_hash = hash_agent_key(agent_key) if agent_key is not None else None
     node.address = address
     node.units = units
     node.accelerator = accelerator
@@ -48,6 +106,17 @@ def get_own_node(session: Session, principal: Principal, name: str, *, for_updat
     node = session.scalars(stmt).first()
     if node is None or node.token_id != principal.id:
         raise NotFoundError(f"node {name!r} is not registered by this worker token")
+    return node
+
+
+def check_agent(session: Session, principal: Principal, name: str, agent_key: str | None) -> Node:
+    """The node, if the calling agent is the one holding it; 409 ``NodeNameInUseError`` when
+    another agent registered it since (this one must stop)."""
+    node = get_own_node(session, principal, name)
+    if not _key_matches(node, agent_key):
+        raise NodeNameInUseError(
+            f"node {name!r} is now held by another agent ({_holder(node, utcnow())}); this agent must stop"
+        )
     return node
 
 

@@ -7,19 +7,22 @@ import hmac
 import logging
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
-from service.db.models import Token
+from service.db.models import Token, utcnow
 from service.states import Role
-from torchyard.errors import AuthenticationError
+from torchyard.errors import AuthenticationError, ConflictError, NotFoundError
 
 log = logging.getLogger(__name__)
 
 TOKEN_PREFIX = "ty_"
+# ``last_used_at`` is refreshed at most this often per token: one write a minute, not one a request.
+LAST_USED_RESOLUTION = timedelta(minutes=1)
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class Principal:
     id: str
     name: str
     role: Role
+    last_used_at: datetime | None = field(default=None, compare=False)
 
     @property
     def is_admin(self) -> bool:
@@ -49,6 +53,11 @@ def create_token(session: Session, name: str, role: Role) -> tuple[Token, str]:
 
 
 def authenticate(session: Session, token: str | None) -> Principal:
+    """The principal behind ``token``, read from the database on every request.
+
+    Nothing is cached in the process: a token revoked through any API replica is refused
+    by every replica from its next request on.
+    """
     if not token:
         raise AuthenticationError("missing bearer token (Authorization: Bearer <token>)")
     digest = hash_token(token)
@@ -57,7 +66,74 @@ def authenticate(session: Session, token: str | None) -> Principal:
     # comparison itself depends on how much of a guessed token is right.
     if row is None or not hmac.compare_digest(row.token_hash, digest) or row.revoked_at is not None:
         raise AuthenticationError("invalid or revoked token")
-    return Principal(id=row.id, name=row.name, role=Role(row.role))
+    return Principal(id=row.id, name=row.name, role=Role(row.role), last_used_at=row.last_used_at)
+
+
+def use_is_due(principal: Principal, now: datetime) -> bool:
+    """Whether this request should refresh the token's ``last_used_at``."""
+    last = principal.last_used_at
+    return last is None or now - last >= LAST_USED_RESOLUTION
+
+
+def record_use(session: Session, token_id: str, now: datetime) -> bool:
+    """Set ``last_used_at`` unless another request did within the resolution; the caller commits.
+
+    The condition lives in the UPDATE itself, so replicas racing on one token write once.
+    """
+    result = session.execute(
+        update(Token)
+        .where(
+            Token.id == token_id,
+            or_(Token.last_used_at.is_(None), Token.last_used_at <= now - LAST_USED_RESOLUTION),
+        )
+        .values(last_used_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    return bool(getattr(result, "rowcount", 0))
+
+
+def list_tokens(session: Session, *, include_revoked: bool = True) -> list[Token]:
+    """Every token, oldest first."""
+    stmt = select(Token).order_by(Token.created_at, Token.id)
+    if not include_revoked:
+        stmt = stmt.where(Token.revoked_at.is_(None))
+    return list(session.scalars(stmt))
+
+
+def revoke_token(session: Session, token_id: str) -> Token:
+    """Revoke a token: from now on every request carrying it is a 401. Idempotent.
+
+    The last admin token that is not revoked cannot be revoked (nobody could create or
+    revoke tokens through the API any more); create another admin token first.
+    """
+    role = session.scalar(select(Token.role).where(Token.id == token_id))
+    if role is None:
+        raise NotFoundError(f"token {token_id!r} not found")
+    live_admins: list[str] = []
+    if role == Role.ADMIN.value:
+        # Lock every live admin row, in one order for everyone, before the target: two
+        # revocations racing then queue instead of both seeing another admin left.
+        live_admins = list(
+            session.scalars(
+                select(Token.id)
+                .where(Token.role == Role.ADMIN.value, Token.revoked_at.is_(None))
+                .order_by(Token.id)
+                .with_for_update()
+            )
+        )
+    row = session.scalars(
+        select(Token).where(Token.id == token_id).with_for_update().execution_options(populate_existing=True)
+    ).one()
+    if row.revoked_at is not None:
+        return row
+    if role == Role.ADMIN.value and live_admins == [row.id]:
+        raise ConflictError(
+            f"token {token_id!r} is the last admin token that is not revoked; "
+            "create another admin token before revoking it"
+        )
+    row.revoked_at = utcnow()
+    session.flush()
+    return row
 
 
 def write_secret_file(path: Path, content: str) -> None:

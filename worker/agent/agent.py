@@ -11,7 +11,9 @@ Three kinds of threads:
 
 The API may be unreachable for a while: every call is retried with backoff. A
 placement whose lease the API no longer knows (409 or a ``stale`` stop order) has
-its ranks killed.
+its ranks killed. Two answers end the agent instead: its token refused (401: revoked),
+or its node held by another agent (409 ``NodeNameInUseError``, see
+:mod:`worker.agent.identity`).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchyard.errors import NotFoundError, TorchyardError
+from torchyard.errors import AuthenticationError, NodeNameInUseError, NotFoundError, TorchyardError
 from worker.agent.api import Backoff, WorkerApi, is_retryable, retrying
+from worker.agent.identity import NodeLock, load_or_create_agent_key
 from worker.agent.launcher import kill_leftovers
 from worker.agent.node import NodeResources, address_towards, detect_resources, interface_for
 from worker.agent.placement import AgentContext, PlacementRun
@@ -81,13 +84,18 @@ class Agent:
         self.options = options
         self.resources = resources or detect_resources(options.slots, force_cpu=options.force_cpu)
         self.address = options.address or address_towards(options.api_url)
-        self.api = WorkerApi(options.api_url, options.token)
+        work_dir = options.work_dir.resolve()
+        work_dir.mkdir(parents=True, exist_ok=True)
+        self.node_lock = NodeLock(work_dir, options.name)
+        self.api = WorkerApi(
+            options.api_url, options.token, agent_key=load_or_create_agent_key(work_dir, options.name)
+        )
         self.shutdown = threading.Event()
+        # Set when the API answers that this agent must go (token revoked, node taken).
+        self.fatal: TorchyardError | None = None
         self.runs: dict[str, PlacementRun] = {}
         self._runs_lock = threading.Lock()
         self.units = UnitPool(list(self.resources.gpu_ids) or list(range(self.resources.units)))
-        work_dir = options.work_dir.resolve()
-        work_dir.mkdir(parents=True, exist_ok=True)
         self.ctx = AgentContext(
             api=self.api,
             node_name=options.name,
@@ -131,7 +139,19 @@ class Agent:
         )
 
     def run(self) -> int:
-        """Serve until :meth:`stop` (or SIGTERM/SIGINT when run in the main thread)."""
+        """Serve until :meth:`stop` (or SIGTERM/SIGINT when run in the main thread).
+
+        Raises ``NodeNameInUseError`` when another agent holds the node (here or at the
+        API), ``AuthenticationError`` when the API refuses the token.
+        """
+        self.node_lock.acquire()  # before anything else: a second agent must not kill our ranks
+        try:
+            return self._serve()
+        finally:
+            self.api.close()
+            self.node_lock.release()
+
+    def _serve(self) -> int:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.shutdown.set())
@@ -162,11 +182,19 @@ class Agent:
             placement.request_stop("shutdown", "the agent is shutting down")
         for placement in self._active():
             placement.thread.join(self.options.grace_s + 60)
-        self.api.close()
+        if self.fatal is not None:
+            raise self.fatal
         log.info("agent stopped")
         return 0
 
     def stop(self) -> None:
+        self.shutdown.set()
+
+    def _must_stop(self, exc: TorchyardError) -> None:
+        """The API says this agent must go: stop its ranks and exit with ``exc``."""
+        if self.fatal is None:
+            self.fatal = exc
+            log.error("stopping the agent: %s: %s", exc.code, exc.message)
         self.shutdown.set()
 
     # --- placements ------------------------------------------------------------------------
@@ -202,6 +230,9 @@ class Agent:
         while not self.shutdown.is_set():
             try:
                 work = self.api.claim(self.options.name, self.claim_wait)
+            except (AuthenticationError, NodeNameInUseError) as exc:
+                self._must_stop(exc)
+                return
             except Exception as exc:
                 if isinstance(exc, NotFoundError):
                     log.warning("the API does not know node %s: registering again", self.options.name)
@@ -237,6 +268,9 @@ class Agent:
                 log.warning("the API does not know node %s: registering again", self.options.name)
                 self._reregister()
                 continue
+            except (AuthenticationError, NodeNameInUseError) as exc:
+                self._must_stop(exc)
+                return
             except Exception as exc:
                 log.warning("heartbeat failed: %s", exc)
             else:
@@ -260,6 +294,8 @@ class Agent:
     def _reregister(self) -> None:
         try:
             self.register()
+        except (AuthenticationError, NodeNameInUseError) as exc:
+            self._must_stop(exc)
         except TorchyardError as exc:
             log.error("registering again failed: %s", exc)
             self.shutdown.wait(5)

@@ -17,6 +17,7 @@ from worker.agent.reporting import LEASE_HEADER
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+AGENT_KEY_HEADER = "X-Torchyard-Agent-Key"
 _RETRY_STATUS = frozenset({408, 425, 429})
 
 
@@ -79,11 +80,16 @@ class WorkerApi:
     """Calls of one agent. Thread-safe: the heartbeat thread, the claim loop and every
     placement's thread share it (and its connection pool)."""
 
-    def __init__(self, base_url: str, token: str, *, timeout: float = 30.0) -> None:
+    def __init__(self, base_url: str, token: str, *, agent_key: str | None = None, timeout: float = 30.0) -> None:
         self.base_url = base_url.rstrip("/")
+        self.agent_key = agent_key
+        headers = {"Authorization": f"Bearer {token}"}
+        if agent_key is not None:
+            # Proves on every heartbeat and claim that this agent still holds the node.
+            headers[AGENT_KEY_HEADER] = agent_key
         self.client = httpx.Client(
             base_url=self.base_url,
-            headers={"Authorization": f"Bearer {token}"},
+            headers=headers,
             timeout=httpx.Timeout(timeout, connect=10.0),
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
             trust_env=False,
@@ -104,6 +110,8 @@ class WorkerApi:
 
     def register(self, name: str, address: str, units: int, accelerator: str, info: dict[str, Any]) -> Any:
         body = {"name": name, "address": address, "units": units, "accelerator": accelerator, "info": info}
+        if self.agent_key is not None:
+            body["agent_key"] = self.agent_key
         return self._json(self.client.post("/v1/worker/nodes", json=body))
 
     def heartbeat(self, name: str, leases: list[str], timeout: float) -> Any:

@@ -46,6 +46,8 @@ _SCRUBBED = (
     "TORCHELASTIC_RUN_ID",
     "CUDA_VISIBLE_DEVICES",
 )
+# Secrets of the agent (and of a service it runs beside) that no rank may see.
+_SECRETS = ("TORCHYARD_TOKEN", "TORCHYARD_DATABASE_URL")
 
 
 @dataclass(frozen=True)
@@ -101,8 +103,8 @@ def torchrun_command(spec: LaunchSpec) -> list[str]:
 
 
 def rank_env(spec: LaunchSpec, base: Mapping[str, str], marker: str) -> dict[str, str]:
-    """torchrun's environment: it passes it on to every rank."""
-    env = {k: v for k, v in base.items() if k not in _SCRUBBED}
+    """torchrun's environment: it passes it on to every rank. Never the worker token."""
+    env = {k: v for k, v in base.items() if k not in _SCRUBBED and k not in _SECRETS}
     env[MARKER_VAR] = marker
     env["TORCHYARD_NODE_NAME"] = spec.node_name
     env["PYTHONUNBUFFERED"] = "1"

@@ -63,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     # One line per heartbeat and claim would drown the agent's own messages.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     token = args.token or os.environ.get(TOKEN_ENV, "").strip()
+    # Nothing the agent starts (torchrun, ranks, anything) inherits the worker token.
+    os.environ.pop(TOKEN_ENV, None)
     if not token:
         log.error("no worker token: pass --token or set %s", TOKEN_ENV)
         return 2

@@ -167,9 +167,9 @@ async def upload_model(
     return ModelUploaded(sha256=actual, size=incoming.size, files={n: f.sha256 for n, f in files.items()})
 
 
-def _worker_model(db: Database, store: ModelStore, job_id: str) -> ModelFile:
+def _worker_model(db: Database, worker: Principal, store: ModelStore, job_id: str) -> ModelFile:
     with db.read_session() as session:
-        return artifacts.model_for_worker(session, store, job_id)
+        return artifacts.model_for_worker(session, worker, store, job_id)
 
 
 @router.head("/v1/worker/jobs/{job_id}/model", include_in_schema=False)
@@ -177,8 +177,9 @@ def _worker_model(db: Database, store: ModelStore, job_id: str) -> ModelFile:
 def download_model_for_worker(
     job_id: str, request: Request, db: DatabaseDep, settings: SettingsDep, worker: WorkerDep
 ) -> Response:
-    """A succeeded job's model archive, for agents initialising a fine-tuning job from it."""
-    return _file_response(request, _worker_model(db, ModelStore(settings.data_dir), job_id))
+    """A succeeded job's model archive, for agents initialising a fine-tuning job from it:
+    403 unless this worker token's nodes ran that job or run one that starts from its model."""
+    return _file_response(request, _worker_model(db, worker, ModelStore(settings.data_dir), job_id))
 
 
 # --- user side ------------------------------------------------------------------------------

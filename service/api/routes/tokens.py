@@ -1,48 +1,63 @@
+"""Token routes (admin only): create, list and revoke; and ``whoami`` for any token."""
+
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, status
-from pydantic import BaseModel, Field
+from fastapi import APIRouter, Depends, Query, status
 
-from service.api.deps import AdminUser, SessionDep, get_principal
+from service.api.deps import AdminUser, ReadSessionDep, SessionDep, get_principal
 from service.api.routing import SessionScopedRoute
-from service.schemas.common import StrictModel
-from service.services.tokens import Principal, create_token
+from service.db.models import Token
+from service.schemas.tokens import TokenCreate, TokenCreated, TokenList, TokenPublic, WhoAmI
+from service.services import tokens as tokens_service
+from service.services.tokens import Principal
 from service.states import Role
 
 router = APIRouter(prefix="/v1/tokens", tags=["tokens"], route_class=SessionScopedRoute)
 
 
-class TokenCreate(StrictModel):
-    name: str = Field(min_length=1, max_length=200)
-    role: Role = Field(strict=False)
-
-
-class TokenCreated(BaseModel):
-    id: str
-    name: str
-    role: Role
-    token: str = Field(description="Shown once; only its hash is stored.")
-    created_at: datetime
+def _public(row: Token) -> TokenPublic:
+    return TokenPublic(
+        id=row.id,
+        name=row.name,
+        role=Role(row.role),
+        created_at=row.created_at,
+        last_used_at=row.last_used_at,
+        revoked_at=row.revoked_at,
+    )
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
 def post_token(body: TokenCreate, session: SessionDep, _admin: AdminUser) -> TokenCreated:
     """Create a token (admin only)."""
-    row, plain = create_token(session, body.name, body.role)
+    row, plain = tokens_service.create_token(session, body.name, body.role)
     session.commit()
     return TokenCreated(id=row.id, name=row.name, role=Role(row.role), token=plain, created_at=row.created_at)
 
 
+@router.get("")
+def list_tokens(
+    session: ReadSessionDep,
+    _admin: AdminUser,
+    include_revoked: Annotated[bool, Query(description="Also list revoked tokens.")] = True,
+) -> TokenList:
+    """Every token, oldest first (admin only): id, name, role, created, last used, revoked.
+    Never the secret or its hash."""
+    rows = tokens_service.list_tokens(session, include_revoked=include_revoked)
+    return TokenList(items=[_public(row) for row in rows])
+
+
+@router.delete("/{token_id}")
+def revoke_token(token_id: str, session: SessionDep, _admin: AdminUser) -> TokenPublic:
+    """Revoke a token (admin only, idempotent): every request carrying it is a 401 from now
+    on, on every API replica. The last admin token that is not revoked cannot be (409)."""
+    row = tokens_service.revoke_token(session, token_id)
+    session.commit()
+    return _public(row)
+
+
 whoami_router = APIRouter(prefix="/v1", tags=["tokens"], route_class=SessionScopedRoute)
-
-
-class WhoAmI(BaseModel):
-    id: str
-    name: str
-    role: Role
 
 
 @whoami_router.get("/whoami")

@@ -2,7 +2,9 @@
 
 Only worker tokens reach them (403 for user and admin tokens). Every write about a
 placement carries its lease token in the ``X-Torchyard-Lease`` header; a stale one
-gets 409 ``StaleLeaseError``.
+gets 409 ``StaleLeaseError``. Heartbeats and claims carry the agent's per-node key in
+``X-Torchyard-Agent-Key``; a key other than the one the node was last registered with
+gets 409 ``NodeNameInUseError`` (another agent holds the node now).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Query, Request, Response, status
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import DatabaseDep, SessionDep, SettingsDep, WakeupDep, WorkerDep
+from service.api.deps import AgentKeyDep, DatabaseDep, SessionDep, SettingsDep, WakeupDep, WorkerDep
 from service.api.routing import SessionScopedRoute
 from service.config import Settings
 from service.db.engine import Database
@@ -47,7 +49,9 @@ def register_node(
 
     An agent registers when it starts: whatever the node ran before is gone (a new agent
     kills what an earlier one left), so placements still open on the node are lost now
-    rather than when their leases run out.
+    rather than when their leases run out. The name belongs to the worker token that
+    first registered it, and to one live agent (``agent_key``) at a time: anyone else
+    gets 409 ``NodeNameInUseError`` and changes nothing.
     """
     node = nodes_service.register_node(
         session,
@@ -57,6 +61,8 @@ def register_node(
         units=body.units,
         accelerator=body.accelerator,
         info=body.info,
+        agent_key=body.agent_key,
+        lease_timeout_s=settings.lease_timeout_s,
     )
     session.commit()
     lose_node_placements(db, node.id, f"the worker agent on node {node.name} restarted")
@@ -72,19 +78,26 @@ def register_node(
 
 @router.post("/nodes/{name}/heartbeat")
 def heartbeat(
-    name: str, body: HeartbeatRequest, session: SessionDep, settings: SettingsDep, worker: WorkerDep
+    name: str,
+    body: HeartbeatRequest,
+    session: SessionDep,
+    settings: SettingsDep,
+    worker: WorkerDep,
+    agent_key: AgentKeyDep,
 ) -> HeartbeatResponse:
     """Keep the node ready and renew the leases it lists; ``stop`` names placements whose ranks
     must be stopped now (job cancelling, attempt failed elsewhere, lease stale)."""
+    nodes_service.check_agent(session, worker, name, agent_key)
     answer = attempts_service.heartbeat(session, settings, worker, name, body.leases)
     session.commit()
     return answer
 
 
 def _claim_once(
-    db: Database, settings: Settings, worker: Principal, name: str
+    db: Database, settings: Settings, worker: Principal, name: str, agent_key: str | None
 ) -> tuple[ClaimedPlacement | None, bool]:
     with db.session() as session:
+        nodes_service.check_agent(session, worker, name, agent_key)
         claimed, placed = attempts_service.claim(session, settings, worker, name)
         session.commit()
         return claimed, placed
@@ -107,6 +120,7 @@ async def claim(
     settings: SettingsDep,
     wakeup: WakeupDep,
     worker: WorkerDep,
+    agent_key: AgentKeyDep,
     wait: Annotated[float, Query(ge=0, le=3600, description="Seconds to wait for work (long-poll).")] = 0.0,
 ) -> Any:
     """Long-poll for the node's next placement: 200 with it, or 204 when ``wait`` ran out.
@@ -130,7 +144,7 @@ async def claim(
                 full_check = True
             newest_seen = newest if newest is not None else newest_seen
         if full_check:
-            claimed, placed = await run_in_threadpool(_claim_once, db, settings, worker, name)
+            claimed, placed = await run_in_threadpool(_claim_once, db, settings, worker, name, agent_key)
             if placed:
                 wakeup.notify()  # the pass may have placed work on other waiting nodes
             if claimed is not None:
