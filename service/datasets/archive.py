@@ -85,7 +85,8 @@ class _ByteCap:
         if self.limit < self.limits.max_bytes:
             message += (
                 f"; content may be at most {self.limits.max_ratio:g} times the size of the archive "
-                f"({self.archive_size} bytes): an archive expanding more is refused as a likely zip bomb"
+                f"({self.archive_size} bytes): an archive expanding more is refused as a likely zip bomb "
+                "(TORCHYARD_MAX_COMPRESSION_RATIO)"
             )
         return message
 
