@@ -184,6 +184,12 @@ def test_names_and_unique_id_prefixes_in_path_params(live_server: LiveServer, se
         assert b.get("/v1/jobs/cafe").json()["id"] == c3
         assert a.get("/v1/jobs/cafe2").json()["id"] == c2
 
+        # text no id or name can hold (PostgreSQL refuses a NUL outright) is simply not found
+        for path in ("/v1/jobs/%00", "/v1/jobs/ab%00cd/metrics", "/v1/datasets/twin%00"):
+            error(a.get(path), 404, "NotFoundError")
+        error(a.post("/v1/jobs/%00/cancel"), 404, "NotFoundError")
+        error(a.delete("/v1/datasets/%00"), 404, "NotFoundError")
+
         # delete by name; a deleted dataset is no candidate any more
         assert a.delete("/v1/datasets/bb22").status_code == 204
         assert a.get("/v1/datasets/twin").json()["id"] == t1

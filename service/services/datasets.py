@@ -233,7 +233,7 @@ def _visible_dataset(
             stmt = stmt.with_for_update(read=lock == "share")
         return session.scalars(stmt).first()
 
-    row = by_id(ref)
+    row = by_id(ref) if refs.comparable(ref) else None
     if row is None or (not principal.is_admin and row.owner_id != principal.id):
         found = None
         if not exact:

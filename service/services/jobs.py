@@ -144,7 +144,7 @@ def get_job(session: Session, principal: Principal, job_id: str, *, for_update: 
         stmt = select(Job).where(Job.id == wanted)
         return session.scalars(stmt.with_for_update() if for_update else stmt).first()
 
-    job = by_id(job_id)
+    job = by_id(job_id) if refs.comparable(job_id) else None
     if job is None or (not principal.is_admin and job.owner_id != principal.id):
         visible = [] if principal.is_admin else [Job.owner_id == principal.id]
         found = refs.resolve(session, Job, visible, job_id, "job")

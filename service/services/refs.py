@@ -32,6 +32,12 @@ class AmbiguousReferenceError(ConflictError):
     code = "AmbiguousReferenceError"
 
 
+def comparable(ref: str) -> bool:
+    """Whether ``ref`` may be compared with stored text at all: PostgreSQL refuses a NUL
+    character in a query parameter, and no id or name holds one."""
+    return "\x00" not in ref
+
+
 def _describe(row: Job | Dataset) -> dict[str, Any]:
     described: dict[str, Any] = {"id": row.id, "name": row.name, "created_at": row.created_at.isoformat()}
     if isinstance(row, Job):
@@ -69,6 +75,8 @@ def resolve(
     ``visible`` restricts the rows to those the principal may list. The caller has
     already looked ``ref`` up as a whole id.
     """
+    if not comparable(ref):
+        return None
     order = (model.created_at.desc(), model.id.desc())
     named = list(session.scalars(select(model).where(*visible, model.name == ref).order_by(*order).limit(_SHOWN + 1)))
     if len(named) == 1:
