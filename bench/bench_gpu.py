@@ -167,7 +167,7 @@ def photo_set(args: argparse.Namespace) -> Path:
     return root
 
 
-def trainer_loader(root: Path, batch: int, workers: int, prefetch: int, gpu: bool) -> Any:
+def trainer_loader(root: Path, batch: int, workers: int, prefetch: int, gpu: bool, share: float = 0.0) -> Any:
     """The trainer's training loader on ``root/train`` (same dataset classes, transform, options)."""
     from torchyard.modeldir import image_directory_samples
     from worker.trainer.data import ImageDataset, train_transform
@@ -176,7 +176,7 @@ def trainer_loader(root: Path, batch: int, workers: int, prefetch: int, gpu: boo
     classes = sorted(p.name for p in (root / "train").iterdir())
     samples = image_directory_samples(str(root / "train"), classes)
     transform = train_transform(IMAGE_SIZE, "standard")
-    dataset: Any = EncodedTrainSet(samples, transform) if gpu else ImageDataset(samples, transform)
+    dataset: Any = EncodedTrainSet(samples, transform, share) if gpu else ImageDataset(samples, transform)
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=batch,
@@ -190,14 +190,16 @@ def trainer_loader(root: Path, batch: int, workers: int, prefetch: int, gpu: boo
     )
 
 
-def batches(root: Path, batch: int, workers: int, prefetch: int, gpu: bool) -> Iterator[Any]:
+def batches(
+    root: Path, batch: int, workers: int, prefetch: int, gpu: bool, share: float = 0.0
+) -> Iterator[Any]:
     """Normalized device batches, endlessly, exactly as the trainer prepares them."""
     from torchyard import modeldir
     from worker.trainer.engine import BatchPreparer, DecodeThenPrepare, device_batches
     from worker.trainer.gpu_decode import GpuDecoder
 
     device = torch.device("cuda", 0)
-    loader = trainer_loader(root, batch, workers, prefetch, gpu)
+    loader = trainer_loader(root, batch, workers, prefetch, gpu, share)
     prepare: Any = BatchPreparer(device, modeldir.IMAGENET_MEAN, modeldir.IMAGENET_STD)
     if gpu:
         prepare = DecodeThenPrepare(GpuDecoder(device, IMAGE_SIZE, "standard"), prepare)
@@ -243,15 +245,15 @@ def cmd_pipeline(args: argparse.Namespace) -> None:
         args.batch_size, steps=args.steps, warmup=args.warmup, ddp=True, fused=True, compile_mode=None
     )["images_per_sec"]
     rows = []
-    for gpu in (False, True):
+    for gpu, share in [(False, 0.0), *((True, x) for x in args.cpu_shares)]:
         _ensure_group()
         model = resnet50(num_classes=10)
         optimizer = sgd(model, fused=True)
         ddp = DistributedDataParallel(model, device_ids=[0], gradient_as_bucket_view=True)
         step = train_step_fn(ddp, optimizer)
-        source = batches(root, args.batch_size, args.workers, args.prefetch, gpu)
+        source = batches(root, args.batch_size, args.workers, args.prefetch, gpu, share)
         rate, util = rate_of(source, args.batch_size, args.steps, args.warmup, step)
-        name = "nvJPEG on the GPU" if gpu else "PIL in loader workers"
+        name = f"nvJPEG on the GPU, {share:.0%} by PIL in the workers" if gpu else "PIL in loader workers"
         rows.append(
             [name, f"{rate:.0f}", "n/a" if util is None else f"{util:.0f} %", f"{rate / synthetic:.3f}"]
         )
@@ -294,6 +296,11 @@ def main() -> None:
         "--gpu-worker-counts", default="4,8", help="decode: loader worker counts to try (GPU decoding)"
     )
     parser.add_argument("--prefetch", type=int, default=4)
+    parser.add_argument(
+        "--cpu-shares",
+        default="0,0.35",
+        help="pipeline: shares of the JPEGs decoded by PIL with GPU decoding",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.exit(2, "bench_gpu needs a CUDA GPU\n")
@@ -305,6 +312,7 @@ def main() -> None:
 
         args.workers = default_loader_workers(torch.device("cuda", 0), 1)
     args.worker_counts = [int(w) for w in args.worker_counts.split(",") if w] or [args.workers]
+    args.cpu_shares = [float(x) for x in args.cpu_shares.split(",") if x]
     args.gpu_worker_counts = [int(w) for w in args.gpu_worker_counts.split(",") if w]
     print(describe_device())
     print(

@@ -149,3 +149,43 @@ def test_nvjpeg_decodes_like_pil(photos: Path) -> None:
     )
     assert len(fed) == 2 and fed[0][0].shape == (4, 3, 64, 64)
     assert fed[0][0].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_a_share_of_the_jpegs_is_decoded_by_the_workers(photos: Path) -> None:
+    samples = [s for s in _samples(photos) if s[0].endswith(".jpg")] * 25  # 300 JPEG samples
+    transform = train_transform(32, "light")
+    assert sum(EncodedTrainSet(samples, transform, 0.0)[i][1] for i in range(len(samples))) == len(samples)
+    assert sum(EncodedTrainSet(samples, transform, 1.0)[i][1] for i in range(len(samples))) == 0
+    on_gpu = sum(EncodedTrainSet(samples, transform, 0.35)[i][1] for i in range(len(samples)))
+    assert abs(on_gpu / len(samples) - 0.65) < 0.05
+
+
+def test_the_cpu_share_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.trainer.gpu_decode import DEFAULT_CPU_SHARE, cpu_share
+
+    monkeypatch.delenv("TORCHYARD_GPU_DECODE_CPU_SHARE", raising=False)
+    assert cpu_share() == DEFAULT_CPU_SHARE
+    monkeypatch.setenv("TORCHYARD_GPU_DECODE_CPU_SHARE", "0.5")
+    assert cpu_share() == 0.5
+    for bad in ("1.5", "-0.1", "half"):
+        monkeypatch.setenv("TORCHYARD_GPU_DECODE_CPU_SHARE", bad)
+        with pytest.raises(ValueError, match="from 0 to 1"):
+            cpu_share()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU machine)")
+def test_the_feeder_thread_hands_its_errors_to_the_training_thread() -> None:
+    from torchyard.errors import InvalidDatasetError
+
+    def prepare(images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if int(targets[0]) == 2:
+            raise InvalidDatasetError("cannot read image 'broken.jpg'")
+        return images.cuda(), targets.cuda()
+
+    loader = [(torch.zeros(2, 3, 4, 4), torch.tensor([i, i])) for i in range(4)]
+    seen = []
+    with pytest.raises(InvalidDatasetError, match="broken"):
+        for _, labels in device_batches(loader, prepare, torch.device("cuda", 0)):
+            seen.append(int(labels[0]))
+    assert seen == [0, 1]

@@ -25,6 +25,7 @@ from worker.trainer.distributed import DistEnv
 from worker.trainer.gpu_decode import (
     EncodedTrainSet,
     GpuDecoder,
+    cpu_share,
     encoded_collate,
     gpu_decode_wanted,
     gpu_decode_works,
@@ -124,7 +125,7 @@ def build_loaders(job: JobConfig, env: DistEnv, device: torch.device, start_epoc
     has_jpeg = any(path.lower().endswith((".jpg", ".jpeg")) for path, _ in train_samples)
     if has_jpeg and device.type == "cuda" and gpu_decode_wanted() and gpu_decode_works(device):
         gpu_decoder = GpuDecoder(device, params.image_size, params.augmentation)
-        train_set = EncodedTrainSet(train_samples, transform)
+        train_set = EncodedTrainSet(train_samples, transform, cpu_share())
     else:
         train_set = ImageDataset(train_samples, transform)
     val_set = ImageDataset(val_samples, eval_geometry(params.image_size))

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +132,16 @@ def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int = 0) -> None:
     """Overwrite ``tensors`` in place with rank ``src``'s values."""
     for tensor in tensors:
         dist.broadcast(tensor, src=src)
+
+
+def no_buffer_sync_kwargs() -> dict[str, Any]:
+    """DDP's switch for "no buffer broadcast in forward": ``forward_sync_buffers`` in the
+    torch this project pins, ``broadcast_buffers`` in releases before it (a GPU image may
+    ship an older torch)."""
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    if "forward_sync_buffers" in params:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def sync_buffers(module: nn.Module, src: int = 0) -> None:

@@ -6,6 +6,8 @@ import contextlib
 import logging
 import math
 import os
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
@@ -73,41 +75,85 @@ class DecodeThenPrepare:
 
 
 def device_batches(
-    loader: Iterable[Any], prepare: BatchPrepare, device: torch.device
+    loader: Iterable[Any], prepare: BatchPrepare, device: torch.device, *, depth: int = 2
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The loader's batches, prepared on the device.
 
-    On CUDA the next batch is copied (and decoded, with GPU decoding) on a side stream
-    while the current one trains: the generator prepares batch k+1 when the training
-    loop asks for it, after it has queued batch k's step.
+    On CUDA a feeder thread prepares up to ``depth`` batches ahead on a CUDA stream of
+    its own (the copy to the device and, with GPU decoding, the decoding and cropping),
+    so that work overlaps the training step queued by this thread. An error in the
+    feeder is raised here.
     """
     if device.type != "cuda":
         for item in loader:
             yield prepare(*_split(item))
         return
-    stream = torch.cuda.Stream(device)
-    iterator = iter(loader)
+    feeder = _Feeder(loader, prepare, device, depth)
+    try:
+        while True:
+            item = feeder.queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            batch, labels, ready = item
+            current = torch.cuda.current_stream(device)
+            current.wait_event(ready)
+            # Made on the feeder's stream, used on this one: the allocator must not reuse them early.
+            batch.record_stream(current)
+            labels.record_stream(current)
+            yield batch, labels
+    finally:
+        feeder.close()
 
-    def load() -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event] | None:
-        item = next(iterator, None)
-        if item is None:
-            return None
-        with torch.cuda.stream(stream):
-            batch, labels = prepare(*_split(item))
-            ready = torch.cuda.Event()
-            ready.record(stream)
-        return batch, labels, ready
 
-    pending = load()
-    while pending is not None:
-        batch, labels, ready = pending
-        current = torch.cuda.current_stream(device)
-        current.wait_event(ready)
-        # Made on the side stream, used on this one: keep the allocator from reusing them early.
-        batch.record_stream(current)
-        labels.record_stream(current)
-        yield batch, labels
-        pending = load()
+_END = object()
+
+
+class _Feeder:
+    """The thread behind :func:`device_batches` on CUDA."""
+
+    def __init__(
+        self, loader: Iterable[Any], prepare: BatchPrepare, device: torch.device, depth: int
+    ) -> None:
+        self.loader = loader
+        self.prepare = prepare
+        self.device = device
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="batch-feeder", daemon=True)
+        self.thread.start()
+
+    def _offer(self, item: Any) -> bool:
+        while not self.stopping.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            torch.cuda.set_device(self.device)
+            stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(stream):
+                for item in self.loader:
+                    batch, labels = self.prepare(*_split(item))
+                    ready = torch.cuda.Event()
+                    ready.record(stream)
+                    if not self._offer((batch, labels, ready)):
+                        return
+            self._offer(_END)
+        except BaseException as exc:  # handed to the training thread, which raises it
+            self._offer(exc)
+
+    def close(self) -> None:
+        self.stopping.set()
+        while self.thread.is_alive():
+            with contextlib.suppress(queue.Empty):
+                self.queue.get_nowait()
+            self.thread.join(timeout=0.1)
 
 
 def _split(item: Any) -> tuple[Any, Any]:

@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 ENV_SWITCH = "TORCHYARD_GPU_DECODE"
+ENV_CPU_SHARE = "TORCHYARD_GPU_DECODE_CPU_SHARE"
+# Part of the JPEGs decoded by the loader workers even with GPU decoding (bench/RESULTS.md).
+DEFAULT_CPU_SHARE = 0.35
 
 # (scale, ratio, flip) of the random resized crop of each augmentation level; the CPU
 # transforms in worker.trainer.data use the same values.
@@ -61,18 +64,25 @@ class EncodedBatch:
 
 
 class EncodedTrainSet(Dataset[tuple[np.ndarray, bool, int]]):
-    """``(payload, is_jpeg, target)``: a JPEG file's bytes, or any other image decoded and
-    transformed here by ``cpu_transform`` (uint8 CHW pixels).
+    """``(payload, is_jpeg, target)``: a JPEG file's bytes, or any other image (and the
+    ``cpu_share`` of the JPEGs) decoded and transformed here by ``cpu_transform`` (uint8
+    CHW pixels).
 
     Payloads travel as numpy arrays (pickled by value) rather than tensors: a batch of
     hundreds of small tensors would need a shared-memory file descriptor each.
     """
 
     def __init__(
-        self, samples: Sequence[tuple[str, int]], cpu_transform: Callable[[Image.Image], torch.Tensor]
+        self,
+        samples: Sequence[tuple[str, int]],
+        cpu_transform: Callable[[Image.Image], torch.Tensor],
+        cpu_share: float = 0.0,
     ) -> None:
         self.samples = list(samples)
         self.cpu_transform = cpu_transform
+        # A fixed, evenly spread part of the JPEGs is decoded here anyway: the loader
+        # workers' cores and the GPU decoder then work side by side.
+        self.cpu_per_mille = round(min(1.0, max(0.0, cpu_share)) * 1000)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -81,7 +91,7 @@ class EncodedTrainSet(Dataset[tuple[np.ndarray, bool, int]]):
         path, target = self.samples[index]
         with open(path, "rb") as fh:
             data = fh.read()
-        if data[:3] == JPEG_MAGIC:
+        if data[:3] == JPEG_MAGIC and (index * 7919) % 1000 >= self.cpu_per_mille:
             return np.frombuffer(bytearray(data), dtype=np.uint8), True, target
         return self.cpu_transform(load_rgb_image(path)).numpy(), False, target
 
@@ -172,6 +182,20 @@ def gpu_decode_wanted() -> bool:
     if raw not in ("", "auto", "1", "on", "true", "yes"):
         raise ValueError(f"{ENV_SWITCH} must be auto, on or off, not {raw!r}")
     return True
+
+
+def cpu_share() -> float:
+    """``TORCHYARD_GPU_DECODE_CPU_SHARE`` (0..1): the part of the JPEGs the loader workers decode."""
+    raw = os.environ.get(ENV_CPU_SHARE, "").strip()
+    if not raw:
+        return DEFAULT_CPU_SHARE
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{ENV_CPU_SHARE} must be a number from 0 to 1, not {raw!r}")
+    return value
 
 
 def gpu_decode_works(device: torch.device) -> bool:

@@ -223,8 +223,8 @@ def run_job(job: JobConfig, env: DistEnv) -> dict[str, Any] | None:
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
-        forward_sync_buffers=False,
         gradient_as_bucket_view=True,
+        **distributed.no_buffer_sync_kwargs(),
     )
 
     events: EventWriter = EventWriter(output_dir / EVENTS_FILE) if env.is_primary else NullEventWriter()
