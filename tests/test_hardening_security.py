@@ -20,6 +20,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -27,11 +28,13 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import event, select, update
 
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Job, Node, Token, utcnow
+from service.services.tokens import Principal, UseRecorder
+from service.states import Role
 from tests.conftest import LiveServer, free_port
 from tests.factories import auth, create_token, insert_dataset, job_spec, token_id
 from tests.report_helpers import finish_job, set_placement, start_running_job, write_fake_model_dir
@@ -96,7 +99,13 @@ class Worker:
     key: str
 
     def register(self, name: str, units: int) -> httpx.Response:
-        body = {"name": name, "address": "127.0.0.1", "units": units, "accelerator": "cpu", "agent_key": self.key}
+        body = {
+            "name": name,
+            "address": "127.0.0.1",
+            "units": units,
+            "accelerator": "cpu",
+            "agent_key": self.key,
+        }
         return self.http.post("/v1/worker/nodes", json=body)
 
     def heartbeat(self, name: str, leases: list[str]) -> httpx.Response:
@@ -105,7 +114,9 @@ class Worker:
         )
 
     def claim(self, name: str, wait: float = 0) -> httpx.Response:
-        return self.http.post(f"/v1/worker/nodes/{name}/claim", params={"wait": wait}, headers={AGENT_KEY: self.key})
+        return self.http.post(
+            f"/v1/worker/nodes/{name}/claim", params={"wait": wait}, headers={AGENT_KEY: self.key}
+        )
 
 
 @dataclass
@@ -220,7 +231,10 @@ def test_the_same_agent_registers_again_at_once(live_server: LiveServer, admin: 
 
 def test_agents_started_twice_with_one_name_get_a_clear_error(sqlite_url: str, tmp_path: Path) -> None:
     settings = Settings(
-        data_dir=tmp_path / "data", database_url=sqlite_url, heartbeat_interval_s=0.5, lease_timeout_s=LEASE_TIMEOUT_S
+        data_dir=tmp_path / "data",
+        database_url=sqlite_url,
+        heartbeat_interval_s=0.5,
+        lease_timeout_s=LEASE_TIMEOUT_S,
     )
     server = LiveServer(settings).start()
     admin = httpx.Client(base_url=server.url, headers=auth(server.admin_token), timeout=30)
@@ -361,6 +375,45 @@ def test_last_used_is_written_at_most_once_a_minute(
     assert last_used() > first - timedelta(seconds=1)
 
 
+def test_simultaneous_requests_write_last_used_once(live_server: LiveServer, admin: httpx.Client) -> None:
+    app = live_server.server.config.app
+    updates: list[str] = []
+
+    def count(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if statement.lstrip().upper().startswith("UPDATE TOKENS"):
+            updates.append(statement)
+
+    plain = create_token(admin, "user")  # never used yet: the first requests all find it due
+    engine = app.state.db.engine
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            codes = list(
+                pool.map(
+                    lambda _: httpx.get(f"{live_server.url}/v1/jobs", headers=auth(plain)).status_code,
+                    range(32),
+                )
+            )
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    assert codes == [200] * 32
+    assert len(updates) == 1, updates
+
+
+def test_use_recorder_lets_one_request_write_each_stale_value() -> None:
+    recorder = UseRecorder()
+    now = utcnow()
+    never = Principal(id="t1", name="t", role=Role.USER)
+    assert recorder.should_record(never, now)
+    assert not recorder.should_record(never, now)  # a write for this stale value is under way
+    recorder.failed("t1")
+    assert recorder.should_record(never, now)  # it failed: the next request tries again
+    fresh = Principal(id="t1", name="t", role=Role.USER, last_used_at=now - timedelta(seconds=5))
+    assert not recorder.should_record(fresh, now)  # written within the minute
+    stale = Principal(id="t1", name="t", role=Role.USER, last_used_at=now - timedelta(minutes=2))
+    assert recorder.should_record(stale, now) and not recorder.should_record(stale, now)
+
+
 def test_a_revoked_workers_node_name_can_be_registered_by_another_token(
     live_server: LiveServer, admin: httpx.Client
 ) -> None:
@@ -388,7 +441,15 @@ def test_cli_lists_and_revokes_tokens(live_server: LiveServer, admin: httpx.Clie
 
     listed = cli("list")
     assert listed.returncode == 0, listed.stderr
-    assert listed.stdout.splitlines()[0].split() == ["ID", "NAME", "ROLE", "CREATED", "LAST", "USED", "STATUS"]
+    assert listed.stdout.splitlines()[0].split() == [
+        "ID",
+        "NAME",
+        "ROLE",
+        "CREATED",
+        "LAST",
+        "USED",
+        "STATUS",
+    ]
     carol = next(line for line in listed.stdout.splitlines() if " carol " in line)
     assert "active" in carol and plain not in listed.stdout
     revoked = cli("revoke", "carol")

@@ -15,7 +15,7 @@ from service.config import Settings
 from service.db.engine import Database
 from service.db.models import utcnow
 from service.services.nodes import AGENT_KEY_HEADER
-from service.services.tokens import Principal, authenticate, record_use, use_is_due
+from service.services.tokens import USE_RECORDER, Principal, authenticate, record_use
 from service.services.wakeup import Wakeup
 from service.states import Role
 from torchyard.errors import PermissionDeniedError
@@ -66,7 +66,7 @@ def get_principal(request: Request) -> Principal:
     with db.read_session() as session:
         principal = authenticate(session, _bearer(request))
     now = utcnow()
-    if use_is_due(principal, now):
+    if USE_RECORDER.should_record(principal, now):
         _record_use(db, principal, now)
     request.state.principal = principal
     return principal
@@ -79,6 +79,7 @@ def _record_use(db: Database, principal: Principal, now: datetime) -> None:
             record_use(session, principal.id, now)
             session.commit()
     except SQLAlchemyError as exc:
+        USE_RECORDER.failed(principal.id)
         log.warning("could not record the use of token %s: %s", principal.id, exc)
 
 

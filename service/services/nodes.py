@@ -47,7 +47,9 @@ def is_fresh(node: Node, now: datetime, lease_timeout_s: float) -> bool:
 def _holder(node: Node, now: datetime) -> str:
     info = node.info or {}
     where = ", ".join(
-        f"{label} {info[key]}" for key, label in (("hostname", "host"), ("pid", "pid")) if info.get(key) is not None
+        f"{label} {info[key]}"
+        for key, label in (("hostname", "host"), ("pid", "pid"))
+        if info.get(key) is not None
     )
     silent = (now - node.last_heartbeat_at).total_seconds()
     return f"{where + ', ' if where else ''}last heartbeat {silent:.1f} s ago"

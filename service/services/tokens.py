@@ -7,6 +7,7 @@ import hmac
 import logging
 import os
 import secrets
+import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -73,6 +74,37 @@ def use_is_due(principal: Principal, now: datetime) -> bool:
     """Whether this request should refresh the token's ``last_used_at``."""
     last = principal.last_used_at
     return last is None or now - last >= LAST_USED_RESOLUTION
+
+
+class UseRecorder:
+    """Lets one request of this process write a token's ``last_used_at`` when it is due.
+
+    Requests arriving together all read the same stale value; without this, each would
+    open a write transaction for an UPDATE that only the first one needs. It never
+    decides who is authenticated: that is read from the database on every request.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # token id -> the stale last_used_at a write was started for
+        self._started: dict[str, datetime | None] = {}
+
+    def should_record(self, principal: Principal, now: datetime) -> bool:
+        if not use_is_due(principal, now):
+            return False
+        with self._lock:
+            if principal.id in self._started and self._started[principal.id] == principal.last_used_at:
+                return False
+            self._started[principal.id] = principal.last_used_at
+            return True
+
+    def failed(self, token_id: str) -> None:
+        """The write did not happen: let the next request try again."""
+        with self._lock:
+            self._started.pop(token_id, None)
+
+
+USE_RECORDER = UseRecorder()
 
 
 def record_use(session: Session, token_id: str, now: datetime) -> bool:

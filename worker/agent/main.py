@@ -6,8 +6,10 @@ import argparse
 import logging
 import os
 import socket
+import sys
 from pathlib import Path
 
+from torchyard.errors import TorchyardError
 from worker.agent.runs import DEFAULT_KEEP_RUNS
 
 log = logging.getLogger(__name__)
@@ -98,4 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    return run(args)
+    try:
+        return run(args)
+    except TorchyardError as exc:  # another agent holds the node, the token was refused...
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
