@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.transforms import v2 as T
@@ -40,8 +39,9 @@ log = logging.getLogger(__name__)
 JPEG_MAGIC = b"\xff\xd8\xff"
 ENV_SWITCH = "TORCHYARD_GPU_DECODE"
 ENV_CPU_SHARE = "TORCHYARD_GPU_DECODE_CPU_SHARE"
-# Part of the JPEGs decoded by the loader workers even with GPU decoding (bench/RESULTS.md).
-DEFAULT_CPU_SHARE = 0.35
+# Part of the JPEGs decoded by the loader workers even with GPU decoding: none by default, since
+# on a 16-core H100 node PIL workers beside nvJPEG slowed training down (bench/RESULTS.md).
+DEFAULT_CPU_SHARE = 0.0
 
 # (scale, ratio, flip) of the random resized crop of each augmentation level; the CPU
 # transforms in worker.trainer.data use the same values.
@@ -104,19 +104,19 @@ def encoded_collate(items: list[tuple[np.ndarray, bool, int]]) -> EncodedBatch:
     )
 
 
-def _resize(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """uint8 CHW -> float NCHW resized with antialiased bilinear filtering (as PIL's)."""
-    return F.interpolate(
-        image.unsqueeze(0).float(), size=size, mode="bilinear", antialias=True, align_corners=False
-    )
-
-
-def _store(out: torch.Tensor, index: int, resized: torch.Tensor) -> None:
-    out[index] = resized[0].round_().clamp_(0, 255).to(torch.uint8)
+# Padded images of one roi_align call stay under this many bytes (large photos go in smaller groups).
+GROUP_BYTES = 512 * 2**20
 
 
 class GpuDecoder:
-    """Decodes a batch's JPEGs on ``device`` and applies the training geometry there."""
+    """Decodes a batch's JPEGs on ``device`` and applies the training geometry there.
+
+    The crop boxes are drawn per image (torchvision's ``RandomResizedCrop`` rule and
+    torch's global generator); the crops and resizes of a whole batch are then one
+    ``roi_align`` call on the zero-padded images, whose adaptive sampling averages
+    every source pixel of an output pixel (the antialiasing of a downscale), and the
+    flips one ``where``: a handful of kernels per batch instead of several per image.
+    """
 
     def __init__(self, device: torch.device, image_size: int, augmentation: Augmentation) -> None:
         if augmentation not in (*CROP_POLICY, "none"):
@@ -124,26 +124,61 @@ class GpuDecoder:
         self.device = device
         self.image_size = image_size
         self.augmentation = augmentation
+        # Half precision holds 0..255 exactly and halves the padded batch (CUDA only).
+        self.work_dtype = torch.float16 if device.type == "cuda" else torch.float32
         self.fallbacks = 0
 
-    def _geometry(self, out: torch.Tensor, index: int, image: torch.Tensor) -> None:
-        size = self.image_size
+    def _box(self, image: torch.Tensor) -> tuple[float, float, float, float, bool]:
+        """``(x1, y1, x2, y2, flip)`` of one image's crop, in source pixels."""
         _, height, width = image.shape
         if self.augmentation == "none":
-            # Resize the shorter side to ``size``, then centre crop (torchvision's Resize + CenterCrop).
-            short, long = (height, width) if height <= width else (width, height)
-            new_long = int(size * long / short)
-            new_h, new_w = (size, new_long) if height <= width else (new_long, size)
-            resized = _resize(image, (new_h, new_w))
-            top, left = round((new_h - size) / 2), round((new_w - size) / 2)
-            _store(out, index, resized[..., top : top + size, left : left + size])
-            return
+            # Resize the shorter side then centre crop (Resize + CenterCrop): the centred square.
+            side = min(height, width)
+            left, top = (width - side) / 2, (height - side) / 2
+            return left, top, left + side, top + side, False
         scale, ratio, flip = CROP_POLICY[self.augmentation]
         top, left, h, w = T.RandomResizedCrop.get_params(image, list(scale), list(ratio))
-        resized = _resize(image[:, top : top + h, left : left + w], (size, size))
-        if flip and torch.rand(1).item() < 0.5:
-            resized = resized.flip(-1)
-        _store(out, index, resized)
+        flipped = flip and torch.rand(1).item() < 0.5
+        return float(left), float(top), float(left + w), float(top + h), flipped
+
+    def _crop_resize(self, images: list[torch.Tensor]) -> torch.Tensor:
+        """uint8 ``(N, 3, size, size)`` crops of decoded CHW uint8 images of any sizes."""
+        from torchvision.ops import roi_align
+
+        size = self.image_size
+        boxes = [self._box(image) for image in images]
+        out = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=self.device)
+        order = sorted(range(len(images)), key=lambda i: images[i].shape[1] * images[i].shape[2])
+        start = 0
+        while start < len(order):
+            # The largest images last, in groups that keep the padded tensor under GROUP_BYTES.
+            stop = start + 1
+            while stop < len(order):
+                last = images[order[stop]]
+                if (stop - start + 1) * 3 * last.shape[1] * last.shape[2] * 2 > GROUP_BYTES:
+                    break
+                stop += 1
+            group = order[start:stop]
+            height = max(images[i].shape[1] for i in group)
+            width = max(images[i].shape[2] for i in group)
+            padded = torch.zeros((len(group), 3, height, width), dtype=self.work_dtype, device=self.device)
+            for slot, i in enumerate(group):
+                image = images[i]
+                padded[slot, :, : image.shape[1], : image.shape[2]] = image
+            rois = torch.tensor(
+                [[slot, *boxes[i][:4]] for slot, i in enumerate(group)],
+                dtype=self.work_dtype,
+                device=self.device,
+            )
+            crops = roi_align(
+                padded, rois, output_size=(size, size), spatial_scale=1.0, sampling_ratio=-1, aligned=True
+            )
+            flips = torch.tensor([boxes[i][4] for i in group], device=self.device).view(-1, 1, 1, 1)
+            crops = torch.where(flips, crops.flip(-1), crops)
+            index = torch.tensor(group, device=self.device)
+            out.index_copy_(0, index, crops.float().round_().clamp_(0, 255).to(torch.uint8))
+            start = stop
+        return out
 
     def _decode(self, payloads: list[np.ndarray]) -> list[torch.Tensor]:
         from torchvision.io import ImageReadMode, decode_jpeg
@@ -167,8 +202,8 @@ class GpuDecoder:
         out = torch.empty((count, 3, self.image_size, self.image_size), dtype=torch.uint8, device=self.device)
         jpeg = [i for i in range(count) if batch.is_jpeg[i]]
         if jpeg:
-            for i, image in zip(jpeg, self._decode([batch.payloads[i] for i in jpeg]), strict=True):
-                self._geometry(out, i, image)
+            crops = self._crop_resize(self._decode([batch.payloads[i] for i in jpeg]))
+            out.index_copy_(0, torch.tensor(jpeg, device=self.device), crops)
         for i in range(count):
             if not batch.is_jpeg[i]:
                 out[i] = torch.from_numpy(batch.payloads[i]).to(self.device, non_blocking=False)
