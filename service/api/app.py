@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from service.api.docs import install_docs
 from service.api.errors import install_error_handlers
 from service.api.routes import cluster, datasets, health, jobs, reports, streams, tokens, workers
 from service.config import Settings, get_settings
@@ -61,10 +62,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="1",
         description="Train PyTorch image classifiers on a cluster.",
         lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.wakeup = Wakeup()
     install_error_handlers(app)
+    install_docs(app)
     for module in (health, tokens, jobs, datasets, cluster, workers, reports, streams):
         app.include_router(module.router)
     app.include_router(tokens.whoami_router)

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Header, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -50,21 +51,29 @@ def get_wakeup(request: Request) -> Wakeup:
     return wakeup
 
 
-def _bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
-    scheme, _, value = header.partition(" ")
-    if scheme.lower() != "bearer":
-        return None
-    return value.strip() or None
+# A security scheme rather than a plain header, so that the OpenAPI schema marks every
+# route that needs a token (and the docs' Authorize button sends it). A missing or
+# malformed header is left to authenticate(), which answers 401 AuthenticationError.
+_BEARER = HTTPBearer(
+    scheme_name="bearerAuth",
+    auto_error=False,
+    description="An API token: the admin token written to admin.token in the data directory at "
+    "first start, or one created with POST /v1/tokens.",
+)
+BearerCredentials = Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)]
 
 
-def get_principal(request: Request) -> Principal:
+def _token(credentials: HTTPAuthorizationCredentials | None) -> str | None:
+    return (credentials.credentials.strip() or None) if credentials is not None else None
+
+
+def get_principal(request: Request, credentials: BearerCredentials) -> Principal:
     cached: Principal | None = getattr(request.state, "principal", None)
     if cached is not None:
         return cached
     db = get_db(request)
     with db.read_session() as session:
-        principal = authenticate(session, _bearer(request))
+        principal = authenticate(session, _token(credentials))
     now = utcnow()
     if USE_RECORDER.should_record(principal, now):
         _record_use(db, principal, now)

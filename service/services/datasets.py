@@ -173,16 +173,33 @@ def resolve_registered_path(settings: Settings, raw: str) -> Path:
             "registering datasets by path is disabled: the operator has configured no dataset roots "
             "(TORCHYARD_DATASET_ROOTS)"
         )
+    if "\x00" in raw:
+        raise RequestValidationError(f"path {raw!r} holds a NUL character", details={"field": "path"})
     path = Path(raw)
     if not path.is_absolute():
         raise RequestValidationError(f"path {raw!r} must be absolute", details={"field": "path"})
-    resolved = path.resolve()
+    # Messages name only what the client sent, never where its links lead on this host.
+    try:
+        resolved = path.resolve()
+    except RuntimeError:  # a symbolic link loop
+        raise InvalidDatasetError(f"path {raw!r} holds a symbolic link loop") from None
+    except OSError as exc:  # a link the service may not read, such as /proc/<pid>/cwd
+        raise PermissionDeniedError(
+            f"path {raw!r} cannot be resolved by the service ({exc.strerror or 'unreadable'})",
+            details={"field": "path"},
+        ) from None
     if not any(resolved == root or resolved.is_relative_to(root) for root in roots):
         raise PermissionDeniedError(
-            f"path {raw!r} is outside the allowed dataset roots (links resolved: {str(resolved)!r})",
-            details={"allowed_roots": [str(r) for r in roots]},
+            f"path {raw!r} is outside the allowed dataset roots once links are resolved",
+            details={"allowed_roots": [str(r) for r in settings.dataset_roots]},
         )
-    if not resolved.is_dir():
+    try:
+        is_dir = resolved.is_dir()
+    except OSError as exc:
+        raise PermissionDeniedError(
+            f"path {raw!r} cannot be read by the service ({exc.strerror or 'unreadable'})"
+        ) from None
+    if not is_dir:
         raise InvalidDatasetError(f"path {raw!r} is not a folder")
     return resolved
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -40,14 +41,30 @@ def classification_architectures() -> frozenset[str]:
     return frozenset(torchvision.models.list_models(module=torchvision.models))
 
 
+def _closest_architecture(name: str) -> str | None:
+    """The classification model a mistyped ``name`` most likely means (other case, swapped
+    or missing characters), or None when no model name is close."""
+    by_lower = {known.lower(): known for known in classification_architectures()}
+    wanted = name.lower()
+    if wanted in by_lower:
+        return by_lower[wanted]
+    close = difflib.get_close_matches(wanted, sorted(by_lower), n=1, cutoff=0.75)
+    return by_lower[close[0]] if close else None
+
+
 def check_model(session: Session, principal: Principal, spec: JobCreate) -> None:
     arch = spec.model.architecture
     if arch not in classification_architectures():
-        raise InvalidModelDirectoryError(
-            f"unknown architecture {arch!r}: use a torchvision classification model name "
-            "such as resnet18, resnet50 or densenet121",
-            details={"field": "model.architecture", "value": arch},
+        suggestion = _closest_architecture(arch)
+        hint = (
+            f"did you mean {suggestion}?"
+            if suggestion
+            else "use a torchvision classification model name such as resnet18, resnet50 or densenet121"
         )
+        details: dict[str, Any] = {"field": "model.architecture", "value": arch}
+        if suggestion:
+            details["suggestion"] = suggestion
+        raise InvalidModelDirectoryError(f"unknown architecture {arch!r}: {hint}", details=details)
     if spec.model.memory_efficient and not arch.startswith("densenet"):
         raise InvalidModelDirectoryError(
             "model.memory_efficient applies to DenseNet architectures only",

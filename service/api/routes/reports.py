@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException
 
 from service.api.deps import CurrentUser, DatabaseDep, ReadSessionDep, SessionDep, SettingsDep, WorkerDep
 from service.api.routes.streams import follow_log_response
-from service.api.routing import SessionScopedRoute
+from service.api.routing import SessionScopedRoute, UnicodeCheckedRequest
 from service.db.engine import Database
 from service.schemas.reports import (
     INT32_MAX,
@@ -56,12 +56,13 @@ _WRITE_CHUNK = 1 << 20
 _READ_CHUNK = 256 * 1024
 DEFAULT_LOG_BYTES = 1 << 20
 MAX_LOG_BYTES = 16 << 20
+SEQ_MAX = 2**63 - 1  # seq columns are 64-bit: a larger cursor cannot be a bound parameter
 
 
 # --- worker side ----------------------------------------------------------------------------
 
 
-class _CappedRequest(Request):
+class _CappedRequest(UnicodeCheckedRequest):
     """A request whose body is read with a size cap: 413 ``PayloadTooLargeError`` past it.
 
     (An HTTP error, since FastAPI turns other errors raised while reading a body into 400.)
@@ -191,7 +192,9 @@ def get_metrics(
     session: ReadSessionDep,
     user: CurrentUser,
     name: Annotated[list[MetricName] | None, Query(description="Only these metrics (repeatable).")] = None,
-    after: Annotated[int, Query(ge=0, description="Only points with a larger seq (a cursor).")] = 0,
+    after: Annotated[
+        int, Query(ge=0, le=SEQ_MAX, description="Only points with a larger seq (a cursor).")
+    ] = 0,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
 ) -> MetricPage:
     """The job's metric history in seq order. Poll with ``after=<next_after>`` for new points."""
@@ -317,7 +320,8 @@ def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     if unit.strip().lower() != "bytes" or "," in spec:
         return None
     first, dash, last = (part.strip() for part in spec.partition("-"))
-    if not dash or not (first or last) or (first and not first.isdigit()) or (last and not last.isdigit()):
+    # isdecimal, not isdigit: "²" is a digit that int() refuses.
+    if not dash or not (first or last) or (first and not first.isdecimal()) or (last and not last.isdecimal()):
         return None
     if not first:  # the last N bytes
         length = int(last)
