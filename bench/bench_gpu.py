@@ -12,6 +12,7 @@ Needs a CUDA GPU. Three parts, each one command (all three by default):
   photo-sized images (``torchyard.sample_data.write_photos``): the trainer's own
   loader (PIL decode + RandomResizedCrop + flip in DataLoader workers) against GPU
   decoding with ``torchvision.io.decode_jpeg(device="cuda")`` and crop/resize on the GPU.
+* ``profile``: where GPU decoding's time goes, stage by stage, without training.
 * ``pipeline``: the training step fed by the trainer's own loader
   (``worker.trainer.data``) and ``BatchPreparer`` on those JPEGs, against the
   synthetic figure at the same batch size.
@@ -269,9 +270,81 @@ def cmd_pipeline(args: argparse.Namespace) -> None:
     print(table(rows, ["training images decoded by", "images/s", "GPU util", "/ synthetic"]))
 
 
+def cmd_profile(args: argparse.Namespace, device: torch.device | None = None) -> None:
+    """Where a GPU-decoded batch's time goes: nvJPEG alone, the crop/resize, the loader."""
+    from torchvision.io import ImageReadMode, decode_jpeg, read_file
+
+    from torchyard.modeldir import image_directory_samples
+    from worker.trainer.data import train_transform
+    from worker.trainer.gpu_decode import EncodedTrainSet, GpuDecoder, encoded_collate
+
+    device = device or torch.device("cuda", 0)
+    root = photo_set(args)
+    files = sorted(str(p) for p in (root / "train").rglob("*.jpg"))[: 4 * args.batch_size]
+    data = [read_file(f) for f in files]
+    groups = [data[i : i + args.batch_size] for i in range(0, len(data), args.batch_size)]
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def rate(work: Any, images: int) -> float:
+        work()
+        sync()
+        started = time.perf_counter()
+        work()
+        sync()
+        return images / (time.perf_counter() - started)
+
+    rows = []
+    batched = rate(lambda: [decode_jpeg(g, mode=ImageReadMode.RGB, device=device) for g in groups], len(data))
+    rows.append(["nvJPEG, batched calls, one thread", f"{batched:.0f}"])
+    single = rate(
+        lambda: [decode_jpeg(d, mode=ImageReadMode.RGB, device=device) for d in groups[0]], len(groups[0])
+    )
+    rows.append(["nvJPEG, one image a call", f"{single:.0f}"])
+    cpu = rate(lambda: decode_jpeg(groups[0], mode=ImageReadMode.RGB, device="cpu"), len(groups[0]))
+    rows.append(["libjpeg-turbo on the CPU, one thread", f"{cpu:.0f}"])
+    decoder = GpuDecoder(device, IMAGE_SIZE, "standard")
+    images = list(decode_jpeg(groups[0], mode=ImageReadMode.RGB, device=device))
+    geometry = rate(lambda: [decoder._crop_resize(images) for _ in range(10)], 10 * len(images))
+    rows.append(["crop boxes + one roi_align (the batch geometry)", f"{geometry:.0f}"])
+    classes = sorted(p.name for p in (root / "train").iterdir())
+    dataset = EncodedTrainSet(
+        image_directory_samples(str(root / "train"), classes), train_transform(IMAGE_SIZE, "standard")
+    )
+    for workers in sorted({4, args.workers}):
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_size=args.batch_size,
+            shuffle=True,
+            num_workers=workers,
+            collate_fn=encoded_collate,
+            pin_memory=device.type == "cuda",
+            persistent_workers=True,
+            prefetch_factor=args.prefetch,
+        )
+        for label, work in (("loader alone", None), ("loader + decoder", decoder)):
+            iterator = iter(loader)
+            next(iterator)
+            started, count = time.perf_counter(), 0
+            for batch in iterator:
+                if work is not None:
+                    work(batch)
+                count += len(batch.payloads)
+            sync()
+            rows.append(
+                [f"{label}, {workers} loader workers", f"{count / (time.perf_counter() - started):.0f}"]
+            )
+    print(f"\nGPU decoding, stage by stage (JPEG photos, batch {args.batch_size}; no training):")
+    print(table(rows, ["stage", "images/s"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", nargs="?", default="all", choices=["all", "synthetic", "decode", "pipeline"])
+    parser.add_argument(
+        "part", nargs="?", default="all", choices=["all", "synthetic", "decode", "pipeline", "profile"]
+    )
     parser.add_argument("--batch-sizes", default="128,192,256,384")
     parser.add_argument(
         "--batch-size",
@@ -329,6 +402,8 @@ def main() -> None:
         cmd_decode(args)
     if args.part in ("all", "pipeline"):
         cmd_pipeline(args)
+    if args.part in ("all", "profile"):
+        cmd_profile(args)
 
 
 if __name__ == "__main__":

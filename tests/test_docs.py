@@ -23,3 +23,14 @@ def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^make test$", ci, re.M)
     assert "TORCHYARD_REQUIRE_POSTGRES=1" in ci
+
+
+def test_gpu_doc_names_every_trainer_gpu_setting_with_its_default() -> None:
+    from worker.trainer import gpu_decode
+
+    doc = (ROOT / "docs" / "gpu.md").read_text()
+    assert f"| `{gpu_decode.ENV_SWITCH}` | `auto` |" in doc
+    assert f"| `{gpu_decode.ENV_CPU_SHARE}` | `{gpu_decode.DEFAULT_CPU_SHARE:g}` |" in doc
+    readme = (ROOT / "README.md").read_text()
+    assert "pytest -m gpu tests/test_gpu.py tests/test_gpu_decode.py" in readme
+    assert "(docs/gpu.md)" in readme
