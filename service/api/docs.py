@@ -11,10 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import fastapi_offline
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
+
+from service.api.routing import SessionScopedRoute
 
 ASSETS_URL = "/docs/assets"
 _ASSETS_DIR = Path(fastapi_offline.__file__).parent / "static"
@@ -32,7 +34,10 @@ def install_docs(app: FastAPI, *, docs_url: str = "/docs", redoc_url: str = "/re
         root: str = request.scope.get("root_path", "")
         return root.rstrip("/")
 
-    @app.get(docs_url, include_in_schema=False)
+    # Every route of the app is a SessionScopedRoute (tests/test_concurrency.py checks it).
+    router = APIRouter(route_class=SessionScopedRoute)
+
+    @router.get(docs_url, include_in_schema=False)
     async def swagger_ui(request: Request) -> HTMLResponse:
         root = prefix(request)
         return get_swagger_ui_html(
@@ -44,7 +49,7 @@ def install_docs(app: FastAPI, *, docs_url: str = "/docs", redoc_url: str = "/re
             swagger_ui_parameters=_SWAGGER_PARAMETERS,
         )
 
-    @app.get(redoc_url, include_in_schema=False)
+    @router.get(redoc_url, include_in_schema=False)
     async def redoc(request: Request) -> HTMLResponse:
         root = prefix(request)
         return get_redoc_html(
@@ -54,3 +59,5 @@ def install_docs(app: FastAPI, *, docs_url: str = "/docs", redoc_url: str = "/re
             redoc_favicon_url=f"{root}{ASSETS_URL}/favicon.png",
             with_google_fonts=False,
         )
+
+    app.include_router(router)
