@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 SHA256_HEADER = "X-Torchyard-Sha256"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 1024 * 1024
+STAGING = ".staging"
 
 
 @contextmanager
@@ -40,6 +41,36 @@ def _locked(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def sweep_staging(cache_dir: Path) -> int:
+    """Remove what interrupted fetches (an agent killed mid-download) left in the staging
+    folder; a fetch still in progress holds its dataset's lock and is left alone.
+    Returns the number of folders removed."""
+    staging = Path(cache_dir) / STAGING
+    if not staging.is_dir():
+        return 0
+    removed = 0
+    for entry in staging.iterdir():
+        sha256 = entry.name.split("-", 1)[0]
+        if not _SHA256.match(sha256):
+            continue  # not written by a fetch
+        with open(Path(cache_dir) / f".{sha256}.lock", "a+b") as lock:
+            try:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a fetch of this dataset is running
+            try:
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+                removed += 1
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+    if removed:
+        log.info("removed %d interrupted dataset download(s) from %s", removed, staging)
+    return removed
 
 
 def cached_dataset(cache_dir: Path, sha256: str) -> Path | None:
@@ -86,21 +117,25 @@ def fetch_dataset(client: httpx.Client, dataset_id: str, sha256: str, cache_dir:
     if not _SHA256.match(sha256):
         raise InvalidDatasetError(f"dataset {dataset_id}: {sha256!r} is not a sha256 checksum")
     cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    sweep_staging(cache_dir)
     if (hit := cached_dataset(cache_dir, sha256)) is not None:
         return hit
-    staging = cache_dir / ".staging"
-    staging.mkdir(parents=True, exist_ok=True)
     with _locked(cache_dir / f".{sha256}.lock"):
         if (hit := cached_dataset(cache_dir, sha256)) is not None:
             return hit  # another fetcher finished while we waited
-        tar_path = staging / f"{sha256}-{uuid.uuid4().hex}.tar"
+        # Everything this fetch writes lives in one folder named for the dataset, so a
+        # sweep can tell (by the dataset's lock) whether a fetcher still owns it.
+        work = cache_dir / STAGING / f"{sha256}-{uuid.uuid4().hex}"
+        work.mkdir(parents=True)
+        tar_path = work / "dataset.tar"
         extracted: Path | None = None
         try:
             size = _download(client, dataset_id, sha256, tar_path)
             # The tar is not compressed: its content can be no larger than the tar itself,
             # and each file takes at least one 512-byte header.
             limits = ExtractionLimits(max_bytes=size, max_files=max(1, size // 512))
-            extracted = extract_archive(tar_path, staging, limits)
+            extracted = extract_archive(tar_path, work, limits)
             got = dataset_sha256(extracted)
             if got != sha256:
                 raise InvalidDatasetError(
@@ -110,8 +145,6 @@ def fetch_dataset(client: httpx.Client, dataset_id: str, sha256: str, cache_dir:
             os.rename(extracted, final)
             extracted = None
         finally:
-            tar_path.unlink(missing_ok=True)
-            if extracted is not None:
-                shutil.rmtree(extracted, ignore_errors=True)
+            shutil.rmtree(work, ignore_errors=True)
     log.info("dataset %s (%s) cached in %s (%d bytes downloaded)", dataset_id, sha256, final, size)
     return final
