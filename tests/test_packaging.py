@@ -60,12 +60,14 @@ def run_python(code: str, *args: str, cwd: Path = ROOT) -> dict[str, Any]:
 
 def test_api_process_never_imports_torch(tmp_path: Path) -> None:
     """The app is created and started (migrations, admin token, background tasks), answers
-    /healthz and /docs, and validates job architectures, all without torch."""
+    /healthz and /docs, validates job architectures, takes a dataset upload and queues a
+    job, all without torch (or anything else that only the worker extra installs)."""
     out = run_python(
         """
-        import json, sys
+        import io, json, sys, tarfile
         from pathlib import Path
         from fastapi.testclient import TestClient
+        from PIL import Image
         from service.api.app import create_app
         from service.config import Settings
 
@@ -82,7 +84,29 @@ def test_api_process_never_imports_torch(tmp_path: Path) -> None:
             seen["typo"] = [typo.status_code, typo.json().get("details", {}).get("suggestion")]
             known = client.post("/v1/jobs", json={**job, "model": {"architecture": "resnet18"}})
             seen["known"] = [known.status_code, known.json().get("code")]
-        seen["loaded"] = sorted(m for m in ("torch", "torchvision") if m in sys.modules)
+            # a dataset upload (every image decoded) and a job that is queued
+            with tarfile.open(data / "pets.tar", "w") as tar:
+                for n, label in enumerate(("cat", "dog") * 2):
+                    png = io.BytesIO()
+                    Image.new("RGB", (16, 16), (60 * n, 90, 40)).save(png, "PNG")
+                    member = tarfile.TarInfo(f"{label}/{n}.png")
+                    member.size = png.tell()
+                    png.seek(0)
+                    tar.addfile(member, png)
+            with open(data / "pets.tar", "rb") as fh:
+                up = client.post("/v1/datasets", data={"name": "pets"}, files={"file": ("pets.tar", fh)})
+            seen["upload"] = up.status_code
+            pets = up.json().get("id")
+            # a node for the job to wait for
+            worker = client.post("/v1/tokens", json={"name": "w", "role": "worker"}).json()["token"]
+            client.post("/v1/worker/nodes", headers={"Authorization": f"Bearer {worker}"},
+                        json={"name": "n", "address": "127.0.0.1", "units": 1, "accelerator": "cpu"})
+            queued = client.post("/v1/jobs", json={"model": {"architecture": "resnet18"},
+                                                   "train_dataset": pets, "validation_dataset": pets})
+            seen["queued"] = [queued.status_code, queued.json().get("status")]
+        # nothing that only the worker extra installs (a server-only install has none of it)
+        worker_only = ("torch", "torchvision", "safetensors", "numpy", "sklearn")
+        seen["loaded"] = sorted(m for m in worker_only if m in sys.modules)
         print(json.dumps(seen))
         """,
         str(tmp_path / "data"),
@@ -91,6 +115,8 @@ def test_api_process_never_imports_torch(tmp_path: Path) -> None:
     assert out["typo"] == [422, "resnet18"]
     # past the architecture check: refused for the unknown dataset, not the model
     assert out["known"][0] in (404, 422) and out["known"][1] != "InvalidModelDirectoryError"
+    assert out["upload"] == 201
+    assert out["queued"] == [201, "queued"]
     assert out["loaded"] == []
 
 
