@@ -80,25 +80,69 @@ def test_dockerfile_passes_hadolint() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def dockerfile_stages(text: str) -> dict[str, tuple[str, str]]:
+    """``{stage name: (what it is FROM, its instructions)}``, in order (continuations joined)."""
+    joined = re.sub(r"\\\n", " ", text)
+    stages: dict[str, tuple[str, str]] = {}
+    for block in re.split(r"^(?=FROM )", joined, flags=re.M)[1:]:
+        head, _, body = block.partition("\n")
+        match = re.fullmatch(r"FROM (\S+) AS (\S+)", head.strip())
+        assert match, f"every stage is named: {head}"
+        stages[match.group(2)] = (match.group(1), body)
+    return stages
+
+
+def target_text(stages: dict[str, tuple[str, str]], target: str) -> str:
+    """The instructions that make ``target``: its own, its base stages' and those of the
+    stages it copies from."""
+    base, body = stages[target]
+    parts = [body]
+    if base in stages:
+        parts.append(target_text(stages, base))
+    for source in re.findall(r"COPY --from=(\S+)", body):
+        parts.append(target_text(stages, source))
+    return "\n".join(parts)
+
+
+def last_instruction(stages: dict[str, tuple[str, str]], target: str, name: str) -> str | None:
+    """The last ``name`` instruction in force in ``target`` (own stage first, then its bases)."""
+    base, body = stages[target]
+    found = re.findall(rf"^{name} (.*)$", body, re.M)
+    if found:
+        return found[-1].strip()
+    return last_instruction(stages, base, name) if base in stages else None
+
+
 def test_dockerfile_shape(dockerfile: str) -> None:
-    froms = re.findall(r"^FROM (\S+)", dockerfile, re.M)
-    assert froms and all(f == "python:3.11-slim" for f in froms)
-    # torch and torchvision at the versions the package pins (PyPI's default wheel has CUDA)
-    pins = {
-        dep.split("==")[0]: dep.split("==")[1]
-        for dep in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-        if "==" in dep
-    }
-    assert f"torch=={pins['torch']}" in dockerfile and f"torchvision=={pins['torchvision']}" in dockerfile
-    user = re.findall(r"^USER (\S+)", dockerfile, re.M)
-    assert user and user[-1].split(":")[0] not in ("root", "0")
-    assert re.search(r"^HEALTHCHECK .*\n?.*/healthz", dockerfile, re.M)
-    assert re.search(r'^ENTRYPOINT \["torchyard"\]$', dockerfile, re.M)
-    cmd = re.search(r"^CMD (\[.*\])$", dockerfile, re.M)
+    stages = dockerfile_stages(dockerfile)
+    for name, (base, _body) in stages.items():
+        # every stage starts from the slim Python image or from a stage above it
+        assert base == "python:3.11-slim" or list(stages).index(base) < list(stages).index(name)
+    # two targets; the API is the last stage, so a plain `docker build` makes the API image
+    assert {"api", "worker"} <= set(stages) and list(stages)[-1] == "api"
+    # torch and torchvision at the versions the worker extra pins (PyPI's default wheel has CUDA)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pins = {dep.split("==")[0]: dep.split("==")[1] for dep in extras["worker"] if "==" in dep}
+    api, worker = target_text(stages, "api"), target_text(stages, "worker")
+    assert f"torch=={pins['torch']}" in worker and f"torchvision=={pins['torchvision']}" in worker
+    assert "[worker]" in worker and "[server]" not in worker
+    # the API image: the server extra and no torch at all
+    assert "[server]" in api and "[worker]" not in api and "torch==" not in api
+    for target in ("api", "worker"):
+        user = last_instruction(stages, target, "USER")
+        assert user is not None and user.split(":")[0] not in ("root", "0")
+        assert last_instruction(stages, target, "ENTRYPOINT") == '["torchyard"]'
+    healthcheck = last_instruction(stages, "api", "HEALTHCHECK")
+    assert healthcheck is not None and "/healthz" in healthcheck
+    assert last_instruction(stages, "worker", "HEALTHCHECK") == "NONE"
+    cmd = last_instruction(stages, "api", "CMD")
     assert cmd is not None
-    args = yaml.safe_load(cmd.group(1))
+    args = yaml.safe_load(cmd)
     assert args[:1] == ["serve"] and "0.0.0.0" in args
     build_parser().parse_args(args)
+    worker_cmd = last_instruction(stages, "worker", "CMD")
+    assert worker_cmd is not None
+    assert build_parser().parse_args(yaml.safe_load(worker_cmd)).command == "worker"
     for env in re.findall(r"\b(TORCHYARD_\w+)=", dockerfile):
         assert env in SETTINGS_ENV, env
 
@@ -160,8 +204,13 @@ def test_compose_workers(compose: dict[str, Any]) -> None:
     assert cpu["profiles"] == ["cpu"]
     assert all("profiles" not in services[name] for name in ("postgres", "api"))
     assert "--cpu" in cpu["command"] and "deploy" not in cpu
-    # the same image for the API and the workers
-    assert services["api"]["image"] == gpu["image"] == cpu["image"]
+    # the API image is built from the Dockerfile's api target (no torch), the workers' from its worker target
+    api = services["api"]
+    assert api["build"] == {"context": ".", "target": "api"}
+    assert gpu["build"] == cpu["build"] == {"context": ".", "target": "worker"}
+    assert gpu["image"] == cpu["image"] != api["image"]
+    targets = set(re.findall(r"^FROM \S+ AS (\S+)", (ROOT / "Dockerfile").read_text(), re.M))
+    assert {"api", "worker"} <= targets
 
 
 def test_compose_named_volumes_are_declared(compose: dict[str, Any]) -> None:
@@ -176,7 +225,7 @@ def test_compose_named_volumes_are_declared(compose: dict[str, Any]) -> None:
     for env_name in re.findall(r"TORCHYARD_\w+", (ROOT / "docker-compose.yml").read_text()):
         # every TORCHYARD_ name is a setting, a client variable, or a compose-only knob
         assert env_name in SETTINGS_ENV | CLIENT_ENV or env_name in {
-            "TORCHYARD_IMAGE", "TORCHYARD_WORKER_TOKEN", "TORCHYARD_DATASETS_DIR",
+            "TORCHYARD_API_IMAGE", "TORCHYARD_WORKER_IMAGE", "TORCHYARD_WORKER_TOKEN", "TORCHYARD_DATASETS_DIR",
             "TORCHYARD_GPU_NODE_NAME", "TORCHYARD_CPU_NODE_NAME", "TORCHYARD_CPU_SLOTS",
         }, env_name  # fmt: skip
 

@@ -12,11 +12,16 @@ from pydantic import ValidationError
 from torchyard import commands, demo
 from torchyard.client import ServiceUnreachableError
 from torchyard.errors import TorchyardError
+from torchyard.extras import MissingExtraError, extra_providing, require
 
 Handler = Callable[[argparse.Namespace], int]
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.with_worker:
+        require("serve --with-worker", "server", "worker")
+    else:
+        require("serve", "server")
     from service.config import Settings
     from torchyard.serving import serve
 
@@ -36,6 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _db_upgrade(_args: argparse.Namespace) -> int:
+    require("db upgrade", "server")
     from service.config import Settings
     from service.db.migrate import upgrade
 
@@ -47,6 +53,7 @@ def _db_upgrade(_args: argparse.Namespace) -> int:
 
 
 def _token_create(args: argparse.Namespace) -> int:
+    require("token create", "server")
     from service.config import Settings
     from service.db.engine import Database
     from service.db.migrate import upgrade
@@ -67,6 +74,7 @@ def _token_create(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    require("worker", "worker")
     from worker.agent.main import run
 
     return run(args)
@@ -139,6 +147,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args)
     except KeyboardInterrupt:
         return 130
+    except MissingExtraError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        # A part of an extra that the checks above did not foresee: still one line, not a traceback.
+        extra = extra_providing(exc.name)
+        if extra is None:
+            raise
+        print(f"error: {MissingExtraError(args.command, [extra], [exc.name or extra])}", file=sys.stderr)
+        return 2
     except ServiceUnreachableError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 3

@@ -20,6 +20,7 @@ from typing import Any, TextIO
 
 from torchyard.client import Client, Event, Job, MetricPoint, missing_token_message
 from torchyard.errors import AuthenticationError
+from torchyard.extras import require
 from torchyard.terminal import (
     EpochLines,
     EpochTable,
@@ -596,6 +597,7 @@ def register_token_commands(
 
 
 def _predict(args: argparse.Namespace) -> int:
+    require("predict", "worker")
     from torchyard.modeldir import predict
 
     results = predict(args.model_dir, args.images, topk=args.topk, device=args.device)

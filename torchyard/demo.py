@@ -27,6 +27,7 @@ from typing import TextIO
 
 from torchyard.client import Client, Job, ServiceUnreachableError
 from torchyard.errors import TorchyardError
+from torchyard.extras import require
 from torchyard.terminal import LiveProgress
 
 START_TIMEOUT_S = 120.0
@@ -135,6 +136,7 @@ def _rel(path: Path) -> str:
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    require("demo", "all")
     from torchyard.sample_data import write_digits
 
     out = out or sys.stdout

@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torchvision.transforms import v2 as T
 
+from torchyard.architectures import CLASSIFICATION_ARCHITECTURES
 from torchyard.dataset_digest import is_ignored_name, is_image_name
 from torchyard.errors import InvalidDatasetError, InvalidModelDirectoryError
 
@@ -359,7 +360,7 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(config.get("image_size"), int):
         raise InvalidModelDirectoryError(f"{CONFIG_FILE} has no integer 'image_size'")
     arch = config.get("architecture")
-    if arch not in torchvision.models.list_models(module=torchvision.models):
+    if arch not in CLASSIFICATION_ARCHITECTURES:
         raise InvalidModelDirectoryError(f"{CONFIG_FILE} names an unknown architecture {arch!r}")
     return config
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -17,7 +16,6 @@ from service.config import Settings, get_settings
 from service.db.engine import Database
 from service.db.migrate import upgrade
 from service.services.datasets import sweep_staging_periodically
-from service.services.jobs import classification_architectures
 from service.services.reaper import run_reaper
 from service.services.tokens import ensure_bootstrap_token
 from service.services.wakeup import Wakeup
@@ -42,8 +40,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.db = bootstrap(settings)
-        # torchvision takes seconds to import: load the model list off the request path.
-        threading.Thread(target=classification_architectures, name="warm-models", daemon=True).start()
         # Expired leases, lost nodes, settled cancellations and scheduling passes.
         stop_reaper = asyncio.Event()
         reaper = asyncio.create_task(run_reaper(app.state.db, settings, app.state.wakeup, stop_reaper))

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import difflib
 from datetime import datetime
-from functools import lru_cache
 from typing import Any
 
 from sqlalchemy import select
@@ -26,6 +24,7 @@ from service.services.cluster import check_resources
 from service.services.datasets import resolve_job_datasets
 from service.services.tokens import Principal
 from service.states import JobStatus, can_transition
+from torchyard.architectures import CLASSIFICATION_ARCHITECTURES, closest_architecture
 from torchyard.errors import (
     IllegalTransitionError,
     InvalidModelDirectoryError,
@@ -34,28 +33,10 @@ from torchyard.errors import (
 )
 
 
-@lru_cache(maxsize=1)
-def classification_architectures() -> frozenset[str]:
-    import torchvision
-
-    return frozenset(torchvision.models.list_models(module=torchvision.models))
-
-
-def _closest_architecture(name: str) -> str | None:
-    """The classification model a mistyped ``name`` most likely means (other case, swapped
-    or missing characters), or None when no model name is close."""
-    by_lower = {known.lower(): known for known in classification_architectures()}
-    wanted = name.lower()
-    if wanted in by_lower:
-        return by_lower[wanted]
-    close = difflib.get_close_matches(wanted, sorted(by_lower), n=1, cutoff=0.75)
-    return by_lower[close[0]] if close else None
-
-
 def check_model(session: Session, principal: Principal, spec: JobCreate) -> None:
     arch = spec.model.architecture
-    if arch not in classification_architectures():
-        suggestion = _closest_architecture(arch)
+    if arch not in CLASSIFICATION_ARCHITECTURES:
+        suggestion = closest_architecture(arch)
         hint = (
             f"did you mean {suggestion}?"
             if suggestion
