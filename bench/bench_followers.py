@@ -1,4 +1,4 @@
-"""Many followers of one running job against one API process (SPEC §7, issue: streaming).
+"""Many followers of one running job against one API process (SPEC §7).
 
 Starts ``torchyard serve`` (one uvicorn process, SQLite in a temporary data dir unless
 ``--database-url`` names a PostgreSQL), uploads two tiny datasets, submits a job and
