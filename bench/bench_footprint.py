@@ -14,7 +14,7 @@
 Usage::
 
     python bench/bench_footprint.py                   # this tree's API + the client install
-    python bench/bench_footprint.py --before main     # and the API of `main` for comparison
+    python bench/bench_footprint.py --before 2b8fbc7  # and the API of an older revision for comparison
     python bench/bench_footprint.py --skip-install    # API memory only
 """
 
