@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 
 from service.api.app import create_app
 from service.api.errors import ErrorResponse
-from service.api.routes.reports import _parse_range
+from service.api.files import parse_range
 from service.config import Settings
 from service.services.datasets import staging_dir
 from tests.conftest import LiveServer
@@ -210,7 +210,7 @@ def test_event_ranks_and_resume_cursor_are_bounded(client: TestClient, job_id: s
 @pytest.mark.parametrize("header", ["bytes=\u00b2-", "bytes=-\u00b3", "bytes=0-\u00b9"])
 def test_range_header_with_non_ascii_digits_is_ignored(header: str) -> None:
     # "²".isdigit() is true but int("²") fails: such a header is not a range of this server.
-    assert _parse_range(header, 100) is None
+    assert parse_range(header, 100) is None
 
 
 # ---------------------------------------------------------------------------- dataset paths

@@ -11,7 +11,18 @@ from fastapi import FastAPI
 
 from service.api.docs import install_docs
 from service.api.errors import install_error_handlers
-from service.api.routes import cluster, datasets, health, jobs, reports, streams, tokens, workers
+from service.api.routes import (
+    artifacts,
+    cluster,
+    datasets,
+    health,
+    jobs,
+    logs,
+    reports,
+    streams,
+    tokens,
+    workers,
+)
 from service.config import Settings, get_settings
 from service.db.engine import Database
 from service.db.migrate import upgrade
@@ -65,7 +76,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.wakeup = Wakeup()
     install_error_handlers(app)
     install_docs(app)
-    for module in (health, tokens, jobs, datasets, cluster, workers, reports, streams):
+    for module in (health, tokens, jobs, datasets, cluster, workers, reports, logs, artifacts, streams):
         app.include_router(module.router)
     app.include_router(tokens.whoami_router)
     return app

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import utcnow
+from service.services.leases import LEASE_HEADER
 from service.services.nodes import AGENT_KEY_HEADER
 from service.services.tokens import USE_RECORDER, Principal, authenticate, record_use
 from service.services.wakeup import Wakeup
@@ -128,3 +129,4 @@ AdminUser = Annotated[Principal, Depends(require_admin)]
 WorkerDep = Annotated[Principal, Depends(require_worker)]
 WakeupDep = Annotated[Wakeup, Depends(get_wakeup)]
 AgentKeyDep = Annotated[str | None, Depends(get_agent_key)]
+LeaseHeader = Annotated[str | None, Header(alias=LEASE_HEADER, description="The placement's lease token.")]

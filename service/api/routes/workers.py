@@ -13,10 +13,18 @@ import asyncio
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query, Request, Response, status
+from fastapi import APIRouter, Query, Request, Response, status
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import AgentKeyDep, DatabaseDep, SessionDep, SettingsDep, WakeupDep, WorkerDep
+from service.api.deps import (
+    AgentKeyDep,
+    DatabaseDep,
+    LeaseHeader,
+    SessionDep,
+    SettingsDep,
+    WakeupDep,
+    WorkerDep,
+)
 from service.api.routing import SessionScopedRoute
 from service.config import Settings
 from service.db.engine import Database
@@ -32,13 +40,11 @@ from service.schemas.workers import (
 from service.services import attempts as attempts_service
 from service.services import nodes as nodes_service
 from service.services import scheduler
-from service.services.leases import LEASE_HEADER
 from service.services.reaper import lose_node_placements
 from service.services.tokens import Principal
 
 router = APIRouter(prefix="/v1/worker", tags=["worker"], route_class=SessionScopedRoute)
 
-LeaseHeader = Annotated[str | None, Header(alias=LEASE_HEADER, description="The placement's lease token.")]
 
 
 @router.post("/nodes")

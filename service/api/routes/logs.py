@@ -1,0 +1,112 @@
+"""What a job reported, read back by its owner: metric history, log streams and logs.
+
+Another user's job is 404. ``logs?follow=true`` streams (see ``streams.py`` for SSE).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response
+
+from service.api.deps import CurrentUser, ReadSessionDep
+from service.api.routes.streams import follow_log_response
+from service.api.routing import SessionScopedRoute
+from service.schemas.reports import INT32_MAX, MAX_RANK, LogStreams, MetricName, MetricPage
+from service.services import jobs as jobs_service
+from service.services import reports as reports_service
+
+router = APIRouter(route_class=SessionScopedRoute)
+
+DEFAULT_LOG_BYTES = 1 << 20
+MAX_LOG_BYTES = 16 << 20
+SEQ_MAX = 2**63 - 1  # seq columns are 64-bit: a larger cursor cannot be a bound parameter
+
+
+@router.get("/v1/jobs/{job_id}/metrics", tags=["jobs"])
+def get_metrics(
+    job_id: str,
+    session: ReadSessionDep,
+    user: CurrentUser,
+    name: Annotated[list[MetricName] | None, Query(description="Only these metrics (repeatable).")] = None,
+    after: Annotated[
+        int, Query(ge=0, le=SEQ_MAX, description="Only points with a larger seq (a cursor).")
+    ] = 0,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+) -> MetricPage:
+    """The job's metric history in seq order. Poll with ``after=<next_after>`` for new points."""
+    job = jobs_service.get_job(session, user, job_id)
+    items = reports_service.metric_points_after(session, job.id, after, name, limit)
+    return MetricPage(items=items, next_after=items[-1].seq if items else after)
+
+
+_LOG_HEADERS = {
+    "X-Next-Offset": {"description": "The offset to ask for next.", "schema": {"type": "integer"}},
+    "X-Stream-Complete": {
+        "description": "true when the attempt has ended and the whole stream was read.",
+        "schema": {"type": "string"},
+    },
+}
+
+
+@router.get(
+    "/v1/jobs/{job_id}/logs",
+    tags=["jobs"],
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {}}, "headers": _LOG_HEADERS}},
+)
+def get_logs(
+    job_id: str,
+    request: Request,
+    session: ReadSessionDep,
+    user: CurrentUser,
+    rank: Annotated[int | None, Query(ge=0, le=MAX_RANK, description="A rank's log (default 0).")] = None,
+    stream: Annotated[
+        str | None, Query(max_length=210, description="agent, agent-<node> or rank-<N>, instead of rank.")
+    ] = None,
+    offset: Annotated[int, Query(ge=0, le=2**62, description="Byte offset to read from.")] = 0,
+    limit_bytes: Annotated[int, Query(ge=1, le=MAX_LOG_BYTES)] = DEFAULT_LOG_BYTES,
+    attempt: Annotated[
+        int | None, Query(ge=1, le=INT32_MAX, description="Attempt number (default latest).")
+    ] = None,
+    follow: Annotated[bool, Query(description="Stream the text as it arrives until the job ends.")] = False,
+) -> Response:
+    """A log stream as text from byte ``offset``: a rank's output or the agent's launcher log.
+    Continue from ``X-Next-Offset``; ``X-Stream-Complete: true`` says nothing more will come.
+    With ``follow=true`` the body streams new text as it arrives and ends with the job."""
+    job = jobs_service.get_job(session, user, job_id)
+    chosen = reports_service.resolve_attempt(session, job, attempt)
+    name = reports_service.resolve_stream(session, job, chosen, rank=rank, stream=stream)
+    if follow:
+        # The session is closed as this returns (SessionScopedRoute): a follower holds
+        # no connection while it streams.
+        resolved = (chosen.number if chosen is not None else None, name)
+        return follow_log_response(
+            request, job.id, rank=rank, stream=stream, attempt=attempt, offset=offset, resolved=resolved
+        )
+    piece = reports_service.read_log(session, job, chosen, name, offset, limit_bytes)
+    headers = {
+        "X-Offset": str(piece.offset),
+        "X-Next-Offset": str(piece.next_offset),
+        "X-Stream-Complete": "true" if piece.complete else "false",
+        "Cache-Control": "no-store",
+    }
+    if piece.stream is not None:
+        headers["X-Log-Stream"] = piece.stream
+    if piece.attempt is not None:
+        headers["X-Log-Attempt"] = str(piece.attempt)
+    return Response(piece.data, media_type="text/plain; charset=utf-8", headers=headers)
+
+
+@router.get("/v1/jobs/{job_id}/logs/streams", tags=["jobs"])
+def get_log_streams(
+    job_id: str,
+    session: ReadSessionDep,
+    user: CurrentUser,
+    attempt: Annotated[
+        int | None, Query(ge=1, le=INT32_MAX, description="Attempt number (default latest).")
+    ] = None,
+) -> LogStreams:
+    """The attempt's log streams (every rank and each node's agent log) with their sizes."""
+    job = jobs_service.get_job(session, user, job_id)
+    return reports_service.list_streams(session, job, reports_service.resolve_attempt(session, job, attempt))
