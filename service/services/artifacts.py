@@ -25,8 +25,7 @@ from sqlalchemy.orm import Session
 
 from service.db.models import Job, Node, Placement, utcnow
 from service.services.jobs import get_job
-from service.services.leases import placement_for_lease
-from service.services.reports import locked_lease
+from service.services.leases import lock_lease, placement_for_lease
 from service.services.tokens import Principal
 from service.states import JobStatus
 from torchyard.errors import (
@@ -160,7 +159,7 @@ def publish_model(
     sha256: str,
 ) -> Job:
     """Move a checked upload into the store and record it on the job, under the lease; commits."""
-    job, placement = locked_lease(session, principal, job_id, lease_token)
+    job, placement = lock_lease(session, principal, lease_token, job_id=job_id)
     _check_uploader(job, placement.node_rank)
     target = store.path(job_id)
     job.model_sha256 = sha256

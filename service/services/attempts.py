@@ -39,12 +39,12 @@ from service.schemas.workers import (
     StopOrder,
 )
 from service.services.jobs import transition
-from service.services.leases import placement_for_lease
+from service.services.leases import lock_lease
 from service.services.nodes import get_own_node, touch_node
 from service.services.scheduler import is_postgres, schedule
 from service.services.tokens import Principal
 from service.states import LIVE_ATTEMPT_STATUSES, AttemptStatus, JobStatus
-from torchyard.errors import ConflictError, JobTimeoutError, RankFailedError, StaleLeaseError, WorkerLostError
+from torchyard.errors import ConflictError, JobTimeoutError, RankFailedError, WorkerLostError
 
 log = logging.getLogger(__name__)
 
@@ -278,19 +278,8 @@ def report_status(
 ) -> tuple[PlacementStatusResponse, bool]:
     """Apply one node's report on its placement. Returns the answer and whether the placement
     ended (capacity was freed). The caller commits."""
-    found = placement_for_lease(session, principal, lease_token)
-    job = _lock_job(session, found.job_id)
-    placement = session.scalars(
-        select(Placement)
-        .where(Placement.id == found.id)
-        .with_for_update()
-        .execution_options(populate_existing=True)
-    ).one()
+    job, placement = lock_lease(session, principal, lease_token)
     now = utcnow()
-    if placement.status == "done":
-        raise StaleLeaseError("the lease's placement is finished")
-    if placement.lease_expires_at < now:
-        raise StaleLeaseError("the lease has expired")
     attempt = _lock_attempt(session, placement.attempt_id)
     node = session.get_one(Node, placement.node_id)
     ended = False

@@ -9,7 +9,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.db.models import Node, Placement, utcnow
+from service.db.models import Job, Node, Placement, utcnow
 from service.services.tokens import Principal
 from torchyard.errors import StaleLeaseError
 
@@ -32,8 +32,35 @@ def placement_for_lease(
     placement = session.scalars(stmt).first()
     if placement is None:
         raise StaleLeaseError("unknown lease token")
+    _ensure_live(placement)
+    return placement
+
+
+def lock_lease(
+    session: Session, principal: Principal, lease_token: str | None, *, job_id: str | None = None
+) -> tuple[Job, Placement]:
+    """The job and the live placement holding ``lease_token``, both row-locked (job first).
+
+    Raises ``StaleLeaseError`` (409) for an unknown, finished, expired or other worker's
+    lease, or, with ``job_id``, one that belongs to another job. Checked again once the
+    locks are held, so a lease ended by a concurrent request is seen as stale.
+    """
+    found = placement_for_lease(session, principal, lease_token)
+    if job_id is not None and found.job_id != job_id:
+        raise StaleLeaseError("the lease belongs to another job")
+    job = session.scalars(select(Job).where(Job.id == found.job_id).with_for_update()).one()
+    placement = session.scalars(
+        select(Placement)
+        .where(Placement.id == found.id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    ).one()
+    _ensure_live(placement)
+    return job, placement
+
+
+def _ensure_live(placement: Placement) -> None:
     if placement.status == "done":
         raise StaleLeaseError("the lease's placement is finished")
     if placement.lease_expires_at < utcnow():
         raise StaleLeaseError("the lease has expired")
-    return placement

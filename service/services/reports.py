@@ -38,45 +38,16 @@ from service.schemas.reports import (
     ResultIn,
     is_stream_name,
 )
-from service.services.leases import placement_for_lease
+from service.services.leases import lock_lease
 from service.services.tokens import Principal
 from service.states import LIVE_ATTEMPT_STATUSES, JobStatus
-from torchyard.errors import NotFoundError, RequestValidationError, StaleLeaseError
+from torchyard.errors import NotFoundError, RequestValidationError
 
 VAL_METRICS = ("val.loss", "val.top1", "val.top5")
 # Rows one log read looks at; chunks are small, a reader continues from X-Next-Offset.
 _LOG_ROWS_PER_READ = 2000
 _INSERT_ROWS = 500
 _LIVE_ATTEMPT = [s.value for s in LIVE_ATTEMPT_STATUSES]
-
-
-# --- leases ---------------------------------------------------------------------------------
-
-
-def locked_lease(
-    session: Session, principal: Principal, job_id: str, lease_token: str | None
-) -> tuple[Job, Placement]:
-    """The job and the live placement holding ``lease_token``, both row-locked (job first).
-
-    Raises ``StaleLeaseError`` (409) for an unknown, finished, expired or other worker's
-    lease, or one that belongs to another job. Checked again after the locks are held, so
-    a lease ended by a concurrent request is seen as stale.
-    """
-    found = placement_for_lease(session, principal, lease_token)
-    if found.job_id != job_id:
-        raise StaleLeaseError("the lease belongs to another job")
-    job = session.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
-    placement = session.scalars(
-        select(Placement)
-        .where(Placement.id == found.id)
-        .with_for_update()
-        .execution_options(populate_existing=True)
-    ).one()
-    if placement.status == "done":
-        raise StaleLeaseError("the lease's placement is finished")
-    if placement.lease_expires_at < utcnow():
-        raise StaleLeaseError("the lease has expired")
-    return job, placement
 
 
 # --- ingestion ------------------------------------------------------------------------------
@@ -175,7 +146,7 @@ def ingest_report(
     the lowest-loss epoch so far) and ``result`` (the trainer's summary). A stale lease
     or an invalid batch changes nothing.
     """
-    job, placement = locked_lease(session, principal, job_id, lease_token)
+    job, placement = lock_lease(session, principal, lease_token, job_id=job_id)
     _check_batch(session, job, placement, batch)
     attempt = session.get_one(Attempt, placement.attempt_id)
 
