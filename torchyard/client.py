@@ -248,7 +248,9 @@ class Client:
         """Every metric point recorded so far (after ``after``), following the pages."""
         return self.jobs.iter_metrics(job_id, name=name, after=after)
 
-    def logs(self, job_id: str, *, rank: int | None = None, stream: str | None = None, offset: int = 0) -> str:
+    def logs(
+        self, job_id: str, *, rank: int | None = None, stream: str | None = None, offset: int = 0
+    ) -> str:
         """The log text of one stream (rank ``rank``, default 0; or ``stream``, e.g. the agent log)."""
         return self.streams.logs(job_id, rank=rank, stream=stream, offset=offset)
 
@@ -262,7 +264,9 @@ class Client:
         reconnects: int = 20,
     ) -> Iterator[str]:
         """Log text as it arrives, until the job ends; reconnects where it left off."""
-        return self.streams.follow_logs(job_id, rank=rank, stream=stream, offset=offset, reconnects=reconnects)
+        return self.streams.follow_logs(
+            job_id, rank=rank, stream=stream, offset=offset, reconnects=reconnects
+        )
 
     def events(
         self,

@@ -27,7 +27,9 @@ class AdminCalls:
         return CreatedToken.model_validate(body)
 
     def list_tokens(self, *, include_revoked: bool = True) -> list[TokenInfo]:
-        body = self._transport.json("GET", "/v1/tokens", params={"include_revoked": str(include_revoked).lower()})
+        body = self._transport.json(
+            "GET", "/v1/tokens", params={"include_revoked": str(include_revoked).lower()}
+        )
         return [TokenInfo.model_validate(item) for item in body["items"]]
 
     def revoke_token(self, token_id: str) -> TokenInfo:

@@ -47,7 +47,11 @@ def missing_token_message() -> str:
         why = "does not exist"
     except OSError as exc:
         why = f"cannot be read ({exc.strerror or exc})"
-    default = "" if os.environ.get("TORCHYARD_DATA_DIR") else " (TORCHYARD_DATA_DIR is not set: the default is used)"
+    default = (
+        ""
+        if os.environ.get("TORCHYARD_DATA_DIR")
+        else " (TORCHYARD_DATA_DIR is not set: the default is used)"
+    )
     return (
         f"no API token: --token and TORCHYARD_TOKEN are not set, and the local service's token file "
         f"{path} {why}{default}. Set TORCHYARD_TOKEN to a token, or TORCHYARD_DATA_DIR to the data "

@@ -100,7 +100,9 @@ class DatasetCalls:
                 raise FileNotFoundError(f"no such file or folder: {source}")
             total = archive.stat().st_size
             with open(archive, "rb") as fh:
-                body: IO[bytes] | ProgressReader = ProgressReader(fh, total, progress) if progress is not None else fh
+                body: IO[bytes] | ProgressReader = (
+                    ProgressReader(fh, total, progress) if progress is not None else fh
+                )
                 files = {"file": (archive.name, body, "application/octet-stream")}
                 data = self._transport.json(
                     "POST",
@@ -114,7 +116,9 @@ class DatasetCalls:
     def register_dataset(self, name: str, path: str, **options: Any) -> Dataset:
         body = {"name": name, "path": path, **options}
         return Dataset.model_validate(
-            self._transport.json("POST", "/v1/datasets", json=body, timeout=self._transport.read_timeout(3600.0))
+            self._transport.json(
+                "POST", "/v1/datasets", json=body, timeout=self._transport.read_timeout(3600.0)
+            )
         )
 
     def list_datasets(self, *, limit: int | None = None, cursor: str | None = None) -> Page[Dataset]:

@@ -125,7 +125,10 @@ class ModelDownloads:
         path = f"/v1/jobs/{segment(job_id)}/model"
         try:
             with self._transport.http.stream(
-                "GET", path, headers=_range_headers(have, expected), timeout=self._transport.read_timeout(300.0)
+                "GET",
+                path,
+                headers=_range_headers(have, expected),
+                timeout=self._transport.read_timeout(300.0),
             ) as response:
                 if response.status_code == 416 and have:
                     # The part file is not a prefix of this model (or already too long): restart.
@@ -148,5 +151,7 @@ class ModelDownloads:
         digest = hasher.hexdigest()
         if etag and digest != etag:
             part.unlink(missing_ok=True)
-            raise InvalidModelDirectoryError(f"downloaded model sha256 {digest} does not match its ETag {etag}")
+            raise InvalidModelDirectoryError(
+                f"downloaded model sha256 {digest} does not match its ETag {etag}"
+            )
         return digest

@@ -124,7 +124,9 @@ class StreamCalls:
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
 
-    def logs(self, job_id: str, *, rank: int | None = None, stream: str | None = None, offset: int = 0) -> str:
+    def logs(
+        self, job_id: str, *, rank: int | None = None, stream: str | None = None, offset: int = 0
+    ) -> str:
         params = log_params(rank, stream, offset)
         return self._transport.request("GET", f"/v1/jobs/{segment(job_id)}/logs", params=params).text
 

@@ -66,7 +66,9 @@ class Transport:
         self.http.close()
 
     def unreachable(self, exc: httpx.TransportError) -> ServiceUnreachableError:
-        return ServiceUnreachableError(f"cannot reach the torchyard API at {self.url}: {exc or type(exc).__name__}")
+        return ServiceUnreachableError(
+            f"cannot reach the torchyard API at {self.url}: {exc or type(exc).__name__}"
+        )
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:

@@ -59,7 +59,9 @@ class RunInputs:
             stop=self.stop,
             deadline=time.monotonic() + FETCH_DEADLINE_S,
         )
-        self.log.info("%s dataset %s ready in %.2f s: %s", role, ref["id"], time.monotonic() - started, folder)
+        self.log.info(
+            "%s dataset %s ready in %.2f s: %s", role, ref["id"], time.monotonic() - started, folder
+        )
         return folder
 
     def _fetch_init_model(self, source_job: str) -> Path:
@@ -95,7 +97,10 @@ class RunInputs:
             "train_dir": str(dirs["train"]),
             "val_dir": str(dirs["validation"]),
             "classes": list(w["classes"]),
-            "datasets": {role: {"id": w["datasets"][role]["id"], "sha256": w["datasets"][role]["sha256"]} for role in ROLES},
+            "datasets": {
+                role: {"id": w["datasets"][role]["id"], "sha256": w["datasets"][role]["sha256"]}
+                for role in ROLES
+            },
             "output_dir": str(self.run_dir),
             "loader_workers": None,
         }

@@ -66,7 +66,9 @@ class OutcomeReport:
 
         model_dir = run_dir / "model"
         if not model_dir.is_dir():
-            return self._model_failure(InvalidModelDirectoryError.code, "training ended without writing its model directory")
+            return self._model_failure(
+                InvalidModelDirectoryError.code, "training ended without writing its model directory"
+            )
         started = time.monotonic()
         try:
             sha256 = upload_model(self.ctx.api.client, self.job_id, self.lease_token, model_dir)
@@ -74,7 +76,11 @@ class OutcomeReport:
             self.request_stop("stale", exc.message)
             return None
         except Exception as exc:
-            code = exc.code if isinstance(exc, TorchyardError) and exc.status_code == 422 else RankFailedError.code
+            code = (
+                exc.code
+                if isinstance(exc, TorchyardError) and exc.status_code == 422
+                else RankFailedError.code
+            )
             message = exc.message if isinstance(exc, TorchyardError) else f"{type(exc).__name__}: {exc}"
             self.log.error("model upload failed: %s", message)
             return self._model_failure(code, f"model upload failed: {message}")
@@ -100,7 +106,9 @@ class OutcomeReport:
         self.final_state = state
         try:
             answer = retrying(
-                lambda: self.ctx.api.report_status(self.lease_token, state, exit_code=exit_code, failure=failure),
+                lambda: self.ctx.api.report_status(
+                    self.lease_token, state, exit_code=exit_code, failure=failure
+                ),
                 f"reporting job {self.job_id} {state}",
                 deadline=time.monotonic() + max(60.0, 2 * self.ctx.lease_timeout_s),
             )

@@ -321,7 +321,12 @@ def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
         return None
     first, dash, last = (part.strip() for part in spec.partition("-"))
     # isdecimal, not isdigit: "²" is a digit that int() refuses.
-    if not dash or not (first or last) or (first and not first.isdecimal()) or (last and not last.isdecimal()):
+    if (
+        not dash
+        or not (first or last)
+        or (first and not first.isdecimal())
+        or (last and not last.isdecimal())
+    ):
         return None
     if not first:  # the last N bytes
         length = int(last)
