@@ -66,11 +66,15 @@ def main() -> None:
     service = Service(args.database_url)  # `torchyard serve` in a temporary data directory
     try:
         print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
-        print(f"database: {'PostgreSQL' if args.database_url else 'SQLite'}; {args.requests} x GET {args.path}")
+        print(
+            f"database: {'PostgreSQL' if args.database_url else 'SQLite'}; {args.requests} x GET {args.path}"
+        )
         print("| round | status codes | burst wall time | p50 | p99 | max |")
         print("| --- | --- | --- | --- | --- | --- |")
         for round_ in range(1, args.rounds + 1):
-            codes, latencies, wall = asyncio.run(burst(service.url, service.admin_token, args.path, args.requests))
+            codes, latencies, wall = asyncio.run(
+                burst(service.url, service.admin_token, args.path, args.requests)
+            )
             shown = ", ".join(f"{code}: {count}" for code, count in sorted(codes.items()))
             print(
                 f"| {round_} | {shown} | {wall:.2f} s | {statistics.median(latencies):.2f} s "
@@ -78,6 +82,7 @@ def main() -> None:
             )
     finally:
         service.stop()
+
 
 if __name__ == "__main__":
     main()

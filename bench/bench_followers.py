@@ -167,7 +167,11 @@ def scratch_database(server_url: str | None) -> Iterator[str | None]:
         return
     import sqlalchemy as sa
 
-    url = server_url if "+psycopg" in server_url else server_url.replace("postgresql://", "postgresql+psycopg://", 1)
+    url = (
+        server_url
+        if "+psycopg" in server_url
+        else server_url.replace("postgresql://", "postgresql+psycopg://", 1)
+    )
     admin = sa.create_engine(url, isolation_level="AUTOCOMMIT")
     name = f"torchyard_bench_{os.getpid()}"
     with admin.connect() as conn:
@@ -205,7 +209,9 @@ class Service:
             except httpx.TransportError:
                 pass
             if self.process.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("torchyard serve did not start; see " + str(Path(self.tmp.name) / "serve.log"))
+                raise SystemExit(
+                    "torchyard serve did not start; see " + str(Path(self.tmp.name) / "serve.log")
+                )
             time.sleep(0.2)
         self.admin_token = (self.data_dir / "admin.token").read_text().strip()
 
@@ -221,8 +227,12 @@ class ScriptedWorker:
 
     def __init__(self, service: Service, admin: httpx.Client) -> None:
         token = admin.post("/v1/tokens", json={"name": "bench-worker", "role": "worker"}).json()["token"]
-        self.http = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
-        r = self.http.post("/v1/worker/nodes", json={"name": "bench-node", "address": "127.0.0.1", "units": 1})
+        self.http = httpx.Client(
+            base_url=service.url, headers={"Authorization": f"Bearer {token}"}, timeout=30
+        )
+        r = self.http.post(
+            "/v1/worker/nodes", json={"name": "bench-node", "address": "127.0.0.1", "units": 1}
+        )
         r.raise_for_status()
         self.lease: str | None = None
         self._stop = threading.Event()
@@ -240,7 +250,9 @@ class ScriptedWorker:
         placement = r.json()
         self.lease = placement["lease_token"]
         headers = {LEASE: self.lease}
-        self.http.post("/v1/worker/placements/status", json={"state": "running"}, headers=headers).raise_for_status()
+        self.http.post(
+            "/v1/worker/placements/status", json={"state": "running"}, headers=headers
+        ).raise_for_status()
         points = lines = offset = 0
         interval = 1.0 / rate
         deadline = time.monotonic() + seconds
@@ -253,7 +265,9 @@ class ScriptedWorker:
                              "rank": 0, "time": now.isoformat()}],
                 "logs": [{"stream": "rank-0", "offset": offset, "data": line}],
             }  # fmt: skip
-            self.http.post(f"/v1/worker/jobs/{job_id}/reports", json=batch, headers=headers).raise_for_status()
+            self.http.post(
+                f"/v1/worker/jobs/{job_id}/reports", json=batch, headers=headers
+            ).raise_for_status()
             offset += len(line.encode())
             points += 1
             lines += 1
@@ -264,7 +278,9 @@ class ScriptedWorker:
     def finish(self, job_id: str, admin: httpx.Client) -> None:
         admin.post(f"/v1/jobs/{job_id}/cancel").raise_for_status()
         headers = {LEASE: self.lease or ""}
-        self.http.post("/v1/worker/placements/status", json={"state": "cancelled"}, headers=headers).raise_for_status()
+        self.http.post(
+            "/v1/worker/placements/status", json={"state": "cancelled"}, headers=headers
+        ).raise_for_status()
         self._stop.set()
 
 
@@ -291,7 +307,9 @@ async def main_async(args: argparse.Namespace) -> int:
 
 async def run_bench(args: argparse.Namespace, database_url: str | None) -> int:
     service = Service(database_url)
-    admin = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {service.admin_token}"}, timeout=60)
+    admin = httpx.Client(
+        base_url=service.url, headers={"Authorization": f"Bearer {service.admin_token}"}, timeout=60
+    )
     try:
         worker = ScriptedWorker(service, admin)
         train, val = upload_tiny_datasets(admin, Path(service.tmp.name) / "digits")
@@ -311,7 +329,9 @@ async def run_bench(args: argparse.Namespace, database_url: str | None) -> int:
         limits = httpx.Limits(max_connections=args.followers + 10, max_keepalive_connections=0)
         timeout = httpx.Timeout(30.0, read=None)
         headers = {"Authorization": f"Bearer {service.admin_token}"}
-        async with httpx.AsyncClient(base_url=service.url, headers=headers, limits=limits, timeout=timeout) as client:
+        async with httpx.AsyncClient(
+            base_url=service.url, headers=headers, limits=limits, timeout=timeout
+        ) as client:
             tasks = [
                 asyncio.create_task(
                     follow_logs(client, job_id, f) if f.kind == "logs" else follow_events(client, job_id, f)
@@ -399,8 +419,14 @@ async def run_bench(args: argparse.Namespace, database_url: str | None) -> int:
         service.stop()
 
 
-async def poll(client: httpx.AsyncClient, job_id: str, stop: asyncio.Event, interval: float,
-               latencies: list[float], errors: list[str]) -> None:
+async def poll(
+    client: httpx.AsyncClient,
+    job_id: str,
+    stop: asyncio.Event,
+    interval: float,
+    latencies: list[float],
+    errors: list[str],
+) -> None:
     """A polling client: the job's status, then its new metric points, every ``interval`` s."""
     after = 0
     await asyncio.sleep(random.uniform(0, interval))  # clients are not in lockstep
@@ -424,9 +450,13 @@ async def poll(client: httpx.AsyncClient, job_id: str, stop: asyncio.Event, inte
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--followers", type=int, default=200)
-    parser.add_argument("--log-share", type=float, default=0.25, help="share of followers on logs?follow=true")
+    parser.add_argument(
+        "--log-share", type=float, default=0.25, help="share of followers on logs?follow=true"
+    )
     parser.add_argument("--seconds", type=float, default=10.0, help="how long the job reports")
-    parser.add_argument("--rate", type=float, default=20.0, help="reports per second (a point and a line each)")
+    parser.add_argument(
+        "--rate", type=float, default=20.0, help="reports per second (a point and a line each)"
+    )
     parser.add_argument("--late", type=int, default=10, help="followers joining one by one mid-run")
     parser.add_argument(
         "--pollers", type=int, default=0, help="clients polling the job's status and metrics while it reports"

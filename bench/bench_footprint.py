@@ -176,14 +176,20 @@ def measure_client_install() -> tuple[float, float, list[str]]:
         total = _size_mib(site)
         own = sum(_size_mib(p) for p in site.iterdir() if p.name.split("-")[0] in VENV_OWN)
         listed = subprocess.run(
-            [python, "-m", "pip", "list", "--format=freeze"], env=env, capture_output=True, text=True, check=True
+            [python, "-m", "pip", "list", "--format=freeze"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.split()
         return total, total - own, listed
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", metavar="REF", help="also measure the API of this git revision (e.g. main)")
+    parser.add_argument(
+        "--before", metavar="REF", help="also measure the API of this git revision (e.g. main)"
+    )
     parser.add_argument("--skip-install", action="store_true", help="leave out the client install")
     args = parser.parse_args()
 

@@ -21,11 +21,14 @@ LEASE = "X-Torchyard-Lease"
 
 class FakeAgent:
     def __init__(self, url: str, worker_token: str, name: str = "fake-node", units: int = 2) -> None:
-        self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {worker_token}"}, timeout=30)
+        self.http = httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {worker_token}"}, timeout=30
+        )
         self.name = name
         self.units = units
         r = self.http.post(
-            "/v1/worker/nodes", json={"name": name, "address": "127.0.0.1", "units": units, "accelerator": "cpu"}
+            "/v1/worker/nodes",
+            json={"name": name, "address": "127.0.0.1", "units": units, "accelerator": "cpu"},
         )
         assert r.status_code == 200, r.text
         self.leases: set[str] = set()
@@ -35,7 +38,9 @@ class FakeAgent:
 
     def _heartbeats(self) -> None:
         """Keep the node and its leases alive, as a real agent does."""
-        with httpx.Client(base_url=str(self.http.base_url), headers=dict(self.http.headers), timeout=30) as http:
+        with httpx.Client(
+            base_url=str(self.http.base_url), headers=dict(self.http.headers), timeout=30
+        ) as http:
             while not self._stop.wait(1.0):
                 with contextlib.suppress(httpx.HTTPError):
                     http.post(f"/v1/worker/nodes/{self.name}/heartbeat", json={"leases": sorted(self.leases)})
@@ -66,7 +71,9 @@ class FakeAgent:
 
     def report(self, placement: dict[str, Any], **batch: Any) -> None:
         r = self.http.post(
-            f"/v1/worker/jobs/{placement['job_id']}/reports", json=batch, headers={LEASE: placement["lease_token"]}
+            f"/v1/worker/jobs/{placement['job_id']}/reports",
+            json=batch,
+            headers={LEASE: placement["lease_token"]},
         )
         assert r.status_code == 200, r.text
 
@@ -97,7 +104,11 @@ class FakeAgent:
             r = self.http.put(
                 f"/v1/worker/jobs/{placement['job_id']}/model",
                 content=archive.read_bytes(),
-                headers={LEASE: placement["lease_token"], SHA256_HEADER: sha, "Content-Type": "application/gzip"},
+                headers={
+                    LEASE: placement["lease_token"],
+                    SHA256_HEADER: sha,
+                    "Content-Type": "application/gzip",
+                },
             )
             assert r.status_code == 200, r.text
             return sha

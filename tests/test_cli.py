@@ -64,7 +64,9 @@ def cli(
 
 
 def ok(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 0, f"exit {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}"
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}"
+    )
     return result.stdout
 
 
@@ -102,7 +104,9 @@ def upload_both(env: dict[str, str], digits: tuple[Path, Path]) -> tuple[str, st
     return train, val
 
 
-def test_datasets_commands(env: dict[str, str], digits: tuple[Path, Path], tmp_path: Path, settings: Settings) -> None:
+def test_datasets_commands(
+    env: dict[str, str], digits: tuple[Path, Path], tmp_path: Path, settings: Settings
+) -> None:
     train_id, val_id = upload_both(env, digits)
     # an archive file is uploaded as it is
     archive = shutil.make_archive(str(tmp_path / "val-archive"), "zip", digits[1])
@@ -153,8 +157,24 @@ def test_submit_jobs_show_and_cancel(
     )
     # the spec file, then the handy flags, then --set: the most explicit wins
     dry = json.loads(
-        ok(cli(env, "submit", str(spec), "--epochs", "3", "--batch-size", "8", "--set", "parameters.epochs=4",
-               "--set", "parameters.learning_rate=1e-3", "--lr", "0.5", "--dry-run"))
+        ok(
+            cli(
+                env,
+                "submit",
+                str(spec),
+                "--epochs",
+                "3",
+                "--batch-size",
+                "8",
+                "--set",
+                "parameters.epochs=4",
+                "--set",
+                "parameters.learning_rate=1e-3",
+                "--lr",
+                "0.5",
+                "--dry-run",
+            )
+        )
     )
     assert dry["train_dataset"] == train_id
     assert dry["parameters"] == {
@@ -276,7 +296,12 @@ def test_download_resumes_and_verifies(
     assert ok(result).strip() == str(first)
     archive = tmp_path / "first.tar.gz"
     assert sha256_of(archive) == sha
-    assert sorted(p.name for p in first.iterdir()) == ["SHA256SUMS", "config.json", "metrics.json", "model.safetensors"]
+    assert sorted(p.name for p in first.iterdir()) == [
+        "SHA256SUMS",
+        "config.json",
+        "metrics.json",
+        "model.safetensors",
+    ]
 
     # An interrupted transfer left the first part of the archive: the download resumes it.
     second = tmp_path / "second"
@@ -304,7 +329,9 @@ def test_download_resumes_and_verifies(
 
     # predict works on the downloaded directory, without the service (--json: see test_cli_training)
     images = sorted(str(p) for p in digits[1].glob("*/*.png"))[:3]
-    shown = ok(cli({**env, "TORCHYARD_URL": "http://127.0.0.1:9"}, "predict", str(first), *images, "--topk", "2"))
+    shown = ok(
+        cli({**env, "TORCHYARD_URL": "http://127.0.0.1:9"}, "predict", str(first), *images, "--topk", "2")
+    )
     assert [line.split(": ")[0] for line in shown.splitlines()] == images
     assert all(re.fullmatch(r"\S+: \d \(\d+\.\d%\)  \d \(\d+\.\d%\)", line) for line in shown.splitlines())
 
@@ -322,8 +349,12 @@ def test_connection_and_auth_errors(live_server: LiveServer, settings: Settings,
     local = {**base, "TORCHYARD_URL": live_server.url, "TORCHYARD_DATA_DIR": str(settings.data_dir)}
     assert ok(cli(local, "jobs")).startswith("ID")
     # ... and from ./torchyard-data when nothing is set
-    shutil.copytree(settings.data_dir, tmp_path / "cwd" / "torchyard-data", ignore=shutil.ignore_patterns("*.db*"))
-    assert ok(cli({**base, "TORCHYARD_URL": live_server.url}, "cluster", cwd=tmp_path / "cwd")).startswith("nodes")
+    shutil.copytree(
+        settings.data_dir, tmp_path / "cwd" / "torchyard-data", ignore=shutil.ignore_patterns("*.db*")
+    )
+    assert ok(cli({**base, "TORCHYARD_URL": live_server.url}, "cluster", cwd=tmp_path / "cwd")).startswith(
+        "nodes"
+    )
     # flags win over the environment
     assert ok(cli(wrong, "jobs", "--token", live_server.admin_token, "--json")) == "[]\n"
     # a user token: another user's job is not found, worker routes are not its business

@@ -79,7 +79,10 @@ def test_serve_refuses_bad_settings(tmp_path: Path) -> None:
     env["TORCHYARD_LEASE_TIMEOUT_S"] = "-1"
     r = _run(["serve", "--port", str(free_port())], env, timeout=60)
     assert r.returncode == 2
-    assert "error: InvalidSettingsError: TORCHYARD_LEASE_TIMEOUT_S: Input should be greater than 0 (got '-1')" in r.stderr
+    assert (
+        "error: InvalidSettingsError: TORCHYARD_LEASE_TIMEOUT_S: Input should be greater than 0 (got '-1')"
+        in r.stderr
+    )
     assert "Traceback" not in r.stderr
 
 

@@ -120,7 +120,10 @@ def test_train_follow_download_and_predict_with_the_cli(serve: Serve, tmp_path: 
     )  # fmt: skip
     watch = serve.cli("metrics", job_id, "--watch", timeout=600)
     assert watch.returncode == 0, watch.stderr + serve.tail()
-    assert watch.stdout.strip().splitlines()[-1] == "status: succeeded (training finished on " + node["name"] + ")"
+    assert (
+        watch.stdout.strip().splitlines()[-1]
+        == "status: succeeded (training finished on " + node["name"] + ")"
+    )
     log_text, err = follow.communicate(timeout=120)
     assert follow.returncode == 0, err
     assert log_text == serve.ok("logs", job_id)  # the follower got the whole stream, then ended

@@ -35,7 +35,9 @@ def client(live_server: LiveServer) -> Client:
 def test_typed_results_and_error_codes(client: Client, live_server: LiveServer, tmp_path: Path) -> None:
     train_dir, val_dir = write_digits(tmp_path / "digits", per_class=5, size=16)
     train = client.upload_dataset(train_dir, name="digits-train")
-    assert isinstance(train, Dataset) and train.num_images == 40 and train.classes == [str(i) for i in range(10)]
+    assert (
+        isinstance(train, Dataset) and train.num_images == 40 and train.classes == [str(i) for i in range(10)]
+    )
     val = client.upload_dataset(val_dir)
     assert val.name == "val"
     assert client.find_dataset("digits-train").id == train.id
@@ -61,7 +63,13 @@ def test_typed_results_and_error_codes(client: Client, live_server: LiveServer, 
         client.get_job("nope")
     assert missing.value.status_code == 404
     with pytest.raises(InvalidDatasetError):
-        client.upload_dataset(tmp_path / "digits" / "train" / "0" / next(iter(sorted(p.name for p in (train_dir / "0").iterdir()))))
+        client.upload_dataset(
+            tmp_path
+            / "digits"
+            / "train"
+            / "0"
+            / next(iter(sorted(p.name for p in (train_dir / "0").iterdir())))
+        )
 
     # wait() gives up after its timeout; cancel is idempotent and returns the job
     started = time.monotonic()
@@ -75,7 +83,10 @@ def test_typed_results_and_error_codes(client: Client, live_server: LiveServer, 
 
 
 def test_connection_errors(live_server: LiveServer, settings: Settings) -> None:
-    with Client(f"http://127.0.0.1:{free_port()}", "x") as down, pytest.raises(ServiceUnreachableError) as exc:
+    with (
+        Client(f"http://127.0.0.1:{free_port()}", "x") as down,
+        pytest.raises(ServiceUnreachableError) as exc,
+    ):
         down.cluster()
     assert "cannot reach the torchyard API" in exc.value.message
     with Client(live_server.url, "ty_wrong") as wrong, pytest.raises(AuthenticationError):

@@ -68,9 +68,11 @@ def assert_nothing_left(settings: Settings) -> None:
     """The staging area is empty and the store holds no dataset content."""
     staging = store(settings) / ".staging"
     assert not staging.exists() or list(staging.iterdir()) == [], list(staging.iterdir())
-    contents = [p.name for p in store(settings).iterdir() if not p.name.startswith(".")] if store(
-        settings
-    ).exists() else []
+    contents = (
+        [p.name for p in store(settings).iterdir() if not p.name.startswith(".")]
+        if store(settings).exists()
+        else []
+    )
     assert contents == [], contents
 
 
@@ -145,28 +147,53 @@ def _attacks(tmp: Path) -> list[tuple[str, Path, str, str]]:
 
     base = [(n, d) for n, d, _ in labeled_members([])]
     out.append(("zip ../", zipped("z1.zip", [*base, ("../evil.png", png)]), "InvalidDatasetError", "'..'"))
-    out.append(("zip abs", zipped("z2.zip", [*base, ("/tmp/evil.png", png)]), "InvalidDatasetError", "absolute"))
     out.append(
-        ("zip backslash", zipped("z3.zip", [*base, ("a\\..\\..\\evil.png", png)]), "InvalidDatasetError", "backslash")
+        ("zip abs", zipped("z2.zip", [*base, ("/tmp/evil.png", png)]), "InvalidDatasetError", "absolute")
+    )
+    out.append(
+        (
+            "zip backslash",
+            zipped("z3.zip", [*base, ("a\\..\\..\\evil.png", png)]),
+            "InvalidDatasetError",
+            "backslash",
+        )
     )
     out.append(("zip drive", zipped("z4.zip", [*base, ("C:/evil.png", png)]), "InvalidDatasetError", "drive"))
     out.append(
         (
             "zip symlink",
-            zipped("z5.zip", [*base, ("a/l.png", b"/etc/passwd")], unix_modes={"a/l.png": stat.S_IFLNK | 0o777}),
+            zipped(
+                "z5.zip", [*base, ("a/l.png", b"/etc/passwd")], unix_modes={"a/l.png": stat.S_IFLNK | 0o777}
+            ),
             "InvalidDatasetError",
             "symbolic link",
         )
     )
-    out.append(("tar ../", tar_with(tmp / "t1.tar", labeled_members([("../evil.png", png, {})])),
-                "InvalidDatasetError", "'..'"))
-    out.append(("tar abs", tar_with(tmp / "t2.tar.gz", labeled_members([("/tmp/evil.png", png, {})]), mode="w:gz"),
-                "InvalidDatasetError", "absolute"))
+    out.append(
+        (
+            "tar ../",
+            tar_with(tmp / "t1.tar", labeled_members([("../evil.png", png, {})])),
+            "InvalidDatasetError",
+            "'..'",
+        )
+    )
+    out.append(
+        (
+            "tar abs",
+            tar_with(tmp / "t2.tar.gz", labeled_members([("/tmp/evil.png", png, {})]), mode="w:gz"),
+            "InvalidDatasetError",
+            "absolute",
+        )
+    )
     out.append(
         (
             "tar symlink",
-            tar_with(tmp / "t3.tar", labeled_members([("a/l.png", b"", {"type": tarfile.SYMTYPE,
-                                                                        "linkname": "../../../etc/passwd"})])),
+            tar_with(
+                tmp / "t3.tar",
+                labeled_members(
+                    [("a/l.png", b"", {"type": tarfile.SYMTYPE, "linkname": "../../../etc/passwd"})]
+                ),
+            ),
             "InvalidDatasetError",
             "symbolic link",
         )
@@ -174,8 +201,10 @@ def _attacks(tmp: Path) -> list[tuple[str, Path, str, str]]:
     out.append(
         (
             "tar hardlink",
-            tar_with(tmp / "t4.tar", labeled_members([("a/l.png", b"", {"type": tarfile.LNKTYPE,
-                                                                        "linkname": "/etc/passwd"})])),
+            tar_with(
+                tmp / "t4.tar",
+                labeled_members([("a/l.png", b"", {"type": tarfile.LNKTYPE, "linkname": "/etc/passwd"})]),
+            ),
             "InvalidDatasetError",
             "hard link",
         )
@@ -183,14 +212,20 @@ def _attacks(tmp: Path) -> list[tuple[str, Path, str, str]]:
     out.append(
         (
             "tar device",
-            tar_with(tmp / "t5.tar", labeled_members([("a/d.png", b"", {"type": tarfile.CHRTYPE,
-                                                                        "devmajor": 1, "devminor": 3})])),
+            tar_with(
+                tmp / "t5.tar",
+                labeled_members([("a/d.png", b"", {"type": tarfile.CHRTYPE, "devmajor": 1, "devminor": 3})]),
+            ),
             "InvalidDatasetError",
             "device",
         )
     )
-    out.append(("zip bomb", zip_bomb(tmp / "bomb.zip", size=48 * 1024 * 1024), "InvalidDatasetError", "more than"))
-    out.append(("tar bomb", tar_bomb(tmp / "bomb.tgz", size=48 * 1024 * 1024), "InvalidDatasetError", "more than"))
+    out.append(
+        ("zip bomb", zip_bomb(tmp / "bomb.zip", size=48 * 1024 * 1024), "InvalidDatasetError", "more than")
+    )
+    out.append(
+        ("tar bomb", tar_bomb(tmp / "bomb.tgz", size=48 * 1024 * 1024), "InvalidDatasetError", "more than")
+    )
 
     def with_image(label: str, write: Callable[[Path], Path]) -> Path:
         src = small_tree(tmp / f"tree-{label}")
@@ -200,14 +235,20 @@ def _attacks(tmp: Path) -> list[tuple[str, Path, str, str]]:
     out.append(("30000x30000 png", with_image("huge", huge_png), "InvalidDatasetError", "cat/bad.png"))
     out.append(("truncated png", with_image("cut", truncated_png), "InvalidDatasetError", "cat/bad.png"))
     out.append(
-        ("text as jpg", with_image("text", lambda p: (p.write_text("not a jpeg"), p)[1]), "InvalidDatasetError",
-         "cat/bad.jpg")
+        (
+            "text as jpg",
+            with_image("text", lambda p: (p.write_text("not a jpeg"), p)[1]),
+            "InvalidDatasetError",
+            "cat/bad.jpg",
+        )
     )
     root_images = tmp / "flat"
     root_images.mkdir()
     (root_images / "a.png").write_bytes(png)
     (root_images / "b.png").write_bytes(png)
-    out.append(("images at root", zip_tree(root_images, tmp / "flat.zip"), "NotLabeledDatasetError", "top level"))
+    out.append(
+        ("images at root", zip_tree(root_images, tmp / "flat.zip"), "NotLabeledDatasetError", "top level")
+    )
     one = small_tree(tmp / "one", classes=("cat",))
     out.append(("one class", zip_tree(one, tmp / "one.zip"), "InvalidDatasetError", "one class"))
     junk = small_tree(tmp / "junk")
@@ -261,8 +302,8 @@ def test_declared_oversize_upload_is_413_before_reading(
 
 def _multipart_stream(size: int, sent: list[int], boundary: str = "tyboundary") -> Iterator[bytes]:
     yield (
-        f"--{boundary}\r\nContent-Disposition: form-data; name=\"name\"\r\n\r\nbig\r\n"
-        f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.tar\"\r\n"
+        f'--{boundary}\r\nContent-Disposition: form-data; name="name"\r\n\r\nbig\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="big.tar"\r\n'
         "Content-Type: application/octet-stream\r\n\r\n"
     ).encode()
     chunk = b"\x00" * (256 * 1024)  # zeros: not an archive, but that is found only after the upload
@@ -442,7 +483,9 @@ def test_register_path_inside_the_root(path_client: TestClient, roots: dict[str,
     assert body["path"] == str((roots["allowed"] / "pets" / "wrapped").resolve())
     assert body["class_counts"] == {"cat": 3, "dog": 3}
     assert body["sha256"] == dataset_sha256(roots["allowed"] / "pets" / "wrapped")
-    r = path_client.post("/v1/datasets", json={"name": "s", "path": str(roots["allowed"] / "pets"), "sample": 2})
+    r = path_client.post(
+        "/v1/datasets", json={"name": "s", "path": str(roots["allowed"] / "pets"), "sample": 2}
+    )
     assert r.status_code == 201 and r.json()["sha256"] == body["sha256"]
 
 
@@ -510,7 +553,11 @@ def _place(settings: Settings, job_id: str, node_name: str) -> None:
             session.flush()
             session.add(
                 Placement(
-                    attempt_id=attempt.id, job_id=job_id, node_id=node.id, node_rank=0, units=1,
+                    attempt_id=attempt.id,
+                    job_id=job_id,
+                    node_id=node.id,
+                    node_rank=0,
+                    units=1,
                     lease_token=secrets.token_hex(16),
                     lease_expires_at=datetime.now(UTC) + timedelta(minutes=5),
                 )
@@ -519,9 +566,7 @@ def _place(settings: Settings, job_id: str, node_name: str) -> None:
         db.dispose()
 
 
-def test_worker_downloads_verifies_and_caches(
-    live_server: Any, digits: Path, tmp_path: Path
-) -> None:
+def test_worker_downloads_verifies_and_caches(live_server: Any, digits: Path, tmp_path: Path) -> None:
     admin = httpx.Client(base_url=live_server.url, headers=auth(live_server.admin_token), timeout=60)
     worker_token = create_token(admin, "worker")
     other_worker = create_token(admin, "worker")

@@ -60,7 +60,9 @@ def test_checksum_tracks_content_and_names(tmp_path: Path) -> None:
     assert len({first, renamed, changed}) == 3
     (root / ".DS_Store").write_bytes(b"junk")  # ignored files do not count
     assert dataset_sha256(root) == changed
-    assert manifest_sha256([("b", "1" * 64), ("a", "2" * 64)]) == manifest_sha256([("a", "2" * 64), ("b", "1" * 64)])
+    assert manifest_sha256([("b", "1" * 64), ("a", "2" * 64)]) == manifest_sha256(
+        [("a", "2" * 64), ("b", "1" * 64)]
+    )
 
 
 def test_wrapping_folder_hidden_files_and_macosx_ignored(tmp_path: Path) -> None:
@@ -99,8 +101,14 @@ def test_every_supported_format_and_case(tmp_path: Path) -> None:
     for cls in ("a", "b"):
         (tmp_path / cls).mkdir()
         for ext, fmt in [
-            ("jpg", "JPEG"), ("JPEG", "JPEG"), ("png", "PNG"), ("BMP", "BMP"), ("webp", "WEBP"),
-            ("gif", "GIF"), ("tif", "TIFF"), ("TIFF", "TIFF"),
+            ("jpg", "JPEG"),
+            ("JPEG", "JPEG"),
+            ("png", "PNG"),
+            ("BMP", "BMP"),
+            ("webp", "WEBP"),
+            ("gif", "GIF"),
+            ("tif", "TIFF"),
+            ("TIFF", "TIFF"),
         ]:
             img.save(tmp_path / cls / f"img-{ext}.{ext}", fmt)
     # A PNG with a .jpg name is still a supported image.

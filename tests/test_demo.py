@@ -47,14 +47,18 @@ def test_demo_trains_downloads_and_explains_how_to_go_on(tmp_path: Path) -> None
     model_dir = tmp_path / match.group(1)
     assert (model_dir / "model.safetensors").is_file() and (model_dir / "SHA256SUMS").is_file()
     reported = re.search(r"^final top-1 \(validation\): (\d+\.\d\d)% \(best epoch \d\)$", out, re.M)
-    local = re.search(r"^local check with torchyard.modeldir: top-1 (\d+\.\d\d)% \((\d+)/20 validation images\)$", out, re.M)
+    local = re.search(
+        r"^local check with torchyard.modeldir: top-1 (\d+\.\d\d)% \((\d+)/20 validation images\)$", out, re.M
+    )
     assert reported and local, out
     assert reported.group(1) == local.group(1)  # the loader reproduces the service's number
     # how to go on: the URL, where the token is, and the next commands
     assert "admin token:   torchyard-demo/data/admin.token" in out
     assert (demo / "data" / "admin.token").is_file()
     assert "TORCHYARD_DATA_DIR=torchyard-demo/data torchyard serve --with-worker" in out
-    assert re.search(r"^    torchyard predict torchyard-demo/models/\w+ torchyard-demo/digits/val/7/\S+\.png", out, re.M)
+    assert re.search(
+        r"^    torchyard predict torchyard-demo/models/\w+ torchyard-demo/digits/val/7/\S+\.png", out, re.M
+    )
     # and the service was shut down cleanly, its worker with it
     assert lines[-1] == "service stopped."
     assert processes_mentioning(str(demo.resolve())) == []

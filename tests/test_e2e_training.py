@@ -260,7 +260,8 @@ def test_a_job_past_its_max_runtime_fails_with_timeout_and_stops(env: Env) -> No
     agent = env.agent("cpu-1", slots=1, grace_period=5)
     limit = 15
     job_id = env.submit(
-        parameters={"epochs": 50}, resources={"node_count": 1, "process_count_per_node": 1, "max_runtime_s": limit}
+        parameters={"epochs": 50},
+        resources={"node_count": 1, "process_count_per_node": 1, "max_runtime_s": limit},
     )
     running = env.wait(job_id, lambda j: j["status"] == "running")
     assert running["resources"]["max_runtime_s"] == limit
@@ -270,7 +271,9 @@ def test_a_job_past_its_max_runtime_fails_with_timeout_and_stops(env: Env) -> No
     assert job["failure"]["code"] == "TimeoutError", job["failure"]
     assert f"limit of {limit} s" in job["failure"]["message"]
     assert job["attempts"][0]["failure_code"] == "TimeoutError"
-    ran = (datetime.fromisoformat(job["finished_at"]) - datetime.fromisoformat(job["started_at"])).total_seconds()
+    ran = (
+        datetime.fromisoformat(job["finished_at"]) - datetime.fromisoformat(job["started_at"])
+    ).total_seconds()
     assert limit <= ran < limit + 5, ran  # one reaper pass (0.2 s here) after the limit
     # The agent was told at its next heartbeat: every process of the run is gone.
     assert wait_until_gone(str(directory), timeout=20) == []

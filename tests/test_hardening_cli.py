@@ -233,11 +233,24 @@ class TestCommandLine:
         again = ok(cli(env, "datasets", "upload", "digits-val", str(digits[1]))).strip()
         line = fails(cli(env, "datasets", "show", "digits-val"), "AmbiguousReferenceError")
         assert val in line and again in line
-        first = ok(cli(env, "submit", "--arch", "resnet18", "--train", "digits-train", "--val", "digits-val",
-                       "--name", "twice")).strip()
+        first = ok(
+            cli(
+                env,
+                "submit",
+                "--arch",
+                "resnet18",
+                "--train",
+                "digits-train",
+                "--val",
+                "digits-val",
+                "--name",
+                "twice",
+            )
+        ).strip()
         assert ok(cli(env, "show", first, "--json")).count(again) == 1
-        second = ok(cli(env, "submit", "--arch", "resnet18", "--train", train[:5], "--val", val,
-                        "--name", "twice")).strip()
+        second = ok(
+            cli(env, "submit", "--arch", "resnet18", "--train", train[:5], "--val", val, "--name", "twice")
+        ).strip()
         line = fails(cli(env, "show", "twice"), "AmbiguousReferenceError")
         assert first in line and second in line
         for command in (["cancel"], ["logs"], ["metrics"], ["download"]):
@@ -275,8 +288,10 @@ class TestCommandLine:
         # with nothing set: the default data directory, relative to where the command runs
         (tmp_path / "cwd" / "torchyard-data").mkdir(parents=True)
         (tmp_path / "cwd" / "torchyard-data" / "admin.token").write_text("\n")
-        line = fails(cli({**base, "TORCHYARD_URL": live_server.url}, "cluster", cwd=tmp_path / "cwd"),
-                     "AuthenticationError")
+        line = fails(
+            cli({**base, "TORCHYARD_URL": live_server.url}, "cluster", cwd=tmp_path / "cwd"),
+            "AuthenticationError",
+        )
         assert "torchyard-data/admin.token is empty" in line and "TORCHYARD_DATA_DIR is not set" in line
         assert "TORCHYARD_TOKEN" in line
 
@@ -285,8 +300,22 @@ class TestCommandLine:
     ) -> None:
         ok(cli(env, "datasets", "upload", "digits-train", str(digits[0])))
         ok(cli(env, "datasets", "upload", "digits-val", str(digits[1])))
-        job_id = ok(cli(env, "submit", "--arch", "resnet18", "--train", "digits-train", "--val", "digits-val",
-                        "--epochs", "4", "--name", "watched")).strip()
+        job_id = ok(
+            cli(
+                env,
+                "submit",
+                "--arch",
+                "resnet18",
+                "--train",
+                "digits-train",
+                "--val",
+                "digits-val",
+                "--epochs",
+                "4",
+                "--name",
+                "watched",
+            )
+        ).strip()
 
         def spawn(*args: str) -> subprocess.Popen[str]:
             return subprocess.Popen(
@@ -309,7 +338,9 @@ class TestCommandLine:
             agent.metric(placement, "val.loss", 12.5 / epoch, epoch, epoch * 10)
             agent.metric(placement, "val.top1", 0.5 + epoch / 10, epoch, epoch * 10)
             agent.metric(placement, "epoch.seconds", 1.5 if epoch == 1 else 62.5, epoch, epoch * 10)
-            agent.report(placement, progress={"epoch": epoch, "epochs": 4, "step": epoch * 10, "total_steps": 40})
+            agent.report(
+                placement, progress={"epoch": epoch, "epochs": 4, "step": epoch * 10, "total_steps": 40}
+            )
         shown = ok(cli(env, "show", "watched"))
         assert re.search(r"^time:        elapsed \S+, about \S+ left$", shown, re.M), shown
         failure = {"code": "RankFailedError", "message": "rank 0 raised", "rank": 0, "node": agent.name}
@@ -318,7 +349,16 @@ class TestCommandLine:
         watched, err = watch.communicate(timeout=60)
         assert watch.returncode == 0, err
         lines = watched.rstrip("\n").splitlines()
-        assert lines[0].split() == ["epoch", "train.loss", "lr", "val.loss", "val.top1", "seconds", "elapsed", "left"]
+        assert lines[0].split() == [
+            "epoch",
+            "train.loss",
+            "lr",
+            "val.loss",
+            "val.top1",
+            "seconds",
+            "elapsed",
+            "left",
+        ]
         rows = lines[1:-1]
         assert [r.split()[0] for r in rows] == ["1", "2"]
         # elapsed: the epochs' durations so far; left: the remaining epochs at that pace
@@ -341,7 +381,16 @@ class TestCommandLine:
 
 def test_format_duration() -> None:
     assert [format_duration(s) for s in (None, -1.0, 0, 4.4, 59.4, 60, 65, 3599, 3600, 7620.0)] == [
-        "-", "-", "0s", "4s", "59s", "1m00s", "1m05s", "59m59s", "1h00m", "2h07m",
+        "-",
+        "-",
+        "0s",
+        "4s",
+        "59s",
+        "1m00s",
+        "1m05s",
+        "59m59s",
+        "1h00m",
+        "2h07m",
     ]
     assert format_duration(float("nan")) == "-"
 
@@ -354,7 +403,9 @@ def test_remaining_time_and_job_timing() -> None:
     assert timing_text(72.0, None) == "elapsed 1m12s"
     start = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
     assert job_timing(None, None, 0.5) == ""
-    assert job_timing(start, None, 0.4, now=start + timedelta(seconds=120)) == "elapsed 2m00s, about 3m00s left"
+    assert (
+        job_timing(start, None, 0.4, now=start + timedelta(seconds=120)) == "elapsed 2m00s, about 3m00s left"
+    )
     assert job_timing(start, None, None, now=start + timedelta(seconds=5)) == "elapsed 5s"
     assert job_timing(start, start + timedelta(seconds=185), 1.0) == "took 3m05s"
 
@@ -376,7 +427,9 @@ def test_epoch_timing_from_the_epoch_durations() -> None:
 
 
 def test_epoch_lines_are_fixed_width() -> None:
-    table = _table([1.25, 1234.5, 4000.0], **{"train.lr": 0.000125, "val.top1": 1.0, "train.images_per_sec": 12345.6})
+    table = _table(
+        [1.25, 1234.5, 4000.0], **{"train.lr": 0.000125, "val.top1": 1.0, "train.images_per_sec": 12345.6}
+    )
     lines = EpochLines(table, 100)
     text = [lines.header()] + [lines.row(e) for e in (1, 2, 3)]
     starts = [m.start() for m in re.finditer(r"\S+", text[0])]
@@ -391,7 +444,10 @@ def test_live_progress_epoch_lines_carry_the_timing() -> None:
     progress = LiveProgress(out, epochs=3)
     for name, value in (("train.loss", 0.5), ("val.loss", 0.4), ("epoch.seconds", 20.0)):
         progress.handle("metric", {"name": name, "value": value, "epoch": 1, "step": 5, "rank": 0})
-    assert out.getvalue() == "epoch 1/3  train.loss 0.5000  val.loss 0.4000  seconds 20.0  elapsed 20s  left 40s\n"
+    assert (
+        out.getvalue()
+        == "epoch 1/3  train.loss 0.5000  val.loss 0.4000  seconds 20.0  elapsed 20s  left 40s\n"
+    )
 
 
 # --------------------------------------------------------------------------- README and demo
@@ -451,11 +507,21 @@ def test_demo_next_steps_say_how_to_get_the_command(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(sys, "executable", str(python))
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     root = Path("torchyard-demo")
-    job = JobModel(id="f" * 32, name="digits-resnet18", status="succeeded", best={"val.top1": 0.9, "epoch": 2})
+    job = JobModel(
+        id="f" * 32, name="digits-resnet18", status="succeeded", best={"val.top1": 0.9, "epoch": 2}
+    )
     out = io.StringIO()
     service = DemoService(root / "data", 8123, None, root / "serve.log")
-    _summary(out, job, service, (root / "data").resolve(), root / "models" / job.id, root / "digits" / "val",
-             60.0, _demo_defaults())
+    _summary(
+        out,
+        job,
+        service,
+        (root / "data").resolve(),
+        root / "models" / job.id,
+        root / "digits" / "val",
+        60.0,
+        _demo_defaults(),
+    )
     text = out.getvalue()
     assert ".venv/bin/torchyard, not on your PATH" in text
     assert re.search(r"^    source \.venv/bin/activate +# puts `torchyard` on PATH", text, re.M)

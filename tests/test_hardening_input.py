@@ -107,7 +107,9 @@ def test_surrogate_pair_is_ordinary_text(client: TestClient) -> None:
 
 def test_error_bodies_escape_text_utf8_cannot_carry() -> None:
     body = ErrorResponse({"code": "X", "message": "bad \ud800", "details": {"\udc00": ["\ud800"]}}).body
-    assert body.decode("utf-8") == '{"code":"X","message":"bad \\\\ud800","details":{"\\\\udc00":["\\\\ud800"]}}'
+    assert (
+        body.decode("utf-8") == '{"code":"X","message":"bad \\\\ud800","details":{"\\\\udc00":["\\\\ud800"]}}'
+    )
 
 
 # ---------------------------------------------------------------------------- integer bounds
@@ -318,7 +320,9 @@ def ready(client: TestClient, settings: Settings) -> dict[str, str]:
     return {"train": insert_dataset(settings, me, name="t"), "val": insert_dataset(settings, me, name="v")}
 
 
-@pytest.mark.parametrize(("typed", "meant"), [("resnet81", "resnet18"), ("ResNet18", "resnet18"), ("densnet121", "densenet121")])
+@pytest.mark.parametrize(
+    ("typed", "meant"), [("resnet81", "resnet18"), ("ResNet18", "resnet18"), ("densnet121", "densenet121")]
+)
 def test_architecture_typo_suggests_the_name(
     client: TestClient, ready: dict[str, str], typed: str, meant: str
 ) -> None:
@@ -331,20 +335,25 @@ def test_architecture_typo_suggests_the_name(
 
 
 def test_unknown_architecture_without_a_close_name(client: TestClient, ready: dict[str, str]) -> None:
-    r = client.post("/v1/jobs", json=job_spec(ready["train"], ready["val"], model={"architecture": "qwertyuiop"}))
+    r = client.post(
+        "/v1/jobs", json=job_spec(ready["train"], ready["val"], model={"architecture": "qwertyuiop"})
+    )
     assert r.status_code == 422
     assert "did you mean" not in r.json()["message"]
     assert "such as resnet18" in r.json()["message"]
 
 
 @pytest.mark.parametrize("field", ["epochs", "batch_size", "patience", "print_frequency"])
-def test_count_past_32_bits_names_the_whole_range(client: TestClient, ready: dict[str, str], field: str) -> None:
+def test_count_past_32_bits_names_the_whole_range(
+    client: TestClient, ready: dict[str, str], field: str
+) -> None:
     r = client.post("/v1/jobs", json=job_spec(ready["train"], ready["val"], parameters={field: 2**31}))
     assert r.status_code == 422
     [err] = r.json()["errors"]
     assert err["allowed"] == "> 0 and <= 2147483647"
-    assert f"parameters.{field}: Input should be less than or equal to 2147483647 (allowed: > 0 and <= 2147483647)" in (
-        r.json()["message"]
+    assert (
+        f"parameters.{field}: Input should be less than or equal to 2147483647 (allowed: > 0 and <= 2147483647)"
+        in (r.json()["message"])
     )
 
 

@@ -351,7 +351,11 @@ def test_client_only_install(tmp_path: Path) -> None:
 def test_docs_say_which_extra_for_which_part() -> None:
     readme = (ROOT / "README.md").read_text()
     cluster = (ROOT / "docs" / "running-on-a-cluster.md").read_text()
-    for line in ("pip install torchyard`", "pip install 'torchyard[server]'", "pip install 'torchyard[worker]'"):
+    for line in (
+        "pip install torchyard`",
+        "pip install 'torchyard[server]'",
+        "pip install 'torchyard[worker]'",
+    ):
         assert line in readme and line in cluster, line
     assert "pip install 'torchyard[all]'" in readme and ".[all,dev]" in readme
     assert "--target api" in cluster and "--target worker" in cluster

@@ -135,7 +135,10 @@ def test_one_live_attempt_per_job(db: Database) -> None:
 
 
 def test_settings_refuse_a_lease_shorter_than_the_heartbeat(tmp_path: object) -> None:
-    with pytest.raises(ValueError, match=r"TORCHYARD_LEASE_TIMEOUT_S \(4\) must be larger than TORCHYARD_HEARTBEAT_INTERVAL_S \(5\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"TORCHYARD_LEASE_TIMEOUT_S \(4\) must be larger than TORCHYARD_HEARTBEAT_INTERVAL_S \(5\)",
+    ):
         Settings(heartbeat_interval_s=5, lease_timeout_s=4)
     with pytest.raises(ValueError, match="sqlite:// or postgresql://"):
         Settings(database_url="mysql://x")

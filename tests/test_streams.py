@@ -205,7 +205,10 @@ def test_many_followers_share_one_poll_and_hold_no_connection(setup: Setup) -> N
     # 20 streaming clients, and at most the odd short query (the shared poll, the reaper) in flight
     in_use = []
     for _ in range(10):
-        in_use.append(db.read_engine.pool.checkedout() + (0 if db.engine is db.read_engine else db.engine.pool.checkedout()))
+        in_use.append(
+            db.read_engine.pool.checkedout()
+            + (0 if db.engine is db.read_engine else db.engine.pool.checkedout())
+        )
         time.sleep(0.05)
     assert min(in_use) <= 3, in_use  # pinned connections would show 20 in every sample
     text = run_job(setup, job_id, pause=0)
@@ -239,7 +242,9 @@ def test_a_follower_sees_writes_made_through_another_replica(setup: Setup, setti
         other.stop()
 
 
-def test_followers_behind_a_small_buffer_catch_up_in_pages(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_followers_behind_a_small_buffer_catch_up_in_pages(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With a buffer far smaller than the job's history and short database pages,
     live followers, slow ones and late ones still get everything exactly once."""
     from service.services import streams

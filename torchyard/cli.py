@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--with-worker", action="store_true", help="also run one local worker agent on this machine"
     )
-    serve.add_argument("--worker-name", default=None, help="node name of the local worker (default <host>-local)")
+    serve.add_argument(
+        "--worker-name", default=None, help="node name of the local worker (default <host>-local)"
+    )
     serve.add_argument("--worker-slots", type=int, default=None, help="CPU slots of the local worker")
     serve.add_argument(
         "--log-level",

@@ -88,12 +88,16 @@ def _datasets_upload(args: argparse.Namespace) -> int:
             raise ValueError("give the dataset name once: as NAME or as --name")
         args.name, args.source = args.source[0], args.source[1:]
     if len(args.source) > 2 or bool(args.source) == (args.path is not None):
-        raise ValueError("give [NAME] PATH of a folder or archive to upload, or --path PATH to register shared storage")
+        raise ValueError(
+            "give [NAME] PATH of a folder or archive to upload, or --path PATH to register shared storage"
+        )
     args.source = args.source[0] if args.source else None
     with _client(args) as client:
         if args.path is not None:
             name = args.name or Path(args.path).name
-            dataset = client.register_dataset(name, args.path, **({"sample": args.sample} if args.sample else {}))
+            dataset = client.register_dataset(
+                name, args.path, **({"sample": args.sample} if args.sample else {})
+            )
         else:
             source = Path(args.source)
             if not source.exists():
@@ -123,7 +127,15 @@ def _datasets_list(args: argparse.Namespace) -> int:
         _print_json(items)
         return 0
     rows = [
-        (d.id, d.name, d.source or "-", len(d.classes), d.num_images, human_bytes(d.size_bytes), format_time(d.created_at))
+        (
+            d.id,
+            d.name,
+            d.source or "-",
+            len(d.classes),
+            d.num_images,
+            human_bytes(d.size_bytes),
+            format_time(d.created_at),
+        )
         for d in items
     ]
     print(format_table(["ID", "NAME", "SOURCE", "CLASSES", "IMAGES", "SIZE", "CREATED"], rows))
@@ -315,7 +327,9 @@ def print_job(job: Job) -> None:
     if job.reason:
         print(f"waiting:     {job.reason}")
     if job.failure is not None:
-        where = ", ".join(f"{k} {v}" for k, v in (("rank", job.failure.rank), ("node", job.failure.node)) if v is not None)
+        where = ", ".join(
+            f"{k} {v}" for k, v in (("rank", job.failure.rank), ("node", job.failure.node)) if v is not None
+        )
         print(f"failure:     {job.failure.code}: {job.failure.message}" + (f" [{where}]" if where else ""))
         if job.failure.traceback:
             print("traceback:\n  " + job.failure.traceback.rstrip().replace("\n", "\n  "))
@@ -326,7 +340,9 @@ def print_job(job: Job) -> None:
     if job.progress:
         print(f"progress:    {_kv(job.progress)}")
     fraction = (job.progress or {}).get("fraction")
-    timing = job_timing(job.started_at, job.finished_at, fraction if isinstance(fraction, int | float) else None)
+    timing = job_timing(
+        job.started_at, job.finished_at, fraction if isinstance(fraction, int | float) else None
+    )
     if timing:
         print(f"time:        {timing}")
     if job.best:
@@ -344,7 +360,10 @@ def print_job(job: Job) -> None:
     if job.history:
         print("history:")
         for change in job.history:
-            print(f"  {format_time(change.at)}  {change.status}" + (f"  {change.message}" if change.message else ""))
+            print(
+                f"  {format_time(change.at)}  {change.status}"
+                + (f"  {change.message}" if change.message else "")
+            )
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -393,9 +412,7 @@ def _logs(args: argparse.Namespace) -> int:
             job = client.get_job(args.id)
             # Epoch progress goes to stderr beside the log, from a second connection, so
             # that stdout stays the log's exact text.
-            notes = threading.Thread(
-                target=_notes_quietly, args=(args, job), name="epoch-notes", daemon=True
-            )
+            notes = threading.Thread(target=_notes_quietly, args=(args, job), name="epoch-notes", daemon=True)
             if not args.json:
                 notes.start()
             for text in client.follow_logs(job.id, rank=args.rank, stream=args.stream, offset=args.offset):
@@ -455,7 +472,9 @@ def _watch_metrics(client: Client, args: argparse.Namespace) -> int:
         where = ""
         if done:
             timing = timing_text(*table.timing(done[-1], epochs))
-            where = f"  epoch {done[-1]}" + (f"/{epochs}" if epochs else "") + (f"  {timing}" if timing else "")
+            where = (
+                f"  epoch {done[-1]}" + (f"/{epochs}" if epochs else "") + (f"  {timing}" if timing else "")
+            )
         sys.stdout.write("\x1b[H\x1b[2J")
         sys.stdout.write(f"job {job.id}  status {status}{where}\n\n{table.render()}\n")
         sys.stdout.flush()
@@ -513,7 +532,9 @@ def _download(args: argparse.Namespace) -> int:
         _print_json({"job": job.id, "path": str(path), "sha256": job.model_sha256, "verified": True})
     else:
         print(path)
-        _note(f"model directory verified (sha256 {job.model_sha256}); load it with torchyard.modeldir.load_model")
+        _note(
+            f"model directory verified (sha256 {job.model_sha256}); load it with torchyard.modeldir.load_model"
+        )
     return 0
 
 
@@ -567,7 +588,9 @@ def _token_revoke(args: argparse.Namespace) -> int:
             named = [t for t in tokens if t.name == args.token_ref and t.revoked_at is None]
             if len(named) > 1:
                 ids = ", ".join(t.id for t in named)
-                raise ValueError(f"{len(named)} valid tokens are named {args.token_ref!r} ({ids}): give the id")
+                raise ValueError(
+                    f"{len(named)} valid tokens are named {args.token_ref!r} ({ids}): give the id"
+                )
             if not named:
                 raise ValueError(f"no token has the id {args.token_ref!r}, and no valid token that name")
             args.token_ref = named[0].id
@@ -592,7 +615,9 @@ def register_token_commands(
     revoke = token_sub.add_parser(
         "revoke", parents=[common], help="revoke a token: every request with it gets 401 from now on"
     )
-    revoke.add_argument("token_ref", metavar="ID", help="the token's id (or its name, when one valid token has it)")
+    revoke.add_argument(
+        "token_ref", metavar="ID", help="the token's id (or its name, when one valid token has it)"
+    )
     revoke.set_defaults(handler=_token_revoke)
 
 
@@ -621,7 +646,9 @@ def client_options() -> argparse.ArgumentParser:
     """Options shared by every command that talks to the API."""
     parent = argparse.ArgumentParser(add_help=False)
     conn = parent.add_argument_group("connection")
-    conn.add_argument("--url", default=None, help="API URL (default: $TORCHYARD_URL, else http://127.0.0.1:8000)")
+    conn.add_argument(
+        "--url", default=None, help="API URL (default: $TORCHYARD_URL, else http://127.0.0.1:8000)"
+    )
     conn.add_argument(
         "--token", default=None, help="API token (default: $TORCHYARD_TOKEN, else <data dir>/admin.token)"
     )
@@ -646,7 +673,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="[NAME] PATH",
         help="folder (packed to .tar.gz on the fly) or .zip/.tar/.tar.gz archive, optionally after its name",
     )
-    up.add_argument("--path", help="register this folder on the service's shared storage instead of uploading")
+    up.add_argument(
+        "--path", help="register this folder on the service's shared storage instead of uploading"
+    )
     up.add_argument("--name", help="dataset name (default: the folder or file name)")
     up.add_argument("--sample", type=int, help="with --path: decode only this many images (large sets)")
     up.set_defaults(handler=_datasets_upload)
@@ -657,7 +686,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     show = ds_sub.add_parser("show", parents=[common], help="one dataset with its per-class counts")
     show.add_argument("id")
     show.set_defaults(handler=_datasets_show)
-    delete = ds_sub.add_parser("delete", parents=[common], help="delete a dataset (refused while a job uses it)")
+    delete = ds_sub.add_parser(
+        "delete", parents=[common], help="delete a dataset (refused while a job uses it)"
+    )
     delete.add_argument("id")
     delete.set_defaults(handler=_datasets_delete)
 
@@ -669,11 +700,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "(e.g. --set parameters.epochs=3). Dataset fields accept an id or a dataset name.",
     )
     submit.add_argument("spec", nargs="?", help="job spec file (.yaml, .yml or .json; - for stdin)")
-    submit.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec field by its dotted path")
+    submit.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override a spec field by its dotted path"
+    )
     submit.add_argument("--name", help="job name")
     submit.add_argument("--train", help="training dataset (id or name)")
     submit.add_argument("--val", help="validation dataset (id or name)")
-    submit.add_argument("--pretrained", action="store_true", default=None, help="start from offline pretrained weights")
+    submit.add_argument(
+        "--pretrained", action="store_true", default=None, help="start from offline pretrained weights"
+    )
     for flag, _dotted, kind, text in _SUBMIT_FLAGS:
         submit.add_argument(flag, type=kind, default=None, help=text)
     submit.add_argument("--follow", "-f", action="store_true", help="show live progress until the job ends")

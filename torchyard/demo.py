@@ -68,7 +68,12 @@ class DemoService:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
 
     def _check_alive(self) -> None:
@@ -94,7 +99,9 @@ class DemoService:
                             ready, client = client, None
                             return ready
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the service was not ready after {timeout:.0f} s; see {self.log_path}")
+                    raise RuntimeError(
+                        f"the service was not ready after {timeout:.0f} s; see {self.log_path}"
+                    )
                 time.sleep(0.2)
         finally:
             if client is not None:
@@ -158,8 +165,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             _say(out, f"worker node {node.name!r} ready: {node.units} {node.accelerator} unit(s)")
             train = client.upload_dataset(train_dir, name="digits-train")
             val = client.upload_dataset(val_dir, name="digits-val")
-            _say(out, f"uploaded digits-train ({train.num_images} images) and digits-val ({val.num_images} images), "
-                 f"{len(train.classes)} classes")
+            _say(
+                out,
+                f"uploaded digits-train ({train.num_images} images) and digits-val ({val.num_images} images), "
+                f"{len(train.classes)} classes",
+            )
             job = client.submit_job(
                 {
                     "name": "digits-resnet18",
@@ -180,7 +190,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                     "resources": {"node_count": 1, "process_count_per_node": args.procs},
                 }
             )
-            _say(out, f"submitted job {job.id}: resnet18, image_size 32, augmentation light, {args.epochs} epochs")
+            _say(
+                out,
+                f"submitted job {job.id}: resnet18, image_size 32, augmentation light, {args.epochs} epochs",
+            )
             final = _follow(client, job, out)
             if final.status != "succeeded":
                 _say(out, f"the job ended {final.status}; rank 0's log ends with:")
@@ -189,7 +202,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 return 1
             model_dir = root / "models" / final.id
             client.download_model(final.id, model_dir)
-            _say(out, f"model directory downloaded and verified: {_rel(model_dir)} (sha256 {final.model_sha256})")
+            _say(
+                out,
+                f"model directory downloaded and verified: {_rel(model_dir)} (sha256 {final.model_sha256})",
+            )
             _local_check(model_dir, val_dir, out)
             _summary(out, final, service, data_dir, model_dir, val_dir, time.monotonic() - started, args)
             if args.keep_running:
@@ -224,8 +240,11 @@ def _local_check(model_dir: Path, val_dir: Path, out: TextIO) -> None:
     from torchyard.modeldir import evaluate_dir
 
     result = evaluate_dir(model_dir, val_dir)
-    _say(out, f"local check with torchyard.modeldir: top-1 {result['top1']:.2%} "
-         f"({result['correct']}/{result['n']} validation images)")
+    _say(
+        out,
+        f"local check with torchyard.modeldir: top-1 {result['top1']:.2%} "
+        f"({result['correct']}/{result['n']} validation images)",
+    )
 
 
 def _summary(
@@ -246,16 +265,24 @@ def _summary(
     sample = next(iter(sorted((val_dir / "7").glob("*.png"))), None)
     command, setup = command_hint(Path(sys.executable), os.environ.get("PATH"))
     _say(out)
-    _say(out, f"final top-1 (validation): {top1_text}" + (f" (best epoch {epoch})" if epoch is not None else ""))
+    _say(
+        out,
+        f"final top-1 (validation): {top1_text}" + (f" (best epoch {epoch})" if epoch is not None else ""),
+    )
     _say(out, f"done in {seconds:.0f} s.")
     _say(out)
     _say(out, "How to go on:")
     _say(out, f"  command:       {command}")
-    _say(out, f"  service URL:   {service.url} (this run); `torchyard serve` listens on http://127.0.0.1:8000")
+    _say(
+        out, f"  service URL:   {service.url} (this run); `torchyard serve` listens on http://127.0.0.1:8000"
+    )
     _say(out, f"  admin token:   {_rel(data_dir / 'admin.token')} (mode 0600; the CLI reads it, no copying)")
     _say(out, f"  model:         {_rel(model_dir)}")
-    _say(out, f"  sample data:   {_rel(val_dir.parent / 'train')} and {_rel(val_dir)}: class folders of PNGs that "
-         "`torchyard demo` wrote (upload them with `torchyard datasets upload NAME FOLDER`)")
+    _say(
+        out,
+        f"  sample data:   {_rel(val_dir.parent / 'train')} and {_rel(val_dir)}: class folders of PNGs that "
+        "`torchyard demo` wrote (upload them with `torchyard datasets upload NAME FOLDER`)",
+    )
     _say(out, "  next commands:")
     if setup:
         _say(out, f"    {setup}{' ' * max(1, 36 - len(setup))}# puts `torchyard` on PATH in this shell")
@@ -263,12 +290,20 @@ def _summary(
     again = f" (and `{setup}` there too)" if setup else ""
     _say(out, f"    export {env}                            # then, in another terminal{again}:")
     _say(out, "    torchyard jobs")
-    _say(out, f"    torchyard metrics {job.name}{' ' * max(1, 28 - len(job.name))}# a job's name, id or id prefix")
+    _say(
+        out,
+        f"    torchyard metrics {job.name}{' ' * max(1, 28 - len(job.name))}# a job's name, id or id prefix",
+    )
     _say(out, f"    torchyard logs {job.id[:8]} --rank 0")
     if sample is not None:
-        _say(out, f"    torchyard predict {shlex.quote(_rel(model_dir))} {shlex.quote(_rel(sample))} --topk 3")
-    _say(out, "    torchyard submit --train digits-train --val digits-val --arch resnet18 "
-         f"--image-size 32 --augmentation light --epochs {max(10, args.epochs)} --lr {args.lr} --follow")
+        _say(
+            out, f"    torchyard predict {shlex.quote(_rel(model_dir))} {shlex.quote(_rel(sample))} --topk 3"
+        )
+    _say(
+        out,
+        "    torchyard submit --train digits-train --val digits-val --arch resnet18 "
+        f"--image-size 32 --augmentation light --epochs {max(10, args.epochs)} --lr {args.lr} --follow",
+    )
 
 
 def command_hint(executable: Path, search_path: str | None) -> tuple[str, str | None]:
@@ -297,7 +332,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     demo.add_argument("--dir", default="torchyard-demo", help="working folder (default ./torchyard-demo)")
     demo.add_argument("--epochs", type=int, default=5, help="training epochs (default 5)")
-    demo.add_argument("--per-class", type=int, default=None, help="images per digit (default: all, about 180)")
+    demo.add_argument(
+        "--per-class", type=int, default=None, help="images per digit (default: all, about 180)"
+    )
     demo.add_argument("--batch-size", type=int, default=32, help="images per batch (default 32)")
     demo.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
     demo.add_argument("--procs", type=int, default=1, help="training processes (default 1)")

@@ -136,7 +136,9 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 class LocalWorker:
     """The worker agent child process of ``serve --with-worker``."""
 
-    def __init__(self, api_url: str, token: str, name: str, slots: int, work_dir: Path, log_path: Path) -> None:
+    def __init__(
+        self, api_url: str, token: str, name: str, slots: int, work_dir: Path, log_path: Path
+    ) -> None:
         self.api_url = api_url
         self.token = token
         self.name = name

@@ -159,7 +159,9 @@ class EpochTable:
 
     def render(self) -> str:
         cols = self.columns()
-        return format_table(["epoch"] + [h for _, h, _ in cols], [self.row(e, cols) for e in sorted(self.rows)])
+        return format_table(
+            ["epoch"] + [h for _, h, _ in cols], [self.row(e, cols) for e in sorted(self.rows)]
+        )
 
     def is_complete(self, epoch: int) -> bool:
         """An epoch's row is complete once its duration is recorded (the trainer's last point)."""
@@ -169,7 +171,9 @@ class EpochTable:
         """(elapsed, left) in seconds at the end of ``epoch``: the training time of the
         epochs so far (their recorded durations) and the time the remaining epochs of
         ``epochs`` take at that pace. None for what is unknown."""
-        seconds = [row["epoch.seconds"] for e, row in self.rows.items() if e <= epoch and "epoch.seconds" in row]
+        seconds = [
+            row["epoch.seconds"] for e, row in self.rows.items() if e <= epoch and "epoch.seconds" in row
+        ]
         if not seconds:
             return None, None
         elapsed = sum(seconds)
@@ -213,9 +217,7 @@ def describe_status(data: Mapping[str, Any]) -> str:
         text += f" ({data['message']})"
     failure = data.get("failure")
     if isinstance(failure, Mapping):
-        where = ", ".join(
-            f"{k} {failure[k]}" for k in ("rank", "node") if failure.get(k) is not None
-        )
+        where = ", ".join(f"{k} {failure[k]}" for k in ("rank", "node") if failure.get(k) is not None)
         text += f": {failure.get('code')}: {failure.get('message')}" + (f" [{where}]" if where else "")
     return text
 
@@ -224,7 +226,9 @@ class LiveProgress:
     """Prints a job's events as they arrive: status changes, one line per finished epoch,
     and (on a terminal) a refreshing line with the current step and training loss."""
 
-    def __init__(self, out: TextIO | None = None, *, show_logs: bool = False, epochs: int | None = None) -> None:
+    def __init__(
+        self, out: TextIO | None = None, *, show_logs: bool = False, epochs: int | None = None
+    ) -> None:
         self.out = out or sys.stdout
         self.tty = self.out.isatty()
         self.show_logs = show_logs

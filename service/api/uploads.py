@@ -162,8 +162,14 @@ async def receive_multipart(
     callbacks: Any = {
         name: getattr(state, name)
         for name in (
-            "on_part_begin", "on_header_field", "on_header_value", "on_header_end",
-            "on_headers_finished", "on_part_data", "on_part_end", "on_end",
+            "on_part_begin",
+            "on_header_field",
+            "on_header_value",
+            "on_header_end",
+            "on_headers_finished",
+            "on_part_data",
+            "on_part_end",
+            "on_end",
         )
     }
     parser = MultipartParser(boundary, callbacks)

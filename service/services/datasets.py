@@ -260,7 +260,9 @@ def _visible_dataset(
             found = refs.resolve(session, Dataset, visible, ref, "dataset")
         row = None if found is None else by_id(found)
         if row is None:
-            raise NotFoundError(f"dataset {ref!r} not found (no dataset you may see has this id, name or id prefix)")
+            raise NotFoundError(
+                f"dataset {ref!r} not found (no dataset you may see has this id, name or id prefix)"
+            )
     return row
 
 

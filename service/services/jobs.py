@@ -148,7 +148,9 @@ def get_job(session: Session, principal: Principal, job_id: str, *, for_update: 
         found = refs.resolve(session, Job, visible, job_id, "job")
         job = None if found is None else by_id(found)
         if job is None:
-            raise NotFoundError(f"job {job_id!r} not found (no job you may see has this id, name or id prefix)")
+            raise NotFoundError(
+                f"job {job_id!r} not found (no job you may see has this id, name or id prefix)"
+            )
     return job
 
 

@@ -78,7 +78,9 @@ def resolve(
     if not comparable(ref):
         return None
     order = (model.created_at.desc(), model.id.desc())
-    named = list(session.scalars(select(model).where(*visible, model.name == ref).order_by(*order).limit(_SHOWN + 1)))
+    named = list(
+        session.scalars(select(model).where(*visible, model.name == ref).order_by(*order).limit(_SHOWN + 1))
+    )
     if len(named) == 1:
         return named[0].id
     if named:
@@ -87,7 +89,9 @@ def resolve(
         return None
     prefix = ref.lower()
     started = list(
-        session.scalars(select(model).where(*visible, model.id.startswith(prefix)).order_by(*order).limit(_SHOWN + 1))
+        session.scalars(
+            select(model).where(*visible, model.id.startswith(prefix)).order_by(*order).limit(_SHOWN + 1)
+        )
     )
     if len(started) == 1:
         return started[0].id

@@ -140,7 +140,12 @@ class Batch:
 
 def _status_item(ev: JobEvent, job: Job | None) -> Item:
     status = JobStatus(ev.status)
-    data: dict[str, Any] = {"seq": ev.seq, "status": ev.status, "message": ev.message, "at": ev.at.isoformat()}
+    data: dict[str, Any] = {
+        "seq": ev.seq,
+        "status": ev.status,
+        "message": ev.message,
+        "at": ev.at.isoformat(),
+    }
     final = status.is_final()
     if final and job is not None:
         data["final"] = True
@@ -175,10 +180,20 @@ def _log_item(piece: LogPiece) -> Item:
         "offset": piece.offset,
         "text": piece.data,
     }
-    return Item("log", piece.seq, data, stream=piece.stream, attempt=piece.attempt, offset=piece.offset, text=piece.data)
+    return Item(
+        "log",
+        piece.seq,
+        data,
+        stream=piece.stream,
+        attempt=piece.attempt,
+        offset=piece.offset,
+        text=piece.data,
+    )
 
 
-def read_batch(session: Session, job_id: str, after: Cursor, *, upto: Cursor | None = None, limit: int = READ_LIMIT) -> Batch:
+def read_batch(
+    session: Session, job_id: str, after: Cursor, *, upto: Cursor | None = None, limit: int = READ_LIMIT
+) -> Batch:
     """What happened to the job after ``after`` (and not past ``upto``), final status last.
 
     Status changes are read first: every metric point and log chunk committed before a
@@ -212,7 +227,11 @@ def read_batch(session: Session, job_id: str, after: Cursor, *, upto: Cursor | N
             break
         statuses.append(_status_item(ev, None))
     # Status changes before the data of the same poll, except the final one, which ends it.
-    items = [s for s in statuses if not s.final] + [_metric_item(m) for m in metrics] + [_log_item(p) for p in pieces]
+    items = (
+        [s for s in statuses if not s.final]
+        + [_metric_item(m) for m in metrics]
+        + [_log_item(p) for p in pieces]
+    )
     items += [s for s in statuses if s.final]
     cursor = after
     for item in items:
@@ -299,7 +318,9 @@ class JobFeed:
                 # A short history is read into the buffer once: followers that start from
                 # the beginning (the usual case) then need no database read of their own.
                 while True:
-                    batch = await run_in_threadpool(_with_read_session, db, read_batch, self.job_id, self.head)
+                    batch = await run_in_threadpool(
+                        _with_read_session, db, read_batch, self.job_id, self.head
+                    )
                     self._append(batch.items)
                     self.done = self.done or batch.final
                     if batch.drained or self.done:
@@ -318,13 +339,17 @@ class JobFeed:
                 else:
                     idle_since = None
                 interval = (
-                    IDLE_POLL_INTERVAL_S if time.monotonic() - last_news > IDLE_AFTER_S else self.hub.poll_interval
+                    IDLE_POLL_INTERVAL_S
+                    if time.monotonic() - last_news > IDLE_AFTER_S
+                    else self.hub.poll_interval
                 )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), interval)
                 self.wake.clear()
                 while True:
-                    batch = await run_in_threadpool(_with_read_session, db, read_batch, self.job_id, self.head)
+                    batch = await run_in_threadpool(
+                        _with_read_session, db, read_batch, self.job_id, self.head
+                    )
                     if batch.items:
                         last_news = time.monotonic()
                         self._append(batch.items)
@@ -418,7 +443,9 @@ class StreamHub:
 
     def feed(self, job_id: str) -> JobFeed:
         feed = self.feeds.get(job_id)
-        if feed is None or (feed.done and feed.task is not None and feed.task.done() and feed.error is not None):
+        if feed is None or (
+            feed.done and feed.task is not None and feed.task.done() and feed.error is not None
+        ):
             feed = JobFeed(self, job_id)
             self.feeds[job_id] = feed
             feed.task = asyncio.get_running_loop().create_task(feed.run(), name=f"feed-{job_id}")
@@ -445,7 +472,9 @@ class StreamHub:
                     # Behind the buffer: catch up from the database to the buffer's start.
                     upto = feed.base
                     batch = await run_in_threadpool(
-                        _with_read_session, self.db, lambda s, c=cursor, u=upto: read_batch(s, job_id, c, upto=u)
+                        _with_read_session,
+                        self.db,
+                        lambda s, c=cursor, u=upto: read_batch(s, job_id, c, upto=u),
                     )
                     for item in batch.items:
                         cursor = cursor.after(item)
@@ -455,7 +484,9 @@ class StreamHub:
                     if batch.drained:
                         # Nothing left up to the buffer's start: continue in the buffer.
                         cursor = Cursor(
-                            max(cursor.status, upto.status), max(cursor.metric, upto.metric), max(cursor.log, upto.log)
+                            max(cursor.status, upto.status),
+                            max(cursor.metric, upto.metric),
+                            max(cursor.log, upto.log),
                         )
                         sub.position = feed.first_index
                     continue
@@ -579,7 +610,9 @@ class LogTarget:
     attempt: int | None
 
 
-def _open_log(session: Session, job_id: str, target: LogTarget, attempt_number: int | None) -> tuple[int | None, str | None]:
+def _open_log(
+    session: Session, job_id: str, target: LogTarget, attempt_number: int | None
+) -> tuple[int | None, str | None]:
     from service.services.reports import resolve_stream
 
     job = session.get_one(Job, job_id)
@@ -588,7 +621,9 @@ def _open_log(session: Session, job_id: str, target: LogTarget, attempt_number: 
     return (attempt.number if attempt is not None else None), stream
 
 
-def _read_log(session: Session, job_id: str, attempt_number: int, stream: str, offset: int) -> tuple[bytes, int, bool]:
+def _read_log(
+    session: Session, job_id: str, attempt_number: int, stream: str, offset: int
+) -> tuple[bytes, int, bool]:
     job = session.get_one(Job, job_id)
     attempt = session.scalars(
         select(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt_number)

@@ -80,7 +80,9 @@ class WorkerApi:
     """Calls of one agent. Thread-safe: the heartbeat thread, the claim loop and every
     placement's thread share it (and its connection pool)."""
 
-    def __init__(self, base_url: str, token: str, *, agent_key: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(
+        self, base_url: str, token: str, *, agent_key: str | None = None, timeout: float = 30.0
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.agent_key = agent_key
         headers = {"Authorization": f"Bearer {token}"}

@@ -7,7 +7,6 @@ lines → the final status goes out (the lease ends there, later writes would be
 
 from __future__ import annotations
 
-import json
 import logging
 import shlex
 import threading
@@ -15,21 +14,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from torchyard.errors import (
-    InvalidModelDirectoryError,
-    RankFailedError,
-    StaleLeaseError,
-    TorchyardError,
-    WorkerLostError,
-)
-from worker.agent.api import WorkerApi, retrying
+from torchyard.errors import RankFailedError
+from worker.agent.api import WorkerApi
 from worker.agent.launcher import LaunchSpec, RankGroup, collect_failure, rank_log_files
+from worker.agent.run_inputs import RunInputs, prepare_failure
+from worker.agent.run_outcome import OutcomeReport, StopKind
 
 log = logging.getLogger(__name__)
 
-StopKind = Literal["cancelled", "attempt_ended", "stale", "shutdown"]
 AGENT_LOG = "agent.log"
 REPORTER_FLUSH_S = 30.0
 
@@ -78,7 +72,11 @@ class _RunLog:
 
 
 class PlacementRun:
-    """A claimed placement: prepares, launches, watches, stops and reports its ranks."""
+    """A claimed placement: prepares, launches, watches, stops and reports its ranks.
+
+    Its inputs are :class:`RunInputs`, its reports to the API :class:`OutcomeReport`;
+    this class launches torchrun and decides the outcome.
+    """
 
     def __init__(
         self,
@@ -102,9 +100,13 @@ class PlacementRun:
         self.stop_kind: StopKind | None = None
         self.stop_message = ""
         self.group: RankGroup | None = None
-        self.final_state: str | None = None
         self.log = log
+        self.report = OutcomeReport(ctx, self.job_id, self.lease_token, self.request_stop, log)
         self.thread = threading.Thread(target=self._main, name=f"run-{self.job_id[:8]}")
+
+    @property
+    def final_state(self) -> str | None:
+        return self.report.final_state
 
     def start(self) -> None:
         self.thread.start()
@@ -121,7 +123,7 @@ class PlacementRun:
     def _main(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         runlog = _RunLog(self.run_dir / AGENT_LOG, self.job_id)
-        self.log = runlog.logger
+        self.log = self.report.log = runlog.logger
         try:
             self._run(runlog.path)
         except Exception as exc:
@@ -130,7 +132,7 @@ class PlacementRun:
                 self.group.stop(self.ctx.grace_s)
             if self.final_state is None:
                 message = f"the worker agent on node {self.ctx.node_name} failed: {type(exc).__name__}: {exc}"
-                self._finish(
+                self.report.finish(
                     "failed",
                     None,
                     {"code": RankFailedError.code, "message": message, "node": self.ctx.node_name},
@@ -154,19 +156,49 @@ class PlacementRun:
             w["master_port"],
             self.run_dir,
         )
+        job_file = self._prepare()
+        if job_file is None:
+            return
+        spec = self._launch_spec()
+        if spec.job_file != job_file:
+            raise RuntimeError(f"job file {job_file} is not where torchrun will look ({spec.job_file})")
+        group = self.group = RankGroup(spec)
+        with open(agent_log, "a", encoding="utf-8") as out:
+            pid = group.start(out)
+        self.log.info("torchrun started (pid %d): %s", pid, shlex.join(group.command))
+        reporter = self._start_reporter(spec, agent_log)
+        self.report.report_running(self.stop_event)
+
+        exit_code = self._watch(group, reporter)
+        self.log.info("torchrun ended: exit code %s", exit_code)
+        state, failure = self._outcome(spec, exit_code, agent_log)
+        if reporter is not None:
+            reporter.stop(REPORTER_FLUSH_S)
+        if state == "stopped":
+            self.report.finish_stopped(self.stop_kind, exit_code)
+        else:
+            self.report.finish(state, exit_code, failure)
+
+    # --- steps -----------------------------------------------------------------------------
+
+    def _prepare(self) -> Path | None:
+        """The inputs' ``job.json``, or None when the placement already ended (reported)."""
         try:
-            job_file = self._prepare()
+            job_file = RunInputs(self.ctx, self.work, self.run_dir, self.stop_event, self.log).prepare()
         except Exception as exc:
             if self.stop_event.is_set():
-                self._finish_stopped(None)
+                self.report.finish_stopped(self.stop_kind, None)
             else:
-                self._finish("failed", None, self._prepare_failure(exc))
-            return
+                self.report.finish("failed", None, prepare_failure(exc, self.ctx.node_name, self.log))
+            return None
         if self.stop_event.is_set():
-            self._finish_stopped(None)
-            return
+            self.report.finish_stopped(self.stop_kind, None)
+            return None
+        return job_file
 
-        spec = LaunchSpec(
+    def _launch_spec(self) -> LaunchSpec:
+        w = self.work
+        return LaunchSpec(
             run_dir=self.run_dir,
             node_name=self.ctx.node_name,
             node_rank=self.node_rank,
@@ -178,132 +210,32 @@ class PlacementRun:
             gpu_ids=self.gpu_ids,
             socket_ifname=self.ctx.socket_ifname,
         )
-        if spec.job_file != job_file:
-            raise RuntimeError(f"job file {job_file} is not where torchrun will look ({spec.job_file})")
-        group = self.group = RankGroup(spec)
-        with open(agent_log, "a", encoding="utf-8") as out:
-            pid = group.start(out)
-        self.log.info("torchrun started (pid %d): %s", pid, shlex.join(group.command))
-        reporter = self._start_reporter(spec, agent_log)
-        self._report_running()
 
-        exit_code = self._watch(group, reporter)
-        self.log.info("torchrun ended: exit code %s", exit_code)
-
-        outcome: tuple[str, dict[str, Any] | None]
+    def _outcome(
+        self, spec: LaunchSpec, exit_code: int | None, agent_log: Path
+    ) -> tuple[str, dict[str, Any] | None]:
+        """``stopped``, ``succeeded`` or ``failed`` (with the failure) once torchrun ended."""
         if self.stop_event.is_set():
-            outcome = ("stopped", None)
-        elif exit_code == 0:
-            outcome = ("succeeded", None)
-            if self.node_rank == 0:
-                failure = self._upload_model()
-                if failure is not None:
-                    outcome = ("failed", failure)
-        else:
-            failure = collect_failure(spec, exit_code, agent_log)
-            self.log.error(
-                "job %s failed: %s (rank %s on %s): %s",
-                self.job_id,
-                failure["code"],
-                failure.get("rank"),
-                failure.get("node"),
-                failure["message"],
-            )
-            if failure.get("secondary") and w["node_count"] > 1:
-                # Probably the echo of a failure elsewhere: give the node where it started
-                # time to report it (or the API time to notice that node is gone).
-                patience = self.ctx.lease_timeout_s + 2 * self.ctx.heartbeat_interval_s
-                self.log.info("waiting up to %.0f s for the root cause to be reported elsewhere", patience)
-                self.stop_event.wait(patience)
-            outcome = ("stopped", None) if self.stop_event.is_set() else ("failed", failure)
-
-        if reporter is not None:
-            reporter.stop(REPORTER_FLUSH_S)
-        state, failure = outcome
-        if state == "stopped":
-            self._finish_stopped(exit_code)
-        else:
-            self._finish(state, exit_code, failure)
-
-    # --- steps -----------------------------------------------------------------------------
-
-    def _prepare(self) -> Path:
-        """Datasets (cached per node), the initial model if any, then ``job.json``."""
-        from worker.agent.dataset_cache import fetch_dataset
-
-        w = self.work
-        dirs: dict[str, Path] = {}
-        for role in ("train", "validation"):
-            ref: dict[str, Any] = w["datasets"][role]
-
-            def fetch(ref: dict[str, Any] = ref) -> Path:
-                return fetch_dataset(self.ctx.api.client, ref["id"], ref["sha256"], self.ctx.dataset_cache)
-
-            started = time.monotonic()
-            dirs[role] = retrying(
-                fetch,
-                f"fetching dataset {ref['id']}",
-                stop=self.stop_event,
-                deadline=time.monotonic() + 600,
-            )
-            self.log.info(
-                "%s dataset %s ready in %.2f s: %s", role, ref["id"], time.monotonic() - started, dirs[role]
-            )
-        init_dir = None
-        if w.get("init_from_job"):
-            init_dir = self._fetch_init_model(w["init_from_job"])
-        model = w["spec"]["model"]
-        job = {
-            "job_id": self.job_id,
-            "attempt_id": w["attempt_id"],
-            "model": {
-                "architecture": model["architecture"],
-                "pretrained": bool(model.get("pretrained", False)),
-                "memory_efficient": bool(model.get("memory_efficient", False)),
-            },
-            "init_from_dir": str(init_dir) if init_dir is not None else None,
-            "parameters": w["spec"]["parameters"],
-            "train_dir": str(dirs["train"]),
-            "val_dir": str(dirs["validation"]),
-            "classes": list(w["classes"]),
-            "datasets": {
-                role: {"id": w["datasets"][role]["id"], "sha256": w["datasets"][role]["sha256"]}
-                for role in ("train", "validation")
-            },
-            "output_dir": str(self.run_dir),
-            "loader_workers": None,
-        }
-        path = self.run_dir / "job.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(job, indent=2), encoding="utf-8")
-        tmp.replace(path)
-        return path
-
-    def _fetch_init_model(self, source_job: str) -> Path:
-        from worker.agent.reporting import download_model
-
-        dest = self.ctx.models_dir / source_job
-        if dest.is_dir():
-            self.log.info("initial model of job %s already on this node: %s", source_job, dest)
-            return dest
-        started = time.monotonic()
-        retrying(
-            lambda: download_model(self.ctx.api.client, source_job, dest),
-            f"downloading the model of job {source_job}",
-            stop=self.stop_event,
-            deadline=time.monotonic() + 600,
+            return "stopped", None
+        if exit_code == 0:
+            failure = self.report.upload_model(self.run_dir) if self.node_rank == 0 else None
+            return ("failed", failure) if failure is not None else ("succeeded", None)
+        failure = collect_failure(spec, exit_code, agent_log)
+        self.log.error(
+            "job %s failed: %s (rank %s on %s): %s",
+            self.job_id,
+            failure["code"],
+            failure.get("rank"),
+            failure.get("node"),
+            failure["message"],
         )
-        self.log.info("initial model of job %s fetched in %.2f s", source_job, time.monotonic() - started)
-        return dest
-
-    def _prepare_failure(self, exc: Exception) -> dict[str, Any]:
-        if isinstance(exc, TorchyardError) and exc.code not in ("TorchyardError", StaleLeaseError.code):
-            code, message = exc.code, exc.message
-        else:
-            code, message = RankFailedError.code, f"{type(exc).__name__}: {exc}"
-        message = f"node {self.ctx.node_name} could not prepare the job: {message}"
-        self.log.error("%s: %s", code, message)
-        return {"code": code, "message": message, "node": self.ctx.node_name}
+        if failure.get("secondary") and self.work["node_count"] > 1:
+            # Probably the echo of a failure elsewhere: give the node where it started
+            # time to report it (or the API time to notice that node is gone).
+            patience = self.ctx.lease_timeout_s + 2 * self.ctx.heartbeat_interval_s
+            self.log.info("waiting up to %.0f s for the root cause to be reported elsewhere", patience)
+            self.stop_event.wait(patience)
+        return ("stopped", None) if self.stop_event.is_set() else ("failed", failure)
 
     def _start_reporter(self, spec: LaunchSpec, agent_log: Path) -> Any:
         try:
@@ -323,23 +255,6 @@ class PlacementRun:
         reporter.start()
         return reporter
 
-    def _report_running(self) -> None:
-        try:
-            answer = retrying(
-                lambda: self.ctx.api.report_status(self.lease_token, "running"),
-                f"reporting job {self.job_id} running",
-                stop=self.stop_event,
-                deadline=time.monotonic() + self.ctx.lease_timeout_s,
-            )
-        except StaleLeaseError as exc:
-            self.request_stop("stale", f"the lease is no longer valid: {exc.message}")
-            return
-        except Exception as exc:
-            self.log.warning("could not report the ranks running (%s); the heartbeat keeps the lease", exc)
-            return
-        if answer.get("stop"):
-            self.request_stop("cancelled", answer.get("reason") or "the API asked to stop")
-
     def _watch(self, group: RankGroup, reporter: Any) -> int | None:
         while True:
             code = group.wait(0.2)
@@ -349,78 +264,16 @@ class PlacementRun:
             if reporter is not None and reporter.lease_lost:
                 self.request_stop("stale", "the API refused the lease (409)")
             if self.stop_event.is_set():
-                self.log.info(
-                    "stopping the ranks (%s: %s): SIGTERM, SIGKILL after %.0f s",
-                    self.stop_kind,
-                    self.stop_message,
-                    self.ctx.grace_s,
-                )
-                started = time.monotonic()
-                code = group.stop(self.ctx.grace_s)
-                self.log.info("ranks stopped in %.2f s", time.monotonic() - started)
-                return code
+                return self._stop_ranks(group)
 
-    def _upload_model(self) -> dict[str, Any] | None:
-        """Upload node rank 0's model directory; the failure to report if that went wrong."""
-        from worker.agent.reporting import upload_model
-
-        model_dir = self.run_dir / "model"
-        if not model_dir.is_dir():
-            return {
-                "code": InvalidModelDirectoryError.code,
-                "message": "training ended without writing its model directory",
-                "rank": 0,
-                "node": self.ctx.node_name,
-            }
+    def _stop_ranks(self, group: RankGroup) -> int | None:
+        self.log.info(
+            "stopping the ranks (%s: %s): SIGTERM, SIGKILL after %.0f s",
+            self.stop_kind,
+            self.stop_message,
+            self.ctx.grace_s,
+        )
         started = time.monotonic()
-        try:
-            sha256 = upload_model(self.ctx.api.client, self.job_id, self.lease_token, model_dir)
-        except StaleLeaseError as exc:
-            self.request_stop("stale", exc.message)
-            return None
-        except Exception as exc:
-            code = (
-                exc.code
-                if isinstance(exc, TorchyardError) and exc.status_code == 422
-                else RankFailedError.code
-            )
-            message = exc.message if isinstance(exc, TorchyardError) else f"{type(exc).__name__}: {exc}"
-            self.log.error("model upload failed: %s", message)
-            return {
-                "code": code,
-                "message": f"model upload failed: {message}",
-                "rank": 0,
-                "node": self.ctx.node_name,
-            }
-        self.log.info("model uploaded in %.2f s (sha256 %s)", time.monotonic() - started, sha256)
-        return None
-
-    def _finish_stopped(self, exit_code: int | None) -> None:
-        if self.stop_kind == "shutdown":
-            message = f"the worker agent on node {self.ctx.node_name} was stopped"
-            self._finish(
-                "failed",
-                exit_code,
-                {"code": WorkerLostError.code, "message": message, "node": self.ctx.node_name},
-            )
-        else:
-            self._finish("cancelled", exit_code, None)
-
-    def _finish(self, state: str, exit_code: int | None, failure: dict[str, Any] | None) -> None:
-        """The final status report; the lease ends with it."""
-        self.final_state = state
-        try:
-            answer = retrying(
-                lambda: self.ctx.api.report_status(
-                    self.lease_token, state, exit_code=exit_code, failure=failure
-                ),
-                f"reporting job {self.job_id} {state}",
-                deadline=time.monotonic() + max(60.0, 2 * self.ctx.lease_timeout_s),
-            )
-        except StaleLeaseError as exc:
-            self.log.info("job %s: %s not recorded, the lease is gone (%s)", self.job_id, state, exc.message)
-            return
-        except Exception as exc:
-            self.log.error("job %s: could not report %s: %s", self.job_id, state, exc)
-            return
-        self.log.info("job %s: reported %s; the job is %s", self.job_id, state, answer.get("job_status"))
+        code = group.stop(self.ctx.grace_s)
+        self.log.info("ranks stopped in %.2f s", time.monotonic() - started)
+        return code

@@ -42,7 +42,12 @@ def prune_runs(runs_dir: Path, keep: int, active: Iterable[Path]) -> list[Path]:
         else:
             log.warning("could not remove the old run directory %s", path)
     if removed:
-        log.info("removed %d old run director%s from %s", len(removed), "y" if len(removed) == 1 else "ies", runs_dir)
+        log.info(
+            "removed %d old run director%s from %s",
+            len(removed),
+            "y" if len(removed) == 1 else "ies",
+            runs_dir,
+        )
     return removed
 
 

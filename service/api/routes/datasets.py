@@ -26,6 +26,7 @@ class _UnsupportedMediaType(TorchyardError):
     code = "UnsupportedMediaTypeError"
     status_code = 415
 
+
 _CREATE_BODY: dict[str, Any] = {
     "requestBody": {
         "required": True,
@@ -35,11 +36,17 @@ _CREATE_BODY: dict[str, Any] = {
                     "type": "object",
                     "required": ["file"],
                     "properties": {
-                        "name": {"type": "string", "maxLength": NAME_MAX,
-                                 "description": "Dataset name (default: the file name)."},
-                        "file": {"type": "string", "format": "binary",
-                                 "description": ".zip, .tar, .tar.gz/.tgz, .tar.bz2 or .tar.xz archive of "
-                                 "class folders (one wrapping folder allowed)."},
+                        "name": {
+                            "type": "string",
+                            "maxLength": NAME_MAX,
+                            "description": "Dataset name (default: the file name).",
+                        },
+                        "file": {
+                            "type": "string",
+                            "format": "binary",
+                            "description": ".zip, .tar, .tar.gz/.tgz, .tar.bz2 or .tar.xz archive of "
+                            "class folders (one wrapping folder allowed).",
+                        },
                     },
                 }
             },
@@ -91,7 +98,9 @@ async def create_dataset(
                     exc.to_dict(), status_code=exc.status_code, headers={"Connection": "close"}
                 )
             if not form.has_file:
-                raise RequestValidationError("the multipart body has no 'file' part", details={"field": "file"})
+                raise RequestValidationError(
+                    "the multipart body has no 'file' part", details={"field": "file"}
+                )
             name = form.fields.get("name") or _default_name(form.filename)
             if len(name) > NAME_MAX:
                 raise RequestValidationError(f"name is longer than {NAME_MAX} characters")
@@ -134,7 +143,9 @@ def get_dataset(dataset_id: str, session: ReadSessionDep, user: CurrentUser) -> 
 
 
 @router.delete("/v1/datasets/{dataset_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_dataset(dataset_id: str, session: SessionDep, settings: SettingsDep, user: CurrentUser) -> Response:
+def delete_dataset(
+    dataset_id: str, session: SessionDep, settings: SettingsDep, user: CurrentUser
+) -> Response:
     """Delete a dataset; 409 while a queued or running job uses it."""
     datasets_service.delete_dataset(session, settings, user, dataset_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

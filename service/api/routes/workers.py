@@ -46,7 +46,6 @@ from service.services.tokens import Principal
 router = APIRouter(prefix="/v1/worker", tags=["worker"], route_class=SessionScopedRoute)
 
 
-
 @router.post("/nodes")
 def register_node(
     body: NodeRegister, session: SessionDep, db: DatabaseDep, settings: SettingsDep, worker: WorkerDep

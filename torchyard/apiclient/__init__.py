@@ -1,0 +1,1 @@
+"""The parts of :class:`torchyard.client.Client`, one module per area of the API."""

@@ -1,0 +1,39 @@
+"""The service's own routes: health, identity, tokens and the cluster."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchyard.apiclient.models import Cluster, CreatedToken, TokenInfo
+from torchyard.apiclient.transport import Transport, segment
+
+
+class AdminCalls:
+    """Health, the caller's identity, API tokens (admin only) and the cluster view."""
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+
+    def health(self) -> dict[str, Any]:
+        body: dict[str, Any] = self._transport.json("GET", "/healthz")
+        return body
+
+    def whoami(self) -> dict[str, Any]:
+        body: dict[str, Any] = self._transport.json("GET", "/v1/whoami")
+        return body
+
+    def create_token(self, name: str, role: str = "user") -> CreatedToken:
+        body = self._transport.json("POST", "/v1/tokens", json={"name": name, "role": role})
+        return CreatedToken.model_validate(body)
+
+    def list_tokens(self, *, include_revoked: bool = True) -> list[TokenInfo]:
+        body = self._transport.json(
+            "GET", "/v1/tokens", params={"include_revoked": str(include_revoked).lower()}
+        )
+        return [TokenInfo.model_validate(item) for item in body["items"]]
+
+    def revoke_token(self, token_id: str) -> TokenInfo:
+        return TokenInfo.model_validate(self._transport.json("DELETE", f"/v1/tokens/{segment(token_id)}"))
+
+    def cluster(self) -> Cluster:
+        return Cluster.model_validate(self._transport.json("GET", "/v1/cluster"))

@@ -1,0 +1,153 @@
+"""Datasets: packing and uploading image folders, registering, listing and finding them."""
+
+from __future__ import annotations
+
+import os
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from torchyard.apiclient.models import Dataset, Page
+from torchyard.apiclient.transport import ProgressCallback, Transport, segment
+from torchyard.errors import TorchyardError
+
+AMBIGUOUS = "AmbiguousReferenceError"
+"""The error code of a name or id prefix that matches several of the caller's objects."""
+
+
+def pack_directory(folder: str | Path, dest: IO[bytes]) -> None:
+    """Write ``folder`` as a .tar.gz into ``dest``: regular files and folders only.
+
+    The archive holds one wrapping folder named like ``folder``; hidden entries are
+    kept out, links and special files skipped (the service refuses them).
+    """
+    root = Path(folder)
+    with tarfile.open(fileobj=dest, mode="w:gz", compresslevel=6) as tar:
+
+        def add(path: Path, arcname: str) -> None:
+            info = tar.gettarinfo(str(path), arcname)
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            if info.isdir():
+                info.mode = 0o755
+                tar.addfile(info)
+            elif info.isreg():
+                info.mode = 0o644
+                with open(path, "rb") as fh:
+                    tar.addfile(info, fh)
+
+        add(root, root.name)
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            base = Path(dirpath)
+            rel = base.relative_to(root)
+            for name in dirnames:
+                if not (base / name).is_symlink():
+                    add(base / name, str(Path(root.name) / rel / name))
+            for name in sorted(filenames):
+                if not name.startswith(".") and not (base / name).is_symlink():
+                    add(base / name, str(Path(root.name) / rel / name))
+
+
+class ProgressReader:
+    """A file wrapper reporting how much of it was read (for upload progress)."""
+
+    def __init__(self, fh: IO[bytes], total: int, progress: ProgressCallback) -> None:
+        self._fh = fh
+        self._total = total
+        self._done = 0
+        self._progress = progress
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._fh.read(size)
+        self._done += len(data)
+        self._progress(self._done, self._total)
+        return data
+
+    def __iter__(self) -> Iterator[bytes]:
+        while chunk := self.read(1 << 16):
+            yield chunk
+
+
+class DatasetCalls:
+    """The ``/v1/datasets`` routes."""
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+
+    def upload_dataset(
+        self,
+        path: str | Path,
+        name: str | None = None,
+        *,
+        progress: ProgressCallback | None = None,
+        timeout: float = 3600.0,
+    ) -> Dataset:
+        source = Path(path)
+        name = name or source.name.split(".")[0] or "dataset"
+        with tempfile.TemporaryDirectory(prefix="torchyard-upload-") as tmp:
+            if source.is_dir():
+                archive = Path(tmp) / f"{source.name or 'dataset'}.tar.gz"
+                with open(archive, "wb") as out:
+                    pack_directory(source, out)
+            elif source.is_file():
+                archive = source
+            else:
+                raise FileNotFoundError(f"no such file or folder: {source}")
+            total = archive.stat().st_size
+            with open(archive, "rb") as fh:
+                body: IO[bytes] | ProgressReader = (
+                    ProgressReader(fh, total, progress) if progress is not None else fh
+                )
+                files = {"file": (archive.name, body, "application/octet-stream")}
+                data = self._transport.json(
+                    "POST",
+                    "/v1/datasets",
+                    data={"name": name},
+                    files=files,
+                    timeout=httpx.Timeout(self._transport.timeout, read=timeout, write=timeout),
+                )
+        return Dataset.model_validate(data)
+
+    def register_dataset(self, name: str, path: str, **options: Any) -> Dataset:
+        body = {"name": name, "path": path, **options}
+        return Dataset.model_validate(
+            self._transport.json(
+                "POST", "/v1/datasets", json=body, timeout=self._transport.read_timeout(3600.0)
+            )
+        )
+
+    def list_datasets(self, *, limit: int | None = None, cursor: str | None = None) -> Page[Dataset]:
+        params = {k: v for k, v in {"limit": limit, "cursor": cursor}.items() if v is not None}
+        return Page[Dataset].model_validate(self._transport.json("GET", "/v1/datasets", params=params))
+
+    def iter_datasets(self) -> Iterator[Dataset]:
+        cursor: str | None = None
+        while True:
+            page = self.list_datasets(limit=200, cursor=cursor)
+            yield from page.items
+            if not page.next_cursor:
+                return
+            cursor = page.next_cursor
+
+    def get_dataset(self, dataset_id: str) -> Dataset:
+        return Dataset.model_validate(self._transport.json("GET", f"/v1/datasets/{segment(dataset_id)}"))
+
+    def delete_dataset(self, dataset_id: str) -> None:
+        self._transport.request("DELETE", f"/v1/datasets/{segment(dataset_id)}")
+
+    def find_dataset(self, ref: str) -> Dataset:
+        try:
+            return self.get_dataset(ref)
+        except TorchyardError as exc:
+            if exc.status_code != 404 and exc.code != AMBIGUOUS:
+                raise
+            not_found = exc
+        for dataset in self.iter_datasets():
+            if dataset.name == ref:
+                return dataset
+        raise not_found

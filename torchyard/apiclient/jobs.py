@@ -1,0 +1,83 @@
+"""Jobs and their recorded metrics: submit, list, get, cancel, metric pages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from torchyard.apiclient.models import Job, MetricPage, MetricPoint, Page
+from torchyard.apiclient.transport import Transport, segment
+
+
+def _one_or_many(value: str | Sequence[str]) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
+
+
+class JobCalls:
+    """The ``/v1/jobs`` routes that answer with one body (not a stream)."""
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+
+    def submit_job(self, spec: Mapping[str, Any]) -> Job:
+        return Job.model_validate(self._transport.json("POST", "/v1/jobs", json=dict(spec)))
+
+    def list_jobs(
+        self,
+        *,
+        status: str | Sequence[str] | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+    ) -> Page[Job]:
+        params: dict[str, Any] = {}
+        if status:
+            params["status"] = _one_or_many(status)
+        if limit is not None:
+            params["limit"] = limit
+        if cursor:
+            params["cursor"] = cursor
+        return Page[Job].model_validate(self._transport.json("GET", "/v1/jobs", params=params))
+
+    def iter_jobs(self, *, status: str | Sequence[str] | None = None) -> Iterator[Job]:
+        cursor: str | None = None
+        while True:
+            page = self.list_jobs(status=status, limit=200, cursor=cursor)
+            yield from page.items
+            if not page.next_cursor:
+                return
+            cursor = page.next_cursor
+
+    def get_job(self, job_id: str) -> Job:
+        return Job.model_validate(self._transport.json("GET", f"/v1/jobs/{segment(job_id)}"))
+
+    def cancel_job(self, job_id: str) -> Job:
+        return Job.model_validate(self._transport.json("POST", f"/v1/jobs/{segment(job_id)}/cancel"))
+
+    def metrics(
+        self,
+        job_id: str,
+        *,
+        name: str | Sequence[str] | None = None,
+        after: int | None = None,
+        limit: int | None = None,
+    ) -> MetricPage:
+        params: dict[str, Any] = {}
+        if name:
+            params["name"] = _one_or_many(name)
+        if after is not None:
+            params["after"] = after
+        if limit is not None:
+            params["limit"] = limit
+        path = f"/v1/jobs/{segment(job_id)}/metrics"
+        return MetricPage.model_validate(self._transport.json("GET", path, params=params))
+
+    def iter_metrics(
+        self, job_id: str, *, name: str | Sequence[str] | None = None, after: int | None = None
+    ) -> Iterator[MetricPoint]:
+        cursor = after
+        while True:
+            page = self.metrics(job_id, name=name, after=cursor, limit=1000)
+            yield from page.items
+            if not page.items or page.next_after is None or page.next_after == cursor:
+                return
+            cursor = page.next_after

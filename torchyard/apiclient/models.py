@@ -1,0 +1,148 @@
+"""The response bodies of the API as typed models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+FINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
+
+
+class ApiModel(BaseModel):
+    """A response body; fields the service adds later are kept, not refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+T = TypeVar("T", bound=ApiModel)
+
+
+class Page(ApiModel, Generic[T]):
+    items: list[T]
+    next_cursor: str | None = None
+
+
+class Dataset(ApiModel):
+    id: str
+    name: str
+    classes: list[str] = []
+    class_counts: dict[str, int] = {}
+    num_images: int = 0
+    size_bytes: int = 0
+    sha256: str = ""
+    source: str | None = None
+    created_at: datetime | None = None
+
+
+class Failure(ApiModel):
+    code: str
+    message: str
+    rank: int | None = None
+    node: str | None = None
+    traceback: str | None = None
+
+
+class StatusChange(ApiModel):
+    status: str
+    at: datetime
+    message: str | None = None
+
+
+class Job(ApiModel):
+    id: str
+    name: str
+    status: str
+    model: dict[str, Any] = {}
+    train_dataset: str | None = None
+    validation_dataset: str | None = None
+    parameters: dict[str, Any] = {}
+    resources: dict[str, Any] = {}
+    priority: int = 0
+    reason: str | None = None
+    failure: Failure | None = None
+    progress: dict[str, Any] | None = None
+    best: dict[str, Any] | None = None
+    result: dict[str, Any] | None = None
+    model_sha256: str | None = None
+    model_size: int | None = None
+    nodes: list[str] = []
+    history: list[StatusChange] | None = None
+    created_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+    @property
+    def is_final(self) -> bool:
+        return self.status in FINAL_STATUSES
+
+
+class MetricPoint(ApiModel):
+    seq: int
+    name: str
+    value: float
+    epoch: int
+    step: int
+    rank: int = 0
+    time: datetime | None = None
+
+
+class MetricPage(ApiModel):
+    items: list[MetricPoint]
+    next_after: int | None = None
+
+
+class Node(ApiModel):
+    name: str
+    address: str = ""
+    units: int
+    free_units: int
+    accelerator: str = "cpu"
+    status: str
+    last_heartbeat_at: datetime | None = None
+    running_attempts: list[str] = []
+
+
+class Cluster(ApiModel):
+    max_nodes: int
+    max_units_per_node: int = 0
+    ready_nodes: int = 0
+    nodes: list[Node] = []
+
+
+class CreatedToken(ApiModel):
+    id: str
+    name: str
+    role: str
+    token: str
+
+
+class TokenInfo(ApiModel):
+    """A token as ``GET /v1/tokens`` lists it: never its secret."""
+
+    id: str
+    name: str
+    role: str
+    created_at: datetime | None = None
+    last_used_at: datetime | None = None
+    revoked_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Event:
+    """One server-sent event of ``GET /v1/jobs/{id}/events``.
+
+    ``kind`` is ``status``, ``metric`` or ``log`` (or ``end``, sent instead of a final
+    status to a client that resumed after it); ``id`` is the resume position
+    (send it back as ``Last-Event-ID``); ``data`` is the decoded JSON payload.
+    """
+
+    id: str | None
+    kind: str
+    data: dict[str, Any]
+
+    @property
+    def is_final(self) -> bool:
+        return self.kind == "end" or (self.kind == "status" and self.data.get("status") in FINAL_STATUSES)

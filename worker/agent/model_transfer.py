@@ -1,0 +1,163 @@
+"""Moving a model directory between a node and the API: upload after training, download to fine-tune."""
+
+from __future__ import annotations
+
+import logging
+import random
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import httpx
+
+from torchyard.errors import InvalidModelDirectoryError, TorchyardError, error_from_body
+from torchyard.model_archive import (
+    SHA256_HEADER,
+    extract_model_archive,
+    pack_model_dir,
+    sha256_of,
+)
+
+log = logging.getLogger("worker.agent.reporting")
+
+LEASE_HEADER = "X-Torchyard-Lease"
+_RETRY_STATUS = frozenset({408, 425, 429})
+_TRANSFER_CHUNK = 1 << 20
+_UPLOAD_TRIES = 5
+# An archive unpacks to at most this many times its size (weights barely compress).
+_UNPACK_RATIO = 4
+
+
+def is_retryable(status: int) -> bool:
+    return status >= 500 or status in _RETRY_STATUS
+
+
+def response_body(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
+
+
+def _verify_model_dir(model_dir: Path) -> Path:
+    """The folder holding the model files, checked against its manifest when the loader is
+    installed (it imports torch); packing checks every checksum in any case."""
+    try:
+        from torchyard.modeldir import resolve_model_dir, verify_model_dir
+    except ImportError:  # pragma: no cover - the worker installs torch
+        return model_dir
+    folder = resolve_model_dir(model_dir)
+    verify_model_dir(folder)
+    return folder
+
+
+def _file_chunks(fh: BinaryIO) -> Iterator[bytes]:
+    while chunk := fh.read(_TRANSFER_CHUNK):
+        yield chunk
+
+
+def _backoff(attempt: int) -> None:
+    time.sleep(min(10.0, 0.5 * 2**attempt) * random.uniform(0.75, 1.25))
+
+
+def upload_model(client: httpx.Client, job_id: str, lease_token: str, model_dir: Path) -> str:
+    """Verify, pack and upload a model directory (node rank 0); returns the archive's sha256.
+
+    The archive is deterministic (sorted members, fixed times and owners, top-level
+    ``model/``) and streamed from a temporary file beside the directory. Network errors
+    and 5xx answers are retried; the API's refusals raise the matching ``TorchyardError``
+    (409 ``StaleLeaseError``, 422 for a checksum or content problem...).
+    """
+    folder = _verify_model_dir(Path(model_dir))
+    url = f"/v1/worker/jobs/{job_id}/model"
+    with tempfile.TemporaryDirectory(prefix=".model-upload-", dir=folder.parent) as tmp:
+        archive = Path(tmp) / "model.tar.gz"
+        sha256, size = pack_model_dir(folder, archive)
+        headers = {
+            LEASE_HEADER: lease_token,
+            SHA256_HEADER: sha256,
+            "Content-Length": str(size),
+            "Content-Type": "application/gzip",
+        }
+        last_error: Exception | None = None
+        for attempt in range(_UPLOAD_TRIES):
+            try:
+                with open(archive, "rb") as fh:
+                    response = client.put(
+                        url,
+                        content=_file_chunks(fh),
+                        headers=headers,
+                        timeout=httpx.Timeout(60.0, read=900.0),
+                    )
+            except httpx.HTTPError as exc:
+                last_error = exc
+                log.warning("job %s: model upload failed (%s), retrying", job_id, exc)
+                _backoff(attempt)
+                continue
+            if response.status_code == 200:
+                log.info("job %s: model uploaded (%d bytes, sha256 %s)", job_id, size, sha256)
+                return sha256
+            error = error_from_body(response.status_code, response_body(response))
+            if not is_retryable(response.status_code):
+                raise error
+            last_error = error
+            log.warning("job %s: model upload got HTTP %d, retrying", job_id, response.status_code)
+            _backoff(attempt)
+    raise TorchyardError(f"model upload of job {job_id} failed after {_UPLOAD_TRIES} tries: {last_error}")
+
+
+def download_model(client: httpx.Client, job_id: str, dest: Path) -> Path:
+    """Fetch a succeeded job's model directory into ``dest`` (for ``init_from_job``).
+
+    The archive is downloaded beside ``dest`` (resuming with ``Range`` after a broken
+    connection), checked against its ``ETag`` (the sha256), unpacked safely and verified
+    against its manifest. Returns ``dest``.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    url = f"/v1/worker/jobs/{job_id}/model"
+    with tempfile.TemporaryDirectory(prefix=f".{dest.name}.download-", dir=dest.parent) as tmp:
+        archive = Path(tmp) / "model.tar.gz"
+        etag = _fetch(client, url, archive, job_id)
+        digest = sha256_of(archive)
+        if etag and digest != etag:
+            raise InvalidModelDirectoryError(
+                f"the model of job {job_id} arrived corrupted (sha256 {digest}, expected {etag})"
+            )
+        limit = max(archive.stat().st_size * _UNPACK_RATIO, 1 << 20)
+        extract_model_archive(archive, dest, max_unpacked_bytes=limit)
+    _verify_model_dir(dest)
+    return dest
+
+
+def _fetch(client: httpx.Client, url: str, archive: Path, job_id: str) -> str | None:
+    etag: str | None = None
+    last_error: Exception | None = None
+    for attempt in range(_UPLOAD_TRIES):
+        written = archive.stat().st_size if archive.exists() else 0
+        headers = {"Range": f"bytes={written}-", "If-Range": f'"{etag}"'} if written and etag else {}
+        try:
+            with client.stream("GET", url, headers=headers, timeout=httpx.Timeout(60.0)) as response:
+                if response.status_code == 416 and written:
+                    return etag  # the previous try got every byte; only its ending broke
+                if response.status_code not in (200, 206):
+                    response.read()
+                    error = error_from_body(response.status_code, response_body(response))
+                    if not is_retryable(response.status_code):
+                        raise error
+                    last_error = error
+                    _backoff(attempt)
+                    continue
+                etag = response.headers.get("etag", "").strip().strip('"') or None
+                mode = "ab" if response.status_code == 206 else "wb"
+                with open(archive, mode) as out:
+                    for chunk in response.iter_bytes(_TRANSFER_CHUNK):
+                        out.write(chunk)
+                return etag
+        except httpx.HTTPError as exc:
+            last_error = exc
+            log.warning("job %s: model download interrupted (%s), resuming", job_id, exc)
+            _backoff(attempt)
+    raise TorchyardError(f"model download of job {job_id} failed after {_UPLOAD_TRIES} tries: {last_error}")

@@ -1,0 +1,283 @@
+"""Reading what a placement's ranks wrote since the last look: events and log files.
+
+Positions only move when a batch is built, so a batch that is retried is the same batch,
+and nothing more is read while the API is down.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from worker.trainer.events import EVENTS_FILE, METRIC_NAMES
+
+log = logging.getLogger("worker.agent.reporting")
+
+# What one batch may carry; the API accepts more, this keeps requests quick.
+MAX_BATCH_METRICS = 2000
+MAX_BATCH_LOG_BYTES = 1 << 20
+MAX_BATCH_LOG_CHUNKS = 500
+# One read of one log file. After U+FFFD replacement a chunk stays below the API's 256 KiB.
+LOG_READ_BYTES = 64 * 1024
+EVENTS_READ_BYTES = 256 * 1024
+
+
+def _utf8_complete_prefix(raw: bytes) -> int:
+    """Length of ``raw`` without a trailing, still incomplete UTF-8 sequence."""
+    for back in range(1, min(4, len(raw)) + 1):
+        byte = raw[-back]
+        if byte & 0xC0 == 0x80:  # continuation byte: keep looking for the lead byte
+            continue
+        if byte >= 0xF0:
+            need = 4
+        elif byte >= 0xE0:
+            need = 3
+        elif byte >= 0xC0:
+            need = 2
+        else:
+            need = 1
+        return len(raw) - back if back < need else len(raw)
+    return len(raw)
+
+
+def _clean_text(raw: bytes) -> str:
+    # PostgreSQL text cannot hold NUL.
+    return raw.decode("utf-8", errors="replace").replace("\x00", "\ufffd")
+
+
+@dataclass
+class LogFile:
+    stream: str
+    path: Path
+    position: int = 0
+
+
+@dataclass
+class Batch:
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    logs: list[dict[str, Any]] = field(default_factory=list)
+    progress: dict[str, Any] | None = None
+    result: dict[str, Any] | None = None
+    log_bytes: int = 0
+    full: bool = False
+
+    def empty(self) -> bool:
+        return not (self.metrics or self.logs or self.progress or self.result)
+
+    def payload(self) -> dict[str, Any]:
+        return {"metrics": self.metrics, "logs": self.logs, "progress": self.progress, "result": self.result}
+
+
+def _int(value: Any, minimum: int = 0) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        return None
+    return value
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _iso_time(value: Any) -> str:
+    seconds = _finite(value)
+    moment = datetime.fromtimestamp(seconds, UTC) if seconds is not None else datetime.now(UTC)
+    return moment.isoformat()
+
+
+def _metric_point(event: dict[str, Any]) -> dict[str, Any] | None:
+    name, value = event.get("name"), _finite(event.get("value"))
+    epoch, step, rank = _int(event.get("epoch")), _int(event.get("step")), _int(event.get("rank", 0))
+    if name not in METRIC_NAMES or value is None or epoch is None or step is None or rank is None:
+        return None
+    return {
+        "name": name,
+        "value": value,
+        "epoch": epoch,
+        "step": step,
+        "rank": rank,
+        "time": _iso_time(event.get("time")),
+    }
+
+
+def _progress(event: dict[str, Any]) -> dict[str, Any] | None:
+    values = {
+        "epoch": _int(event.get("epoch")),
+        "epochs": _int(event.get("epochs"), 1),
+        "step": _int(event.get("step")),
+        "total_steps": _int(event.get("total_steps")),
+    }
+    if any(v is None for v in values.values()):
+        return None
+    return {**values, "time": _iso_time(event.get("time"))}
+
+
+def _metric_dict(value: Any) -> dict[str, float]:
+    if not isinstance(value, dict):
+        return {}
+    out = {}
+    for name, number in value.items():
+        number = _finite(number)
+        if name in METRIC_NAMES and number is not None:
+            out[name] = number
+    return out
+
+
+def _result(event: dict[str, Any]) -> dict[str, Any] | None:
+    best_epoch, epochs_run = _int(event.get("best_epoch")), _int(event.get("epochs_run"))
+    if best_epoch is None or epochs_run is None:
+        return None
+    return {
+        "best_epoch": best_epoch,
+        "best": _metric_dict(event.get("best")),
+        "final": _metric_dict(event.get("final")) if event.get("final") is not None else None,
+        "stopped_early": bool(event.get("stopped_early", False)),
+        "epochs_run": epochs_run,
+    }
+
+
+class RunFileReader:
+    """Tails ``events.jsonl`` and the log files of one placement into batches."""
+
+    def __init__(
+        self,
+        job_id: str,
+        run_dir: Path,
+        log_sources: Callable[[], list[tuple[str, Path]]],
+        agent_log: Path,
+        node_name: str,
+    ) -> None:
+        self.job_id = job_id
+        self.events_path = Path(run_dir) / EVENTS_FILE
+        self.log_sources = log_sources
+        self.agent_stream = f"agent-{node_name}"
+        self.agent_log = Path(agent_log)
+        self.files: dict[Path, LogFile] = {}
+        self._stream_offsets: dict[str, int] = {}
+        self._rotation = 0
+        self._events_position = 0
+        self._skipping_long_line = False
+
+    def collect(self, final: bool) -> Batch:
+        batch = Batch()
+        self._read_events(batch)
+        self._refresh_sources()
+        self._read_logs(batch, final)
+        return batch
+
+    def _refresh_sources(self) -> None:
+        try:
+            sources = [*self.log_sources(), (self.agent_stream, self.agent_log)]
+        except Exception:
+            log.exception("job %s: listing log files failed", self.job_id)
+            sources = [(self.agent_stream, self.agent_log)]
+        for stream, path in sources:
+            path = Path(path)
+            if path not in self.files:
+                self.files[path] = LogFile(stream, path)
+                self._stream_offsets.setdefault(stream, 0)
+
+    def _read_events(self, batch: Batch) -> None:
+        try:
+            with open(self.events_path, "rb") as fh:
+                fh.seek(self._events_position)
+                data = fh.read(EVENTS_READ_BYTES)
+        except FileNotFoundError:
+            return
+        consumed = 0
+        while consumed < len(data):
+            end = data.find(b"\n", consumed)
+            if end < 0:
+                if consumed == 0 and len(data) == EVENTS_READ_BYTES:
+                    # A line longer than any event: not ours to parse. Skip to its end.
+                    log.warning("job %s: skipping an over-long line in %s", self.job_id, EVENTS_FILE)
+                    self._skipping_long_line = True
+                    consumed = len(data)
+                break
+            line = data[consumed:end]
+            if self._skipping_long_line:
+                self._skipping_long_line = False
+            elif line.strip():
+                if len(batch.metrics) >= MAX_BATCH_METRICS:
+                    batch.full = True
+                    break
+                self._take_event(batch, line)
+            consumed = end + 1
+        self._events_position += consumed
+
+    def _take_event(self, batch: Batch, line: bytes) -> None:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            log.warning("job %s: ignoring a malformed line in %s", self.job_id, EVENTS_FILE)
+            return
+        if not isinstance(event, dict):
+            return
+        kind = event.get("type")
+        parsed: dict[str, Any] | None = None
+        if kind == "metric":
+            parsed = _metric_point(event)
+            if parsed is not None:
+                batch.metrics.append(parsed)
+        elif kind == "progress":
+            parsed = _progress(event)
+            if parsed is not None:
+                batch.progress = parsed
+        elif kind == "result":
+            parsed = _result(event)
+            if parsed is not None:
+                batch.result = parsed
+        else:
+            return
+        if parsed is None:
+            log.warning("job %s: ignoring an invalid %s event", self.job_id, kind)
+
+    def _read_logs(self, batch: Batch, final: bool) -> None:
+        files = list(self.files.values())
+        if not files:
+            return
+        self._rotation = (self._rotation + 1) % len(files)
+        files = files[self._rotation :] + files[: self._rotation]
+        while True:
+            progressed = False
+            for source in files:
+                budget = MAX_BATCH_LOG_BYTES - batch.log_bytes
+                if budget <= 0 or len(batch.logs) >= MAX_BATCH_LOG_CHUNKS:
+                    batch.full = True
+                    return
+                if self._read_log(batch, source, min(LOG_READ_BYTES, budget), final):
+                    progressed = True
+            if not progressed:
+                return
+
+    def _read_log(self, batch: Batch, source: LogFile, limit: int, final: bool) -> bool:
+        try:
+            with open(source.path, "rb") as fh:
+                size = fh.seek(0, 2)
+                if size < source.position:
+                    # Truncated under us: carry on from its new start, the stream keeps growing.
+                    source.position = 0
+                fh.seek(source.position)
+                raw = fh.read(limit)
+        except (FileNotFoundError, IsADirectoryError, PermissionError):
+            return False
+        if not raw:
+            return False
+        keep = len(raw) if final else _utf8_complete_prefix(raw)
+        if keep == 0:
+            return False
+        text = _clean_text(raw[:keep])
+        size_bytes = len(text.encode("utf-8"))
+        offset = self._stream_offsets[source.stream]
+        batch.logs.append({"stream": source.stream, "offset": offset, "data": text})
+        batch.log_bytes += size_bytes
+        self._stream_offsets[source.stream] = offset + size_bytes
+        source.position += keep
+        return keep == limit

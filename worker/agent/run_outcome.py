@@ -1,0 +1,121 @@
+"""What a placement tells the API about itself: running, the model upload, the final status."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from torchyard.errors import (
+    InvalidModelDirectoryError,
+    RankFailedError,
+    StaleLeaseError,
+    TorchyardError,
+    WorkerLostError,
+)
+from worker.agent.api import retrying
+
+if TYPE_CHECKING:
+    from worker.agent.placement import AgentContext
+
+StopKind = Literal["cancelled", "attempt_ended", "stale", "shutdown"]
+RequestStop = Callable[[StopKind, str], None]
+
+
+class OutcomeReport:
+    """Status reports of one placement under its lease; a refused lease asks the run to stop."""
+
+    def __init__(
+        self,
+        ctx: AgentContext,
+        job_id: str,
+        lease_token: str,
+        request_stop: RequestStop,
+        log: logging.Logger,
+    ) -> None:
+        self.ctx = ctx
+        self.job_id = job_id
+        self.lease_token = lease_token
+        self.request_stop = request_stop
+        self.log = log
+        self.final_state: str | None = None
+
+    def report_running(self, stop: threading.Event) -> None:
+        try:
+            answer = retrying(
+                lambda: self.ctx.api.report_status(self.lease_token, "running"),
+                f"reporting job {self.job_id} running",
+                stop=stop,
+                deadline=time.monotonic() + self.ctx.lease_timeout_s,
+            )
+        except StaleLeaseError as exc:
+            self.request_stop("stale", f"the lease is no longer valid: {exc.message}")
+            return
+        except Exception as exc:
+            self.log.warning("could not report the ranks running (%s); the heartbeat keeps the lease", exc)
+            return
+        if answer.get("stop"):
+            self.request_stop("cancelled", answer.get("reason") or "the API asked to stop")
+
+    def upload_model(self, run_dir: Path) -> dict[str, Any] | None:
+        """Upload node rank 0's model directory; the failure to report if that went wrong."""
+        from worker.agent.reporting import upload_model
+
+        model_dir = run_dir / "model"
+        if not model_dir.is_dir():
+            return self._model_failure(
+                InvalidModelDirectoryError.code, "training ended without writing its model directory"
+            )
+        started = time.monotonic()
+        try:
+            sha256 = upload_model(self.ctx.api.client, self.job_id, self.lease_token, model_dir)
+        except StaleLeaseError as exc:
+            self.request_stop("stale", exc.message)
+            return None
+        except Exception as exc:
+            code = (
+                exc.code
+                if isinstance(exc, TorchyardError) and exc.status_code == 422
+                else RankFailedError.code
+            )
+            message = exc.message if isinstance(exc, TorchyardError) else f"{type(exc).__name__}: {exc}"
+            self.log.error("model upload failed: %s", message)
+            return self._model_failure(code, f"model upload failed: {message}")
+        self.log.info("model uploaded in %.2f s (sha256 %s)", time.monotonic() - started, sha256)
+        return None
+
+    def _model_failure(self, code: str, message: str) -> dict[str, Any]:
+        return {"code": code, "message": message, "rank": 0, "node": self.ctx.node_name}
+
+    def finish_stopped(self, stop_kind: StopKind | None, exit_code: int | None) -> None:
+        if stop_kind == "shutdown":
+            message = f"the worker agent on node {self.ctx.node_name} was stopped"
+            self.finish(
+                "failed",
+                exit_code,
+                {"code": WorkerLostError.code, "message": message, "node": self.ctx.node_name},
+            )
+        else:
+            self.finish("cancelled", exit_code, None)
+
+    def finish(self, state: str, exit_code: int | None, failure: dict[str, Any] | None) -> None:
+        """The final status report; the lease ends with it."""
+        self.final_state = state
+        try:
+            answer = retrying(
+                lambda: self.ctx.api.report_status(
+                    self.lease_token, state, exit_code=exit_code, failure=failure
+                ),
+                f"reporting job {self.job_id} {state}",
+                deadline=time.monotonic() + max(60.0, 2 * self.ctx.lease_timeout_s),
+            )
+        except StaleLeaseError as exc:
+            self.log.info("job %s: %s not recorded, the lease is gone (%s)", self.job_id, state, exc.message)
+            return
+        except Exception as exc:
+            self.log.error("job %s: could not report %s: %s", self.job_id, state, exc)
+            return
+        self.log.info("job %s: reported %s; the job is %s", self.job_id, state, answer.get("job_status"))
