@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import torch
 
-from torchyard.model_archive import SHA256_HEADER, pack_model_dir
+from torchyard.contract.model_archive import SHA256_HEADER, pack_model_dir
 from torchyard.modeldir import write_model_dir
 
 LEASE = "X-Torchyard-Lease"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.report_helpers import write_fake_model_dir
-from torchyard.errors import InvalidModelDirectoryError
-from torchyard.model_archive import extract_model_archive, inspect_model_archive, pack_model_dir
+from torchyard.contract.errors import InvalidModelDirectoryError
+from torchyard.contract.model_archive import extract_model_archive, inspect_model_archive, pack_model_dir
 
 LIMIT = 10 * 1024 * 1024
 

@@ -23,8 +23,8 @@ from tests.report_helpers import (
     start_running_job,
     write_fake_model_dir,
 )
-from torchyard.errors import InvalidModelDirectoryError, PermissionDeniedError, StaleLeaseError
-from torchyard.model_archive import SHA256_HEADER, pack_model_dir
+from torchyard.contract.errors import InvalidModelDirectoryError, PermissionDeniedError, StaleLeaseError
+from torchyard.contract.model_archive import SHA256_HEADER, pack_model_dir
 from worker.agent.reporting import download_model, upload_model
 
 

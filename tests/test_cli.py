@@ -27,7 +27,7 @@ from tests.conftest import LiveServer, free_port
 from tests.factories import auth, create_token
 from tests.fake_agent import FakeAgent
 from tests.test_streams import run_job as scripted_run
-from torchyard.model_archive import sha256_of
+from torchyard.contract.model_archive import sha256_of
 from torchyard.sample_data import write_digits
 
 

@@ -12,7 +12,7 @@ from service.config import Settings
 from tests.conftest import LiveServer, free_port
 from tests.factories import create_token
 from torchyard.client import Client, Dataset, Job, ServiceUnreachableError, pack_directory
-from torchyard.errors import (
+from torchyard.contract.errors import (
     AuthenticationError,
     InvalidDatasetError,
     NotFoundError,

@@ -38,7 +38,7 @@ from tests.dataset_files import (
     zip_with,
 )
 from tests.factories import auth, create_token, job_spec, register_node
-from torchyard.dataset_digest import dataset_sha256
+from torchyard.contract.dataset_digest import dataset_sha256
 from worker.agent.dataset_cache import fetch_dataset
 
 FORMATS = {"zip": None, "tar": "w", "tar.gz": "w:gz", "tgz": "w:gz", "tar.bz2": "w:bz2", "tar.xz": "w:xz"}
@@ -599,7 +599,7 @@ def test_worker_downloads_verifies_and_caches(live_server: Any, digits: Path, tm
     assert fetch_dataset(offline, ds["id"], ds["sha256"], cache) == root
 
     # A wrong expected checksum is refused and nothing is cached.
-    from torchyard.errors import InvalidDatasetError
+    from torchyard.contract.errors import InvalidDatasetError
 
     with pytest.raises(InvalidDatasetError):
         fetch_dataset(wc, ds["id"], "f" * 64, tmp_path / "cache2")

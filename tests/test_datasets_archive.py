@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from service.datasets import archive as archive_mod
-from service.datasets.archive import ExtractionLimits, extract_archive, safe_member_parts
 from tests.dataset_files import (
     all_files,
     count_images,
@@ -24,7 +22,9 @@ from tests.dataset_files import (
     zip_tree,
     zip_with,
 )
-from torchyard.errors import InvalidDatasetError
+from torchyard.contract import archive as archive_mod
+from torchyard.contract.archive import ExtractionLimits, extract_archive, safe_member_parts
+from torchyard.contract.errors import InvalidDatasetError
 
 SMALL = ExtractionLimits(max_bytes=2 * 1024 * 1024, max_files=200)
 
@@ -314,7 +314,7 @@ def test_truncated_and_corrupt_archives_refused(
 
 def test_dataset_tar_is_deterministic_and_round_trips(tmp_path: Path) -> None:
     from service.datasets.tarstream import DatasetTar
-    from torchyard.dataset_digest import dataset_sha256, list_files
+    from torchyard.contract.dataset_digest import dataset_sha256, list_files
 
     root = tmp_path / "ds"
     long_name = "x" * 150 + ".png"

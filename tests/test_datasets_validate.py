@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service.datasets.archive import extract_archive
 from service.datasets.validate import find_data_root, validate_image_directory
 from tests.dataset_files import (
     count_images,
@@ -22,8 +21,9 @@ from tests.dataset_files import (
     tar_tree,
     truncated_png,
 )
-from torchyard.dataset_digest import dataset_sha256, list_files, manifest_sha256
-from torchyard.errors import InvalidDatasetError, NotLabeledDatasetError
+from torchyard.contract.archive import extract_archive
+from torchyard.contract.dataset_digest import dataset_sha256, list_files, manifest_sha256
+from torchyard.contract.errors import InvalidDatasetError, NotLabeledDatasetError
 
 
 @pytest.fixture(scope="module")

@@ -181,7 +181,7 @@ def test_the_cpu_share_setting(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU machine)")
 def test_the_feeder_thread_hands_its_errors_to_the_training_thread() -> None:
-    from torchyard.errors import InvalidDatasetError
+    from torchyard.contract.errors import InvalidDatasetError
 
     def prepare(images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if int(targets[0]) == 2:

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from service.config import Settings
 from service.db.models import utcnow
-from service.schemas.reports import METRIC_NAMES
+from service.schemas import reports as report_schemas
 from service.services.leases import LEASE_HEADER
 from tests.factories import auth, create_token
 from tests.report_helpers import (
@@ -23,13 +23,16 @@ from tests.report_helpers import (
     start_running_job,
     stored_counts,
 )
+from torchyard.contract import headers, metrics
 from worker.agent.reporting import LEASE_HEADER as AGENT_LEASE_HEADER
-from worker.trainer.events import METRIC_NAMES as TRAINER_METRIC_NAMES
+from worker.trainer import events as trainer_events
 
 
 def test_metric_names_and_header_agree_across_trainer_agent_and_api() -> None:
-    assert METRIC_NAMES == TRAINER_METRIC_NAMES
-    assert AGENT_LEASE_HEADER == LEASE_HEADER
+    # One definition, in the contract, used by all three.
+    assert report_schemas.MetricName is metrics.MetricName
+    assert trainer_events.METRIC_NAMES is metrics.METRIC_NAMES
+    assert AGENT_LEASE_HEADER == LEASE_HEADER == headers.LEASE_HEADER
 
 
 def _batch() -> dict[str, Any]:

@@ -16,7 +16,7 @@ from service.db.models import Attempt, Dataset, Job, JobEvent, Token
 from service.schemas.jobs import Failure
 from service.services.jobs import transition
 from service.states import TRANSITIONS, JobStatus
-from torchyard.errors import IllegalTransitionError
+from torchyard.contract.errors import IllegalTransitionError
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from tests.conftest import LiveServer
 from tests.factories import auth, create_token, insert_dataset, job_spec, token_id
 from tests.fake_agent import FakeAgent
 from torchyard.client import Client, Event
-from torchyard.errors import NotFoundError, RequestValidationError
+from torchyard.contract.errors import NotFoundError, RequestValidationError
 
 
 class Setup:

@@ -12,7 +12,7 @@ import torchvision
 
 from tests.trainer_helpers import DIGIT_CLASSES, Digits, digits_fixture, write_job  # noqa: F401 - fixture
 from torchyard import modeldir
-from torchyard.errors import InvalidModelDirectoryError
+from torchyard.contract.errors import InvalidModelDirectoryError
 from worker.trainer.config import load_job
 from worker.trainer.models import build_model, pretrained_cache_file, resize_head
 

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from tests.trainer_helpers import DIGIT_CLASSES, Digits, digits_fixture, write_job  # noqa: F401 - fixture
-from torchyard.errors import InvalidDatasetError, RankFailedError, TrainingDivergedError
+from torchyard.contract.errors import InvalidDatasetError, RankFailedError, TrainingDivergedError
 from torchyard.modeldir import image_directory_classes, image_directory_samples
 from worker.trainer import checkpoint as ckpt
 from worker.trainer.config import load_job
@@ -183,7 +183,7 @@ def test_failure_codes() -> None:
     assert classify(RuntimeError("boom")) == ("RankFailedError", "RuntimeError: boom")
     wrapped = InvalidDatasetError(
         "Caught InvalidDatasetError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
-        "  File \"x.py\", line 1\ntorchyard.errors.InvalidDatasetError: cannot read image 'a.png'\n"
+        "  File \"x.py\", line 1\ntorchyard.contract.errors.InvalidDatasetError: cannot read image 'a.png'\n"
     )
     assert classify(wrapped) == ("InvalidDatasetError", "cannot read image 'a.png'")
 

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from torchyard import commands, demo
 from torchyard.client import ServiceUnreachableError
-from torchyard.errors import TorchyardError
+from torchyard.contract.errors import TorchyardError
 from torchyard.extras import MissingExtraError, extra_providing, require
 
 Handler = Callable[[argparse.Namespace], int]

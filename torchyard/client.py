@@ -1,7 +1,7 @@
 """A typed Python client for the torchyard API, built on httpx.
 
 Every route of the user-facing API has a method here. API errors are raised again as
-the exceptions of :mod:`torchyard.errors`, carrying the service's machine-readable
+the exceptions of :mod:`torchyard.contract.errors`, carrying the service's machine-readable
 ``code`` and HTTP status; a service that cannot be reached raises
 :class:`ServiceUnreachableError`. ::
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from torchyard.client import Client, Event, Job, MetricPoint, missing_token_message
-from torchyard.errors import AuthenticationError
+from torchyard.contract.errors import AuthenticationError
 from torchyard.extras import require
 from torchyard.terminal import (
     EpochLines,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TextIO
 
 from torchyard.client import Client, Job, ServiceUnreachableError
-from torchyard.errors import TorchyardError
+from torchyard.contract.errors import TorchyardError
 from torchyard.extras import require
 from torchyard.terminal import LiveProgress
 
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 def _preload_torch() -> None:
     with contextlib.suppress(Exception):
-        import torchyard.model_archive
+        import torchyard.contract.model_archive
         import torchyard.modeldir  # noqa: F401
 
 

@@ -39,8 +39,8 @@ from torch import nn
 from torchvision.transforms import v2 as T
 
 from torchyard.architectures import CLASSIFICATION_ARCHITECTURES
-from torchyard.dataset_digest import is_ignored_name, is_image_name
-from torchyard.errors import InvalidDatasetError, InvalidModelDirectoryError
+from torchyard.contract.dataset_digest import is_ignored_name, is_image_name
+from torchyard.contract.errors import InvalidDatasetError, InvalidModelDirectoryError
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"

@@ -15,12 +15,11 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import utcnow
-from service.services.leases import LEASE_HEADER
-from service.services.nodes import AGENT_KEY_HEADER
 from service.services.tokens import USE_RECORDER, Principal, authenticate, record_use
 from service.services.wakeup import Wakeup
 from service.states import Role
-from torchyard.errors import PermissionDeniedError
+from torchyard.contract.errors import PermissionDeniedError
+from torchyard.contract.headers import AGENT_KEY_HEADER, LEASE_HEADER
 
 log = logging.getLogger(__name__)
 

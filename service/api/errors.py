@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from torchyard.errors import TorchyardError
+from torchyard.contract.errors import TorchyardError
 
 log = logging.getLogger(__name__)
 

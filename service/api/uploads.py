@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from service.api.errors import malformed_json_message, surrogate_field, surrogate_message
-from torchyard.errors import PayloadTooLargeError, RequestValidationError
+from torchyard.contract.errors import PayloadTooLargeError, RequestValidationError
 
 _FLUSH_BYTES = 1024 * 1024
 # Room for the multipart framing and the small text fields around the file.

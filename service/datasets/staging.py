@@ -31,7 +31,7 @@ from pathlib import Path
 
 from starlette.concurrency import run_in_threadpool
 
-from torchyard.errors import ConflictError
+from torchyard.contract.errors import ConflictError
 
 log = logging.getLogger(__name__)
 

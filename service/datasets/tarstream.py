@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchyard.errors import InvalidDatasetError
+from torchyard.contract.errors import InvalidDatasetError
 
 _BLOCK = tarfile.BLOCKSIZE
 _CHUNK = 1024 * 1024

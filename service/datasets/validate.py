@@ -23,14 +23,14 @@ from pathlib import Path
 
 from PIL import Image
 
-from torchyard.dataset_digest import (
+from torchyard.contract.dataset_digest import (
     file_sha256,
     is_ignored_name,
     is_image_name,
     list_files,
     manifest_sha256,
 )
-from torchyard.errors import InvalidDatasetError, NotLabeledDatasetError
+from torchyard.contract.errors import InvalidDatasetError, NotLabeledDatasetError
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from torchyard.errors import RequestValidationError
+from torchyard.contract.errors import RequestValidationError
 
 
 class StrictModel(BaseModel):

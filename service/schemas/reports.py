@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated, Literal, get_args
+from typing import Annotated
 
 from pydantic import AwareDatetime, BaseModel, Field, field_validator
 
 from service.schemas.common import StrictModel
+from torchyard.contract.metrics import MetricName
 
 # SPEC §4: the metrics a job reports.
-MetricName = Literal[
-    "train.loss", "train.lr", "train.images_per_sec", "val.loss", "val.top1", "val.top5", "epoch.seconds"
-]
-METRIC_NAMES: frozenset[str] = frozenset(get_args(MetricName))
 
 INT32_MAX = 2**31 - 1
 MAX_RANK = 1_000_000

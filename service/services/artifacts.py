@@ -3,7 +3,7 @@
 Node rank 0's agent uploads the archive while it holds its lease. The body is streamed
 to a temporary file beside the store (never held in memory, capped at
 ``model_max_bytes``), its sha256 compared with the one the agent announced, the
-archive checked (see :mod:`torchyard.model_archive`), and only then moved into place
+archive checked (see :mod:`torchyard.contract.model_archive`), and only then moved into place
 with an atomic rename and recorded on the job (``model_sha256``, ``model_size``).
 Anything that fails on the way leaves nothing behind.
 """
@@ -28,7 +28,7 @@ from service.services.jobs import get_job
 from service.services.leases import lock_lease, placement_for_lease
 from service.services.tokens import Principal
 from service.states import JobStatus
-from torchyard.errors import (
+from torchyard.contract.errors import (
     ConflictError,
     ModelNotReadyError,
     NotFoundError,
@@ -37,7 +37,7 @@ from torchyard.errors import (
     RequestValidationError,
     StaleLeaseError,
 )
-from torchyard.model_archive import ArchivedFile, inspect_model_archive
+from torchyard.contract.model_archive import ArchivedFile, inspect_model_archive
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from service.services.nodes import get_own_node, touch_node
 from service.services.scheduler import is_postgres, schedule
 from service.services.tokens import Principal
 from service.states import LIVE_ATTEMPT_STATUSES, AttemptStatus, JobStatus
-from torchyard.errors import ConflictError, JobTimeoutError, RankFailedError, WorkerLostError
+from torchyard.contract.errors import ConflictError, JobTimeoutError, RankFailedError, WorkerLostError
 
 log = logging.getLogger(__name__)
 

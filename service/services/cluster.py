@@ -28,7 +28,7 @@ from service.db.models import Attempt, Job, Node, Placement, utcnow
 from service.schemas.nodes import ClusterPublic, NodeAttemptPublic, NodePublic
 from service.services.tokens import Principal
 from service.states import NodeStatus
-from torchyard.errors import ResourceLimitError
+from torchyard.contract.errors import ResourceLimitError
 
 
 def ready_node_filter(settings: Settings, now: datetime) -> ColumnElement[bool]:

@@ -30,7 +30,6 @@ from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.datasets import staging
-from service.datasets.archive import ExtractionLimits, extract_archive
 from service.datasets.tarstream import DatasetTar
 from service.datasets.validate import ValidatedDataset, validate_image_directory
 from service.db.models import Dataset, Job, Node, Placement, utcnow
@@ -39,8 +38,9 @@ from service.schemas.datasets import DatasetPublic, DatasetRegister
 from service.services import refs
 from service.services.tokens import Principal
 from service.states import ACTIVE_STATUSES
-from torchyard.dataset_digest import list_files
-from torchyard.errors import (
+from torchyard.contract.archive import ExtractionLimits, extract_archive
+from torchyard.contract.dataset_digest import list_files
+from torchyard.contract.errors import (
     ConflictError,
     InvalidDatasetError,
     NotFoundError,

@@ -25,7 +25,7 @@ from service.services.datasets import resolve_job_datasets
 from service.services.tokens import Principal
 from service.states import JobStatus, can_transition
 from torchyard.architectures import CLASSIFICATION_ARCHITECTURES, closest_architecture
-from torchyard.errors import (
+from torchyard.contract.errors import (
     IllegalTransitionError,
     InvalidModelDirectoryError,
     NotFoundError,

@@ -11,9 +11,8 @@ from sqlalchemy.orm import Session
 
 from service.db.models import Job, Node, Placement, utcnow
 from service.services.tokens import Principal
-from torchyard.errors import StaleLeaseError
-
-LEASE_HEADER = "X-Torchyard-Lease"
+from torchyard.contract.errors import StaleLeaseError
+from torchyard.contract.headers import LEASE_HEADER
 
 
 def placement_for_lease(

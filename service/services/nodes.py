@@ -22,9 +22,7 @@ from sqlalchemy.orm import Session
 from service.db.models import Node, Token, utcnow
 from service.services.tokens import Principal
 from service.states import NodeStatus
-from torchyard.errors import NodeNameInUseError, NotFoundError
-
-AGENT_KEY_HEADER = "X-Torchyard-Agent-Key"
+from torchyard.contract.errors import NodeNameInUseError, NotFoundError
 
 
 def hash_agent_key(key: str) -> str:

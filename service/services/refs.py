@@ -16,7 +16,7 @@ from sqlalchemy import ColumnElement, select
 from sqlalchemy.orm import Session
 
 from service.db.models import Dataset, Job
-from torchyard.errors import ConflictError
+from torchyard.contract.errors import ConflictError
 
 MIN_PREFIX = 4
 # Ids are 32 lowercase hex digits; a shorter run of hex digits may be the start of one.

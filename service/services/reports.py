@@ -41,9 +41,9 @@ from service.schemas.reports import (
 from service.services.leases import lock_lease
 from service.services.tokens import Principal
 from service.states import LIVE_ATTEMPT_STATUSES, JobStatus
-from torchyard.errors import NotFoundError, RequestValidationError
+from torchyard.contract.errors import NotFoundError, RequestValidationError
+from torchyard.contract.metrics import VAL_METRICS
 
-VAL_METRICS = ("val.loss", "val.top1", "val.top5")
 # Rows one log read looks at; chunks are small, a reader continues from X-Next-Offset.
 _LOG_ROWS_PER_READ = 2000
 _INSERT_ROWS = 500

@@ -50,7 +50,7 @@ from service.services.reports import (
     resolve_attempt,
 )
 from service.states import JobStatus
-from torchyard.errors import RequestValidationError
+from torchyard.contract.errors import RequestValidationError
 
 log = logging.getLogger(__name__)
 

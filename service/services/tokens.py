@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from service.db.models import Token, utcnow
 from service.states import Role
-from torchyard.errors import AuthenticationError, ConflictError, NotFoundError
+from torchyard.contract.errors import AuthenticationError, ConflictError, NotFoundError
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import httpx
 
 from torchyard.apiclient.models import Dataset, Page
 from torchyard.apiclient.transport import ProgressCallback, Transport, segment
-from torchyard.errors import TorchyardError
+from torchyard.contract.errors import TorchyardError
 
 AMBIGUOUS = "AmbiguousReferenceError"
 """The error code of a name or id prefix that matches several of the caller's objects."""

@@ -11,8 +11,8 @@ from typing import IO
 import httpx
 
 from torchyard.apiclient.transport import ProgressCallback, Transport, raise_for, segment
-from torchyard.errors import InvalidModelDirectoryError
-from torchyard.model_archive import extract_model_archive
+from torchyard.contract.errors import InvalidModelDirectoryError
+from torchyard.contract.model_archive import extract_model_archive
 
 MAX_MODEL_UNPACKED_BYTES = 64 * 1024**3
 

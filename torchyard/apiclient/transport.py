@@ -10,7 +10,7 @@ from urllib.parse import quote
 
 import httpx
 
-from torchyard.errors import TorchyardError, error_from_body
+from torchyard.contract.errors import TorchyardError, error_from_body
 
 ProgressCallback = Callable[[int, int | None], None]
 """Called with (bytes done, bytes in total or None) while a transfer runs."""
@@ -29,7 +29,7 @@ def segment(ref: str) -> str:
 
 
 def raise_for(response: httpx.Response) -> None:
-    """Raise the API error a failed response carries, as a :mod:`torchyard.errors` exception."""
+    """Raise the API error a failed response carries, as a :mod:`torchyard.contract.errors` exception."""
     if response.is_success:
         return
     if not response.is_closed:

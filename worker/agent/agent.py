@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchyard.errors import AuthenticationError, NodeNameInUseError, NotFoundError, TorchyardError
+from torchyard.contract.errors import AuthenticationError, NodeNameInUseError, NotFoundError, TorchyardError
 from worker.agent.api import Backoff, WorkerApi, is_retryable, retrying
 from worker.agent.identity import NodeLock, load_or_create_agent_key
 from worker.agent.launcher import kill_leftovers

@@ -11,13 +11,13 @@ from typing import Any, TypeVar
 
 import httpx
 
-from torchyard.errors import TorchyardError, error_from_body
+from torchyard.contract.errors import TorchyardError, error_from_body
+from torchyard.contract.headers import AGENT_KEY_HEADER
 from worker.agent.reporting import LEASE_HEADER
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-AGENT_KEY_HEADER = "X-Torchyard-Agent-Key"
 _RETRY_STATUS = frozenset({408, 425, 429})
 
 

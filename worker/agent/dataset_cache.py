@@ -21,13 +21,13 @@ from pathlib import Path
 
 import httpx
 
-from service.datasets.archive import ExtractionLimits, extract_archive
-from torchyard.dataset_digest import dataset_sha256
-from torchyard.errors import InvalidDatasetError, error_from_body
+from torchyard.contract.archive import ExtractionLimits, extract_archive
+from torchyard.contract.dataset_digest import dataset_sha256
+from torchyard.contract.errors import InvalidDatasetError, error_from_body
+from torchyard.contract.headers import SHA256_HEADER
 
 log = logging.getLogger(__name__)
 
-SHA256_HEADER = "X-Torchyard-Sha256"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 1024 * 1024
 STAGING = ".staging"

@@ -16,7 +16,7 @@ import re
 import secrets
 from pathlib import Path
 
-from torchyard.errors import NodeNameInUseError
+from torchyard.contract.errors import NodeNameInUseError
 
 
 def _stem(node_name: str) -> str:

@@ -9,7 +9,7 @@ import socket
 import sys
 from pathlib import Path
 
-from torchyard.errors import TorchyardError
+from torchyard.contract.errors import TorchyardError
 from worker.agent.runs import DEFAULT_KEEP_RUNS
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,9 @@ from typing import Any, BinaryIO
 
 import httpx
 
-from torchyard.errors import InvalidModelDirectoryError, TorchyardError, error_from_body
-from torchyard.model_archive import (
+from torchyard.contract.errors import InvalidModelDirectoryError, TorchyardError, error_from_body
+from torchyard.contract.headers import LEASE_HEADER
+from torchyard.contract.model_archive import (
     SHA256_HEADER,
     extract_model_archive,
     pack_model_dir,
@@ -22,7 +23,6 @@ from torchyard.model_archive import (
 
 log = logging.getLogger("worker.agent.reporting")
 
-LEASE_HEADER = "X-Torchyard-Lease"
 _RETRY_STATUS = frozenset({408, 425, 429})
 _TRANSFER_CHUNK = 1 << 20
 _UPLOAD_TRIES = 5

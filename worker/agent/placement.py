@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchyard.errors import RankFailedError
+from torchyard.contract.errors import RankFailedError
 from worker.agent.api import WorkerApi
 from worker.agent.launcher import LaunchSpec, RankGroup, collect_failure, rank_log_files
 from worker.agent.run_inputs import RunInputs, prepare_failure

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from torchyard.errors import StaleLeaseError
+from torchyard.contract.errors import StaleLeaseError
 from worker.agent.model_transfer import (
     LEASE_HEADER,
     download_model,

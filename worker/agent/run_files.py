@@ -15,7 +15,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from worker.trainer.events import EVENTS_FILE, METRIC_NAMES
+from torchyard.contract.metrics import METRIC_NAMES
+from worker.trainer.events import EVENTS_FILE
 
 log = logging.getLogger("worker.agent.reporting")
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchyard.errors import RankFailedError, StaleLeaseError, TorchyardError
+from torchyard.contract.errors import RankFailedError, StaleLeaseError, TorchyardError
 from worker.agent.api import retrying
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from torchyard.errors import (
+from torchyard.contract.errors import (
     InvalidModelDirectoryError,
     RankFailedError,
     StaleLeaseError,

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from torchyard.errors import RankFailedError
+from torchyard.contract.errors import RankFailedError
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision.transforms import v2 as T
 
-from torchyard.errors import InvalidDatasetError
+from torchyard.contract.errors import InvalidDatasetError
 from torchyard.modeldir import eval_geometry, image_directory_samples, load_rgb_image
 from worker.trainer.config import Augmentation, JobConfig
 from worker.trainer.distributed import DistEnv

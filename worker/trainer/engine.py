@@ -21,7 +21,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from torchyard.errors import TrainingDivergedError
+from torchyard.contract.errors import TrainingDivergedError
 from torchyard.modeldir import channel_stats, normalize_batch
 from worker.trainer.distributed import all_reduce_sum
 from worker.trainer.events import EventWriter

@@ -13,10 +13,9 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from torchyard.contract.metrics import METRIC_NAMES
+
 EVENTS_FILE = "events.jsonl"
-METRIC_NAMES = frozenset(
-    {"train.loss", "train.lr", "train.images_per_sec", "val.loss", "val.top1", "val.top5", "epoch.seconds"}
-)
 
 
 class EventWriter:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from torchyard.errors import RankFailedError, TorchyardError
+from torchyard.contract.errors import RankFailedError, TorchyardError
 
 TRACEBACK_LINES = 40
 MAX_MESSAGE_CHARS = 4000

@@ -16,7 +16,7 @@ import torchvision
 from torch import nn
 
 from torchyard import modeldir
-from torchyard.errors import InvalidModelDirectoryError
+from torchyard.contract.errors import InvalidModelDirectoryError
 from worker.trainer.config import JobConfig
 
 log = logging.getLogger(__name__)

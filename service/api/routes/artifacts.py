@@ -23,8 +23,8 @@ from service.schemas.reports import ModelUploaded
 from service.services import artifacts
 from service.services.artifacts import IncomingModel, ModelFile, ModelStore
 from service.services.tokens import Principal
-from torchyard.errors import PayloadTooLargeError
-from torchyard.model_archive import SHA256_HEADER
+from torchyard.contract.errors import PayloadTooLargeError
+from torchyard.contract.model_archive import SHA256_HEADER
 
 router = APIRouter(route_class=SessionScopedRoute)
 

@@ -17,7 +17,7 @@ from service.api.routing import SessionScopedRoute
 from service.api.uploads import receive_json, receive_multipart
 from service.schemas.datasets import NAME_MAX, DatasetList, DatasetPublic, DatasetRegister
 from service.services import datasets as datasets_service
-from torchyard.errors import RequestValidationError, TorchyardError
+from torchyard.contract.errors import RequestValidationError, TorchyardError
 
 router = APIRouter(tags=["datasets"], route_class=SessionScopedRoute)
 

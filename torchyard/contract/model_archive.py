@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, BinaryIO
 
-from torchyard.errors import InvalidModelDirectoryError
+from torchyard.contract.errors import InvalidModelDirectoryError
+from torchyard.contract.headers import SHA256_HEADER  # noqa: F401 - part of this module's interface
 
-SHA256_HEADER = "X-Torchyard-Sha256"
 TOP_FOLDER = "model"
 MANIFEST_FILE = "SHA256SUMS"
 # The model directory layout (SPEC §4); torchyard.modeldir writes it.

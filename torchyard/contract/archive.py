@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Literal
 
-from torchyard.errors import InvalidDatasetError, TorchyardError
+from torchyard.contract.errors import InvalidDatasetError, TorchyardError
 
 logger = logging.getLogger(__name__)
 

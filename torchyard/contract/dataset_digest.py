@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from torchyard.errors import InvalidDatasetError
+from torchyard.contract.errors import InvalidDatasetError
 
 #: File name extensions of the supported image formats (lower case, with the dot).
 IMAGE_EXTENSIONS: frozenset[str] = frozenset(

@@ -1,0 +1,10 @@
+"""HTTP header names of the worker protocol and the artifact routes."""
+
+from __future__ import annotations
+
+# The placement's lease token, on every write an agent makes for an attempt (stale: 409).
+LEASE_HEADER = "X-Torchyard-Lease"
+# sha256 of an archive's bytes: model uploads, dataset and model downloads.
+SHA256_HEADER = "X-Torchyard-Sha256"
+# The agent's per-node key, sent at registration and on heartbeats and claims.
+AGENT_KEY_HEADER = "X-Torchyard-Agent-Key"
