@@ -2,45 +2,16 @@
 
 from __future__ import annotations
 
-import math
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field
 
 from service.schemas.common import StrictModel
-
-DOUBLE_EPSILON = 2.220446049250313e-16
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-INT32_MAX = 2**31 - 1
-MAX_RUNTIME_S = 30 * 24 * 3600
+from torchyard.contract.jobspec import JobParameters, ModelFields, ResourceFields, allowed
 
 
-def _allowed(text: str) -> dict[str, Any]:
-    # Shown to clients in validation errors and in the OpenAPI schema.
-    return {"allowed": text}
-
-
-# A count of at least one, stored as a 32-bit integer.
-_POSITIVE_INT32 = f"> 0 and <= {INT32_MAX}"
-
-
-class ModelSpec(StrictModel):
-    architecture: Annotated[
-        str,
-        Field(
-            min_length=1,
-            max_length=100,
-            description="A torchvision classification model name (torchvision.models.list_models()).",
-            json_schema_extra=_allowed("a torchvision classification model name"),
-        ),
-    ]
-    pretrained: bool = Field(
-        default=False, description="Start from pretrained weights found offline on the node."
-    )
-    memory_efficient: bool = Field(
-        default=False, description="DenseNet only: checkpointed, memory-efficient implementation."
-    )
+class ModelSpec(ModelFields, StrictModel):
     init_from_job: str | None = Field(
         default=None,
         max_length=64,
@@ -48,55 +19,12 @@ class ModelSpec(StrictModel):
     )
 
 
-class Parameters(StrictModel):
-    epochs: int = Field(default=5, gt=0, le=INT32_MAX, json_schema_extra=_allowed(_POSITIVE_INT32))
-    batch_size: int = Field(default=16, gt=0, le=INT32_MAX, json_schema_extra=_allowed(_POSITIVE_INT32))
-    warmup_epochs: int = Field(
-        default=0, ge=0, le=INT32_MAX, json_schema_extra=_allowed(">= 0 and <= epochs")
-    )
-    learning_rate: float = Field(
-        default=0.001,
-        ge=DOUBLE_EPSILON,
-        allow_inf_nan=False,
-        json_schema_extra=_allowed(f">= {DOUBLE_EPSILON!r} and finite"),
-    )
-    random_seed: int = Field(
-        default=1, ge=INT64_MIN, le=INT64_MAX, json_schema_extra=_allowed("a 64-bit signed integer")
-    )
-    patience: int = Field(default=3, gt=0, le=INT32_MAX, json_schema_extra=_allowed(_POSITIVE_INT32))
-    print_frequency: int = Field(default=10, gt=0, le=INT32_MAX, json_schema_extra=_allowed(_POSITIVE_INT32))
-    image_size: int = Field(default=224, ge=16, le=1024, json_schema_extra=_allowed("16..1024"))
-    augmentation: Literal["standard", "light", "none"] = Field(
-        default="standard", json_schema_extra=_allowed("standard, light or none")
-    )
-
-    @model_validator(mode="after")
-    def _warmup_within_epochs(self) -> Parameters:
-        if self.warmup_epochs > self.epochs:
-            raise ValueError(f"warmup_epochs ({self.warmup_epochs}) must be <= epochs ({self.epochs})")
-        if not math.isfinite(self.learning_rate):
-            raise ValueError("learning_rate must be finite")
-        return self
+class Parameters(JobParameters, StrictModel):
+    pass
 
 
-class Resources(StrictModel):
-    node_count: int = Field(
-        default=1, ge=1, le=INT32_MAX, json_schema_extra=_allowed(">= 1 and <= the cluster's max nodes")
-    )
-    process_count_per_node: int = Field(
-        default=1,
-        ge=1,
-        le=INT32_MAX,
-        json_schema_extra=_allowed(">= 1 and <= the processing units of a node"),
-    )
-    max_runtime_s: int | None = Field(
-        default=None,
-        ge=1,
-        le=MAX_RUNTIME_S,
-        description="Wall-clock limit counted from the job's start (status running); past it every "
-        "rank is stopped and the job fails with TimeoutError. Unset: no limit.",
-        json_schema_extra=_allowed(f">= 1 and <= {MAX_RUNTIME_S} (30 days), or null for no limit"),
-    )
+class Resources(ResourceFields, StrictModel):
+    pass
 
 
 class JobCreate(StrictModel):
@@ -113,7 +41,7 @@ class JobCreate(StrictModel):
         ge=-100,
         le=100,
         description="Higher runs first; FIFO among equal priorities.",
-        json_schema_extra=_allowed("-100..100"),
+        json_schema_extra=allowed("-100..100"),
     )
 
 

@@ -5,16 +5,14 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from torchyard.contract.errors import RankFailedError
+from torchyard.contract.jobspec import JobParameters, ModelFields
 
 log = logging.getLogger(__name__)
-
-DOUBLE_EPSILON = 2.220446049250313e-16
-Augmentation = Literal["standard", "light", "none"]
 
 
 class _Section(BaseModel):
@@ -22,30 +20,12 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
 
-class ModelSpec(_Section):
-    architecture: str
-    pretrained: bool = False
-    memory_efficient: bool = False
+class ModelSpec(ModelFields, _Section):
+    pass
 
 
-class Parameters(_Section):
-    """Training parameters, with the ranges and defaults of SPEC §2."""
-
-    epochs: int = Field(5, gt=0)
-    batch_size: int = Field(16, gt=0)
-    warmup_epochs: int = Field(0, ge=0)
-    learning_rate: float = Field(0.001, ge=DOUBLE_EPSILON, allow_inf_nan=False)
-    random_seed: int = Field(1, ge=-(2**63), le=2**63 - 1)
-    patience: int = Field(3, gt=0)
-    print_frequency: int = Field(10, gt=0)
-    image_size: int = Field(224, ge=16, le=1024)
-    augmentation: Augmentation = "standard"
-
-    @model_validator(mode="after")
-    def _warmup_within_epochs(self) -> Parameters:
-        if self.warmup_epochs > self.epochs:
-            raise ValueError(f"warmup_epochs ({self.warmup_epochs}) must not exceed epochs ({self.epochs})")
-        return self
+class Parameters(JobParameters, _Section):
+    """Training parameters, with the ranges and defaults of SPEC §2 (torchyard.contract.jobspec)."""
 
 
 class DatasetRef(_Section):

@@ -19,8 +19,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision.transforms import v2 as T
 
 from torchyard.contract.errors import InvalidDatasetError
+from torchyard.contract.jobspec import Augmentation
 from torchyard.modeldir import eval_geometry, image_directory_samples, load_rgb_image
-from worker.trainer.config import Augmentation, JobConfig
+from worker.trainer.config import JobConfig
 from worker.trainer.distributed import DistEnv
 from worker.trainer.gpu_decode import (
     EncodedTrainSet,

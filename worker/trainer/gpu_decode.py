@@ -31,8 +31,8 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.transforms import v2 as T
 
+from torchyard.contract.jobspec import Augmentation
 from torchyard.modeldir import load_rgb_image
-from worker.trainer.config import Augmentation
 
 log = logging.getLogger(__name__)
 
