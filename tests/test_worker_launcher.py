@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from torchyard.contract.protocol import ClaimedPlacement
 from worker.agent.agent import Agent, AgentOptions, UnitPool
 from worker.agent.launcher import (
     MARKER_VAR,
@@ -242,13 +243,10 @@ def test_a_finished_placement_prunes_old_runs_but_not_its_peers(tmp_path: Path) 
     )
 
     def placement(job: str) -> PlacementRun:
-        work = {
-            "job_id": job,
-            "lease_token": f"lease-{job}",
-            "node_rank": 0,
-            "process_count_per_node": 1,
-            "attempt_number": 1,
-        }
+        # Only what the run directory's name and the unit count need (no validation).
+        work = ClaimedPlacement.model_construct(
+            job_id=job, lease_token=f"lease-{job}", node_rank=0, process_count_per_node=1, attempt_number=1
+        )
         run = PlacementRun(agent.ctx, work, agent.units.take(1), gpu_ids=())
         agent.runs[run.lease_token] = run
         return run

@@ -6,15 +6,8 @@ import base64
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
+from torchyard.contract.base import StrictModel  # noqa: F401 - the service's request base
 from torchyard.contract.errors import RequestValidationError
-
-
-class StrictModel(BaseModel):
-    """A request body: unknown fields are refused and values are not coerced across types."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 def encode_cursor(*parts: Any) -> str:

@@ -28,7 +28,14 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.db.models import Attempt, Dataset, Job, Node, Placement, utcnow
 from service.schemas.jobs import Failure
-from service.schemas.workers import (
+from service.services.jobs import transition
+from service.services.leases import lock_lease
+from service.services.nodes import get_own_node, touch_node
+from service.services.scheduler import is_postgres, schedule
+from service.services.tokens import Principal
+from service.states import LIVE_ATTEMPT_STATUSES, AttemptStatus, JobStatus
+from torchyard.contract.errors import ConflictError, JobTimeoutError, RankFailedError, WorkerLostError
+from torchyard.contract.protocol import (
     ClaimedDataset,
     ClaimedDatasets,
     ClaimedPlacement,
@@ -38,13 +45,6 @@ from service.schemas.workers import (
     PlacementStatusResponse,
     StopOrder,
 )
-from service.services.jobs import transition
-from service.services.leases import lock_lease
-from service.services.nodes import get_own_node, touch_node
-from service.services.scheduler import is_postgres, schedule
-from service.services.tokens import Principal
-from service.states import LIVE_ATTEMPT_STATUSES, AttemptStatus, JobStatus
-from torchyard.contract.errors import ConflictError, JobTimeoutError, RankFailedError, WorkerLostError
 
 log = logging.getLogger(__name__)
 

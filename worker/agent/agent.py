@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from torchyard.contract.errors import AuthenticationError, NodeNameInUseError, NotFoundError, TorchyardError
+from torchyard.contract.protocol import ClaimedPlacement
 from worker.agent.api import Backoff, WorkerApi, is_retryable, retrying
 from worker.agent.identity import NodeLock, load_or_create_agent_key
 from worker.agent.launcher import kill_leftovers
@@ -213,8 +214,8 @@ class Agent:
         except OSError:
             log.exception("pruning old run directories failed")
 
-    def _start(self, work: dict[str, Any]) -> None:
-        units = self.units.take(int(work["process_count_per_node"]))
+    def _start(self, work: ClaimedPlacement) -> None:
+        units = self.units.take(work.process_count_per_node)
         # GPU indexes are handed to the ranks; CPU slots are only counted.
         placement = PlacementRun(self.ctx, work, units, gpu_ids=units if self.resources.is_cuda else ())
         with self._runs_lock:
@@ -247,14 +248,14 @@ class Agent:
             if work is not None:
                 log.info(
                     "claimed job %s (attempt %d, node rank %d)",
-                    work["job_id"],
-                    work["attempt_number"],
-                    work["node_rank"],
+                    work.job_id,
+                    work.attempt_number,
+                    work.node_rank,
                 )
                 try:
                     self._start(work)
                 except Exception:  # the lease runs out and the API fails the job
-                    log.exception("could not start job %s", work.get("job_id"))
+                    log.exception("could not start job %s", work.job_id)
 
     def _heartbeat_loop(self) -> None:
         while not self.shutdown.is_set():

@@ -13,6 +13,7 @@ import httpx
 
 from torchyard.contract.errors import TorchyardError, error_from_body
 from torchyard.contract.headers import AGENT_KEY_HEADER
+from torchyard.contract.protocol import ClaimedPlacement
 from worker.agent.reporting import LEASE_HEADER
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ class WorkerApi:
         )
         return self._json(response)
 
-    def claim(self, name: str, wait: float) -> dict[str, Any] | None:
+    def claim(self, name: str, wait: float) -> ClaimedPlacement | None:
         """Long-poll for work: the placement, or None when ``wait`` ran out."""
         response = self.client.post(
             f"/v1/worker/nodes/{name}/claim",
@@ -131,8 +132,7 @@ class WorkerApi:
         )
         if response.status_code == 204:
             return None
-        result: dict[str, Any] = self._json(response)
-        return result
+        return ClaimedPlacement.model_validate(self._json(response))
 
     def report_status(
         self,

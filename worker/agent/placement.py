@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from torchyard.contract.errors import RankFailedError
+from torchyard.contract.protocol import ClaimedPlacement
 from worker.agent.api import WorkerApi
 from worker.agent.launcher import LaunchSpec, RankGroup, collect_failure, rank_log_files
 from worker.agent.run_inputs import RunInputs, prepare_failure
@@ -81,7 +82,7 @@ class PlacementRun:
     def __init__(
         self,
         ctx: AgentContext,
-        work: dict[str, Any],
+        work: ClaimedPlacement,
         unit_ids: tuple[int, ...],
         *,
         gpu_ids: tuple[int, ...] = (),
@@ -90,11 +91,11 @@ class PlacementRun:
         self.work = work
         self.unit_ids = unit_ids
         self.gpu_ids = gpu_ids
-        self.job_id: str = work["job_id"]
-        self.lease_token: str = work["lease_token"]
-        self.node_rank: int = work["node_rank"]
-        self.units: int = work["process_count_per_node"]
-        name = f"{self.job_id}-a{work['attempt_number']}-{ctx.node_name}"
+        self.job_id = work.job_id
+        self.lease_token = work.lease_token
+        self.node_rank = work.node_rank
+        self.units = work.process_count_per_node
+        name = f"{self.job_id}-a{work.attempt_number}-{ctx.node_name}"
         self.run_dir = ctx.runs_dir / name
         self.stop_event = threading.Event()
         self.stop_kind: StopKind | None = None
@@ -148,12 +149,12 @@ class PlacementRun:
         self.log.info(
             "job %s attempt %d: node rank %d of %d, %d process(es) per node, rendezvous %s:%d, run dir %s",
             self.job_id,
-            w["attempt_number"],
+            w.attempt_number,
             self.node_rank,
-            w["node_count"],
+            w.node_count,
             self.units,
-            w["master_addr"],
-            w["master_port"],
+            w.master_addr,
+            w.master_port,
             self.run_dir,
         )
         job_file = self._prepare()
@@ -202,10 +203,10 @@ class PlacementRun:
             run_dir=self.run_dir,
             node_name=self.ctx.node_name,
             node_rank=self.node_rank,
-            node_count=w["node_count"],
+            node_count=w.node_count,
             nproc=self.units,
-            master_addr=w["master_addr"],
-            master_port=w["master_port"],
+            master_addr=w.master_addr,
+            master_port=w.master_port,
             cpus=self.ctx.cpus,
             gpu_ids=self.gpu_ids,
             socket_ifname=self.ctx.socket_ifname,
@@ -229,7 +230,7 @@ class PlacementRun:
             failure.get("node"),
             failure["message"],
         )
-        if failure.get("secondary") and self.work["node_count"] > 1:
+        if failure.get("secondary") and self.work.node_count > 1:
             # Probably the echo of a failure elsewhere: give the node where it started
             # time to report it (or the API time to notice that node is gone).
             patience = self.ctx.lease_timeout_s + 2 * self.ctx.heartbeat_interval_s

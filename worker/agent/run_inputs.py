@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchyard.contract.errors import RankFailedError, StaleLeaseError, TorchyardError
+from torchyard.contract.protocol import ClaimedPlacement
 from worker.agent.api import retrying
 
 if TYPE_CHECKING:
@@ -25,7 +26,7 @@ class RunInputs:
     def __init__(
         self,
         ctx: AgentContext,
-        work: dict[str, Any],
+        work: ClaimedPlacement,
         run_dir: Path,
         stop: threading.Event,
         log: logging.Logger,
@@ -40,8 +41,8 @@ class RunInputs:
         """Datasets (cached per node), the initial model if any, then ``job.json``."""
         dirs = {role: self._fetch_dataset(role) for role in ROLES}
         init_dir = None
-        if self.work.get("init_from_job"):
-            init_dir = self._fetch_init_model(self.work["init_from_job"])
+        if self.work.init_from_job:
+            init_dir = self._fetch_init_model(self.work.init_from_job)
         path = self.run_dir / "job.json"
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self._job_document(dirs, init_dir), indent=2), encoding="utf-8")
@@ -51,17 +52,15 @@ class RunInputs:
     def _fetch_dataset(self, role: str) -> Path:
         from worker.agent.dataset_cache import fetch_dataset
 
-        ref: dict[str, Any] = self.work["datasets"][role]
+        ref = getattr(self.work.datasets, role)
         started = time.monotonic()
         folder: Path = retrying(
-            lambda: fetch_dataset(self.ctx.api.client, ref["id"], ref["sha256"], self.ctx.dataset_cache),
-            f"fetching dataset {ref['id']}",
+            lambda: fetch_dataset(self.ctx.api.client, ref.id, ref.sha256, self.ctx.dataset_cache),
+            f"fetching dataset {ref.id}",
             stop=self.stop,
             deadline=time.monotonic() + FETCH_DEADLINE_S,
         )
-        self.log.info(
-            "%s dataset %s ready in %.2f s: %s", role, ref["id"], time.monotonic() - started, folder
-        )
+        self.log.info("%s dataset %s ready in %.2f s: %s", role, ref.id, time.monotonic() - started, folder)
         return folder
 
     def _fetch_init_model(self, source_job: str) -> Path:
@@ -83,22 +82,22 @@ class RunInputs:
 
     def _job_document(self, dirs: dict[str, Path], init_dir: Path | None) -> dict[str, Any]:
         w = self.work
-        model = w["spec"]["model"]
+        model = w.spec["model"]
         return {
-            "job_id": w["job_id"],
-            "attempt_id": w["attempt_id"],
+            "job_id": w.job_id,
+            "attempt_id": w.attempt_id,
             "model": {
                 "architecture": model["architecture"],
                 "pretrained": bool(model.get("pretrained", False)),
                 "memory_efficient": bool(model.get("memory_efficient", False)),
             },
             "init_from_dir": str(init_dir) if init_dir is not None else None,
-            "parameters": w["spec"]["parameters"],
+            "parameters": w.spec["parameters"],
             "train_dir": str(dirs["train"]),
             "val_dir": str(dirs["validation"]),
-            "classes": list(w["classes"]),
+            "classes": list(w.classes),
             "datasets": {
-                role: {"id": w["datasets"][role]["id"], "sha256": w["datasets"][role]["sha256"]}
+                role: {"id": getattr(w.datasets, role).id, "sha256": getattr(w.datasets, role).sha256}
                 for role in ROLES
             },
             "output_dir": str(self.run_dir),

@@ -29,7 +29,12 @@ from service.api.routing import SessionScopedRoute
 from service.config import Settings
 from service.db.engine import Database
 from service.schemas.nodes import NodeRegister
-from service.schemas.workers import (
+from service.services import attempts as attempts_service
+from service.services import nodes as nodes_service
+from service.services import scheduler
+from service.services.reaper import lose_node_placements
+from service.services.tokens import Principal
+from torchyard.contract.protocol import (
     ClaimedPlacement,
     HeartbeatRequest,
     HeartbeatResponse,
@@ -37,11 +42,6 @@ from service.schemas.workers import (
     PlacementStatusReport,
     PlacementStatusResponse,
 )
-from service.services import attempts as attempts_service
-from service.services import nodes as nodes_service
-from service.services import scheduler
-from service.services.reaper import lose_node_placements
-from service.services.tokens import Principal
 
 router = APIRouter(prefix="/v1/worker", tags=["worker"], route_class=SessionScopedRoute)
 

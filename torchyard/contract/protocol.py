@@ -1,4 +1,6 @@
-"""Worker route schemas: registration answer, heartbeat, claim and placement status."""
+"""The worker protocol's payloads: registration answer, heartbeat, claim and placement
+status. The API validates requests with them (strictly) and answers with them; the
+agent parses the answers with them (tolerantly: fields a newer API adds are ignored)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from service.schemas.common import StrictModel
+from torchyard.contract.base import StrictModel
 
 LeaseToken = str
 
