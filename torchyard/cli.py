@@ -135,15 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if not args.verbose:
-        # One line per HTTP request would bury what the commands print.
-        logging.getLogger("httpx").setLevel(logging.WARNING)
-        # Alembic names each of its plugins as it is imported.
-        logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
+    _configure_logging(args.verbose)
     handler: Handler = args.handler
     try:
         return handler(args)
@@ -153,12 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:
-        # A part of an extra that the checks above did not foresee: still one line, not a traceback.
-        extra = extra_providing(exc.name)
-        if extra is None:
-            raise
-        print(f"error: {MissingExtraError(args.command, [extra], [exc.name or extra])}", file=sys.stderr)
-        return 2
+        return _missing_module(args.command, exc)
     except ServiceUnreachableError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 3
@@ -166,14 +153,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 1
     except ValidationError as exc:
-        if exc.title != "Settings":
-            raise
-        for line in settings_errors(exc):
-            print(f"error: {line}", file=sys.stderr)
-        return 2
+        return _invalid_settings(exc)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+
+
+def _configure_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not verbose:
+        # One line per HTTP request would bury what the commands print.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        # Alembic names each of its plugins as it is imported.
+        logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
+
+
+def _missing_module(command: str, exc: ModuleNotFoundError) -> int:
+    """A part of an extra that the checks of the commands did not foresee: still one line,
+    not a traceback. A module of no extra is raised again."""
+    extra = extra_providing(exc.name)
+    if extra is None:
+        raise exc
+    print(f"error: {MissingExtraError(command, [extra], [exc.name or extra])}", file=sys.stderr)
+    return 2
+
+
+def _invalid_settings(exc: ValidationError) -> int:
+    """Invalid settings, one line each; any other validation error is raised again."""
+    if exc.title != "Settings":
+        raise exc
+    for line in settings_errors(exc):
+        print(f"error: {line}", file=sys.stderr)
+    return 2
 
 
 def settings_errors(exc: ValidationError) -> list[str]:

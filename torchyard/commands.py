@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
+from torchyard.apiclient.models import Failure
 from torchyard.client import Client, Event, Job, MetricPoint, missing_token_message
 from torchyard.contract.errors import AuthenticationError
 from torchyard.extras import require
@@ -327,16 +328,26 @@ def print_job(job: Job) -> None:
     if job.reason:
         print(f"waiting:     {job.reason}")
     if job.failure is not None:
-        where = ", ".join(
-            f"{k} {v}" for k, v in (("rank", job.failure.rank), ("node", job.failure.node)) if v is not None
-        )
-        print(f"failure:     {job.failure.code}: {job.failure.message}" + (f" [{where}]" if where else ""))
-        if job.failure.traceback:
-            print("traceback:\n  " + job.failure.traceback.rstrip().replace("\n", "\n  "))
+        _print_failure(job.failure)
     print(f"model:       {_kv(job.model)}")
     print(f"datasets:    train {job.train_dataset}, validation {job.validation_dataset}")
     print(f"parameters:  {_kv(job.parameters)}")
     print(f"resources:   {_kv(job.resources)}")
+    _print_outcome(job)
+    _print_times(job)
+
+
+def _print_failure(failure: Failure) -> None:
+    where = ", ".join(
+        f"{k} {v}" for k, v in (("rank", failure.rank), ("node", failure.node)) if v is not None
+    )
+    print(f"failure:     {failure.code}: {failure.message}" + (f" [{where}]" if where else ""))
+    if failure.traceback:
+        print("traceback:\n  " + failure.traceback.rstrip().replace("\n", "\n  "))
+
+
+def _print_outcome(job: Job) -> None:
+    """Progress, timing, best metrics, nodes and the model directory, those the job has."""
     if job.progress:
         print(f"progress:    {_kv(job.progress)}")
     fraction = (job.progress or {}).get("fraction")
@@ -352,6 +363,9 @@ def print_job(job: Job) -> None:
     if job.model_sha256:
         size = f" ({human_bytes(job.model_size)})" if job.model_size else ""
         print(f"model dir:   sha256 {job.model_sha256}{size}")
+
+
+def _print_times(job: Job) -> None:
     print(f"created:     {format_time(job.created_at)}")
     if job.started_at:
         print(f"started:     {format_time(job.started_at)}")
@@ -460,14 +474,36 @@ def _watch_metrics(client: Client, args: argparse.Namespace) -> int:
     """Live table: redrawn in place on a terminal, one fixed-width line per finished epoch
     otherwise (a pipe or a file), each with the elapsed training time and the time left."""
     job = client.get_job(args.id)  # the full id, whatever the user typed, and the epoch count
-    epochs = job.parameters.get("epochs")
-    table = EpochTable()
-    tty = sys.stdout.isatty() and not args.json
-    printed: set[int] = set()
-    lines: EpochLines | None = None
-    status = "-"
+    view = _MetricsView(job.id, job.parameters.get("epochs"), as_json=args.json)
+    for event in client.events(job.id, logs=False):
+        if event.kind == "metric":
+            if args.name and event.data.get("name") not in args.name:
+                continue
+            view.table.add(event.data)
+        elif event.kind == "status":
+            view.status = describe_status(event.data)
+        view.emit(event)
+    if not args.json and not view.tty:
+        print(f"status: {view.status}")
+    return 0
 
-    def redraw() -> None:
+
+class _MetricsView:
+    """What ``metrics --watch`` shows of the events: JSON lines, a table redrawn in place on
+    a terminal, or one line per finished epoch."""
+
+    def __init__(self, job_id: str, epochs: Any, *, as_json: bool) -> None:
+        self.job_id = job_id
+        self.epochs = epochs
+        self.as_json = as_json
+        self.tty = sys.stdout.isatty() and not as_json
+        self.table = EpochTable()
+        self.status = "-"
+        self.printed: set[int] = set()
+        self.lines: EpochLines | None = None
+
+    def redraw(self) -> None:
+        table, epochs = self.table, self.epochs
         done = [e for e in sorted(table.rows) if table.is_complete(e)]
         where = ""
         if done:
@@ -476,37 +512,24 @@ def _watch_metrics(client: Client, args: argparse.Namespace) -> int:
                 f"  epoch {done[-1]}" + (f"/{epochs}" if epochs else "") + (f"  {timing}" if timing else "")
             )
         sys.stdout.write("\x1b[H\x1b[2J")
-        sys.stdout.write(f"job {job.id}  status {status}{where}\n\n{table.render()}\n")
+        sys.stdout.write(f"job {self.job_id}  status {self.status}{where}\n\n{table.render()}\n")
         sys.stdout.flush()
 
-    def emit(event: Event) -> None:
-        nonlocal lines
-        if args.json:
+    def emit(self, event: Event) -> None:
+        if self.as_json:
             print(json.dumps({"event": event.kind, "id": event.id, "data": event.data}), flush=True)
             return
-        if tty:
-            redraw()
+        if self.tty:
+            self.redraw()
             return
-        for epoch in sorted(table.rows):
-            if epoch in printed or not (table.is_complete(epoch) or event.is_final):
+        for epoch in sorted(self.table.rows):
+            if epoch in self.printed or not (self.table.is_complete(epoch) or event.is_final):
                 continue
-            if lines is None:
-                lines = EpochLines(table, epochs)
-                print(lines.header())
-            print(lines.row(epoch), flush=True)
-            printed.add(epoch)
-
-    for event in client.events(job.id, logs=False):
-        if event.kind == "metric":
-            if args.name and event.data.get("name") not in args.name:
-                continue
-            table.add(event.data)
-        elif event.kind == "status":
-            status = describe_status(event.data)
-        emit(event)
-    if not args.json and not tty:
-        print(f"status: {status}")
-    return 0
+            if self.lines is None:
+                self.lines = EpochLines(self.table, self.epochs)
+                print(self.lines.header())
+            print(self.lines.row(epoch), flush=True)
+            self.printed.add(epoch)
 
 
 # --------------------------------------------------------------------------- model, cluster, predict

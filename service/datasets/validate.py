@@ -118,63 +118,12 @@ def validate_image_directory(
     top level, InvalidDatasetError for any other problem.
     """
     data_root = find_data_root(Path(root))
-    entries = _visible_entries(data_root)
-    root_files = [e.name for e in entries if not e.is_dir()]
-    root_images = [n for n in root_files if is_image_name(n)]
-    class_names = sorted(e.name for e in entries if e.is_dir())
-    if root_images:
-        raise NotLabeledDatasetError(
-            f"images lie at the top level of the dataset ({_names(root_images)}); "
-            "put each image in a sub-folder named after its class"
-        )
-    if not class_names:
-        raise NotLabeledDatasetError(
-            "the dataset has no class folders; put each image in a sub-folder named after its class"
-        )
-    if root_files:
-        raise InvalidDatasetError(f"the dataset holds files that are not images: {_names(root_files)}")
-    if len(class_names) < 2:
-        raise InvalidDatasetError(
-            f"the dataset has only one class ({class_names[0]!r}); at least 2 class folders are needed"
-        )
-
+    class_names = _class_folders(data_root)
     files = list_files(data_root, link_roots=link_roots)
-    if max_files is not None and len(files) > max_files:
-        raise InvalidDatasetError(f"the dataset holds {len(files)} files, more than the limit of {max_files}")
-    not_images = [f for f in files if not is_image_name(f)]
-    if not_images:
-        raise InvalidDatasetError(
-            f"the dataset holds files that are not images ({_names(not_images)}); "
-            "supported: jpg, jpeg, png, bmp, webp, gif, tif, tiff"
-        )
-    counts = dict.fromkeys(class_names, 0)
-    for rel in files:
-        counts[rel.split("/", 1)[0]] += 1
-    empty = [c for c, n in counts.items() if n == 0]
-    if empty:
-        raise InvalidDatasetError(f"these classes have no images: {_names(empty)}")
-
+    counts = _count_class_images(files, class_names, max_files)
     to_decode = _choose_sample(files, class_names, sample)
-
-    def inspect(rel: str) -> tuple[str, int, str | None]:
-        path = data_root / rel
-        reason = check_image(path, max_pixels) if rel in to_decode else None
-        return file_sha256(path), path.stat().st_size, reason
-
-    if workers > 1 and len(files) > 1:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            results = list(pool.map(inspect, files))
-    else:
-        results = [inspect(rel) for rel in files]
-
-    bad = [(rel, reason) for rel, (_, _, reason) in zip(files, results, strict=True) if reason]
-    if bad:
-        shown = "; ".join(f"{rel!r}: {reason}" for rel, reason in bad[:_MAX_NAMED])
-        more = f"; and {len(bad) - _MAX_NAMED} more" if len(bad) > _MAX_NAMED else ""
-        raise InvalidDatasetError(
-            f"{len(bad)} image(s) cannot be used: {shown}{more}",
-            details={"files": [rel for rel, _ in bad[:100]]},
-        )
+    results = _inspect_files(data_root, files, to_decode, max_pixels, workers)
+    _refuse_bad_images(files, results)
     sha = manifest_sha256((rel, digest) for rel, (digest, _, _) in zip(files, results, strict=True))
     size = sum(s for _, s, _ in results)
     logger.info(
@@ -195,6 +144,76 @@ def validate_image_directory(
         files=files,
         decoded=len(to_decode),
     )
+
+
+def _class_folders(data_root: Path) -> list[str]:
+    """The sorted class folder names; refuses a top level that is not only class folders."""
+    entries = _visible_entries(data_root)
+    root_files = [e.name for e in entries if not e.is_dir()]
+    root_images = [n for n in root_files if is_image_name(n)]
+    class_names = sorted(e.name for e in entries if e.is_dir())
+    if root_images:
+        raise NotLabeledDatasetError(
+            f"images lie at the top level of the dataset ({_names(root_images)}); "
+            "put each image in a sub-folder named after its class"
+        )
+    if not class_names:
+        raise NotLabeledDatasetError(
+            "the dataset has no class folders; put each image in a sub-folder named after its class"
+        )
+    if root_files:
+        raise InvalidDatasetError(f"the dataset holds files that are not images: {_names(root_files)}")
+    if len(class_names) < 2:
+        raise InvalidDatasetError(
+            f"the dataset has only one class ({class_names[0]!r}); at least 2 class folders are needed"
+        )
+    return class_names
+
+
+def _count_class_images(files: list[str], class_names: list[str], max_files: int | None) -> dict[str, int]:
+    """Images per class; refuses too many files, files that are not images and empty classes."""
+    if max_files is not None and len(files) > max_files:
+        raise InvalidDatasetError(f"the dataset holds {len(files)} files, more than the limit of {max_files}")
+    not_images = [f for f in files if not is_image_name(f)]
+    if not_images:
+        raise InvalidDatasetError(
+            f"the dataset holds files that are not images ({_names(not_images)}); "
+            "supported: jpg, jpeg, png, bmp, webp, gif, tif, tiff"
+        )
+    counts = dict.fromkeys(class_names, 0)
+    for rel in files:
+        counts[rel.split("/", 1)[0]] += 1
+    empty = [c for c, n in counts.items() if n == 0]
+    if empty:
+        raise InvalidDatasetError(f"these classes have no images: {_names(empty)}")
+    return counts
+
+
+def _inspect_files(
+    data_root: Path, files: list[str], to_decode: set[str], max_pixels: int, workers: int
+) -> list[tuple[str, int, str | None]]:
+    """(sha256, size, refusal reason) of each file; only those in ``to_decode`` are decoded."""
+
+    def inspect(rel: str) -> tuple[str, int, str | None]:
+        path = data_root / rel
+        reason = check_image(path, max_pixels) if rel in to_decode else None
+        return file_sha256(path), path.stat().st_size, reason
+
+    if workers > 1 and len(files) > 1:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(inspect, files))
+    return [inspect(rel) for rel in files]
+
+
+def _refuse_bad_images(files: list[str], results: list[tuple[str, int, str | None]]) -> None:
+    bad = [(rel, reason) for rel, (_, _, reason) in zip(files, results, strict=True) if reason]
+    if bad:
+        shown = "; ".join(f"{rel!r}: {reason}" for rel, reason in bad[:_MAX_NAMED])
+        more = f"; and {len(bad) - _MAX_NAMED} more" if len(bad) > _MAX_NAMED else ""
+        raise InvalidDatasetError(
+            f"{len(bad)} image(s) cannot be used: {shown}{more}",
+            details={"files": [rel for rel, _ in bad[:100]]},
+        )
 
 
 def _choose_sample(files: list[str], classes: list[str], sample: int | None) -> set[str]:

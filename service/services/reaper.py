@@ -88,8 +88,6 @@ def sweep(db: Database, settings: Settings) -> SweepResult:
     result = SweepResult()
     now = utcnow()
     silent_cutoff = now - timedelta(seconds=settings.lease_timeout_s)
-
-    # 1. expired leases
     with db.read_session() as session:
         expired = _expired_by_job(session, settings, now)
         silent_nodes = list(
@@ -99,22 +97,39 @@ def sweep(db: Database, settings: Settings) -> SweepResult:
                 )
             )
         )
+    _lose_expired_leases(db, expired, result)
+    _lose_silent_nodes(db, settings, silent_nodes, silent_cutoff, result)
+    _settle_cancellations(db, result)
+    _time_out_overruns(db, now, result)
+    if has_queued_jobs(db):
+        result.scheduled = run_pass(db, settings).scheduled
+    return result
+
+
+def _lose_expired_leases(
+    db: Database, expired: dict[str, tuple[list[str], dict[str, str]]], result: SweepResult
+) -> None:
     for job_id, (placement_ids, messages) in expired.items():
         with db.transaction() as session:
             if lose_placements(session, job_id, placement_ids, messages):
                 result.lost_placements += len(placement_ids)
 
-    # 2. silent nodes
-    for node_id in silent_nodes:
+
+def _lose_silent_nodes(
+    db: Database, settings: Settings, node_ids: list[str], cutoff: datetime, result: SweepResult
+) -> None:
+    for node_id in node_ids:
         with db.transaction() as session:
-            name = _mark_lost(session, node_id, silent_cutoff)
+            name = _mark_lost(session, node_id, cutoff)
         if name is None:
             continue
         result.lost_nodes.append(name)
         log.warning("node %s is lost: no heartbeat for %.1f s", name, settings.lease_timeout_s)
         lose_node_placements(db, node_id, f"node {name} stopped heartbeating")
 
-    # 3. cancellations with nothing left to stop
+
+def _settle_cancellations(db: Database, result: SweepResult) -> None:
+    """Cancellations with nothing left to stop."""
     with db.read_session() as session:
         cancelling = list(session.scalars(select(Job.id).where(Job.status == JobStatus.CANCELLING.value)))
     for job_id in cancelling:
@@ -122,7 +137,9 @@ def sweep(db: Database, settings: Settings) -> SweepResult:
             if _settle_cancel(session, job_id):
                 result.cancelled.append(job_id)
 
-    # 4. runtime limits
+
+def _time_out_overruns(db: Database, now: datetime, result: SweepResult) -> None:
+    """Running jobs past their runtime limit."""
     with db.read_session() as session:
         running = session.execute(
             select(Job.id, Job.started_at, Job.spec).where(Job.status == JobStatus.RUNNING.value)
@@ -135,11 +152,6 @@ def sweep(db: Database, settings: Settings) -> SweepResult:
             if time_out(session, job_id, now):
                 result.timed_out.append(job_id)
                 log.warning("job %s timed out after %s s", job_id, limit)
-
-    # 5. scheduling
-    if has_queued_jobs(db):
-        result.scheduled = run_pass(db, settings).scheduled
-    return result
 
 
 def lose_node_placements(db: Database, node_id: str, message: str) -> int:

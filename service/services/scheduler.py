@@ -199,6 +199,34 @@ def _place(
 def schedule(session: Session, settings: Settings) -> PassResult:
     """One scheduling pass in the caller's write transaction (the caller commits)."""
     result = PassResult()
+    queued = _lock_queued(session)
+    if not queued:
+        return result
+    now = utcnow()
+    nodes = ready_capacity(session, settings, now)
+    taken_ports: dict[str, set[int]] = {}
+    blocker: Job | None = None
+    for job in queued:
+        if blocker is not None:
+            reason = _reason_behind(job, nodes, blocker)
+        else:
+            placed_or_reason, possible = _try_place(session, settings, job, nodes, taken_ports, now)
+            if placed_or_reason is None:
+                result.scheduled.append(job.id)
+                continue
+            reason = placed_or_reason
+            if possible:
+                blocker = job
+        result.waiting[job.id] = reason
+        if job.wait_reason != reason:
+            job.wait_reason = reason
+    if result.scheduled:
+        log.info("scheduled %s", ", ".join(result.scheduled))
+    return result
+
+
+def _lock_queued(session: Session) -> list[Job]:
+    """The queued jobs in order (first MAX_JOBS_PER_PASS), under the scheduler lock."""
     if is_postgres(session):
         session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEDULER_LOCK_KEY})
     stmt = (
@@ -209,42 +237,38 @@ def schedule(session: Session, settings: Settings) -> PassResult:
     )
     if is_postgres(session):
         stmt = stmt.with_for_update(skip_locked=True)
-    queued = list(session.scalars(stmt))
-    if not queued:
-        return result
-    now = utcnow()
-    nodes = ready_capacity(session, settings, now)
-    taken_ports: dict[str, set[int]] = {}
-    blocker: Job | None = None
-    for job in queued:
-        reason: str
-        if blocker is not None:
-            reason, possible = _wait_reason(job, nodes)
-            if possible:
-                reason = f"queued behind job {blocker.name!r} ({blocker.id}), which is first in line"
-        else:
-            chosen = _choose(nodes, job.node_count, job.process_count_per_node)
-            if chosen is not None:
-                port = _pick_port(session, settings, chosen[0].address, taken_ports)
-                if port is not None:
-                    _place(session, settings, job, chosen, port, now)
-                    result.scheduled.append(job.id)
-                    continue
-                reason = (
-                    f"waiting for a free rendezvous port on {chosen[0].address} "
-                    f"(range {settings.master_port_min}-{settings.master_port_max} in use)"
-                )
-                possible = True
-            else:
-                reason, possible = _wait_reason(job, nodes)
-            if possible:
-                blocker = job
-        result.waiting[job.id] = reason
-        if job.wait_reason != reason:
-            job.wait_reason = reason
-    if result.scheduled:
-        log.info("scheduled %s", ", ".join(result.scheduled))
-    return result
+    return list(session.scalars(stmt))
+
+
+def _reason_behind(job: Job, nodes: list[NodeCapacity], blocker: Job) -> str:
+    """Why ``job`` waits while ``blocker``, first in line, cannot be placed yet."""
+    reason, possible = _wait_reason(job, nodes)
+    if possible:
+        return f"queued behind job {blocker.name!r} ({blocker.id}), which is first in line"
+    return reason
+
+
+def _try_place(
+    session: Session,
+    settings: Settings,
+    job: Job,
+    nodes: list[NodeCapacity],
+    taken_ports: dict[str, set[int]],
+    now: datetime,
+) -> tuple[str | None, bool]:
+    """Place ``job`` if nodes and a port are free: (None, True). Otherwise (why it waits,
+    whether it could ever be placed)."""
+    chosen = _choose(nodes, job.node_count, job.process_count_per_node)
+    if chosen is None:
+        return _wait_reason(job, nodes)
+    port = _pick_port(session, settings, chosen[0].address, taken_ports)
+    if port is None:
+        return (
+            f"waiting for a free rendezvous port on {chosen[0].address} "
+            f"(range {settings.master_port_min}-{settings.master_port_max} in use)"
+        ), True
+    _place(session, settings, job, chosen, port, now)
+    return None, True
 
 
 def run_pass(db: Database, settings: Settings) -> PassResult:

@@ -311,52 +311,17 @@ class JobFeed:
         self.changed = asyncio.Event()
 
     async def run(self) -> None:
-        db = self.hub.db
         try:
-            heads: Heads = await run_in_threadpool(_with_read_session, db, read_heads, self.job_id)
+            heads: Heads = await run_in_threadpool(_with_read_session, self.hub.db, read_heads, self.job_id)
             if heads.items <= BUFFER_ITEMS // 2:
                 # A short history is read into the buffer once: followers that start from
                 # the beginning (the usual case) then need no database read of their own.
-                while True:
-                    batch = await run_in_threadpool(
-                        _with_read_session, db, read_batch, self.job_id, self.head
-                    )
-                    self._append(batch.items)
-                    self.done = self.done or batch.final
-                    if batch.drained or self.done:
-                        break
+                await self._read_history()
             else:
                 self.base = self.head = heads.cursor
                 self.done = heads.final
             self.ready.set()
-            last_news = time.monotonic()
-            idle_since: float | None = None
-            while not self.done:
-                if self.subscribers == 0:
-                    idle_since = idle_since or time.monotonic()
-                    if time.monotonic() - idle_since > FEED_LINGER_S:
-                        return
-                else:
-                    idle_since = None
-                interval = (
-                    IDLE_POLL_INTERVAL_S
-                    if time.monotonic() - last_news > IDLE_AFTER_S
-                    else self.hub.poll_interval
-                )
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.wake.wait(), interval)
-                self.wake.clear()
-                while True:
-                    batch = await run_in_threadpool(
-                        _with_read_session, db, read_batch, self.job_id, self.head
-                    )
-                    if batch.items:
-                        last_news = time.monotonic()
-                        self._append(batch.items)
-                        self.done = batch.final
-                        self._notify()
-                    if batch.drained or self.done:
-                        break
+            await self._poll()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a database outage: subscribers see it and end
@@ -367,6 +332,55 @@ class JobFeed:
             self.done = True
             self._notify()
             self.hub._forget(self)
+
+    async def _read_batch(self) -> Batch:
+        batch: Batch = await run_in_threadpool(
+            _with_read_session, self.hub.db, read_batch, self.job_id, self.head
+        )
+        return batch
+
+    async def _read_history(self) -> None:
+        while True:
+            batch = await self._read_batch()
+            self._append(batch.items)
+            self.done = self.done or batch.final
+            if batch.drained or self.done:
+                break
+
+    async def _poll(self) -> None:
+        """Poll for new items until the job is final, or nobody followed it for a while."""
+        last_news = time.monotonic()
+        idle_since: float | None = None
+        while not self.done:
+            if self.subscribers == 0:
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since > FEED_LINGER_S:
+                    return
+            else:
+                idle_since = None
+            interval = (
+                IDLE_POLL_INTERVAL_S
+                if time.monotonic() - last_news > IDLE_AFTER_S
+                else self.hub.poll_interval
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), interval)
+            self.wake.clear()
+            if await self._read_news():
+                last_news = time.monotonic()
+
+    async def _read_news(self) -> bool:
+        """Buffer what was stored since the last poll; whether there was anything."""
+        news = False
+        while True:
+            batch = await self._read_batch()
+            if batch.items:
+                news = True
+                self._append(batch.items)
+                self.done = batch.final
+                self._notify()
+            if batch.drained or self.done:
+                return news
 
     def subscribe(self) -> _Subscription:
         self.subscribers += 1
@@ -462,60 +476,90 @@ class StreamHub:
         sub = feed.subscribe()
         # Scan the buffer from its start: items up to ``start`` are skipped by their seq.
         sub.position = feed.first_index
-        cursor = start
+        reader = _FeedReader(self.db, job_id, sub, start)
         try:
             await feed.ready.wait()
-            while True:
+            while not reader.finished:
                 if feed.error is not None:
                     raise RuntimeError("the database could not be read") from feed.error
-                if not cursor.covers(feed.base) or sub.position < feed.first_index:
-                    # Behind the buffer: catch up from the database to the buffer's start.
-                    upto = feed.base
-                    batch = await run_in_threadpool(
-                        _with_read_session,
-                        self.db,
-                        lambda s, c=cursor, u=upto: read_batch(s, job_id, c, upto=u),
-                    )
-                    for item in batch.items:
-                        cursor = cursor.after(item)
-                        yield item, cursor
-                        if item.final:
-                            return
-                    if batch.drained:
-                        # Nothing left up to the buffer's start: continue in the buffer.
-                        cursor = Cursor(
-                            max(cursor.status, upto.status),
-                            max(cursor.metric, upto.metric),
-                            max(cursor.log, upto.log),
-                        )
-                        sub.position = feed.first_index
-                    continue
-                index = max(sub.position, feed.first_index)
-                version = feed.version
-                changed = feed.changed
-                while index < feed.end_index:
-                    item = feed.items[index - feed.first_index]
-                    index += 1
-                    if item.seq <= getattr(cursor, item.kind):
-                        continue  # already delivered (a resume from inside the buffer)
-                    cursor = cursor.after(item)
-                    sub.position = index
-                    yield item, cursor
-                    if item.final:
-                        return
-                    if sub.position < feed.first_index:
-                        break  # evicted while we were yielding: catch up from the database
-                else:
-                    sub.position = index
-                    if feed.done:
-                        if feed.error is not None:
-                            # Cut the stream (no "end"): the client reconnects and resumes.
-                            raise RuntimeError("the database could not be read") from feed.error
-                        return
-                    if feed.version == version:
-                        await changed.wait()
+                source = reader.catch_up() if reader.behind() else reader.scan_buffer()
+                async with contextlib.aclosing(source):
+                    async for item in source:
+                        yield item, reader.cursor
         finally:
             feed.unsubscribe()
+
+
+class _FeedReader:
+    """One follower's place in a job's items: the cursor after the last item delivered and
+    its subscription to the feed's buffer."""
+
+    def __init__(self, db: Database, job_id: str, sub: _Subscription, start: Cursor) -> None:
+        self.db = db
+        self.job_id = job_id
+        self.sub = sub
+        self.feed = sub.feed
+        self.cursor = start
+        self.finished = False  # the final status was delivered, or the feed ended
+
+    def _deliver(self, item: Item) -> None:
+        self.cursor = self.cursor.after(item)
+        self.finished = item.final
+
+    def behind(self) -> bool:
+        """Whether items between the cursor and the buffer's start are missing from the buffer."""
+        return not self.cursor.covers(self.feed.base) or self.sub.position < self.feed.first_index
+
+    async def catch_up(self) -> AsyncGenerator[Item, None]:
+        """Items from the database up to the buffer's start."""
+        upto = self.feed.base
+        job_id = self.job_id
+        batch = await run_in_threadpool(
+            _with_read_session,
+            self.db,
+            lambda s, c=self.cursor, u=upto: read_batch(s, job_id, c, upto=u),
+        )
+        for item in batch.items:
+            self._deliver(item)
+            yield item
+            if item.final:
+                return
+        if batch.drained:
+            # Nothing left up to the buffer's start: continue in the buffer.
+            cursor = self.cursor
+            self.cursor = Cursor(
+                max(cursor.status, upto.status),
+                max(cursor.metric, upto.metric),
+                max(cursor.log, upto.log),
+            )
+            self.sub.position = self.feed.first_index
+
+    async def scan_buffer(self) -> AsyncGenerator[Item, None]:
+        """The buffered items not yet delivered; at the end of the buffer, waits for more
+        (or ends the follow if the feed is done)."""
+        feed, sub = self.feed, self.sub
+        index = max(sub.position, feed.first_index)
+        version = feed.version
+        changed = feed.changed
+        while index < feed.end_index:
+            item = feed.items[index - feed.first_index]
+            index += 1
+            if item.seq <= getattr(self.cursor, item.kind):
+                continue  # already delivered (a resume from inside the buffer)
+            self._deliver(item)
+            sub.position = index
+            yield item
+            if item.final or sub.position < feed.first_index:
+                return  # the end, or evicted while we were yielding: catch up from the database
+        sub.position = index
+        if feed.done:
+            if feed.error is not None:
+                # Cut the stream (no "end"): the client reconnects and resumes.
+                raise RuntimeError("the database could not be read") from feed.error
+            self.finished = True
+            return
+        if feed.version == version:
+            await changed.wait()
 
 
 # --------------------------------------------------------------------------- server-sent events
@@ -648,61 +692,98 @@ async def follow_log(
     await feed.ready.wait()
     # Live items after this point come from the feed; what came before, from the database.
     live = hub.follow(job_id, feed.head)
-    attempt: int | None
-    stream: str | None
+    opened: tuple[int | None, str | None]
     if resolved is None:
-        attempt, stream = await run_in_threadpool(_with_read_session, db, _open_log, job_id, target, None)
+        opened = await run_in_threadpool(_with_read_session, db, _open_log, job_id, target, None)
     else:
-        attempt, stream = resolved
-    position = offset
-    ended = False
+        opened = resolved
+    reader = _LogReader(db, job_id, target, opened, offset)
+    try:
+        async for data in reader.read_stored():
+            yield data
+        if reader.ended and target.attempt is not None:
+            return
+        async for item, _cursor in live:
+            if item.kind == "status":
+                async for data in reader.on_status(item):
+                    yield data
+                if reader.stopped:
+                    return
+                continue
+            piece = reader.live_piece(item)
+            if piece is not None:
+                yield piece
+    finally:
+        await live.aclose()
 
-    async def read_all() -> AsyncIterator[bytes]:
+
+class _LogReader:
+    """Where a log follower stands: the attempt and stream it reads, and the byte offset."""
+
+    def __init__(
+        self,
+        db: Database,
+        job_id: str,
+        target: LogTarget,
+        resolved: tuple[int | None, str | None],
+        offset: int,
+    ) -> None:
+        self.db = db
+        self.job_id = job_id
+        self.target = target
+        self.attempt, self.stream = resolved
+        self.position = offset
+        self.ended = False  # the attempt is over and nothing more will come
+        self.stopped = False  # the follow is over
+
+    async def read_stored(self) -> AsyncIterator[bytes]:
         """The stream from ``position`` to what is stored now; sets ``ended`` when the
         attempt is over and nothing more will come."""
-        nonlocal position, ended
-        while attempt is not None and stream is not None:
-            data, position, complete = await run_in_threadpool(
-                _with_read_session, db, _read_log, job_id, attempt, stream, position
+        while self.attempt is not None and self.stream is not None:
+            data, self.position, complete = await run_in_threadpool(
+                _with_read_session, self.db, _read_log, self.job_id, self.attempt, self.stream, self.position
             )
             if data:
                 yield data
             if len(data) < LOG_READ_BYTES:
-                ended = complete
+                self.ended = complete
                 return
 
-    try:
-        async for data in read_all():
-            yield data
-        if ended and target.attempt is not None:
+    async def on_status(self, item: Item) -> AsyncIterator[bytes]:
+        """A status change: the rest of the log if the follow ends here, or the start of a
+        newer attempt's log when following the latest attempt."""
+        status = item.data.get("status")
+        if item.final or (self.target.attempt is not None and status == JobStatus.QUEUED):
+            self.stopped = True
+            async for data in self.read_stored():
+                yield data
             return
-        async for item, _cursor in live:
-            if item.kind == "status":
-                status = item.data.get("status")
-                if item.final or (target.attempt is not None and status == JobStatus.QUEUED):
-                    async for data in read_all():
-                        yield data
-                    return
-                if target.attempt is None and status in (JobStatus.SCHEDULED, JobStatus.RUNNING):
-                    newer, new_stream = await run_in_threadpool(
-                        _with_read_session, db, _open_log, job_id, target, None
-                    )
-                    if newer != attempt or (new_stream is not None and stream is None):
-                        if attempt is not None and newer != attempt:
-                            position = 0  # a retry: its streams start afresh
-                        attempt, stream = newer, new_stream
-                        async for data in read_all():
-                            yield data
-                continue
-            if item.kind != "log" or stream is None or item.stream != stream or item.attempt != attempt:
-                continue
-            raw = item.text.encode("utf-8")
-            end = item.offset + len(raw)
-            if end <= position:
-                continue
-            # Bytes that never arrived (a batch an agent had to drop) are skipped, as plain reads do.
-            position = max(position, item.offset)
-            yield raw[position - item.offset :]
-            position = end
-    finally:
-        await live.aclose()
+        if self.target.attempt is None and status in (JobStatus.SCHEDULED, JobStatus.RUNNING):
+            newer, new_stream = await run_in_threadpool(
+                _with_read_session, self.db, _open_log, self.job_id, self.target, None
+            )
+            if newer != self.attempt or (new_stream is not None and self.stream is None):
+                if self.attempt is not None and newer != self.attempt:
+                    self.position = 0  # a retry: its streams start afresh
+                self.attempt, self.stream = newer, new_stream
+                async for data in self.read_stored():
+                    yield data
+
+    def live_piece(self, item: Item) -> bytes | None:
+        """The new bytes of a live log item of the followed stream, or None."""
+        if (
+            item.kind != "log"
+            or self.stream is None
+            or item.stream != self.stream
+            or item.attempt != self.attempt
+        ):
+            return None
+        raw = item.text.encode("utf-8")
+        end = item.offset + len(raw)
+        if end <= self.position:
+            return None
+        # Bytes that never arrived (a batch an agent had to drop) are skipped, as plain reads do.
+        self.position = max(self.position, item.offset)
+        piece = raw[self.position - item.offset :]
+        self.position = end
+        return piece

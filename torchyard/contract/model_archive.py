@@ -196,16 +196,33 @@ def _walk_members(path: Path, max_unpacked_bytes: int, extract_to: Path | None) 
             if member.size > MAX_MANIFEST_BYTES:
                 raise InvalidModelDirectoryError(f"{MANIFEST_FILE} is too large")
             capture = manifest_bytes = bytearray()
-        source = tar.extractfile(member)
-        if source is None:  # pragma: no cover - regular files always have a reader
-            raise InvalidModelDirectoryError(f"cannot read {name} from the model archive")
-        if extract_to is None:
-            digest = _copy_member(source, member.size, None, capture)
-        else:
-            fd = os.open(extract_to / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            with os.fdopen(fd, "wb") as out:
-                digest = _copy_member(source, member.size, out, capture)
+        digest = _read_member(tar, member, name, extract_to, capture)
         files[name] = ArchivedFile(name=name, size=member.size, sha256=digest)
+    _check_manifest(files, manifest_bytes)
+    return files
+
+
+def _read_member(
+    tar: tarfile.TarFile,
+    member: tarfile.TarInfo,
+    name: str,
+    extract_to: Path | None,
+    capture: bytearray | None,
+) -> str:
+    """The member's sha256, its bytes written to ``extract_to``/``name`` if given and
+    appended to ``capture`` if given."""
+    source = tar.extractfile(member)
+    if source is None:  # pragma: no cover - regular files always have a reader
+        raise InvalidModelDirectoryError(f"cannot read {name} from the model archive")
+    if extract_to is None:
+        return _copy_member(source, member.size, None, capture)
+    fd = os.open(extract_to / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "wb") as out:
+        return _copy_member(source, member.size, out, capture)
+
+
+def _check_manifest(files: dict[str, ArchivedFile], manifest_bytes: bytearray | None) -> None:
+    """The archive's files are exactly those its manifest lists, with matching checksums."""
     if manifest_bytes is None:
         raise InvalidModelDirectoryError(f"model archive has no {TOP_FOLDER}/{MANIFEST_FILE} manifest")
     try:
@@ -222,7 +239,6 @@ def _walk_members(path: Path, max_unpacked_bytes: int, extract_to: Path | None) 
     unlisted = sorted(set(files) - set(listed) - {MANIFEST_FILE})
     if unlisted:
         raise InvalidModelDirectoryError(f"model archive holds files its manifest does not list: {unlisted}")
-    return files
 
 
 def inspect_model_archive(path: str | Path, *, max_unpacked_bytes: int) -> dict[str, ArchivedFile]:

@@ -7,6 +7,8 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,13 +22,14 @@ from torchyard import modeldir
 from worker.trainer import checkpoint as ckpt
 from worker.trainer import distributed
 from worker.trainer.config import JobConfig
-from worker.trainer.data import build_loaders
+from worker.trainer.data import Loaders, build_loaders
 from worker.trainer.distributed import DistEnv
 from worker.trainer.early_stopping import EarlyStopping
 from worker.trainer.engine import (
     BatchPrepare,
     BatchPreparer,
     DecodeThenPrepare,
+    EpochSummary,
     FaultInjector,
     LossMeter,
     TrainLoop,
@@ -174,7 +177,6 @@ def _val_metrics(entry: dict[str, float]) -> dict[str, float]:
 def run_job(job: JobConfig, env: DistEnv) -> dict[str, Any] | None:
     """Train the job on this rank. Rank 0 returns the result summary, other ranks None."""
     configure_threads()
-    params = job.parameters
     output_dir = Path(job.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     device = distributed.select_device(env)
@@ -184,10 +186,60 @@ def run_job(job: JobConfig, env: DistEnv) -> dict[str, Any] | None:
         log.info("job configuration: %s", job.summary())
 
     # Model problems fail every rank the same way, before anyone waits on a peer.
-    seed_everything(derive_seed(params.random_seed, "init"))
+    seed_everything(derive_seed(job.parameters.random_seed, "init"))
     built = build_model(job)
-    model = built.module
+    training = _set_up(job, env, device, built, output_dir)
+    try:
+        history, best_state, stopped = _train_epochs(training)
+        if not env.is_primary:
+            return None
+        if best_state is None or not history:
+            raise RuntimeError("no trained epoch to publish")
+        return _publish(
+            job,
+            env,
+            device,
+            built,
+            training.events,
+            output_dir,
+            training.stopper,
+            history,
+            best_state,
+            stopped,
+        )
+    finally:
+        training.events.close()
 
+
+@dataclass
+class _Training:
+    """One rank's training, set up: the model, its optimizer and schedule, the loaders,
+    the state resumed from and the loop that runs the epochs."""
+
+    job: JobConfig
+    env: DistEnv
+    device: torch.device
+    model: nn.Module
+    output_dir: Path
+    loaders: Loaders
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    stopper: EarlyStopping
+    resumed: ResumeState
+    events: EventWriter
+    prepare: BatchPreparer
+    autocast: Callable[[], AbstractContextManager[Any]]
+    loop: TrainLoop
+    effective_lr: float
+
+
+def _set_up(
+    job: JobConfig, env: DistEnv, device: torch.device, built: BuiltModel, output_dir: Path
+) -> _Training:
+    """Join the process group, build the loaders and optimizer, restore a checkpoint if
+    there is one, and wrap the model in DistributedDataParallel."""
+    params = job.parameters
+    model = built.module
     distributed.setup(env, device)
     loaders = build_loaders(job, env, device)
     steps_per_epoch = loaders.steps_per_epoch
@@ -195,17 +247,7 @@ def run_job(job: JobConfig, env: DistEnv) -> dict[str, Any] | None:
     warmup_steps = steps_per_epoch * params.warmup_epochs
     effective_lr = params.learning_rate * env.world_size
 
-    memory_format = torch.channels_last if device.type == "cuda" else torch.contiguous_format
-    model.to(device)
-    model.to(memory_format=memory_format)
-    # The fused CUDA kernel steps every parameter at once (measured: bench/RESULTS.md).
-    optimizer = torch.optim.SGD(
-        model.parameters(),
-        lr=effective_lr,
-        momentum=MOMENTUM,
-        weight_decay=WEIGHT_DECAY,
-        fused=True if device.type == "cuda" else None,
-    )
+    optimizer = _place_model(model, device, effective_lr)
     stopper = EarlyStopping(patience=params.patience)
     resumed = _restore(job, env, device, model, optimizer, stopper)
     start_epoch = resumed.epochs_done
@@ -261,86 +303,141 @@ def run_job(job: JobConfig, env: DistEnv) -> dict[str, Any] | None:
         effective_lr,
         env.world_size,
     )
+    return _Training(
+        job=job,
+        env=env,
+        device=device,
+        model=model,
+        output_dir=output_dir,
+        loaders=loaders,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        stopper=stopper,
+        resumed=resumed,
+        events=events,
+        prepare=prepare,
+        autocast=autocast,
+        loop=loop,
+        effective_lr=effective_lr,
+    )
 
-    history = resumed.history
-    best_state = resumed.best_model
-    stopped = resumed.stopped
-    epoch = start_epoch
-    try:
-        while not stopped and epoch < params.epochs:
-            epoch += 1
-            epoch_started = time.perf_counter()
-            seed_everything(derive_seed(params.random_seed, "epoch", epoch, env.rank))
-            loaders.train_sampler.set_epoch(epoch)
-            train = loop.train_epoch(epoch)
-            distributed.sync_buffers(model)
-            val = validate(
-                model,
-                loaders.val,
-                prepare=prepare,
-                autocast=autocast,
-                num_classes=job.num_classes,
-                device=device,
-            )
-            if not all(math.isfinite(v) for v in val.values()):
-                raise diverged_error(
-                    val["val.loss"],
-                    epoch=epoch,
-                    step=loop.step,
-                    learning_rate=params.learning_rate,
-                    effective_lr=effective_lr,
-                )
-            improved = stopper.update(val["val.loss"], epoch)
-            stopped = stopper.should_stop
-            seconds = time.perf_counter() - epoch_started
-            history.append(
-                {
-                    "epoch": epoch,
-                    "train.loss": train.loss,
-                    "train.lr": train.lr,
-                    "train.images_per_sec": train.images_per_sec,
-                    **val,
-                    "epoch.seconds": seconds,
-                }
-            )
-            log.info(
-                "epoch %d/%d validation: %s%s",
-                epoch,
-                params.epochs,
-                ", ".join(f"{k} {v:.4f}" for k, v in val.items()),
-                " (best so far)" if improved else f" (best: epoch {stopper.best_epoch})",
-            )
-            if env.is_primary:
-                for name, value in (*val.items(), ("epoch.seconds", seconds)):
-                    events.metric(name, value, epoch=epoch, step=loop.step)
-                events.progress(epoch=epoch, epochs=params.epochs, step=loop.step, total_steps=total_steps)
-                current = modeldir.plain_state_dict(model)
-                if improved:
-                    best_state = current
-                _save_checkpoint(
-                    job,
-                    env,
-                    output_dir,
-                    epoch=epoch,
-                    step=loop.step,
-                    model_state=current,
-                    optimizer=optimizer,
-                    scheduler=scheduler,
-                    stopper=stopper,
-                    best_model=None if improved else best_state,
-                    history=history,
-                    stopped=stopped,
-                )
-            if stopped and epoch < params.epochs:
-                log.info("stopping early: no lower validation loss for %d epochs", params.patience)
 
-        if not env.is_primary:
-            return None
-        if best_state is None or not history:
-            raise RuntimeError("no trained epoch to publish")
-        return _publish(job, env, device, built, events, output_dir, stopper, history, best_state, stopped)
-    finally:
-        events.close()
+def _place_model(model: nn.Module, device: torch.device, learning_rate: float) -> torch.optim.SGD:
+    """Move the model to the device (channels-last on CUDA) and make its optimizer."""
+    memory_format = torch.channels_last if device.type == "cuda" else torch.contiguous_format
+    model.to(device)
+    model.to(memory_format=memory_format)
+    # The fused CUDA kernel steps every parameter at once (measured: bench/RESULTS.md).
+    return torch.optim.SGD(
+        model.parameters(),
+        lr=learning_rate,
+        momentum=MOMENTUM,
+        weight_decay=WEIGHT_DECAY,
+        fused=True if device.type == "cuda" else None,
+    )
+
+
+def _train_epochs(
+    t: _Training,
+) -> tuple[list[dict[str, float]], dict[str, torch.Tensor] | None, bool]:
+    """Train and validate epoch after epoch until the last or an early stop; the history,
+    the best epoch's weights (rank 0) and whether training stopped early."""
+    params = t.job.parameters
+    history = t.resumed.history
+    best_state = t.resumed.best_model
+    stopped = t.resumed.stopped
+    epoch = t.resumed.epochs_done
+    while not stopped and epoch < params.epochs:
+        epoch += 1
+        epoch_started = time.perf_counter()
+        train, val = _run_epoch(t, epoch)
+        improved = t.stopper.update(val["val.loss"], epoch)
+        stopped = t.stopper.should_stop
+        seconds = time.perf_counter() - epoch_started
+        history.append(
+            {
+                "epoch": epoch,
+                "train.loss": train.loss,
+                "train.lr": train.lr,
+                "train.images_per_sec": train.images_per_sec,
+                **val,
+                "epoch.seconds": seconds,
+            }
+        )
+        log.info(
+            "epoch %d/%d validation: %s%s",
+            epoch,
+            params.epochs,
+            ", ".join(f"{k} {v:.4f}" for k, v in val.items()),
+            " (best so far)" if improved else f" (best: epoch {t.stopper.best_epoch})",
+        )
+        if t.env.is_primary:
+            best_state = _record_epoch(t, epoch, val, seconds, improved, best_state, history, stopped)
+        if stopped and epoch < params.epochs:
+            log.info("stopping early: no lower validation loss for %d epochs", params.patience)
+    return history, best_state, stopped
+
+
+def _run_epoch(t: _Training, epoch: int) -> tuple[EpochSummary, dict[str, float]]:
+    """One training pass and validation; a non-finite validation metric fails the job."""
+    params = t.job.parameters
+    seed_everything(derive_seed(params.random_seed, "epoch", epoch, t.env.rank))
+    t.loaders.train_sampler.set_epoch(epoch)
+    train = t.loop.train_epoch(epoch)
+    distributed.sync_buffers(t.model)
+    val = validate(
+        t.model,
+        t.loaders.val,
+        prepare=t.prepare,
+        autocast=t.autocast,
+        num_classes=t.job.num_classes,
+        device=t.device,
+    )
+    if not all(math.isfinite(v) for v in val.values()):
+        raise diverged_error(
+            val["val.loss"],
+            epoch=epoch,
+            step=t.loop.step,
+            learning_rate=params.learning_rate,
+            effective_lr=t.effective_lr,
+        )
+    return train, val
+
+
+def _record_epoch(
+    t: _Training,
+    epoch: int,
+    val: dict[str, float],
+    seconds: float,
+    improved: bool,
+    best_state: dict[str, torch.Tensor] | None,
+    history: list[dict[str, float]],
+    stopped: bool,
+) -> dict[str, torch.Tensor] | None:
+    """Rank 0: the epoch's metric and progress events and its checkpoint; the best
+    epoch's weights so far."""
+    step = t.loop.step
+    for name, value in (*val.items(), ("epoch.seconds", seconds)):
+        t.events.metric(name, value, epoch=epoch, step=step)
+    t.events.progress(epoch=epoch, epochs=t.job.parameters.epochs, step=step, total_steps=t.loop.total_steps)
+    current = modeldir.plain_state_dict(t.model)
+    if improved:
+        best_state = current
+    _save_checkpoint(
+        t.job,
+        t.env,
+        t.output_dir,
+        epoch=epoch,
+        step=step,
+        model_state=current,
+        optimizer=t.optimizer,
+        scheduler=t.scheduler,
+        stopper=t.stopper,
+        best_model=None if improved else best_state,
+        history=history,
+        stopped=stopped,
+    )
+    return best_state
 
 
 def _save_checkpoint(
