@@ -9,27 +9,32 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from torchyard.contract.states import (
+    ACTIVE_STATUSES,
+    FINAL_STATUSES,
+    LIVE_ATTEMPT_STATUSES,
+    LIVE_STATUSES,
+    AttemptStatus,
+    JobStatus,
+    NodeStatus,
+    PlacementStatus,
+    Role,
+)
 
-class JobStatus(StrEnum):
-    QUEUED = "queued"
-    SCHEDULED = "scheduled"
-    RUNNING = "running"
-    CANCELLING = "cancelling"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    def is_final(self) -> bool:
-        return self in FINAL_STATUSES
-
-    def is_live(self) -> bool:
-        """Placed on nodes (or about to be): holds processing units."""
-        return self in LIVE_STATUSES
-
-
-FINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
-LIVE_STATUSES = frozenset({JobStatus.SCHEDULED, JobStatus.RUNNING, JobStatus.CANCELLING})
-ACTIVE_STATUSES = frozenset({JobStatus.QUEUED}) | LIVE_STATUSES
+__all__ = [
+    "ACTIVE_STATUSES",
+    "FINAL_STATUSES",
+    "LIVE_ATTEMPT_STATUSES",
+    "LIVE_STATUSES",
+    "TRANSITIONS",
+    "AttemptStatus",
+    "JobStatus",
+    "NodeStatus",
+    "PlacementStatus",
+    "Role",
+    "can_transition",
+    "sql_in",
+]
 
 TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     JobStatus.QUEUED: frozenset({JobStatus.SCHEDULED, JobStatus.CANCELLED, JobStatus.FAILED}),
@@ -48,28 +53,6 @@ TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
 
 def can_transition(current: JobStatus, new: JobStatus) -> bool:
     return new in TRANSITIONS[current]
-
-
-class AttemptStatus(StrEnum):
-    SCHEDULED = "scheduled"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-LIVE_ATTEMPT_STATUSES = frozenset({AttemptStatus.SCHEDULED, AttemptStatus.RUNNING})
-
-
-class NodeStatus(StrEnum):
-    READY = "ready"
-    LOST = "lost"
-
-
-class Role(StrEnum):
-    ADMIN = "admin"
-    USER = "user"
-    WORKER = "worker"
 
 
 def sql_in(values: frozenset[StrEnum] | list[StrEnum] | type[StrEnum]) -> str:

@@ -35,6 +35,7 @@ from service.states import (
     AttemptStatus,
     JobStatus,
     NodeStatus,
+    PlacementStatus,
     Role,
     sql_in,
 )
@@ -256,7 +257,7 @@ class Placement(Base):
     node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"))
     node_rank: Mapped[int] = mapped_column(Integer)
     units: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16), default="assigned")
+    status: Mapped[str] = mapped_column(String(16), default=PlacementStatus.ASSIGNED.value)
     lease_token: Mapped[str] = mapped_column(String(64))
     lease_expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
     exit_code: Mapped[int | None] = mapped_column(Integer)

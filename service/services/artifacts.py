@@ -27,7 +27,7 @@ from service.db.models import Job, Node, Placement, utcnow
 from service.services.jobs import get_job
 from service.services.leases import lock_lease, placement_for_lease
 from service.services.tokens import Principal
-from service.states import JobStatus
+from service.states import JobStatus, PlacementStatus
 from torchyard.contract.errors import (
     ConflictError,
     ModelNotReadyError,
@@ -218,7 +218,7 @@ def model_for_worker(session: Session, principal: Principal, store: ModelStore, 
     if job is None:
         raise NotFoundError(f"job {job_id!r} not found")
     ran_it = Placement.job_id == job.id
-    fine_tunes_from_it = and_(Placement.status != "done", Job.init_from_job_id == job.id)
+    fine_tunes_from_it = and_(Placement.status != PlacementStatus.DONE, Job.init_from_job_id == job.id)
     placed = session.scalars(
         select(Placement.id)
         .join(Node, Node.id == Placement.node_id)

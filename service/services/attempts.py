@@ -33,7 +33,7 @@ from service.services.leases import lock_lease
 from service.services.nodes import get_own_node, touch_node
 from service.services.scheduler import is_postgres, schedule
 from service.services.tokens import Principal
-from service.states import LIVE_ATTEMPT_STATUSES, AttemptStatus, JobStatus
+from service.states import LIVE_ATTEMPT_STATUSES, AttemptStatus, JobStatus, PlacementStatus
 from torchyard.contract.errors import ConflictError, JobTimeoutError, RankFailedError, WorkerLostError
 from torchyard.contract.protocol import (
     ClaimedDataset,
@@ -84,7 +84,9 @@ def finish_cancellation(session: Session, job: Job) -> bool:
     if job.status != JobStatus.CANCELLING.value:
         return False
     open_count = session.scalar(
-        select(func.count(Placement.id)).where(Placement.job_id == job.id, Placement.status != "done")
+        select(func.count(Placement.id)).where(
+            Placement.job_id == job.id, Placement.status != PlacementStatus.DONE
+        )
     )
     if open_count:
         return False
@@ -150,7 +152,7 @@ def claim(
         .join(Attempt, Attempt.id == Placement.attempt_id)
         .where(
             Placement.node_id == node.id,
-            Placement.status == "assigned",
+            Placement.status == PlacementStatus.ASSIGNED,
             Job.status.in_(_PLACED_JOB),
             Attempt.status.in_(_LIVE_ATTEMPT),
         )
@@ -162,7 +164,7 @@ def claim(
     placement = session.scalars(stmt).first()
     if placement is None:
         return None, placed
-    placement.status = "running"
+    placement.status = PlacementStatus.RUNNING
     placement.lease_expires_at = utcnow() + timedelta(seconds=settings.lease_timeout_s)
     log.info("node %s claimed job %s (node rank %d)", node.name, placement.job_id, placement.node_rank)
     return claimed_placement(session, placement, settings), placed
@@ -172,7 +174,9 @@ def work_pending(session: Session, principal: Principal, node_name: str) -> tupl
     """Read-only: whether the node has an assigned placement, and the newest queued job's time."""
     node = get_own_node(session, principal, node_name)
     assigned = session.scalars(
-        select(Placement.id).where(Placement.node_id == node.id, Placement.status == "assigned").limit(1)
+        select(Placement.id)
+        .where(Placement.node_id == node.id, Placement.status == PlacementStatus.ASSIGNED)
+        .limit(1)
     ).first()
     newest_queued = session.scalar(
         select(func.max(Job.created_at)).where(Job.status == JobStatus.QUEUED.value)
@@ -212,7 +216,7 @@ def heartbeat(
         if placement.node_id != node.id:
             continue  # another node's token: treated as unknown below
         seen.add(token)
-        if placement.status == "done":
+        if placement.status == PlacementStatus.DONE:
             stop.append(
                 StopOrder(
                     lease_token=token,
@@ -285,7 +289,7 @@ def report_status(
     ended = False
 
     if report.state == "running":
-        placement.status = "running"
+        placement.status = PlacementStatus.RUNNING
         if attempt.status == AttemptStatus.SCHEDULED.value:
             attempt.status = AttemptStatus.RUNNING.value
             attempt.started_at = now
@@ -299,7 +303,7 @@ def report_status(
             and job.model_sha256 is None
         ):
             raise ConflictError("node rank 0 reported success before its model directory was uploaded")
-        placement.status = "done"
+        placement.status = PlacementStatus.DONE
         placement.finished_at = now
         placement.exit_code = report.exit_code
         ended = True
@@ -322,7 +326,7 @@ def report_status(
         job_status=job.status,
         attempt_status=attempt.status,
         placement_status=placement.status,
-        stop=reason is not None and placement.status != "done",
+        stop=reason is not None and placement.status != PlacementStatus.DONE,
         reason=reason,
     )
     return answer, ended
@@ -358,7 +362,7 @@ def lose_placements(
     placements = list(
         session.scalars(
             select(Placement)
-            .where(Placement.id.in_(placement_ids), Placement.status != "done")
+            .where(Placement.id.in_(placement_ids), Placement.status != PlacementStatus.DONE)
             .order_by(Placement.id)
             .with_for_update()
             .execution_options(populate_existing=True)
@@ -368,7 +372,7 @@ def lose_placements(
         return False
     now = utcnow()
     for placement in placements:
-        placement.status = "done"
+        placement.status = PlacementStatus.DONE
         placement.finished_at = now
         attempt = _lock_attempt(session, placement.attempt_id)
         node = session.get_one(Node, placement.node_id)

@@ -27,7 +27,7 @@ from service.config import Settings
 from service.db.models import Attempt, Job, Node, Placement, utcnow
 from service.schemas.nodes import ClusterPublic, NodeAttemptPublic, NodePublic
 from service.services.tokens import Principal
-from service.states import NodeStatus
+from service.states import NodeStatus, PlacementStatus
 from torchyard.contract.errors import ResourceLimitError
 
 
@@ -128,7 +128,7 @@ def node_usage(session: Session) -> dict[str, list[NodeShare]]:
         select(Placement, Attempt.number, Job.owner_id)
         .join(Attempt, Attempt.id == Placement.attempt_id)
         .join(Job, Job.id == Placement.job_id)
-        .where(Placement.status != "done")
+        .where(Placement.status != PlacementStatus.DONE)
         .order_by(Placement.created_at, Placement.id)
     ).all()
     for placement, number, owner_id in rows:

@@ -37,7 +37,7 @@ from service.schemas.common import decode_cursor, encode_cursor
 from service.schemas.datasets import DatasetPublic, DatasetRegister
 from service.services import refs
 from service.services.tokens import Principal
-from service.states import ACTIVE_STATUSES
+from service.states import ACTIVE_STATUSES, PlacementStatus
 from torchyard.contract.archive import ExtractionLimits, extract_archive
 from torchyard.contract.dataset_digest import list_files
 from torchyard.contract.errors import (
@@ -397,7 +397,7 @@ def dataset_for_worker(session: Session, principal: Principal, dataset_id: str) 
         .join(Job, Job.id == Placement.job_id)
         .where(
             Node.token_id == principal.id,
-            Placement.status != "done",
+            Placement.status != PlacementStatus.DONE,
             or_(Job.train_dataset_id == row.id, Job.validation_dataset_id == row.id),
         )
         .limit(1)

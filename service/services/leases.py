@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from service.db.models import Job, Node, Placement, utcnow
 from service.services.tokens import Principal
+from service.states import PlacementStatus
 from torchyard.contract.errors import StaleLeaseError
 from torchyard.contract.headers import LEASE_HEADER
 
@@ -59,7 +60,7 @@ def lock_lease(
 
 
 def _ensure_live(placement: Placement) -> None:
-    if placement.status == "done":
+    if placement.status == PlacementStatus.DONE:
         raise StaleLeaseError("the lease's placement is finished")
     if placement.lease_expires_at < utcnow():
         raise StaleLeaseError("the lease has expired")

@@ -35,7 +35,7 @@ from service.db.models import Job, Node, Placement, utcnow
 from service.services.attempts import finish_cancellation, lose_placements, overrun_limit_s, time_out
 from service.services.scheduler import has_queued_jobs, is_postgres, run_pass
 from service.services.wakeup import Wakeup
-from service.states import JobStatus, NodeStatus
+from service.states import JobStatus, NodeStatus, PlacementStatus
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def _expired_by_job(
     rows = session.execute(
         select(Placement.job_id, Placement.id, Placement.status, Node.name)
         .join(Node, Node.id == Placement.node_id)
-        .where(Placement.status != "done", Placement.lease_expires_at < now)
+        .where(Placement.status != PlacementStatus.DONE, Placement.lease_expires_at < now)
     ).all()
     by_job: dict[str, tuple[list[str], dict[str, str]]] = {}
     for job_id, placement_id, status, node_name in rows:
@@ -64,7 +64,7 @@ def _expired_by_job(
         ids.append(placement_id)
         messages[placement_id] = (
             f"node {node_name} did not claim its placement within {settings.lease_timeout_s:g} s"
-            if status == "assigned"
+            if status == PlacementStatus.ASSIGNED
             else f"node {node_name} stopped heartbeating"
         )
     return by_job
@@ -160,7 +160,7 @@ def lose_node_placements(db: Database, node_id: str, message: str) -> int:
     with db.read_session() as session:
         rows = session.execute(
             select(Placement.job_id, Placement.id).where(
-                Placement.node_id == node_id, Placement.status != "done"
+                Placement.node_id == node_id, Placement.status != PlacementStatus.DONE
             )
         ).all()
     by_job: dict[str, list[str]] = {}
@@ -179,12 +179,12 @@ def _settle_cancel(session: Session, job_id: str) -> bool:
     now = utcnow()
     for placement in session.scalars(
         select(Placement)
-        .where(Placement.job_id == job_id, Placement.status == "assigned")
+        .where(Placement.job_id == job_id, Placement.status == PlacementStatus.ASSIGNED)
         .order_by(Placement.id)
         .with_for_update()
     ):
         # Never claimed: no process exists to stop.
-        placement.status = "done"
+        placement.status = PlacementStatus.DONE
         placement.finished_at = now
     return finish_cancellation(session, job)
 

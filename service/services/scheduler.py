@@ -39,7 +39,7 @@ from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Attempt, Job, Node, Placement, utcnow
 from service.services.jobs import transition
-from service.states import AttemptStatus, JobStatus, NodeStatus
+from service.states import AttemptStatus, JobStatus, NodeStatus, PlacementStatus
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def ready_capacity(session: Session, settings: Settings, now: datetime) -> list[
     held = dict(
         session.execute(
             select(Placement.node_id, func.sum(Placement.units))
-            .where(Placement.status != "done")
+            .where(Placement.status != PlacementStatus.DONE)
             .group_by(Placement.node_id)
         ).all()
     )
@@ -103,7 +103,7 @@ def ready_capacity(session: Session, settings: Settings, now: datetime) -> list[
 
 def _ports_in_use(session: Session, address: str) -> set[int]:
     """Rendezvous ports of attempts on ``address`` that still have a placement not done."""
-    live = exists().where(Placement.attempt_id == Attempt.id, Placement.status != "done")
+    live = exists().where(Placement.attempt_id == Attempt.id, Placement.status != PlacementStatus.DONE)
     return set(session.scalars(select(Attempt.master_port).where(Attempt.master_addr == address, live)))
 
 
@@ -184,7 +184,7 @@ def _place(
                 node_id=node.id,
                 node_rank=rank,
                 units=job.process_count_per_node,
-                status="assigned",
+                status=PlacementStatus.ASSIGNED,
                 lease_token=secrets.token_urlsafe(32),
                 lease_expires_at=expires,
                 created_at=now,
