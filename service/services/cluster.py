@@ -121,6 +121,37 @@ class NodeShare:
     status: str
 
 
+@dataclass
+class NodeCapacity:
+    id: str
+    name: str
+    address: str
+    units: int
+    free: int
+
+
+def held_units(session: Session) -> dict[str, int]:
+    """Per node id, the units held by its placements that are not done."""
+    rows = session.execute(
+        select(Placement.node_id, func.sum(Placement.units))
+        .where(Placement.status != PlacementStatus.DONE)
+        .group_by(Placement.node_id)
+    ).all()
+    return {node_id: int(units or 0) for node_id, units in rows}
+
+
+def ready_capacity(session: Session, settings: Settings, now: datetime) -> list[NodeCapacity]:
+    """Ready nodes (``ready_node_filter``) with their free units, by name: what the scheduler places onto."""
+    held = held_units(session)
+    nodes = session.scalars(select(Node).where(ready_node_filter(settings, now)).order_by(Node.name))
+    return [
+        NodeCapacity(
+            id=n.id, name=n.name, address=n.address, units=n.units, free=max(0, n.units - held.get(n.id, 0))
+        )
+        for n in nodes
+    ]
+
+
 def node_usage(session: Session) -> dict[str, list[NodeShare]]:
     """Per node id, the placements not yet done (they hold the node's units)."""
     usage: dict[str, list[NodeShare]] = {}

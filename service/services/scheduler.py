@@ -32,14 +32,15 @@ import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import exists, func, select, text
+from sqlalchemy import exists, select, text
 from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Attempt, Job, Node, Placement, utcnow
+from service.db.models import Attempt, Job, Placement, utcnow
+from service.services.cluster import NodeCapacity, ready_capacity
 from service.services.jobs import transition
-from service.states import AttemptStatus, JobStatus, NodeStatus, PlacementStatus
+from service.states import AttemptStatus, JobStatus, PlacementStatus
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +48,6 @@ log = logging.getLogger(__name__)
 SCHEDULER_LOCK_KEY = 7345002
 # Queued jobs looked at per pass; the rest wait for the next pass.
 MAX_JOBS_PER_PASS = 500
-
-
-@dataclass
-class NodeCapacity:
-    id: str
-    name: str
-    address: str
-    units: int
-    free: int
 
 
 @dataclass
@@ -72,33 +64,6 @@ def _plural(n: int, word: str) -> str:
 
 def is_postgres(session: Session) -> bool:
     return session.get_bind().dialect.name == "postgresql"
-
-
-def ready_capacity(session: Session, settings: Settings, now: datetime) -> list[NodeCapacity]:
-    """Ready nodes heard from within the lease timeout, with their free units."""
-    fresh_after = now - timedelta(seconds=settings.lease_timeout_s)
-    held = dict(
-        session.execute(
-            select(Placement.node_id, func.sum(Placement.units))
-            .where(Placement.status != PlacementStatus.DONE)
-            .group_by(Placement.node_id)
-        ).all()
-    )
-    nodes = session.scalars(
-        select(Node)
-        .where(Node.status == NodeStatus.READY.value, Node.last_heartbeat_at >= fresh_after)
-        .order_by(Node.name)
-    )
-    return [
-        NodeCapacity(
-            id=n.id,
-            name=n.name,
-            address=n.address,
-            units=n.units,
-            free=max(0, n.units - int(held.get(n.id) or 0)),
-        )
-        for n in nodes
-    ]
 
 
 def _ports_in_use(session: Session, address: str) -> set[int]:
