@@ -12,9 +12,8 @@ from typing import Any, TypeVar
 import httpx
 
 from torchyard.contract.errors import TorchyardError, error_from_body
-from torchyard.contract.headers import AGENT_KEY_HEADER
+from torchyard.contract.headers import AGENT_KEY_HEADER, LEASE_HEADER
 from torchyard.contract.protocol import ClaimedPlacement
-from worker.agent.reporting import LEASE_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +31,8 @@ def is_retryable(exc: BaseException) -> bool:
 
 
 class Backoff:
-    """Exponential backoff with jitter: 0.2 s doubling up to ``cap``."""
+    """The agent's one retry policy: exponential backoff with jitter, ``first`` seconds
+    doubling up to ``cap``; ``reset()`` after a success."""
 
     def __init__(self, first: float = 0.2, cap: float = 10.0) -> None:
         self.first = first

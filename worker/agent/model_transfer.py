@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import random
 import tempfile
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from torchyard.contract.model_archive import (
     pack_model_dir,
     sha256_of,
 )
+from worker.agent.api import Backoff
 
 log = logging.getLogger("worker.agent.reporting")
 
@@ -58,10 +58,6 @@ def _file_chunks(fh: BinaryIO) -> Iterator[bytes]:
         yield chunk
 
 
-def _backoff(attempt: int) -> None:
-    time.sleep(min(10.0, 0.5 * 2**attempt) * random.uniform(0.75, 1.25))
-
-
 def upload_model(client: httpx.Client, job_id: str, lease_token: str, model_dir: Path) -> str:
     """Verify, pack and upload a model directory (node rank 0); returns the archive's sha256.
 
@@ -82,7 +78,8 @@ def upload_model(client: httpx.Client, job_id: str, lease_token: str, model_dir:
             "Content-Type": "application/gzip",
         }
         last_error: Exception | None = None
-        for attempt in range(_UPLOAD_TRIES):
+        backoff = Backoff(first=0.5)
+        for _ in range(_UPLOAD_TRIES):
             try:
                 with open(archive, "rb") as fh:
                     response = client.put(
@@ -94,7 +91,7 @@ def upload_model(client: httpx.Client, job_id: str, lease_token: str, model_dir:
             except httpx.HTTPError as exc:
                 last_error = exc
                 log.warning("job %s: model upload failed (%s), retrying", job_id, exc)
-                _backoff(attempt)
+                time.sleep(backoff.next())
                 continue
             if response.status_code == 200:
                 log.info("job %s: model uploaded (%d bytes, sha256 %s)", job_id, size, sha256)
@@ -104,7 +101,7 @@ def upload_model(client: httpx.Client, job_id: str, lease_token: str, model_dir:
                 raise error
             last_error = error
             log.warning("job %s: model upload got HTTP %d, retrying", job_id, response.status_code)
-            _backoff(attempt)
+            time.sleep(backoff.next())
     raise TorchyardError(f"model upload of job {job_id} failed after {_UPLOAD_TRIES} tries: {last_error}")
 
 
@@ -135,7 +132,8 @@ def download_model(client: httpx.Client, job_id: str, dest: Path) -> Path:
 def _fetch(client: httpx.Client, url: str, archive: Path, job_id: str) -> str | None:
     etag: str | None = None
     last_error: Exception | None = None
-    for attempt in range(_UPLOAD_TRIES):
+    backoff = Backoff(first=0.5)
+    for _ in range(_UPLOAD_TRIES):
         written = archive.stat().st_size if archive.exists() else 0
         headers = {"Range": f"bytes={written}-", "If-Range": f'"{etag}"'} if written and etag else {}
         try:
@@ -148,7 +146,7 @@ def _fetch(client: httpx.Client, url: str, archive: Path, job_id: str) -> str | 
                     if not is_retryable(response.status_code):
                         raise error
                     last_error = error
-                    _backoff(attempt)
+                    time.sleep(backoff.next())
                     continue
                 etag = response.headers.get("etag", "").strip().strip('"') or None
                 mode = "ab" if response.status_code == 206 else "wb"
@@ -159,5 +157,5 @@ def _fetch(client: httpx.Client, url: str, archive: Path, job_id: str) -> str | 
         except httpx.HTTPError as exc:
             last_error = exc
             log.warning("job %s: model download interrupted (%s), resuming", job_id, exc)
-            _backoff(attempt)
+            time.sleep(backoff.next())
     raise TorchyardError(f"model download of job {job_id} failed after {_UPLOAD_TRIES} tries: {last_error}")

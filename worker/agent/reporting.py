@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from pathlib import Path
 import httpx
 
 from torchyard.contract.errors import StaleLeaseError
+from worker.agent.api import Backoff
 from worker.agent.model_transfer import (
     LEASE_HEADER,
     download_model,
@@ -139,7 +139,7 @@ class RunReporter:
     # --- the loop ------------------------------------------------------------------------
 
     def _run(self) -> None:
-        backoff = self.interval
+        backoff = Backoff(first=self.interval, cap=self.max_backoff)
         batch: Batch | None = None
         while True:
             final = self._stopping.is_set()
@@ -154,16 +154,15 @@ class RunReporter:
             if self._send(batch):
                 full = batch.full
                 batch = None
-                backoff = self.interval
+                backoff.reset()
                 if self._lease_lost:
                     return
                 if not final and not full:
                     self._stopping.wait(self.interval)
                 continue
             self.stats["retries"] += 1
-            if not self._pause_before_retry(batch, backoff, final):
+            if not self._pause_before_retry(batch, backoff.next(), final):
                 return
-            backoff = min(backoff * 2, self.max_backoff)
 
     def _next_batch(self, final: bool) -> Batch | None:
         """What was written since the last batch; None when nothing was."""
@@ -174,9 +173,8 @@ class RunReporter:
             batch = Batch()
         return None if batch.empty() else batch
 
-    def _pause_before_retry(self, batch: Batch, backoff: float, final: bool) -> bool:
-        """Wait with jitter before resending ``batch``; False once a final drain is out of time."""
-        delay = min(backoff, self.max_backoff) * random.uniform(0.75, 1.25)
+    def _pause_before_retry(self, batch: Batch, delay: float, final: bool) -> bool:
+        """Wait ``delay`` before resending ``batch``; False once a final drain is out of time."""
         if not final:
             self._stopping.wait(delay)
             return True
