@@ -132,8 +132,15 @@ def list_tokens(session: Session, *, include_revoked: bool = True) -> list[Token
     return list(session.scalars(stmt))
 
 
+def issue_token(session: Session, name: str, role: Role) -> tuple[Token, str]:
+    """Create a token and commit; the plain secret is returned once, never stored."""
+    row, plain = create_token(session, name, role)
+    session.commit()
+    return row, plain
+
+
 def revoke_token(session: Session, token_id: str) -> Token:
-    """Revoke a token: from now on every request carrying it is a 401. Idempotent.
+    """Revoke a token and commit: from now on every request carrying it is a 401. Idempotent.
 
     The last admin token that is not revoked cannot be revoked (nobody could create or
     revoke tokens through the API any more); create another admin token first.
@@ -164,7 +171,7 @@ def revoke_token(session: Session, token_id: str) -> Token:
             "create another admin token before revoking it"
         )
     row.revoked_at = utcnow()
-    session.flush()
+    session.commit()
     return row
 
 

@@ -31,8 +31,7 @@ def _public(row: Token) -> TokenPublic:
 @router.post("", status_code=status.HTTP_201_CREATED)
 def post_token(body: TokenCreate, session: SessionDep, _admin: AdminUser) -> TokenCreated:
     """Create a token (admin only)."""
-    row, plain = tokens_service.create_token(session, body.name, body.role)
-    session.commit()
+    row, plain = tokens_service.issue_token(session, body.name, body.role)
     return TokenCreated(id=row.id, name=row.name, role=Role(row.role), token=plain, created_at=row.created_at)
 
 
@@ -53,7 +52,6 @@ def revoke_token(token_id: str, session: SessionDep, _admin: AdminUser) -> Token
     """Revoke a token (admin only, idempotent): every request carrying it is a 401 from now
     on, on every API replica. The last admin token that is not revoked cannot be (409)."""
     row = tokens_service.revoke_token(session, token_id)
-    session.commit()
     return _public(row)
 
 

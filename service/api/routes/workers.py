@@ -26,14 +26,8 @@ from service.api.deps import (
     WorkerDep,
 )
 from service.api.routing import SessionScopedRoute
-from service.config import Settings
-from service.db.engine import Database
 from service.schemas.nodes import NodeRegister
-from service.services import attempts as attempts_service
-from service.services import nodes as nodes_service
-from service.services import scheduler
-from service.services.reaper import lose_node_placements
-from service.services.tokens import Principal
+from service.services import agents
 from torchyard.contract.protocol import (
     ClaimedPlacement,
     HeartbeatRequest,
@@ -58,19 +52,7 @@ def register_node(
     first registered it, and to one live agent (``agent_key``) at a time: anyone else
     gets 409 ``NodeNameInUseError`` and changes nothing.
     """
-    node = nodes_service.register_node(
-        session,
-        worker,
-        name=body.name,
-        address=body.address,
-        units=body.units,
-        accelerator=body.accelerator,
-        info=body.info,
-        agent_key=body.agent_key,
-        lease_timeout_s=settings.lease_timeout_s,
-    )
-    session.commit()
-    lose_node_placements(db, node.id, f"the worker agent on node {node.name} restarted")
+    node = agents.register(session, db, settings, worker, body)
     return NodeRegistered(
         id=node.id,
         name=node.name,
@@ -92,25 +74,7 @@ def heartbeat(
 ) -> HeartbeatResponse:
     """Keep the node ready and renew the leases it lists; ``stop`` names placements whose ranks
     must be stopped now (job cancelling, attempt failed elsewhere, lease stale)."""
-    nodes_service.check_agent(session, worker, name, agent_key)
-    answer = attempts_service.heartbeat(session, settings, worker, name, body.leases)
-    session.commit()
-    return answer
-
-
-def _claim_once(
-    db: Database, settings: Settings, worker: Principal, name: str, agent_key: str | None
-) -> tuple[ClaimedPlacement | None, bool]:
-    with db.session() as session:
-        nodes_service.check_agent(session, worker, name, agent_key)
-        claimed, placed = attempts_service.claim(session, settings, worker, name)
-        session.commit()
-        return claimed, placed
-
-
-def _pending(db: Database, worker: Principal, name: str) -> tuple[bool, datetime | None]:
-    with db.read_session() as session:
-        return attempts_service.work_pending(session, worker, name)
+    return agents.heartbeat(session, settings, worker, name, agent_key, body.leases)
 
 
 @router.post(
@@ -144,12 +108,14 @@ async def claim(
             return Response(status_code=status.HTTP_204_NO_CONTENT)
         generation = wakeup.generation
         if not full_check:
-            pending, newest = await run_in_threadpool(_pending, db, worker, name)
+            pending, newest = await run_in_threadpool(agents.work_pending, db, worker, name)
             if pending or (newest is not None and (newest_seen is None or newest > newest_seen)):
                 full_check = True
             newest_seen = newest if newest is not None else newest_seen
         if full_check:
-            claimed, placed = await run_in_threadpool(_claim_once, db, settings, worker, name, agent_key)
+            claimed, placed = await run_in_threadpool(
+                agents.claim_once, db, settings, worker, name, agent_key
+            )
             if placed:
                 wakeup.notify()  # the pass may have placed work on other waiting nodes
             if claimed is not None:
@@ -173,8 +139,7 @@ def report_status(
     """Report a placement's state: ``running`` once its ranks started, then ``succeeded``
     (node rank 0 after uploading the model), ``failed`` (with the failure) or ``cancelled``
     (ranks stopped on request). ``stop`` in the answer tells the agent to stop its ranks."""
-    answer, ended = attempts_service.report_status(session, worker, lease, body)
-    session.commit()
-    if ended and scheduler.run_pass(db, settings).scheduled:
+    answer, placed = agents.report_status(session, db, settings, worker, lease, body)
+    if placed:
         wakeup.notify()
     return answer

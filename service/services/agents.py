@@ -1,0 +1,94 @@
+"""What each call of a worker agent does, each in transactions of its own.
+
+The worker routes parse the request, call one function here and shape the answer;
+these own the commits and the follow-up work (losing a restarted node's placements,
+the scheduling pass that capacity freed by an ended placement allows).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy.orm import Session
+
+from service.config import Settings
+from service.db.engine import Database
+from service.db.models import Node
+from service.schemas.nodes import NodeRegister
+from service.services import attempts, nodes, scheduler
+from service.services.reaper import lose_node_placements
+from service.services.tokens import Principal
+from torchyard.contract.protocol import (
+    ClaimedPlacement,
+    HeartbeatResponse,
+    PlacementStatusReport,
+    PlacementStatusResponse,
+)
+
+
+def register(
+    session: Session, db: Database, settings: Settings, worker: Principal, body: NodeRegister
+) -> Node:
+    """Register (or re-register) the node and commit; then whatever it ran before is lost."""
+    node = nodes.register_node(
+        session,
+        worker,
+        name=body.name,
+        address=body.address,
+        units=body.units,
+        accelerator=body.accelerator,
+        info=body.info,
+        agent_key=body.agent_key,
+        lease_timeout_s=settings.lease_timeout_s,
+    )
+    session.commit()
+    lose_node_placements(db, node.id, f"the worker agent on node {node.name} restarted")
+    return node
+
+
+def heartbeat(
+    session: Session,
+    settings: Settings,
+    worker: Principal,
+    name: str,
+    agent_key: str | None,
+    leases: list[str],
+) -> HeartbeatResponse:
+    """Check the agent holds the node, renew its leases, and commit."""
+    nodes.check_agent(session, worker, name, agent_key)
+    answer = attempts.heartbeat(session, settings, worker, name, leases)
+    session.commit()
+    return answer
+
+
+def claim_once(
+    db: Database, settings: Settings, worker: Principal, name: str, agent_key: str | None
+) -> tuple[ClaimedPlacement | None, bool]:
+    """One claim check in its own transaction: the node's next placement (if any) and
+    whether the scheduling pass it ran placed work."""
+    with db.session() as session:
+        nodes.check_agent(session, worker, name, agent_key)
+        claimed, placed = attempts.claim(session, settings, worker, name)
+        session.commit()
+        return claimed, placed
+
+
+def work_pending(db: Database, worker: Principal, name: str) -> tuple[bool, datetime | None]:
+    with db.read_session() as session:
+        return attempts.work_pending(session, worker, name)
+
+
+def report_status(
+    session: Session,
+    db: Database,
+    settings: Settings,
+    worker: Principal,
+    lease: str | None,
+    report: PlacementStatusReport,
+) -> tuple[PlacementStatusResponse, bool]:
+    """Apply a placement's status report and commit; when the placement ended (its units
+    are free), run a scheduling pass. Returns the answer and whether that pass placed work."""
+    answer, ended = attempts.report_status(session, worker, lease, report)
+    session.commit()
+    placed = ended and bool(scheduler.run_pass(db, settings).scheduled)
+    return answer, placed
