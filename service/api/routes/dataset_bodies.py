@@ -1,4 +1,4 @@
-"""Streaming request bodies to disk with a hard size limit.
+"""The dataset routes' request bodies, streamed to disk with a hard size limit.
 
 A multipart body is parsed as it arrives: the file part goes straight to a file (in
 chunks of at most 1 MiB held in memory), small text fields are kept, and the body is
