@@ -369,3 +369,13 @@ def test_another_users_job_is_not_found(client: TestClient, settings: Settings) 
         assert r.json()["code"] == "NotFoundError"
     # An admin sees every job.
     assert len(client.get(f"/v1/jobs/{job.job_id}/metrics").json()["items"]) == 20
+
+
+def test_the_agent_batches_within_the_contract_limits() -> None:
+    from torchyard.contract import reports as contract_reports
+    from worker.agent import run_files
+
+    assert run_files.MAX_BATCH_METRICS <= contract_reports.MAX_METRICS_PER_BATCH
+    assert run_files.MAX_BATCH_LOG_CHUNKS <= contract_reports.MAX_LOG_CHUNKS_PER_BATCH
+    assert run_files.LOG_READ_BYTES <= contract_reports.MAX_LOG_CHUNK_BYTES
+    assert run_files.MAX_BATCH_LOG_BYTES < contract_reports.MAX_REPORT_BODY_BYTES

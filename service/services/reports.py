@@ -28,21 +28,13 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from service.db.models import Attempt, Job, LogChunk, Metric, Node, Placement, utcnow
-from service.schemas.reports import (
-    LogStream,
-    LogStreams,
-    MetricPoint,
-    ProgressIn,
-    ReportAccepted,
-    ReportBatch,
-    ResultIn,
-    is_stream_name,
-)
+from service.schemas.reports import LogStream, LogStreams, MetricPoint
 from service.services.leases import lock_lease
 from service.services.tokens import Principal
 from service.states import LIVE_ATTEMPT_STATUSES, JobStatus
 from torchyard.contract.errors import NotFoundError, RequestValidationError
 from torchyard.contract.metrics import VAL_METRICS
+from torchyard.contract.reports import ProgressIn, ReportAccepted, ReportBatch, ResultIn, is_stream_name
 
 # Rows one log read looks at; chunks are small, a reader continues from X-Next-Offset.
 _LOG_ROWS_PER_READ = 2000

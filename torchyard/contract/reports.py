@@ -1,0 +1,94 @@
+"""Report batches: what a worker agent sends about a running attempt (metric points,
+log chunks, progress, the result) and the API's answer. The API validates them
+strictly; the agent keeps its batches within the limits here."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import AwareDatetime, BaseModel, Field, field_validator
+
+from torchyard.contract.base import StrictModel
+from torchyard.contract.metrics import MetricName
+
+INT32_MAX = 2**31 - 1
+MAX_RANK = 1_000_000
+MAX_METRICS_PER_BATCH = 5000
+MAX_LOG_CHUNKS_PER_BATCH = 1000
+# The largest log chunk in UTF-8 bytes. Readers rely on it to find the chunk holding an offset.
+MAX_LOG_CHUNK_BYTES = 256 * 1024
+MAX_REPORT_BODY_BYTES = 16 * 1024 * 1024
+STREAM_PATTERN = r"^(rank-(0|[1-9][0-9]{0,6})|agent-[A-Za-z0-9][A-Za-z0-9._-]{0,199})$"
+_STREAM = re.compile(STREAM_PATTERN)
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+def is_stream_name(name: str) -> bool:
+    return _STREAM.match(name) is not None
+
+
+class MetricIn(StrictModel):
+    name: MetricName
+    value: FiniteFloat
+    epoch: Count
+    step: Count
+    rank: int = Field(ge=0, le=MAX_RANK)
+    time: AwareDatetime = Field(
+        strict=False, description="When the point was measured (ISO 8601 with a time zone)."
+    )
+
+
+class LogChunkIn(StrictModel):
+    stream: str = Field(
+        pattern=STREAM_PATTERN, description="``rank-<global rank>`` or ``agent-<node name>``."
+    )
+    offset: int = Field(ge=0, le=2**62, description="Byte offset of ``data`` (UTF-8) in the stream.")
+    data: str = Field(min_length=1, max_length=MAX_LOG_CHUNK_BYTES)
+
+    @field_validator("data")
+    @classmethod
+    def _check_data(cls, value: str) -> str:
+        if "\x00" in value:
+            raise ValueError("log data may not contain NUL characters")
+        if len(value.encode("utf-8", "surrogatepass")) > MAX_LOG_CHUNK_BYTES:
+            raise ValueError(f"a log chunk holds at most {MAX_LOG_CHUNK_BYTES} bytes")
+        return value
+
+
+class ProgressIn(StrictModel):
+    epoch: Count
+    epochs: int = Field(ge=1, le=INT32_MAX)
+    step: Count
+    total_steps: Count
+    time: AwareDatetime | None = Field(default=None, strict=False)
+
+
+class ResultIn(StrictModel):
+    best_epoch: Count
+    best: dict[MetricName, FiniteFloat]
+    final: dict[MetricName, FiniteFloat] | None = None
+    stopped_early: bool
+    epochs_run: Count
+
+
+class ReportBatch(StrictModel):
+    """One batch from a worker agent. Retrying a batch is harmless: points and chunks
+    already stored are skipped (metrics by job/attempt/name/rank/epoch/step, log chunks
+    by attempt/stream/offset)."""
+
+    metrics: list[MetricIn] = Field(default_factory=list, max_length=MAX_METRICS_PER_BATCH)
+    logs: list[LogChunkIn] = Field(default_factory=list, max_length=MAX_LOG_CHUNKS_PER_BATCH)
+    progress: ProgressIn | None = None
+    result: ResultIn | None = None
+
+
+class ReportAccepted(BaseModel):
+    metrics: int = Field(description="Metric points stored by this request.")
+    metrics_duplicate: int = Field(description="Points already stored by an earlier try, skipped.")
+    logs: int = Field(description="Log chunks stored by this request.")
+    logs_duplicate: int = Field(description="Log chunks already stored, skipped.")
+    progress: bool = False
+    result: bool = False
