@@ -88,7 +88,10 @@ def test_cluster_view_lists_nodes_load_and_limits(
 
     # A 2-node × 2-process job is placed on both nodes: the view shows who holds what.
     job_id = _submit(client, data, nodes=2, ppn=2).json()["id"]
-    assert run_pass(db, settings).scheduled == [job_id]
+    # The app's own reaper runs a scheduling pass every second: on a busy machine it
+    # may place the job before this pass does. Either way it is placed exactly once.
+    assert run_pass(db, settings).scheduled in ([job_id], [])
+    assert client.get(f"/v1/jobs/{job_id}").json()["status"] == "scheduled"
     view = client.get("/v1/cluster").json()
     by_name = {n["name"]: n for n in view["nodes"]}
     assert (by_name["node-a"]["used_units"], by_name["node-a"]["free_units"]) == (2, 2)
