@@ -63,6 +63,17 @@ def cli(
     )
 
 
+def spawn_cli(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    """A CLI command left running (``-f``, ``--watch``), its output on pipes."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "torchyard.cli", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def ok(result: subprocess.CompletedProcess[str]) -> str:
     assert result.returncode == 0, (
         f"exit {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}"
@@ -233,17 +244,8 @@ def test_logs_metrics_and_cluster(
     train_id, val_id = upload_both(env, digits)
     job_id = ok(cli(env, "submit", "--arch", "resnet18", "--train", train_id, "--val", val_id)).strip()
 
-    def spawn(*args: str) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            [sys.executable, "-m", "torchyard.cli", *args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-
-    follow = spawn("logs", job_id, "-f")
-    watch = spawn("metrics", job_id, "--watch")
+    follow = spawn_cli(env, "logs", job_id, "-f")
+    watch = spawn_cli(env, "metrics", job_id, "--watch")
     time.sleep(1.5)
     assert follow.poll() is None, "logs -f ended before the job did"
 

@@ -9,7 +9,6 @@ import argparse
 import io
 import os
 import re
-import subprocess
 import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -26,7 +25,7 @@ from service.db.models import Dataset, Job, utcnow
 from tests.conftest import LiveServer
 from tests.factories import auth, create_token, job_spec, register_node, token_id
 from tests.fake_agent import FakeAgent
-from tests.test_cli import cli, cli_env, fails, ok
+from tests.test_cli import cli, cli_env, fails, ok, spawn_cli
 from torchyard.client import Job as JobModel
 from torchyard.demo import DemoService, _summary, command_hint
 from torchyard.sample_data import write_digits
@@ -317,17 +316,8 @@ class TestCommandLine:
             )
         ).strip()
 
-        def spawn(*args: str) -> subprocess.Popen[str]:
-            return subprocess.Popen(
-                [sys.executable, "-m", "torchyard.cli", *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-
-        watch = spawn("metrics", "watched", "--watch")  # stdout is a pipe, not a terminal
-        follow = spawn("logs", job_id[:8], "-f")
+        watch = spawn_cli(env, "metrics", "watched", "--watch")  # stdout is a pipe, not a terminal
+        follow = spawn_cli(env, "logs", job_id[:8], "-f")
         placement = agent.claim()
         agent.status(placement, "running")
         offset = 0

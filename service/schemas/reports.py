@@ -8,20 +8,11 @@ from datetime import datetime
 from pydantic import BaseModel, Field
 
 from torchyard.contract.metrics import MetricName
-from torchyard.contract.reports import (
-    INT32_MAX,
-    MAX_RANK,
-    MAX_REPORT_BODY_BYTES,
-    ReportAccepted,
-    ReportBatch,
-)
-
-__all__ = ["INT32_MAX", "MAX_RANK", "MAX_REPORT_BODY_BYTES", "MetricName", "ReportAccepted", "ReportBatch"]
 
 
 class MetricPoint(BaseModel):
     seq: int = Field(description="Position in the job's metric history; pass it as ``after`` to continue.")
-    name: str
+    name: MetricName
     value: float
     epoch: int
     step: int

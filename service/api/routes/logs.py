@@ -12,9 +12,11 @@ from fastapi import APIRouter, Query, Request, Response
 from service.api.deps import CurrentUser, ReadSessionDep
 from service.api.routes.streams import follow_log_response
 from service.api.routing import SessionScopedRoute
-from service.schemas.reports import INT32_MAX, MAX_RANK, LogStreams, MetricName, MetricPage
+from service.schemas.reports import LogStreams, MetricPage
 from service.services import jobs as jobs_service
 from service.services import reports as reports_service
+from torchyard.contract.metrics import MetricName
+from torchyard.contract.reports import INT32_MAX, MAX_RANK
 
 router = APIRouter(route_class=SessionScopedRoute)
 

@@ -16,8 +16,8 @@ from starlette.exceptions import HTTPException
 
 from service.api.deps import LeaseHeader, SessionDep, WorkerDep
 from service.api.routing import SessionScopedRoute, UnicodeCheckedRequest
-from service.schemas.reports import MAX_REPORT_BODY_BYTES, ReportAccepted, ReportBatch
 from service.services import reports as reports_service
+from torchyard.contract.reports import MAX_REPORT_BODY_BYTES, ReportAccepted, ReportBatch
 
 
 class _CappedRequest(UnicodeCheckedRequest):

@@ -18,10 +18,10 @@ from starlette.concurrency import run_in_threadpool
 from service.api.deps import CurrentUser, DatabaseDep
 from service.api.routing import SessionScopedRoute
 from service.db.engine import Database
-from service.schemas.reports import MAX_RANK
 from service.services import jobs as jobs_service
 from service.services.streams import Cursor, EventFilter, LogTarget, StreamHub, follow_log, sse_events
 from service.services.tokens import Principal
+from torchyard.contract.reports import MAX_RANK
 
 _STREAM_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
