@@ -8,6 +8,7 @@ import secrets
 import shutil
 import stat
 import tarfile
+import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -441,7 +442,16 @@ def test_delete_while_in_use_is_409(
     r = client.delete(f"/v1/datasets/{train['id']}", headers=h)
     assert r.status_code == 409, r.text
     assert r.json()["code"] == "ConflictError" and job["id"] in r.json()["message"]
-    assert client.post(f"/v1/jobs/{job['id']}/cancel", headers=h).json()["status"] == "cancelled"
+    # The app's reaper pass (every second) may place the job on node-a before the cancel
+    # arrives: then it is "cancelling" until the reaper sees its placement was never claimed.
+    assert client.post(f"/v1/jobs/{job['id']}/cancel", headers=h).json()["status"] in (
+        "cancelled",
+        "cancelling",
+    )
+    deadline = time.monotonic() + 20
+    while client.get(f"/v1/jobs/{job['id']}", headers=h).json()["status"] != "cancelled":
+        assert time.monotonic() < deadline, "the job did not end cancelled"
+        time.sleep(0.1)
     assert client.delete(f"/v1/datasets/{train['id']}", headers=h).status_code == 204
     assert client.get(f"/v1/datasets/{train['id']}", headers=h).status_code == 404
     assert client.delete(f"/v1/datasets/{train['id']}", headers=h).status_code == 404
