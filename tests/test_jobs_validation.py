@@ -46,7 +46,13 @@ def test_defaults_are_filled_and_echoed(client: TestClient, ready: dict[str, str
         "image_size": 224,
         "augmentation": "standard",
     }
-    assert body["resources"] == {"node_count": 1, "process_count_per_node": 1, "max_runtime_s": None}
+    assert body["resources"] == {
+        "node_count": 1,
+        "process_count_per_node": 1,
+        "max_runtime_s": None,
+        "max_restarts": 3,
+        "hang_timeout_s": 1800,
+    }
     assert body["model"] == {
         "architecture": "resnet18",
         "pretrained": False,

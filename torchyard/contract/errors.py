@@ -123,6 +123,57 @@ class JobTimeoutError(TorchyardError):
     status_code = 409
 
 
+class HangError(TorchyardError):
+    """No training step finished by any rank for ``resources.hang_timeout_s``."""
+
+    code = "HangError"
+    status_code = 409
+
+
+class RankKilledError(TorchyardError):
+    """A rank was ended by a signal (the kernel's OOM killer, an operator's kill)."""
+
+    code = "RankKilledError"
+    status_code = 409
+
+
+class CommunicationError(TorchyardError):
+    """A collective or the rendezvous failed between ranks (a peer vanished, a network fault)."""
+
+    code = "CommunicationError"
+    status_code = 409
+
+
+class EnvironmentBuildError(TorchyardError):
+    """A script job's ``environment.pip`` could not be installed."""
+
+    code = "EnvironmentBuildError"
+    status_code = 422
+
+
+class ServiceUnavailableError(TorchyardError):
+    """The API cannot serve the request right now (its database is unreachable); retry later."""
+
+    code = "ServiceUnavailableError"
+    status_code = 503
+
+
+# Which job failures put the job back to ``queued`` to resume from its latest checkpoint
+# (SPEC §8): the one table, shown in docs/restarts.md. Everything else is final, and so
+# is a retryable failure that repeats with the same code and message on two attempts in
+# a row.
+RETRYABLE_FAILURES: dict[str, str] = {
+    WorkerLostError.code: "a node stopped heartbeating (machine died, network cut)",
+    HangError.code: "no training step finished for resources.hang_timeout_s",
+    RankKilledError.code: "a rank was killed by a signal",
+    CommunicationError.code: "a collective or the rendezvous failed between ranks",
+}
+
+
+def is_retryable(code: str | None) -> bool:
+    return code in RETRYABLE_FAILURES
+
+
 ERRORS_BY_CODE: dict[str, type[TorchyardError]] = {
     cls.code: cls
     for cls in (
@@ -145,6 +196,11 @@ ERRORS_BY_CODE: dict[str, type[TorchyardError]] = {
         WorkerLostError,
         RankFailedError,
         JobTimeoutError,
+        HangError,
+        RankKilledError,
+        CommunicationError,
+        EnvironmentBuildError,
+        ServiceUnavailableError,
     )
 }
 

@@ -8,3 +8,6 @@ LEASE_HEADER = "X-Torchyard-Lease"
 SHA256_HEADER = "X-Torchyard-Sha256"
 # The agent's per-node key, sent at registration and on heartbeats and claims.
 AGENT_KEY_HEADER = "X-Torchyard-Agent-Key"
+# The training-state checkpoint's epoch (and step, for a mid-epoch preemption checkpoint).
+CHECKPOINT_EPOCH_HEADER = "X-Torchyard-Checkpoint-Epoch"
+CHECKPOINT_STEP_HEADER = "X-Torchyard-Checkpoint-Step"

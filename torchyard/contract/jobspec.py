@@ -31,6 +31,13 @@ def allowed(text: str) -> dict[str, Any]:
 _POSITIVE_INT32 = f"> 0 and <= {INT32_MAX}"
 
 
+DEFAULT_MAX_RESTARTS = 3
+MAX_RESTARTS = 100
+DEFAULT_HANG_TIMEOUT_S = 1800
+MIN_HANG_TIMEOUT_S = 10
+MAX_HANG_TIMEOUT_S = 604_800
+
+
 class ModelFields(BaseModel):
     """The untrained model: a torchvision architecture and how to build it."""
 
@@ -101,4 +108,22 @@ class ResourceFields(BaseModel):
         description="Wall-clock limit counted from the job's start (status running); past it every "
         "rank is stopped and the job fails with TimeoutError. Unset: no limit.",
         json_schema_extra=allowed(f">= 1 and <= {MAX_RUNTIME_S} (30 days), or null for no limit"),
+    )
+    max_restarts: int = Field(
+        default=DEFAULT_MAX_RESTARTS,
+        ge=0,
+        le=MAX_RESTARTS,
+        description="How many times a retryable failure (SPEC §8) puts the job back to queued to "
+        "resume from its latest checkpoint. Preemptions are not counted.",
+        json_schema_extra=allowed(f">= 0 and <= {MAX_RESTARTS}"),
+    )
+    hang_timeout_s: int | None = Field(
+        default=DEFAULT_HANG_TIMEOUT_S,
+        ge=MIN_HANG_TIMEOUT_S,
+        le=MAX_HANG_TIMEOUT_S,
+        description="No training step finished by any rank for this long: every rank's stacks are "
+        "dumped into its log and the attempt ends with HangError. Null: no watchdog.",
+        json_schema_extra=allowed(
+            f">= {MIN_HANG_TIMEOUT_S} and <= {MAX_HANG_TIMEOUT_S} (7 days), or null for no watchdog"
+        ),
     )

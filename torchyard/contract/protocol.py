@@ -41,9 +41,10 @@ class StopOrder(BaseModel):
 
     lease_token: str
     job_id: str | None = None
-    reason: Literal["cancelled", "attempt_ended", "stale"] = Field(
+    reason: Literal["cancelled", "attempt_ended", "stale", "preempted"] = Field(
         description="cancelled: the job is being cancelled; attempt_ended: another node failed or the "
-        "attempt is over; stale: the lease is unknown, finished or expired."
+        "attempt is over; stale: the lease is unknown, finished or expired; preempted: the node is "
+        "draining: checkpoint at the next step boundary, upload it, then report state preempted."
     )
     message: str
 
@@ -69,6 +70,19 @@ class ClaimedDatasets(BaseModel):
     validation: ClaimedDataset
 
 
+class CheckpointRef(BaseModel):
+    """The job's latest training-state checkpoint held by the service (SPEC §8)."""
+
+    epoch: int = Field(description="Epochs completed when it was written.")
+    step: int | None = Field(
+        default=None,
+        description="Steps into epoch ``epoch`` (a preemption checkpoint); null at an epoch end.",
+    )
+    sha256: str
+    size_bytes: int
+    attempt: int = Field(description="The attempt number that wrote it.")
+
+
 class ClaimedPlacement(BaseModel):
     """Everything one node needs to launch its share of an attempt."""
 
@@ -88,6 +102,10 @@ class ClaimedPlacement(BaseModel):
     datasets: ClaimedDatasets
     classes: list[str]
     init_from_job: str | None = None
+    checkpoint: CheckpointRef | None = Field(
+        default=None, description="Resume from this checkpoint (GET /v1/worker/jobs/{id}/checkpoint)."
+    )
+    restarts: int = Field(default=0, description="Restarts used so far (preemptions not counted).")
     heartbeat_interval_s: float
     lease_timeout_s: float
 
@@ -104,7 +122,10 @@ class FailureReport(StrictModel):
 
 
 class PlacementStatusReport(StrictModel):
-    state: Literal["running", "succeeded", "failed", "cancelled"]
+    state: Literal["running", "succeeded", "failed", "cancelled", "preempted"] = Field(
+        description="preempted: the ranks stopped at a step boundary after a drain or SIGTERM and the "
+        "checkpoint is uploaded; the job goes back to queued (not counted in restarts)."
+    )
     exit_code: int | None = None
     failure: FailureReport | None = None
 

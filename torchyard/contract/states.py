@@ -44,6 +44,10 @@ LIVE_ATTEMPT_STATUSES = frozenset({AttemptStatus.SCHEDULED, AttemptStatus.RUNNIN
 class NodeStatus(StrEnum):
     READY = "ready"
     LOST = "lost"
+    # Drained by an admin or preempted (its agent got SIGTERM): no new placements;
+    # ``draining`` while its ranks still checkpoint and stop, then ``drained``.
+    DRAINING = "draining"
+    DRAINED = "drained"
 
 
 class Role(StrEnum):
