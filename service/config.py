@@ -100,6 +100,42 @@ class Settings(BaseSettings):
         description="How often each API replica looks for expired leases, silent nodes and "
         "finished cancellations, and runs a scheduling pass.",
     )
+    node_memory_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="A submission is checked against the nodes heard from within this many seconds, "
+        "not only the nodes ready now: a job made while every worker restarts (an agent upgrade) "
+        "is accepted and waits. Only a job larger than every node seen in this window is a 422.",
+    )
+    database_connect_timeout_s: float = Field(
+        default=3.0,
+        gt=0,
+        le=60,
+        description="PostgreSQL: longest wait for a new connection before the request gets 503.",
+    )
+    database_statement_timeout_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="PostgreSQL: longest one SQL statement may run (0: no limit).",
+    )
+    database_pool_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=120,
+        description="PostgreSQL: longest a request waits for a free pooled connection before 503.",
+    )
+    database_wait_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="At start, how long `torchyard serve` waits for an unreachable database "
+        "(retrying with backoff) before it gives up.",
+    )
+    retry_after_s: int = Field(
+        default=2,
+        ge=1,
+        le=3600,
+        description="The Retry-After of a 503 ServiceUnavailableError (database unreachable).",
+    )
     master_port_min: int = Field(
         default=29500,
         ge=1024,

@@ -1,7 +1,7 @@
 """The cluster view and its limits, on SQLite and PostgreSQL.
 
-Limits count only ready nodes (a node marked lost, or silent past the lease timeout,
-counts for nothing); a queued job that the shrunken cluster can no longer run keeps
+Limits count the ready nodes and those heard from within TORCHYARD_NODE_MEMORY_S (a node
+lost longer ago counts for nothing; the memory itself is in test_control_plane.py); a queued job that the shrunken cluster can no longer run keeps
 waiting with a reason that says so, and starts once nodes come back.
 (The single-limit messages are in test_jobs_validation.py.)
 """
@@ -49,13 +49,12 @@ def _submit(client: TestClient, data: dict[str, str], nodes: int = 1, ppn: int =
 
 
 def _lose(db: Database, name: str, *, how: str = "marked") -> None:
-    """Make a node lost: marked so by the reaper, or merely silent past the lease timeout."""
+    """Make a node lost an hour ago (longer than TORCHYARD_NODE_MEMORY_S): marked so by the
+    reaper, or merely silent past the lease timeout."""
     with db.transaction() as s:
-        values: dict[str, Any] = (
-            {"status": NodeStatus.LOST.value}
-            if how == "marked"
-            else {"last_heartbeat_at": utcnow() - timedelta(hours=1)}
-        )
+        values: dict[str, Any] = {"last_heartbeat_at": utcnow() - timedelta(hours=1)}
+        if how == "marked":
+            values["status"] = NodeStatus.LOST.value
         s.execute(update(Node).where(Node.name == name).values(**values))
 
 

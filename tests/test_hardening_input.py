@@ -407,7 +407,7 @@ def test_openapi_declares_the_bearer_scheme(client: TestClient) -> None:
         for method, operation in operations.items():
             if operation.get("security") != [{"bearerAuth": []}]:
                 unprotected.append(f"{method} {path}")
-    assert unprotected == ["get /healthz"]
+    assert unprotected == ["get /healthz", "get /readyz"]
     # What the docs' Authorize button sends is what the service reads.
     token = client.headers["Authorization"].split()[1]
     assert client.get("/v1/whoami", headers={"Authorization": f"Bearer {token}"}).json()["role"] == "admin"

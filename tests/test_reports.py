@@ -9,9 +9,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.config import Settings
+from service.db.engine import Database
 from service.db.models import utcnow
 from service.schemas import reports as report_schemas
 from service.services.leases import LEASE_HEADER
+from service.services.reaper import sweep
 from tests.factories import auth, create_token
 from tests.report_helpers import (
     all_metrics,
@@ -106,7 +108,12 @@ def test_stale_leases_are_refused_and_write_nothing(client: TestClient, settings
     refused({**auth(other.worker_token), LEASE_HEADER: job.lease})
     # Our lease, for another job.
     refused({**worker, LEASE_HEADER: job.lease}, f"/v1/worker/jobs/{other.job_id}/reports")
+    # A lease past its expiry is refused once the reaper has ended its placement (before
+    # that, it may only have run out while the API was down: see test_control_plane.py).
     set_placement(settings, job.placement_ids[0], lease_expires_at=utcnow() - timedelta(seconds=1))
+    db = Database(settings.sqlalchemy_url)
+    sweep(db, settings)
+    db.dispose()
     refused(job.worker_headers())
     set_placement(
         settings, job.placement_ids[0], lease_expires_at=utcnow() + timedelta(hours=1), status="done"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -24,10 +25,10 @@ from service.api.routes import (
     workers,
 )
 from service.config import Settings, get_settings
-from service.db.engine import Database
+from service.db.engine import Database, is_unavailable
 from service.db.migrate import upgrade
 from service.services.datasets import sweep_staging_periodically
-from service.services.reaper import run_reaper
+from service.services.reaper import ListeningClock, run_reaper
 from service.services.tokens import ensure_bootstrap_token
 from service.services.wakeup import Wakeup
 from service.states import Role
@@ -35,14 +36,42 @@ from service.states import Role
 log = logging.getLogger(__name__)
 
 
+def open_database(settings: Settings) -> Database:
+    """The service's database handle, with the timeouts of ``settings``."""
+    return Database(
+        settings.sqlalchemy_url,
+        connect_timeout_s=settings.database_connect_timeout_s,
+        statement_timeout_s=settings.database_statement_timeout_s,
+        pool_timeout_s=settings.database_pool_timeout_s,
+    )
+
+
 def bootstrap(settings: Settings) -> Database:
-    """Prepare the data directory and database: migrations, then the first admin token."""
+    """Prepare the data directory and database: migrations, then the first admin token.
+
+    An unreachable database (PostgreSQL restarting beside the API) is waited for, with
+    backoff, up to ``database_wait_s``; then the last error is raised."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    upgrade(settings.sqlalchemy_url)
-    db = Database(settings.sqlalchemy_url)
-    with db.transaction() as session:
-        ensure_bootstrap_token(session, settings.admin_token_path, Role.ADMIN, "admin")
-    return db
+    deadline = time.monotonic() + settings.database_wait_s
+    delay = 0.5
+    while True:
+        try:
+            upgrade(settings.sqlalchemy_url)
+            db = open_database(settings)
+            with db.transaction() as session:
+                ensure_bootstrap_token(session, settings.admin_token_path, Role.ADMIN, "admin")
+            return db
+        except Exception as exc:
+            if not is_unavailable(exc) or time.monotonic() + delay > deadline:
+                raise
+            log.warning("the database is unreachable (%s); retrying in %.1f s", _first_line(exc), delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -50,10 +79,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.db = bootstrap(settings)
+        app.state.db = await asyncio.to_thread(bootstrap, settings)
+        # Nodes are judged lost only after a full lease period of this replica listening.
+        app.state.listening = ListeningClock()
         # Expired leases, lost nodes, settled cancellations and scheduling passes.
         stop_reaper = asyncio.Event()
-        reaper = asyncio.create_task(run_reaper(app.state.db, settings, app.state.wakeup, stop_reaper))
+        reaper = asyncio.create_task(
+            run_reaper(app.state.db, settings, app.state.wakeup, stop_reaper, app.state.listening)
+        )
         # What uploads interrupted by a crash left in the staging folder.
         sweeper = asyncio.create_task(sweep_staging_periodically(settings, stop_reaper))
         try:

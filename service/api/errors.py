@@ -11,10 +11,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError as FastAPIValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from torchyard.contract.errors import TorchyardError
+from service.db.engine import is_unavailable
+from torchyard.contract.errors import ServiceUnavailableError, TorchyardError
 
 log = logging.getLogger(__name__)
 
@@ -181,12 +183,41 @@ def install_error_handlers(app: FastAPI) -> None:
             status_code=400,
         )
 
+    @app.exception_handler(SQLAlchemyError)
+    async def _database(request: Request, exc: SQLAlchemyError) -> JSONResponse:
+        if is_unavailable(exc):
+            log.warning(
+                "%s %s: the database is unreachable: %s",
+                request.method,
+                request.url.path,
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            )
+            return unavailable_response(request)
+        log.exception("unexpected database error")
+        return _internal_error()
+
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error")
-        return JSONResponse(
-            {"code": "InternalError", "message": "internal error; see the service log"}, status_code=500
-        )
+        return _internal_error()
+
+
+def _internal_error() -> JSONResponse:
+    return JSONResponse(
+        {"code": "InternalError", "message": "internal error; see the service log"}, status_code=500
+    )
+
+
+def unavailable_response(request: Request) -> JSONResponse:
+    """503 ``ServiceUnavailableError`` with ``Retry-After``: the database is unreachable."""
+    retry_after = getattr(getattr(request.app.state, "settings", None), "retry_after_s", 2)
+    error = ServiceUnavailableError(
+        f"the service's database is unreachable; retry in {retry_after} s",
+        details={"retry_after_s": retry_after},
+    )
+    return ErrorResponse(
+        error.to_dict(), status_code=error.status_code, headers={"Retry-After": str(retry_after)}
+    )
 
 
 def _peer(request: Request) -> str:

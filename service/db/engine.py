@@ -5,6 +5,12 @@ sessions open their transaction with ``BEGIN IMMEDIATE`` so that two writers que
 on the busy timeout instead of failing with "database is locked" when a deferred
 transaction tries to upgrade its lock; read-only sessions use a plain ``BEGIN``
 and never block writers. PostgreSQL uses one pool for both.
+
+Nothing waits on an unreachable database for long: PostgreSQL connections give up after
+``connect_timeout_s``, a statement after ``statement_timeout_s``, a dead peer is noticed
+by TCP keepalives, and a request waits at most ``pool_timeout_s`` for a pooled
+connection. What fails then becomes a 503 ``ServiceUnavailableError`` (see
+:func:`is_unavailable`), never a 500 or a hang.
 """
 
 from __future__ import annotations
@@ -15,10 +21,40 @@ from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 
 SQLITE_BUSY_TIMEOUT_MS = 60_000
+DEFAULT_CONNECT_TIMEOUT_S = 3.0
+DEFAULT_STATEMENT_TIMEOUT_S = 30.0
+DEFAULT_POOL_TIMEOUT_S = 5.0
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """The database could not be reached or did not answer in time (as opposed to a query
+    it refused): a connection refused, dropped or timed out, a statement cancelled by its
+    timeout, no pooled connection free in time."""
+    if isinstance(exc, PoolTimeoutError | OperationalError | InterfaceError):
+        return True
+    return isinstance(exc, DBAPIError) and exc.connection_invalidated
+
+
+def postgres_connect_args(connect_timeout_s: float, statement_timeout_s: float) -> dict[str, Any]:
+    """libpq settings that bound every wait on the server."""
+    args: dict[str, Any] = {
+        "connect_timeout": max(1, round(connect_timeout_s)),
+        # A server that vanished without closing its sockets is noticed within ~15 s.
+        "keepalives": 1,
+        "keepalives_idle": 5,
+        "keepalives_interval": 2,
+        "keepalives_count": 3,
+        "tcp_user_timeout": 15_000,
+    }
+    if statement_timeout_s > 0:
+        args["options"] = f"-c statement_timeout={round(statement_timeout_s * 1000)}"
+    return args
 
 
 def _sqlite_engine(url: str, begin_sql: str) -> Engine:
@@ -62,7 +98,14 @@ def _enable_wal(url: str) -> None:
 class Database:
     """The service's handle on its SQL store."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        statement_timeout_s: float = DEFAULT_STATEMENT_TIMEOUT_S,
+        pool_timeout_s: float = DEFAULT_POOL_TIMEOUT_S,
+    ) -> None:
         self.url = url
         self.is_sqlite = url.startswith("sqlite")
         if self.is_sqlite:
@@ -70,7 +113,14 @@ class Database:
             self.engine = _sqlite_engine(url, "BEGIN IMMEDIATE")
             self.read_engine = _sqlite_engine(url, "BEGIN")
         else:
-            self.engine = create_engine(url, pool_size=10, max_overflow=40, pool_pre_ping=True)
+            self.engine = create_engine(
+                url,
+                pool_size=10,
+                max_overflow=40,
+                pool_pre_ping=True,
+                pool_timeout=pool_timeout_s,
+                connect_args=postgres_connect_args(connect_timeout_s, statement_timeout_s),
+            )
             self.read_engine = self.engine
         self._writer = sessionmaker(self.engine, expire_on_commit=False)
         self._reader = sessionmaker(self.read_engine, expire_on_commit=False)
@@ -88,6 +138,11 @@ class Database:
         """A writing session whose transaction commits on success and rolls back on error."""
         with self._writer() as session, session.begin():
             yield session
+
+    def ping(self) -> None:
+        """One round trip to the database; raises when it cannot be reached."""
+        with self.read_engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
 
     def dispose(self) -> None:
         self.engine.dispose()

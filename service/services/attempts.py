@@ -226,13 +226,9 @@ def heartbeat(
                 )
             )
             continue
-        if placement.lease_expires_at < now:
-            stop.append(
-                StopOrder(
-                    lease_token=token, job_id=placement.job_id, reason="stale", message="the lease expired"
-                )
-            )
-            continue
+        # A lease past its expiry but not ended by the reaper is renewed: it ran out while
+        # nobody could hear the node (the API or its database was down), and only the
+        # reaper, after its grace period, decides that a node is gone.
         placement.lease_expires_at = expires
         renewed.append(LeaseRenewal(lease_token=token, lease_expires_at=expires))
         if job_status == JobStatus.CANCELLING.value:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, func, select
+from sqlalchemy import ColumnElement, and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
@@ -68,6 +68,26 @@ def cluster_limits(session: Session, settings: Settings, now: datetime | None = 
     return ClusterLimits(int(ready), int(largest), int(ready), "ready_nodes")
 
 
+def submission_limits(session: Session, settings: Settings, now: datetime | None = None) -> ClusterLimits:
+    """The limits a submission is checked against: the ready nodes and every node heard from
+    within ``node_memory_s`` (SPEC §8). While every worker restarts (an agent upgrade), the
+    cluster it had a moment ago still counts: a job that fits it is accepted and waits."""
+    now = now or utcnow()
+    ready = cluster_limits(session, settings, now)
+    if settings.node_memory_s <= 0:
+        return ready
+    seen_after = now - timedelta(seconds=settings.node_memory_s)
+    seen, largest = session.execute(
+        select(func.count(Node.id), func.coalesce(func.max(Node.units), 0)).where(
+            or_(ready_node_filter(settings, now), Node.last_heartbeat_at >= seen_after)
+        )
+    ).one()
+    largest = max(int(largest), ready.max_units_per_node)
+    if settings.max_nodes is not None:
+        return ClusterLimits(settings.max_nodes, largest, ready.ready_nodes, "setting")
+    return ClusterLimits(max(int(seen), ready.max_nodes), largest, ready.ready_nodes, "seen_nodes")
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
@@ -75,11 +95,16 @@ def _plural(n: int, word: str) -> str:
 def check_resources(
     session: Session, settings: Settings, node_count: int, process_count_per_node: int
 ) -> ClusterLimits:
-    """Refuse a job shape the cluster can never run (SPEC §5), naming the field, value and limit."""
-    limits = cluster_limits(session, settings)
+    """Refuse a job shape the cluster can never run (SPEC §5, §8), naming the field, value and
+    limit: more nodes, or more processes per node, than the cluster has had within
+    ``node_memory_s``."""
+    limits = submission_limits(session, settings)
     problems: list[dict[str, Any]] = []
     if node_count > limits.max_nodes:
-        because = "TORCHYARD_MAX_NODES" if limits.max_nodes_source == "setting" else "the nodes ready now"
+        because = {
+            "setting": "TORCHYARD_MAX_NODES",
+            "seen_nodes": f"the nodes seen in the last {settings.node_memory_s:g} s",
+        }.get(limits.max_nodes_source, "the nodes ready now")
         problems.append(
             {
                 "field": "resources.node_count",
@@ -97,7 +122,7 @@ def check_resources(
                 "limit": limits.max_units_per_node,
                 "message": f"process_count_per_node {process_count_per_node} exceeds the "
                 f"{limits.max_units_per_node} processing units of the largest node"
-                if limits.ready_nodes
+                if limits.max_units_per_node
                 else f"process_count_per_node {process_count_per_node} cannot be placed: "
                 "the cluster has no ready nodes (start a worker)",
             }

@@ -1,7 +1,12 @@
 """Lease fencing: every write from a worker carries its placement's lease token.
 
-A token that is unknown, belongs to another worker, is finished, or has expired is
+A token that is unknown, belongs to another worker, or whose placement is finished is
 stale: the write is refused with 409 ``StaleLeaseError`` and changes nothing.
+
+A lease past its expiry time is *not* refused by itself: its placement ends only when
+the reaper says so (``WorkerLostError``), and the reaper first gives nodes a full lease
+period after the API or its database comes back (see :mod:`service.services.reaper`).
+So an agent whose reports waited out an API restart is still heard.
 """
 
 from __future__ import annotations
@@ -9,7 +14,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.db.models import Job, Node, Placement, utcnow
+from service.db.models import Job, Node, Placement
 from service.services.tokens import Principal
 from service.states import PlacementStatus
 from torchyard.contract.errors import StaleLeaseError
@@ -62,5 +67,3 @@ def lock_lease(
 def _ensure_live(placement: Placement) -> None:
     if placement.status == PlacementStatus.DONE:
         raise StaleLeaseError("the lease's placement is finished")
-    if placement.lease_expires_at < utcnow():
-        raise StaleLeaseError("the lease has expired")

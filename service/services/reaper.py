@@ -15,6 +15,16 @@ Run by every API replica, every ``reaper_interval_s``:
 Each job is handled in a transaction of its own under its row lock and re-checked
 there, so replicas doing the same sweep at the same time are harmless: the second
 one finds nothing left to do.
+
+Steps 1 and 2 judge silence, and silence means something only while somebody was
+listening. Each replica keeps a :class:`ListeningClock`: the moment since when it has
+been able to hear the nodes (its start, and again the end of every database outage it
+saw). Until a full ``lease_timeout_s`` has passed on that clock, nothing is declared
+lost: an API that was down (restarted, upgraded, its database unreachable) for longer
+than the lease timeout first gives every node a full lease period to heartbeat again.
+On PostgreSQL, the cluster of replicas is covered too: heartbeats land in the shared
+database whichever replica hears them, and an outage of that database is an outage
+for every replica's clock.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -30,7 +41,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from service.config import Settings
-from service.db.engine import Database
+from service.db.engine import Database, is_unavailable
 from service.db.models import Job, Node, Placement, utcnow
 from service.services.attempts import finish_cancellation, lose_placements, overrun_limit_s, time_out
 from service.services.scheduler import has_queued_jobs, is_postgres, run_pass
@@ -38,6 +49,42 @@ from service.services.wakeup import Wakeup
 from service.states import JobStatus, NodeStatus, PlacementStatus
 
 log = logging.getLogger(__name__)
+
+
+class ListeningClock:
+    """Since when this replica has been able to hear the nodes without a break."""
+
+    def __init__(self, since: datetime | None = None) -> None:
+        self._lock = threading.Lock()
+        self._since = since or utcnow()
+        self._deaf = False
+
+    @property
+    def since(self) -> datetime:
+        with self._lock:
+            return self._since
+
+    def lost_hearing(self) -> None:
+        """The database could not be reached: heartbeats may be going unrecorded."""
+        with self._lock:
+            self._deaf = True
+
+    def heard(self) -> None:
+        """The database answered again: start a fresh grace period if it had not."""
+        with self._lock:
+            if self._deaf:
+                self._deaf = False
+                self._since = utcnow()
+                log.warning(
+                    "the database is reachable again: nodes get a full lease period before being lost"
+                )
+
+    def grace_left(self, lease_timeout_s: float, now: datetime) -> float:
+        """Seconds until silence can be judged (0 once a full lease period was heard)."""
+        with self._lock:
+            if self._deaf:
+                return lease_timeout_s
+            return max(0.0, lease_timeout_s - (now - self._since).total_seconds())
 
 
 @dataclass
@@ -83,22 +130,26 @@ def _mark_lost(session: Session, node_id: str, cutoff: datetime) -> str | None:
     return node.name
 
 
-def sweep(db: Database, settings: Settings) -> SweepResult:
-    """One reaper pass (synchronous; safe to run on several replicas at once)."""
+def sweep(db: Database, settings: Settings, listening: ListeningClock | None = None) -> SweepResult:
+    """One reaper pass (synchronous; safe to run on several replicas at once).
+
+    With ``listening``, leases and nodes are judged only once this replica has heard
+    the nodes for a full lease period (see the module's docstring)."""
     result = SweepResult()
     now = utcnow()
-    silent_cutoff = now - timedelta(seconds=settings.lease_timeout_s)
-    with db.read_session() as session:
-        expired = _expired_by_job(session, settings, now)
-        silent_nodes = list(
-            session.scalars(
-                select(Node.id).where(
-                    Node.status == NodeStatus.READY.value, Node.last_heartbeat_at < silent_cutoff
+    if listening is None or listening.grace_left(settings.lease_timeout_s, now) <= 0:
+        silent_cutoff = now - timedelta(seconds=settings.lease_timeout_s)
+        with db.read_session() as session:
+            expired = _expired_by_job(session, settings, now)
+            silent_nodes = list(
+                session.scalars(
+                    select(Node.id).where(
+                        Node.status == NodeStatus.READY.value, Node.last_heartbeat_at < silent_cutoff
+                    )
                 )
             )
-        )
-    _lose_expired_leases(db, expired, result)
-    _lose_silent_nodes(db, settings, silent_nodes, silent_cutoff, result)
+        _lose_expired_leases(db, expired, result)
+        _lose_silent_nodes(db, settings, silent_nodes, silent_cutoff, result)
     _settle_cancellations(db, result)
     _time_out_overruns(db, now, result)
     if has_queued_jobs(db):
@@ -189,14 +240,32 @@ def _settle_cancel(session: Session, job_id: str) -> bool:
     return finish_cancellation(session, job)
 
 
-async def run_reaper(db: Database, settings: Settings, wakeup: Wakeup, stop: asyncio.Event) -> None:
+async def run_reaper(
+    db: Database,
+    settings: Settings,
+    wakeup: Wakeup,
+    stop: asyncio.Event,
+    listening: ListeningClock | None = None,
+) -> None:
     """The background loop of one API replica, until ``stop`` is set."""
+    listening = listening or ListeningClock()
     while not stop.is_set():
         try:
-            result = await run_in_threadpool(sweep, db, settings)
+            await run_in_threadpool(db.ping)
+            listening.heard()
+            result = await run_in_threadpool(sweep, db, settings, listening)
             if result.scheduled or result.cancelled:
                 wakeup.notify()
-        except Exception:  # keep the loop alive across database hiccups
-            log.exception("reaper pass failed")
+        except Exception as exc:  # keep the loop alive across database outages
+            if is_unavailable(exc):
+                listening.lost_hearing()
+                log.warning("reaper pass skipped: the database is unreachable (%s)", _first_line(exc))
+            else:
+                log.exception("reaper pass failed")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), settings.reaper_interval_s)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
