@@ -40,7 +40,7 @@ from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from service.db.engine import Database
+from service.db.engine import Database, is_unavailable
 from service.db.models import Attempt, Job, JobEvent, LogChunk, Metric
 from service.services.reports import (
     LogPiece,
@@ -628,11 +628,20 @@ async def sse_events(
         yield b"retry: 1000\n\n"
         delivered_final = False
         last = start
-        async for item, cursor in hub.follow(job_id, start):
-            last = cursor
-            if wanted.wants(item):
-                yield _sse(item.kind, item.payload, cursor.encode())
-            delivered_final = delivered_final or item.final
+        try:
+            async for item, cursor in hub.follow(job_id, start):
+                last = cursor
+                if wanted.wants(item):
+                    yield _sse(item.kind, item.payload, cursor.encode())
+                delivered_final = delivered_final or item.final
+        except Exception as exc:
+            if not _database_outage(exc):
+                raise
+            # No "end": the client reconnects with Last-Event-ID (503 until the database is
+            # back) and continues with no gap and no duplicate.
+            log.warning("events of job %s: the database is unreachable, closing the stream", job_id)
+            yield b": the database is unreachable; reconnect with Last-Event-ID\n\n"
+            return
         if not delivered_final:
             # Resumed after the final status: say so, so the client stops reconnecting.
             yield _sse("end", json.dumps({"final": True, "cursor": last.encode()}))
@@ -699,22 +708,52 @@ async def follow_log(
         opened = resolved
     reader = _LogReader(db, job_id, target, opened, offset)
     try:
-        async for data in reader.read_stored():
+        async for data in _until_outage(_follow_log_body(reader, live, target), job_id):
             yield data
-        if reader.ended and target.attempt is not None:
-            return
-        async for item, _cursor in live:
-            if item.kind == "status":
-                async for data in reader.on_status(item):
-                    yield data
-                if reader.stopped:
-                    return
-                continue
-            piece = reader.live_piece(item)
-            if piece is not None:
-                yield piece
     finally:
         await live.aclose()
+
+
+async def _until_outage(source: AsyncIterator[bytes], job_id: str) -> AsyncIterator[bytes]:
+    """``source``, ended (not failed) when the database becomes unreachable: the follower
+    asks again from the offset it reached."""
+    try:
+        async for data in source:
+            yield data
+    except Exception as exc:
+        if not _database_outage(exc):
+            raise
+        log.warning("log follower of job %s: the database is unreachable, closing the stream", job_id)
+
+
+def _database_outage(exc: BaseException) -> bool:
+    """``exc`` (or what caused it) says the database could not be reached."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if is_unavailable(seen):
+            return True
+        seen = seen.__cause__
+    return False
+
+
+async def _follow_log_body(
+    reader: _LogReader, live: AsyncGenerator[tuple[Item, Cursor], None], target: LogTarget
+) -> AsyncIterator[bytes]:
+    """What the follower reads: the stored text, then live pieces until the end."""
+    async for data in reader.read_stored():
+        yield data
+    if reader.ended and target.attempt is not None:
+        return
+    async for item, _cursor in live:
+        if item.kind == "status":
+            async for data in reader.on_status(item):
+                yield data
+            if reader.stopped:
+                return
+            continue
+        piece = reader.live_piece(item)
+        if piece is not None:
+            yield piece
 
 
 class _LogReader:

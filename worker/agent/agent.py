@@ -9,7 +9,9 @@ Three kinds of threads:
   a backoff only after errors), and starts a placement thread per claim;
 * one thread per placement (see :mod:`worker.agent.placement`).
 
-The API may be unreachable for a while: every call is retried with backoff. A
+The API may be unreachable for a while (restarted, upgraded, its database down): every
+call is retried with backoff, the ranks train on, and what they write waits in the run
+directory until the API is back (see :mod:`worker.agent.reporting`). A
 placement whose lease the API no longer knows (409 or a ``stale`` stop order) has
 its ranks killed. Two answers end the agent instead: its token refused (401: revoked),
 or its node held by another agent (409 ``NodeNameInUseError``, see
@@ -35,6 +37,7 @@ from worker.agent.identity import NodeLock, load_or_create_agent_key
 from worker.agent.launcher import kill_leftovers
 from worker.agent.node import NodeResources, address_towards, detect_resources, interface_for
 from worker.agent.placement import AgentContext, PlacementRun
+from worker.agent.run_files import DEFAULT_LOG_BACKLOG_BYTES
 from worker.agent.runs import DEFAULT_KEEP_RUNS, prune_runs
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ class AgentOptions:
     work_dir: Path = Path("torchyard-worker")
     grace_s: float = 10.0
     keep_runs: int = DEFAULT_KEEP_RUNS
+    log_backlog_bytes: int = DEFAULT_LOG_BACKLOG_BYTES
 
 
 class UnitPool:
@@ -105,6 +109,8 @@ class Agent:
             grace_s=options.grace_s,
             socket_ifname=interface_for(self.address),
             release=self._release,
+            shutdown=self.shutdown,
+            log_backlog_bytes=options.log_backlog_bytes,
         )
         self.claim_wait = MAX_CLAIM_WAIT_S
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from torchyard.contract.errors import TorchyardError
+from worker.agent.run_files import DEFAULT_LOG_BACKLOG_BYTES
 from worker.agent.runs import DEFAULT_KEEP_RUNS
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"removed (default {DEFAULT_KEEP_RUNS})",
     )
     parser.add_argument(
+        "--log-backlog-mb",
+        type=float,
+        default=DEFAULT_LOG_BACKLOG_BYTES / (1 << 20),
+        help="unsent log MiB kept per stream while the API is unreachable; beyond that the oldest "
+        f"are dropped, with a note (default {DEFAULT_LOG_BACKLOG_BYTES >> 20}; metric points are all kept)",
+    )
+    parser.add_argument(
         "--grace-period",
         type=float,
         default=10.0,
@@ -76,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
     if args.keep_runs < 0:
         log.error("--keep-runs must be 0 or more")
         return 2
+    if not args.log_backlog_mb > 0:
+        log.error("--log-backlog-mb must be more than 0")
+        return 2
     name = args.name or socket.gethostname().split(".")[0] or "node"
     options = AgentOptions(
         api_url=args.api,
@@ -87,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         work_dir=args.work_dir,
         grace_s=args.grace_period,
         keep_runs=args.keep_runs,
+        log_backlog_bytes=max(1, int(args.log_backlog_mb * (1 << 20))),
     )
     return Agent(options).run()
 

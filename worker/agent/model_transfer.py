@@ -58,13 +58,27 @@ def _file_chunks(fh: BinaryIO) -> Iterator[bytes]:
         yield chunk
 
 
-def upload_model(client: httpx.Client, job_id: str, lease_token: str, model_dir: Path) -> str:
+def _outage(status: int) -> bool:
+    """The API or its database is down or restarting (as opposed to a fault of its own)."""
+    return status in (502, 503, 504)
+
+
+def upload_model(
+    client: httpx.Client,
+    job_id: str,
+    lease_token: str,
+    model_dir: Path,
+    *,
+    outage_deadline: float | None = None,
+) -> str:
     """Verify, pack and upload a model directory (node rank 0); returns the archive's sha256.
 
     The archive is deterministic (sorted members, fixed times and owners, top-level
     ``model/``) and streamed from a temporary file beside the directory. Network errors
     and 5xx answers are retried; the API's refusals raise the matching ``TorchyardError``
-    (409 ``StaleLeaseError``, 422 for a checksum or content problem...).
+    (409 ``StaleLeaseError``, 422 for a checksum or content problem...). An API that cannot
+    be reached, or answers 502/503/504, is waited for until ``outage_deadline``
+    (monotonic; default: a few tries); other failures get ``_UPLOAD_TRIES`` tries.
     """
     folder = _verify_model_dir(Path(model_dir))
     url = f"/v1/worker/jobs/{job_id}/model"
@@ -79,7 +93,14 @@ def upload_model(client: httpx.Client, job_id: str, lease_token: str, model_dir:
         }
         last_error: Exception | None = None
         backoff = Backoff(first=0.5)
-        for _ in range(_UPLOAD_TRIES):
+        tries = 0
+        while tries < _UPLOAD_TRIES:
+            tries += 1
+            in_outage = isinstance(last_error, httpx.TransportError) or (
+                isinstance(last_error, TorchyardError) and _outage(last_error.status_code)
+            )
+            if in_outage and outage_deadline is not None and time.monotonic() < outage_deadline:
+                tries = 1  # an outage: wait for the API rather than count tries
             try:
                 with open(archive, "rb") as fh:
                     response = client.put(

@@ -20,13 +20,17 @@ from torchyard.contract.errors import RankFailedError
 from torchyard.contract.protocol import ClaimedPlacement
 from worker.agent.api import WorkerApi
 from worker.agent.launcher import LaunchSpec, RankGroup, collect_failure, rank_log_files
+from worker.agent.run_files import DEFAULT_LOG_BACKLOG_BYTES
 from worker.agent.run_inputs import RunInputs, prepare_failure
 from worker.agent.run_outcome import OutcomeReport, StopKind
 
 log = logging.getLogger(__name__)
 
 AGENT_LOG = "agent.log"
-REPORTER_FLUSH_S = 30.0
+# How long the last metrics and log lines of a run wait for an unreachable API (restarted,
+# upgraded, its database down): the placement's final status waits behind them, and the
+# heartbeat keeps its lease meanwhile. The agent shutting down cuts this short.
+REPORTER_FLUSH_S = 24 * 3600.0
 
 
 @dataclass
@@ -42,6 +46,9 @@ class AgentContext:
     lease_timeout_s: float = 15.0
     heartbeat_interval_s: float = 2.0
     release: Callable[[PlacementRun], None] = field(default=lambda run: None)
+    # Set when the agent shuts down: waits on an unreachable API are cut short then.
+    shutdown: threading.Event = field(default_factory=threading.Event)
+    log_backlog_bytes: int = DEFAULT_LOG_BACKLOG_BYTES
 
     @property
     def dataset_cache(self) -> Path:
@@ -252,6 +259,8 @@ class PlacementRun:
             lambda: rank_log_files(spec),
             agent_log,
             self.ctx.node_name,
+            max_log_backlog=self.ctx.log_backlog_bytes,
+            abandon=self.ctx.shutdown,
         )
         reporter.start()
         return reporter

@@ -11,7 +11,9 @@ and posts them in batches to ``POST /v1/worker/jobs/{id}/reports`` about every h
 second, at once when a batch is full. One batch is in flight at a time and is retried,
 unchanged, with backoff until the API takes it: file positions only move when a batch
 is built, so while the API is down nothing more is read (memory stays bounded by one
-batch), and a retried batch is recognised by the API (metric points by their key, log
+batch; the run files on disk are the buffer). Unsent log bytes beyond a bound per stream
+are dropped, oldest first, with a note in the stream and a warning in the agent's log;
+metric points are never dropped. A retried batch is recognised by the API (metric points by their key, log
 chunks by stream and byte offset) so nothing is stored twice. A 409 ``StaleLeaseError``
 ends the reporter and sets :attr:`RunReporter.lease_lost`.
 
@@ -43,6 +45,7 @@ from worker.agent.model_transfer import (
     upload_model,
 )
 from worker.agent.run_files import (
+    DEFAULT_LOG_BACKLOG_BYTES,
     EVENTS_READ_BYTES,
     LOG_READ_BYTES,
     MAX_BATCH_LOG_BYTES,
@@ -71,6 +74,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# How long a final drain keeps trying once the agent is shutting down.
+REPORTER_GIVE_UP_S = 30.0
+
 
 class RunReporter:
     """Ships one placement's metrics and logs to the API from a background thread.
@@ -91,11 +97,18 @@ class RunReporter:
         *,
         interval: float = 0.5,
         max_backoff: float = 10.0,
+        max_log_backlog: int = DEFAULT_LOG_BACKLOG_BYTES,
+        abandon: threading.Event | None = None,
     ) -> None:
         self.client = client
         self.job_id = job_id
         self.lease_token = lease_token
-        self.reader = RunFileReader(job_id, run_dir, log_sources, agent_log, node_name)
+        self.reader = RunFileReader(
+            job_id, run_dir, log_sources, agent_log, node_name, max_log_backlog=max_log_backlog
+        )
+        # Set when the agent shuts down: a final drain then waits REPORTER_GIVE_UP_S at most.
+        self.abandon = abandon or threading.Event()
+        self._backlog_full = False
         self.interval = interval
         self.max_backoff = max_backoff
         self.url = f"/v1/worker/jobs/{job_id}/reports"
@@ -175,9 +188,12 @@ class RunReporter:
 
     def _pause_before_retry(self, batch: Batch, delay: float, final: bool) -> bool:
         """Wait ``delay`` before resending ``batch``; False once a final drain is out of time."""
+        self._check_backlog()
         if not final:
             self._stopping.wait(delay)
             return True
+        if self.abandon.is_set():
+            self._deadline = min(self._deadline, time.monotonic() + REPORTER_GIVE_UP_S)
         remaining = self._deadline - time.monotonic()
         if remaining <= 0:
             log.warning(
@@ -189,6 +205,25 @@ class RunReporter:
             return False
         time.sleep(min(delay, remaining))
         return True
+
+    def _check_backlog(self) -> None:
+        """Say once, in the agent's log, when the unsent logs outgrow the bound."""
+        if self._backlog_full:
+            return
+        try:
+            backlog = self.reader.backlog()
+        except Exception:  # a reporting bug must not take the agent down
+            return
+        if backlog > self.reader.max_log_backlog:
+            self._backlog_full = True
+            log.warning(
+                "job %s: report buffer full: %d log bytes wait for the API (bound %d per stream); the "
+                "oldest unsent log bytes of a stream over the bound are dropped when it is back, with a "
+                "note in that stream; metric points are all kept",
+                self.job_id,
+                backlog,
+                self.reader.max_log_backlog,
+            )
 
     def _send(self, batch: Batch) -> bool:
         """Post a batch. True when done with it (stored, refused for good, or lease lost);

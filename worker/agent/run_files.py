@@ -24,6 +24,10 @@ log = logging.getLogger("worker.agent.reporting")
 MAX_BATCH_METRICS = 2000
 MAX_BATCH_LOG_BYTES = 1 << 20
 MAX_BATCH_LOG_CHUNKS = 500
+# Unsent log bytes kept per stream while the API cannot be reached (an outage, a restart);
+# beyond that, the oldest are dropped, with a note in the stream and in the agent's log.
+# Metric points are never dropped: they are a few hundred bytes an iteration at most.
+DEFAULT_LOG_BACKLOG_BYTES = 64 << 20
 # One read of one log file. After U+FFFD replacement a chunk stays below the API's 256 KiB.
 LOG_READ_BYTES = 64 * 1024
 EVENTS_READ_BYTES = 256 * 1024
@@ -154,8 +158,12 @@ class RunFileReader:
         log_sources: Callable[[], list[tuple[str, Path]]],
         agent_log: Path,
         node_name: str,
+        *,
+        max_log_backlog: int = DEFAULT_LOG_BACKLOG_BYTES,
     ) -> None:
         self.job_id = job_id
+        self.max_log_backlog = max_log_backlog
+        self.dropped_log_bytes = 0
         self.events_path = Path(run_dir) / EVENTS_FILE
         self.log_sources = log_sources
         self.agent_stream = f"agent-{node_name}"
@@ -258,6 +266,47 @@ class RunFileReader:
             if not progressed:
                 return
 
+    def backlog(self) -> int:
+        """Log bytes written but not yet read into a batch, over every stream."""
+        total = 0
+        for source in list(self.files.values()):
+            try:
+                total += max(0, source.path.stat().st_size - source.position)
+            except OSError:
+                continue
+        return total
+
+    def _drop_backlog(self, batch: Batch, source: LogFile, size: int) -> None:
+        """Skip the oldest unsent bytes of a stream whose backlog is over the bound, and say so
+        in the stream itself and in the agent's log."""
+        unsent = size - source.position
+        if unsent <= self.max_log_backlog:
+            return
+        dropped = unsent - self.max_log_backlog // 2
+        first = source.position
+        source.position += dropped
+        self.dropped_log_bytes += dropped
+        log.warning(
+            "job %s: report buffer full: dropping %d unsent bytes of log stream %s (file bytes %d to %d "
+            "of %s); the API was unreachable for longer than %d bytes of log lasts",
+            self.job_id,
+            dropped,
+            source.stream,
+            first,
+            source.position,
+            source.path.name,
+            self.max_log_backlog,
+        )
+        note = (
+            f"\n[torchyard agent: {dropped} bytes of this log were dropped here: the API could not be "
+            f"reached and the agent keeps at most {self.max_log_backlog} unsent bytes per stream]\n"
+        )
+        offset = self._stream_offsets[source.stream]
+        size_bytes = len(note.encode("utf-8"))
+        batch.logs.append({"stream": source.stream, "offset": offset, "data": note})
+        batch.log_bytes += size_bytes
+        self._stream_offsets[source.stream] = offset + size_bytes
+
     def _read_log(self, batch: Batch, source: LogFile, limit: int, final: bool) -> bool:
         try:
             with open(source.path, "rb") as fh:
@@ -265,6 +314,7 @@ class RunFileReader:
                 if size < source.position:
                     # Truncated under us: carry on from its new start, the stream keeps growing.
                     source.position = 0
+                self._drop_backlog(batch, source, size)
                 fh.seek(source.position)
                 raw = fh.read(limit)
         except (FileNotFoundError, IsADirectoryError, PermissionError):

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 StopKind = Literal["cancelled", "attempt_ended", "stale", "shutdown"]
 RequestStop = Callable[[StopKind, str], None]
+# A report (running, final status, the model) waits this long for an API that cannot be
+# reached: an upgrade, a restart or a database outage must not cost a job.
+OUTAGE_PATIENCE_S = 24 * 3600.0
 
 
 class OutcomeReport:
@@ -43,13 +46,20 @@ class OutcomeReport:
         self.log = log
         self.final_state: str | None = None
 
+    def _patience(self) -> float:
+        """How long a report waits for an unreachable API: while the agent runs, as long as
+        an outage lasts (the ranks go on training meanwhile); once it shuts down, a minute."""
+        if self.ctx.shutdown.is_set():
+            return max(60.0, 2 * self.ctx.lease_timeout_s)
+        return OUTAGE_PATIENCE_S
+
     def report_running(self, stop: threading.Event) -> None:
         try:
             answer = retrying(
                 lambda: self.ctx.api.report_status(self.lease_token, "running"),
                 f"reporting job {self.job_id} running",
                 stop=stop,
-                deadline=time.monotonic() + self.ctx.lease_timeout_s,
+                deadline=time.monotonic() + self._patience(),
             )
         except StaleLeaseError as exc:
             self.request_stop("stale", f"the lease is no longer valid: {exc.message}")
@@ -71,7 +81,13 @@ class OutcomeReport:
             )
         started = time.monotonic()
         try:
-            sha256 = upload_model(self.ctx.api.client, self.job_id, self.lease_token, model_dir)
+            sha256 = upload_model(
+                self.ctx.api.client,
+                self.job_id,
+                self.lease_token,
+                model_dir,
+                outage_deadline=time.monotonic() + self._patience(),
+            )
         except StaleLeaseError as exc:
             self.request_stop("stale", exc.message)
             return None
@@ -110,7 +126,7 @@ class OutcomeReport:
                     self.lease_token, state, exit_code=exit_code, failure=failure
                 ),
                 f"reporting job {self.job_id} {state}",
-                deadline=time.monotonic() + max(60.0, 2 * self.ctx.lease_timeout_s),
+                deadline=time.monotonic() + self._patience(),
             )
         except StaleLeaseError as exc:
             self.log.info("job %s: %s not recorded, the lease is gone (%s)", self.job_id, state, exc.message)
