@@ -21,21 +21,30 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from sqlalchemy import update
 
 from service.config import Settings
+from service.db.engine import Database
+from service.db.models import Job
+from service.services.artifacts import ModelStore
 from tests.conftest import LiveServer
 from tests.factories import auth, create_token
 from tests.report_helpers import finish_job, start_running_job
 from tests.trainer_helpers import Digits, run_in_process, single_process_env, write_job
 from torchyard import modeldir
+from torchyard.contract.model_archive import pack_model_dir
 from torchyard.sample_data import write_digits
 from torchyard.scoring import ONNX_TOLERANCE, OnnxModel
-from worker.agent.model_transfer import upload_model
+
+# Scoring touches the database for one lookup: the registry tests run on both databases.
+SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 
 
 @dataclass(frozen=True)
 class Trained:
     model_dir: Path
+    archive: Path
+    sha256: str
     held_out: list[Path]
     labels: list[str]
 
@@ -58,7 +67,32 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
         assert run_in_process(job) == 0
     held_out = _held_out(root / "more", data)
     assert len(held_out) >= 100
-    return Trained(root / "run" / "model", held_out, [p.parent.name for p in held_out])
+    model_dir = root / "run" / "model"
+    sha256, _ = pack_model_dir(model_dir, root / "model.tar.gz")
+    return Trained(model_dir, root / "model.tar.gz", sha256, held_out, [p.parent.name for p in held_out])
+
+
+def succeeded_job(
+    settings: Settings, admin: httpx.Client, trained: Trained, user_token: str | None = None
+) -> str:
+    """A user's succeeded job whose model archive is the trained one, stored as node rank
+    0's upload leaves it (the upload route itself is tested in test_artifacts_api)."""
+    job = start_running_job(settings, admin, per_node=1, user_token=user_token)
+    store = ModelStore(settings.data_dir)
+    store.root.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(trained.archive, store.path(job.job_id))
+    db = Database(settings.sqlalchemy_url)
+    try:
+        with db.transaction() as session:
+            session.execute(
+                update(Job)
+                .where(Job.id == job.job_id)
+                .values(model_sha256=trained.sha256, model_size=trained.archive.stat().st_size)
+            )
+    finally:
+        db.dispose()
+    finish_job(settings, job, "succeeded")
+    return job.job_id
 
 
 @dataclass
@@ -75,13 +109,10 @@ class Env:
 def env(settings: Settings, live_server: LiveServer, trained: Trained, tmp_path: Path) -> Iterator[Env]:
     """A succeeded job of a user whose model directory is the trained one."""
     with httpx.Client(base_url=live_server.url, headers=auth(live_server.admin_token), timeout=60) as admin:
-        job = start_running_job(settings, admin, per_node=1)
-        model_dir = shutil.copytree(trained.model_dir, tmp_path / "model")
-        with httpx.Client(base_url=live_server.url, headers=auth(job.worker_token), timeout=60) as worker:
-            upload_model(worker, job.job_id, job.lease, model_dir)
-        finish_job(settings, job, "succeeded")
-        with httpx.Client(base_url=live_server.url, headers=auth(job.user_token), timeout=60) as user:
-            yield Env(live_server, settings, admin, user, job.user_token, job.job_id)
+        user_token = create_token(admin, "user", "alice")
+        job_id = succeeded_job(settings, admin, trained, user_token)
+        with httpx.Client(base_url=live_server.url, headers=auth(user_token), timeout=60) as user:
+            yield Env(live_server, settings, admin, user, user_token, job_id)
 
 
 def _register(client: httpx.Client, name: str, job_id: str) -> dict[str, Any]:
@@ -136,6 +167,7 @@ def test_register_list_show_latest_and_delete(env: Env) -> None:
     assert env.user.get("/v1/models/nope").status_code == 404
 
 
+@SQLITE_ONLY
 def test_a_job_that_did_not_succeed_cannot_be_registered(env: Env) -> None:
     running = start_running_job(env.settings, env.admin, per_node=1, user_token=env.user_token)
     r = env.user.post("/v1/models", json={"name": "early", "job_id": running.job_id})
@@ -170,6 +202,7 @@ def _png(image: Image.Image) -> bytes:
     return out.getvalue()
 
 
+@SQLITE_ONLY
 def test_predict_held_out_digits_agrees_with_the_local_loader(env: Env, trained: Trained) -> None:
     """Every held-out digit: the API's top label is the local torch loader's, the
     probabilities agree within 1e-4, and the accuracy is far above chance."""
@@ -186,7 +219,7 @@ def test_predict_held_out_digits_agrees_with_the_local_loader(env: Env, trained:
     assert [p["file"] for p in served] == [p.name for p in trained.held_out]
     for mine, theirs in zip(served, local, strict=True):
         assert len(mine["top"]) == 3
-        assert [t["label"] for t in mine["top"]][0] == theirs[0][0]
+        assert mine["top"][0]["label"] == theirs[0][0]
         for got, (_, want) in zip(mine["top"], theirs, strict=True):
             assert abs(got["probability"] - want) <= 1e-4
     correct = sum(p["top"][0]["label"] == label for p, label in zip(served, trained.labels, strict=True))
@@ -198,6 +231,7 @@ def test_predict_held_out_digits_agrees_with_the_local_loader(env: Env, trained:
     assert abs(sum(t["probability"] for t in one[0]["top"]) - 1.0) < 1e-4
 
 
+@SQLITE_ONLY
 def test_onnx_downloads_match_torch(env: Env, trained: Trained, tmp_path: Path) -> None:
     """Both ONNX routes give the export; ONNX Runtime on it agrees with torch within 1e-4,
     with any batch size; config.json records the check."""
@@ -226,6 +260,7 @@ def test_onnx_downloads_match_torch(env: Env, trained: Trained, tmp_path: Path) 
     assert float(np.abs(onnx_model.logits(inputs) - expected).max()) <= ONNX_TOLERANCE
 
 
+@SQLITE_ONLY
 def test_bad_images_and_over_cap_requests_are_4xx(
     make_settings: Any, trained: Trained, tmp_path: Path
 ) -> None:
@@ -235,13 +270,10 @@ def test_bad_images_and_over_cap_requests_are_4xx(
     server = LiveServer(settings).start()
     try:
         with httpx.Client(base_url=server.url, headers=auth(server.admin_token), timeout=60) as admin:
-            job = start_running_job(settings, admin, per_node=1)
-            model_dir = shutil.copytree(trained.model_dir, tmp_path / "model")
-            with httpx.Client(base_url=server.url, headers=auth(job.worker_token), timeout=60) as worker:
-                upload_model(worker, job.job_id, job.lease, model_dir)
-            finish_job(settings, job, "succeeded")
-            with httpx.Client(base_url=server.url, headers=auth(job.user_token), timeout=60) as user:
-                _register(user, "digits", job.job_id)
+            user_token = create_token(admin, "user", "alice")
+            job_id = succeeded_job(settings, admin, trained, user_token)
+            with httpx.Client(base_url=server.url, headers=auth(user_token), timeout=60) as user:
+                _register(user, "digits", job_id)
                 _check_refusals(user, trained)
     finally:
         server.stop()

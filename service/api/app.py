@@ -77,7 +77,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.wakeup = Wakeup()
     install_error_handlers(app)
     install_docs(app)
-    for module in (health, tokens, jobs, datasets, cluster, workers, reports, logs, artifacts, models, streams):
+    for module in (
+        health,
+        tokens,
+        jobs,
+        datasets,
+        cluster,
+        workers,
+        reports,
+        logs,
+        artifacts,
+        models,
+        streams,
+    ):
         app.include_router(module.router)
     app.include_router(tokens.whoami_router)
     return app

@@ -101,7 +101,9 @@ def register_model(
     if _is_evaluation(job):
         raise RequestValidationError(f"job {job.id} is an evaluation: it has no model of its own to register")
     if job.status != JobStatus.SUCCEEDED.value:
-        raise ModelNotReadyError(f"job {job.id} is {job.status}: only a succeeded job's model can be registered")
+        raise ModelNotReadyError(
+            f"job {job.id} is {job.status}: only a succeeded job's model can be registered"
+        )
     folder = unpacked_job_model(settings, job)
     config = _read_config(folder)
     onnx = config.get("onnx") or {}
@@ -137,7 +139,9 @@ def register_model(
 
 
 def _versions(session: Session, principal: Principal, name: str | None = None) -> list[ModelVersion]:
-    stmt = select(ModelVersion).where(ModelVersion.owner_id == principal.id, ModelVersion.deleted_at.is_(None))
+    stmt = select(ModelVersion).where(
+        ModelVersion.owner_id == principal.id, ModelVersion.deleted_at.is_(None)
+    )
     if name is not None:
         stmt = stmt.where(ModelVersion.name == name)
     return list(session.scalars(stmt.order_by(ModelVersion.name, ModelVersion.version)))
@@ -148,9 +152,7 @@ def list_models(session: Session, principal: Principal) -> list[ModelPublic]:
     for row in _versions(session, principal):
         by_name.setdefault(row.name, []).append(row)
     return [
-        ModelPublic(
-            name=name, latest_version=rows[-1].version, versions=[version_public(r) for r in rows]
-        )
+        ModelPublic(name=name, latest_version=rows[-1].version, versions=[version_public(r) for r in rows])
         for name, rows in by_name.items()
     ]
 

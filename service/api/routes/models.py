@@ -167,10 +167,14 @@ async def _read_images(request: Request, settings: Settings) -> tuple[list[scori
             )
         top_k_raw = form.get("top_k", "3")
         if not isinstance(top_k_raw, str) or not top_k_raw.strip().isdigit():
-            raise RequestValidationError("top_k must be a whole number from 1 to 100", details={"field": "top_k"})
+            raise RequestValidationError(
+                "top_k must be a whole number from 1 to 100", details={"field": "top_k"}
+            )
         top_k = int(top_k_raw.strip())
         if not 1 <= top_k <= scoring.MAX_TOP_K:
-            raise RequestValidationError("top_k must be a whole number from 1 to 100", details={"field": "top_k"})
+            raise RequestValidationError(
+                "top_k must be a whole number from 1 to 100", details={"field": "top_k"}
+            )
         images = [
             scoring.UploadedImage(filename=part.filename or f"file-{n}", data=await part.read())
             for n, part in enumerate(uploads)
