@@ -149,6 +149,19 @@ class Settings(BaseSettings):
         le=65535,
         description="Highest rendezvous port; the range bounds how many attempts may share one node address.",
     )
+    predict_max_files: int = Field(default=64, gt=0, description="Most images one predict request may hold.")
+    predict_max_bytes: int = Field(
+        default=32 * 1024**2, gt=0, description="Largest predict request body (all its images together)."
+    )
+    predict_max_image_pixels: int = Field(
+        default=4096 * 4096, gt=0, description="Largest image (width × height) a predict request may send."
+    )
+    model_cache_models: int = Field(
+        default=4, gt=0, description="Loaded models the API keeps for scoring (least recently used go first)."
+    )
+    model_cache_bytes: int = Field(
+        default=1024**3, gt=0, description="Bytes of ONNX files the API keeps loaded for scoring."
+    )
     model_max_bytes: int = Field(
         default=4 * 1024**3, gt=0, description="Largest model directory archive a worker may upload."
     )

@@ -23,8 +23,9 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
         "psycopg",
         "python_multipart",
         "PIL",
+        "onnxruntime",
     ),
-    "worker": ("torch", "torchvision", "safetensors", "PIL", "numpy"),
+    "worker": ("torch", "torchvision", "safetensors", "PIL", "numpy", "onnx", "onnxruntime"),
 }
 EXTRA_MODULES["all"] = (*dict.fromkeys(EXTRA_MODULES["server"] + EXTRA_MODULES["worker"]), "sklearn")
 

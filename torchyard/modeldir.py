@@ -233,6 +233,7 @@ def write_model_dir(
     metrics: dict[str, Any],
     *,
     before_publish: Callable[[Path], None] | None = None,
+    extra_files: dict[str, Path] | None = None,
 ) -> Path:
     """Write a complete model directory at ``dest`` atomically and return its path.
 
@@ -242,6 +243,8 @@ def write_model_dir(
     ``config`` must name ``architecture``, ``classes`` and ``image_size``;
     ``format_version``, ``num_classes``, ``mean`` and ``std`` are filled in when absent.
     ``before_publish`` is called with the finished temporary folder just before the rename.
+    ``extra_files`` (name -> file) are moved in beside the others and listed in the manifest
+    (the ONNX export, ``model.onnx``).
     """
     dest = Path(dest)
     for key in ("architecture", "classes", "image_size"):
@@ -264,7 +267,9 @@ def write_model_dir(
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         _write_json(tmp / CONFIG_FILE, full_config)
         _write_json(tmp / METRICS_FILE, metrics)
-        write_manifest(tmp)
+        for name, source in (extra_files or {}).items():
+            shutil.move(source, tmp / name)
+        write_manifest(tmp, [*REQUIRED_FILES, *(extra_files or {})])
         os.chmod(tmp, 0o755)
         if before_publish is not None:
             before_publish(tmp)

@@ -19,6 +19,7 @@ from service.api.routes import (
     health,
     jobs,
     logs,
+    models,
     reports,
     streams,
     tokens,
@@ -109,7 +110,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.wakeup = Wakeup()
     install_error_handlers(app)
     install_docs(app)
-    for module in (health, tokens, jobs, datasets, cluster, workers, reports, logs, artifacts, streams):
+    for module in (
+        health,
+        tokens,
+        jobs,
+        datasets,
+        cluster,
+        workers,
+        reports,
+        logs,
+        artifacts,
+        models,
+        streams,
+    ):
         app.include_router(module.router)
     app.include_router(tokens.whoami_router)
     return app

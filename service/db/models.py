@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     Float,
@@ -318,3 +319,31 @@ class LogChunk(Base):
     size: Mapped[int] = mapped_column(Integer)
     data: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ModelVersion(Base):
+    """A registered model: a name and a version (counting up per owner and name) for the
+    model directory of a succeeded training job. Deleted versions keep their row (their
+    number is never given again) but are hidden."""
+
+    __tablename__ = "model_versions"
+    __table_args__ = (
+        UniqueConstraint("owner_id", "name", "version", name="uq_model_versions_owner_name_version"),
+        CheckConstraint("version >= 1", name="version"),
+        Index("ix_model_versions_owner_name", "owner_id", "name"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    owner_id: Mapped[str] = mapped_column(ForeignKey("tokens.id"))
+    name: Mapped[str] = mapped_column(String(100))
+    version: Mapped[int] = mapped_column(Integer)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
+    # A file in a script job's outputs; None for a training job's model directory.
+    path: Mapped[str | None] = mapped_column(Text)
+    architecture: Mapped[str] = mapped_column(String(100))
+    classes: Mapped[list[str]] = mapped_column(JSON)
+    image_size: Mapped[int] = mapped_column(Integer)
+    sha256: Mapped[str] = mapped_column(String(64))
+    has_onnx: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ from torchyard.contract.errors import (
     RequestValidationError,
     StaleLeaseError,
 )
-from torchyard.contract.model_archive import ArchivedFile, inspect_model_archive
+from torchyard.contract.model_archive import ArchivedFile, extract_model_archive, inspect_model_archive
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 UNPACK_RATIO = 4
 # Temporary uploads older than this are left over from a crash and removed.
 _STALE_UPLOAD_S = 24 * 3600
+_UNPACK_LOCK = threading.Lock()
 
 
 class ModelStore:
@@ -60,6 +62,17 @@ class ModelStore:
         if not _JOB_ID.match(job_id):
             raise NotFoundError(f"job {job_id!r} not found")
         return self.root / f"{job_id}.tar.gz"
+
+    def unpacked(self, job_id: str, sha256: str, max_unpacked_bytes: int) -> Path:
+        """The job's model directory, unpacked once (checked against its manifest) into
+        ``models/unpacked/<job id>-<sha256 prefix>``; scoring and the ONNX download read it."""
+        dest = self.root / "unpacked" / f"{job_id}-{sha256[:16]}"
+        if (dest / "config.json").is_file():
+            return dest
+        with _UNPACK_LOCK:
+            if not (dest / "config.json").is_file():
+                extract_model_archive(self.path(job_id), dest, max_unpacked_bytes=max_unpacked_bytes)
+        return dest
 
     def start_upload(self, max_bytes: int) -> IncomingModel:
         self.incoming.mkdir(parents=True, exist_ok=True)

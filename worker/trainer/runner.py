@@ -6,6 +6,7 @@ import datetime as dt
 import logging
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -19,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from torchyard import modeldir
+from torchyard.scoring import ONNX_FILE
 from worker.trainer import checkpoint as ckpt
 from worker.trainer import distributed
 from worker.trainer.config import JobConfig
@@ -39,6 +41,7 @@ from worker.trainer.engine import (
 )
 from worker.trainer.events import EVENTS_FILE, EventWriter, NullEventWriter
 from worker.trainer.models import BuiltModel, build_model
+from worker.trainer.onnx_export import export_onnx
 from worker.trainer.schedule import POLY_POWER, build_scheduler
 from worker.trainer.seeding import derive_seed, seed_everything
 
@@ -504,12 +507,21 @@ def _publish(
     metrics = {**summary, "history": history}
     config = _model_config(job, built, env, device, summary)
 
+    onnx_file, config["onnx"] = export_onnx(best_state, config, job.val_dir, output_dir)
+
     def announce(_: Path) -> None:
         events.result(**summary)
 
     destination = modeldir.write_model_dir(
-        output_dir / MODEL_DIR, best_state, config, metrics, before_publish=announce
+        output_dir / MODEL_DIR,
+        best_state,
+        config,
+        metrics,
+        before_publish=announce,
+        extra_files={ONNX_FILE: onnx_file} if onnx_file is not None else None,
     )
+    if onnx_file is not None:
+        shutil.rmtree(onnx_file.parent, ignore_errors=True)
     log.info(
         "model directory written: best epoch %d (%s), %d epoch(s) run%s",
         summary["best_epoch"],

@@ -1,0 +1,66 @@
+"""Model registry and scoring schemas (SPEC §10)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, Field
+
+from service.schemas.common import StrictModel
+
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+
+
+class ModelRegister(StrictModel):
+    """Register a succeeded training job's model directory under a name."""
+
+    name: str = Field(
+        pattern=MODEL_NAME_PATTERN,
+        description="Letters, digits, '.', '_' and '-', starting with a letter or digit; 100 at most.",
+    )
+    job_id: str = Field(min_length=1, max_length=64, description="A succeeded training job (id or name).")
+    path: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1000,
+        description="A file in a script job's outputs (script jobs only).",
+    )
+
+
+class ModelVersionPublic(BaseModel):
+    name: str
+    version: int
+    job_id: str
+    path: str | None = None
+    architecture: str
+    classes: list[str]
+    image_size: int
+    sha256: str = Field(description="sha256 of the model directory archive.")
+    onnx: bool = Field(description="Whether the version has an ONNX export (needed for scoring).")
+    created_at: datetime
+
+
+class ModelPublic(BaseModel):
+    name: str
+    latest_version: int
+    versions: list[ModelVersionPublic]
+
+
+class ModelList(BaseModel):
+    items: list[ModelPublic]
+
+
+class LabelProbability(BaseModel):
+    label: str
+    probability: float
+
+
+class FilePrediction(BaseModel):
+    file: str
+    top: list[LabelProbability]
+
+
+class PredictResponse(BaseModel):
+    name: str
+    version: int
+    predictions: list[FilePrediction]

@@ -1,0 +1,221 @@
+"""The model registry (SPEC §10): named, numbered versions of trained model directories.
+
+A version points at a succeeded training job; the job's archive in the model store is
+the version's content (its sha256 is the version's). Versions count up per owner and
+name, and a deleted version's number is never given again. Models are private to their
+owner: another user's model is a 404, as for jobs and datasets.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from service.config import Settings
+from service.db.models import Job, ModelVersion, utcnow
+from service.schemas.models import ModelPublic, ModelVersionPublic
+from service.services.artifacts import UNPACK_RATIO, ModelStore
+from service.services.jobs import get_job
+from service.services.tokens import Principal
+from service.states import FINAL_STATUSES, JobStatus
+from torchyard.contract.errors import (
+    ConflictError,
+    InvalidModelDirectoryError,
+    ModelNotReadyError,
+    NotFoundError,
+    RequestValidationError,
+)
+from torchyard.scoring import ONNX_FILE
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+EVALUATE = "evaluate"
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """Where a version's unpacked model directory is, and what identifies it."""
+
+    key: str
+    folder: Path
+    sha256: str
+
+
+def version_public(row: ModelVersion) -> ModelVersionPublic:
+    return ModelVersionPublic(
+        name=row.name,
+        version=row.version,
+        job_id=row.job_id,
+        path=row.path,
+        architecture=row.architecture,
+        classes=list(row.classes),
+        image_size=row.image_size,
+        sha256=row.sha256,
+        onnx=row.has_onnx,
+        created_at=row.created_at,
+    )
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InvalidModelDirectoryError(f"the model directory's config.json cannot be read: {exc}") from exc
+    if not isinstance(config, dict) or not isinstance(config.get("classes"), list):
+        raise InvalidModelDirectoryError("the model directory's config.json has no class list")
+    return config
+
+
+def unpacked_job_model(settings: Settings, job: Job) -> Path:
+    if job.model_sha256 is None:
+        raise ModelNotReadyError(f"job {job.id} has no model directory")
+    store = ModelStore(settings.data_dir)
+    if not store.path(job.id).is_file():
+        raise NotFoundError(f"the model archive of job {job.id} is missing from the artifact store")
+    return store.unpacked(job.id, job.model_sha256, settings.model_max_bytes * UNPACK_RATIO)
+
+
+def _is_evaluation(job: Job) -> bool:
+    return job.spec.get("type") == EVALUATE
+
+
+def register_model(
+    session: Session, settings: Settings, principal: Principal, name: str, job_ref: str, path: str | None
+) -> ModelVersion:
+    """Register the model directory of a succeeded training job as the next version of ``name``."""
+    job = get_job(session, principal, job_ref)
+    if path is not None:
+        raise RequestValidationError(
+            "path names a file in a script job's outputs; this job is a training job: register it "
+            "without path",
+            details={"field": "path"},
+        )
+    if _is_evaluation(job):
+        raise RequestValidationError(f"job {job.id} is an evaluation: it has no model of its own to register")
+    if job.status != JobStatus.SUCCEEDED.value:
+        raise ModelNotReadyError(
+            f"job {job.id} is {job.status}: only a succeeded job's model can be registered"
+        )
+    folder = unpacked_job_model(settings, job)
+    config = _read_config(folder)
+    onnx = config.get("onnx") or {}
+    has_onnx = bool(onnx.get("file")) and (folder / ONNX_FILE).is_file()
+    latest = session.scalar(
+        select(func.max(ModelVersion.version)).where(
+            ModelVersion.owner_id == principal.id, ModelVersion.name == name
+        )
+    )
+    row = ModelVersion(
+        owner_id=principal.id,
+        name=name,
+        version=(latest or 0) + 1,
+        job_id=job.id,
+        path=None,
+        architecture=str(config.get("architecture", job.architecture)),
+        classes=[str(c) for c in config["classes"]],
+        image_size=int(config.get("image_size", 0)),
+        sha256=job.model_sha256 or "",
+        has_onnx=has_onnx,
+        created_at=utcnow(),
+    )
+    session.add(row)
+    try:
+        session.commit()
+    except IntegrityError as exc:
+        session.rollback()
+        raise ConflictError(
+            f"another version of model {name!r} was registered at the same moment; try again"
+        ) from exc
+    log.info("model %s version %d registered from job %s", name, row.version, job.id)
+    return row
+
+
+def _versions(session: Session, principal: Principal, name: str | None = None) -> list[ModelVersion]:
+    stmt = select(ModelVersion).where(
+        ModelVersion.owner_id == principal.id, ModelVersion.deleted_at.is_(None)
+    )
+    if name is not None:
+        stmt = stmt.where(ModelVersion.name == name)
+    return list(session.scalars(stmt.order_by(ModelVersion.name, ModelVersion.version)))
+
+
+def list_models(session: Session, principal: Principal) -> list[ModelPublic]:
+    by_name: dict[str, list[ModelVersion]] = {}
+    for row in _versions(session, principal):
+        by_name.setdefault(row.name, []).append(row)
+    return [
+        ModelPublic(name=name, latest_version=rows[-1].version, versions=[version_public(r) for r in rows])
+        for name, rows in by_name.items()
+    ]
+
+
+def get_model(session: Session, principal: Principal, name: str) -> ModelPublic:
+    rows = _versions(session, principal, name)
+    if not rows:
+        raise NotFoundError(f"model {name!r} not found")
+    return ModelPublic(name=name, latest_version=rows[-1].version, versions=[version_public(r) for r in rows])
+
+
+def parse_version(version: str) -> int | None:
+    """``latest`` (None) or a positive version number; anything else is a 422."""
+    if version == LATEST:
+        return None
+    if not version.isdigit() or int(version) < 1 or len(version) > 9:
+        raise RequestValidationError(
+            f"version must be a positive number or 'latest', not {version!r}", details={"field": "version"}
+        )
+    return int(version)
+
+
+def get_version(session: Session, principal: Principal, name: str, version: str) -> ModelVersion:
+    number = parse_version(version)
+    stmt = select(ModelVersion).where(
+        ModelVersion.owner_id == principal.id, ModelVersion.name == name, ModelVersion.deleted_at.is_(None)
+    )
+    if number is not None:
+        stmt = stmt.where(ModelVersion.version == number)
+    row = session.scalars(stmt.order_by(ModelVersion.version.desc()).limit(1)).first()
+    if row is None:
+        shown = f"{name}:{version}"
+        raise NotFoundError(f"model version {shown!r} not found")
+    return row
+
+
+def parse_reference(reference: str) -> tuple[str, str]:
+    """``name:version`` (or ``name``, meaning latest) as ``(name, version)``."""
+    name, _, version = reference.partition(":")
+    return name, version or LATEST
+
+
+def live_evaluations(session: Session, row: ModelVersion) -> list[str]:
+    """Ids of the unfinished evaluation jobs that use the version."""
+    final = [s.value for s in FINAL_STATUSES]
+    jobs = session.scalars(select(Job).where(Job.owner_id == row.owner_id, Job.status.not_in(final)))
+    return [j.id for j in jobs if _is_evaluation(j) and j.spec.get("model_version_id") == row.id]
+
+
+def delete_version(session: Session, principal: Principal, name: str, version: str) -> ModelVersion:
+    row = get_version(session, principal, name, version)
+    users = live_evaluations(session, row)
+    if users:
+        raise ConflictError(
+            f"model {name}:{row.version} is used by the running evaluation job(s) {', '.join(users)}",
+            details={"jobs": users},
+        )
+    row.deleted_at = utcnow()
+    session.commit()
+    return row
+
+
+def model_files(session: Session, settings: Settings, row: ModelVersion) -> ModelFiles:
+    job = session.get_one(Job, row.job_id)
+    folder = unpacked_job_model(settings, job)
+    return ModelFiles(key=f"{row.job_id}-{row.sha256}", folder=folder, sha256=row.sha256)

@@ -1,0 +1,311 @@
+"""The model registry and scoring (SPEC §10), against a model really trained on digits.
+
+One resnet18 is trained once for the module (in-process, two epochs at 32 px), its model
+directory uploaded through the worker route of a job, and the job settled as succeeded.
+The tests register it, score held-out digits through the API (ONNX Runtime, no torch in
+the API) and compare with the model directory loaded locally with torch.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from sqlalchemy import update
+
+from service.config import Settings
+from service.db.engine import Database
+from service.db.models import Job
+from service.services.artifacts import ModelStore
+from tests.conftest import LiveServer
+from tests.factories import auth, create_token
+from tests.report_helpers import finish_job, start_running_job
+from tests.trainer_helpers import Digits, run_in_process, single_process_env, write_job
+from torchyard import modeldir
+from torchyard.contract.model_archive import pack_model_dir
+from torchyard.sample_data import write_digits
+from torchyard.scoring import ONNX_TOLERANCE, OnnxModel
+
+# Scoring touches the database for one lookup: the registry tests run on both databases.
+SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+
+
+@dataclass(frozen=True)
+class Trained:
+    model_dir: Path
+    archive: Path
+    sha256: str
+    held_out: list[Path]
+    labels: list[str]
+
+
+def _held_out(root: Path, used: Digits) -> list[Path]:
+    """Digits of the same shuffle that neither training nor validation saw."""
+    seen = {p.name for p in used.train.rglob("*.png")} | {p.name for p in used.val.rglob("*.png")}
+    more_train, more_val = write_digits(root, per_class=45, size=32)
+    files = sorted(more_train.rglob("*.png")) + sorted(more_val.rglob("*.png"))
+    return [p for p in files if p.name not in seen]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    root = tmp_path_factory.mktemp("trained")
+    train, val = write_digits(root / "digits", per_class=30, size=32)
+    data = Digits(train, val)
+    job = write_job(root / "run", data, epochs=2)
+    with pytest.MonkeyPatch.context() as mp, single_process_env(mp):
+        assert run_in_process(job) == 0
+    held_out = _held_out(root / "more", data)
+    assert len(held_out) >= 100
+    model_dir = root / "run" / "model"
+    sha256, _ = pack_model_dir(model_dir, root / "model.tar.gz")
+    return Trained(model_dir, root / "model.tar.gz", sha256, held_out, [p.parent.name for p in held_out])
+
+
+def succeeded_job(
+    settings: Settings, admin: httpx.Client, trained: Trained, user_token: str | None = None
+) -> str:
+    """A user's succeeded job whose model archive is the trained one, stored as node rank
+    0's upload leaves it (the upload route itself is tested in test_artifacts_api)."""
+    job = start_running_job(settings, admin, per_node=1, user_token=user_token)
+    store = ModelStore(settings.data_dir)
+    store.root.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(trained.archive, store.path(job.job_id))
+    db = Database(settings.sqlalchemy_url)
+    try:
+        with db.transaction() as session:
+            session.execute(
+                update(Job)
+                .where(Job.id == job.job_id)
+                .values(model_sha256=trained.sha256, model_size=trained.archive.stat().st_size)
+            )
+    finally:
+        db.dispose()
+    finish_job(settings, job, "succeeded")
+    return job.job_id
+
+
+@dataclass
+class Env:
+    server: LiveServer
+    settings: Settings
+    admin: httpx.Client
+    user: httpx.Client
+    user_token: str
+    job_id: str
+
+
+@pytest.fixture
+def env(settings: Settings, live_server: LiveServer, trained: Trained, tmp_path: Path) -> Iterator[Env]:
+    """A succeeded job of a user whose model directory is the trained one."""
+    with httpx.Client(base_url=live_server.url, headers=auth(live_server.admin_token), timeout=60) as admin:
+        user_token = create_token(admin, "user", "alice")
+        job_id = succeeded_job(settings, admin, trained, user_token)
+        with httpx.Client(base_url=live_server.url, headers=auth(user_token), timeout=60) as user:
+            yield Env(live_server, settings, admin, user, user_token, job_id)
+
+
+def _register(client: httpx.Client, name: str, job_id: str) -> dict[str, Any]:
+    r = client.post("/v1/models", json={"name": name, "job_id": job_id})
+    assert r.status_code == 201, r.text
+    body: dict[str, Any] = r.json()
+    return body
+
+
+def _predict(
+    client: httpx.Client, ref: str, files: list[tuple[str, bytes]], top_k: int | None = None
+) -> httpx.Response:
+    name, _, version = ref.partition(":")
+    data = {} if top_k is None else {"top_k": str(top_k)}
+    return client.post(
+        f"/v1/models/{name}/versions/{version or 'latest'}/predict",
+        files=[("files", (filename, content, "image/png")) for filename, content in files],
+        data=data,
+    )
+
+
+def test_register_list_show_latest_and_delete(env: Env) -> None:
+    first = _register(env.user, "digits", env.job_id)
+    assert first["version"] == 1 and first["job_id"] == env.job_id
+    assert first["architecture"] == "resnet18" and first["classes"] == [str(i) for i in range(10)]
+    assert first["onnx"] is True and len(first["sha256"]) == 64
+    job = env.user.get(f"/v1/jobs/{env.job_id}").json()
+    assert first["sha256"] == job["model_sha256"]
+    second = _register(env.user, "digits", env.job_id)
+    assert second["version"] == 2
+    _register(env.user, "other", env.job_id)
+
+    listed = env.user.get("/v1/models").json()["items"]
+    assert [(m["name"], m["latest_version"]) for m in listed] == [("digits", 2), ("other", 1)]
+    shown = env.user.get("/v1/models/digits").json()
+    assert [v["version"] for v in shown["versions"]] == [1, 2]
+    assert env.user.get("/v1/models/digits/versions/latest").json()["version"] == 2
+    assert env.user.get("/v1/models/digits/versions/1").json()["version"] == 1
+
+    deleted = env.user.delete("/v1/models/digits/versions/2")
+    assert deleted.status_code == 200, deleted.text
+    assert env.user.get("/v1/models/digits/versions/2").status_code == 404
+    assert env.user.get("/v1/models/digits/versions/latest").json()["version"] == 1
+    # a deleted number is never given again
+    assert _register(env.user, "digits", env.job_id)["version"] == 3
+
+    bad = env.user.post("/v1/models", json={"name": "../x", "job_id": env.job_id})
+    assert bad.status_code == 422 and bad.json()["code"] == "ValidationError"
+    unknown = env.user.post("/v1/models", json={"name": "x", "job_id": "nope"})
+    assert unknown.status_code == 404
+    assert env.user.get("/v1/models/digits/versions/zero").status_code == 422
+    assert env.user.get("/v1/models/nope").status_code == 404
+
+
+@SQLITE_ONLY
+def test_a_job_that_did_not_succeed_cannot_be_registered(env: Env) -> None:
+    running = start_running_job(env.settings, env.admin, per_node=1, user_token=env.user_token)
+    r = env.user.post("/v1/models", json={"name": "early", "job_id": running.job_id})
+    assert r.status_code == 409 and r.json()["code"] == "ModelNotReadyError"
+
+
+def test_models_are_private_to_their_owner(env: Env) -> None:
+    _register(env.user, "digits", env.job_id)
+    other_token = create_token(env.admin, "user", "mallory")
+    png = _png(Image.new("RGB", (32, 32)))
+    with httpx.Client(base_url=env.server.url, headers=auth(other_token), timeout=60) as other:
+        assert other.get("/v1/models").json()["items"] == []
+        for path in (
+            "/v1/models/digits",
+            "/v1/models/digits/versions/1",
+            "/v1/models/digits/versions/1/onnx",
+        ):
+            r = other.get(path)
+            assert r.status_code == 404 and r.json()["code"] == "NotFoundError", path
+        assert _predict(other, "digits:1", [("a.png", png)]).status_code == 404
+        assert other.delete("/v1/models/digits/versions/1").status_code == 404
+        # nor can another user register (or fetch the ONNX export of) someone else's job
+        assert other.post("/v1/models", json={"name": "stolen", "job_id": env.job_id}).status_code == 404
+        assert other.get(f"/v1/jobs/{env.job_id}/model/onnx").status_code == 404
+        # a name of one user does not collide with the same name of another
+    assert env.user.get("/v1/models/digits/versions/1").status_code == 200
+
+
+def _png(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return out.getvalue()
+
+
+@SQLITE_ONLY
+def test_predict_held_out_digits_agrees_with_the_local_loader(env: Env, trained: Trained) -> None:
+    """Every held-out digit: the API's top label is the local torch loader's, the
+    probabilities agree within 1e-4, and the accuracy is far above chance."""
+    _register(env.user, "digits", env.job_id)
+    local = modeldir.predict(trained.model_dir, trained.held_out, topk=3)
+    served: list[dict[str, Any]] = []
+    files = [(p.name, p.read_bytes()) for p in trained.held_out]
+    for start in range(0, len(files), 50):
+        r = _predict(env.user, "digits:latest", files[start : start + 50])
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["name"] == "digits" and body["version"] == 1
+        served.extend(body["predictions"])
+    assert [p["file"] for p in served] == [p.name for p in trained.held_out]
+    for mine, theirs in zip(served, local, strict=True):
+        assert len(mine["top"]) == 3
+        assert mine["top"][0]["label"] == theirs[0][0]
+        for got, (_, want) in zip(mine["top"], theirs, strict=True):
+            assert abs(got["probability"] - want) <= 1e-4
+    correct = sum(p["top"][0]["label"] == label for p, label in zip(served, trained.labels, strict=True))
+    assert correct / len(served) >= 0.5, f"held-out accuracy {correct}/{len(served)}"
+
+    # top_k is capped by the class count; one image alone works too
+    one = _predict(env.user, "digits", files[:1], top_k=20).json()["predictions"]
+    assert len(one) == 1 and len(one[0]["top"]) == 10
+    assert abs(sum(t["probability"] for t in one[0]["top"]) - 1.0) < 1e-4
+
+
+@SQLITE_ONLY
+def test_onnx_downloads_match_torch(env: Env, trained: Trained, tmp_path: Path) -> None:
+    """Both ONNX routes give the export; ONNX Runtime on it agrees with torch within 1e-4,
+    with any batch size; config.json records the check."""
+    config = json.loads((trained.model_dir / "config.json").read_text())
+    assert config["onnx"]["file"] == "model.onnx" and config["onnx"]["max_abs_diff"] <= ONNX_TOLERANCE
+    _register(env.user, "digits", env.job_id)
+    by_job = env.user.get(f"/v1/jobs/{env.job_id}/model/onnx")
+    by_version = env.user.get("/v1/models/digits/versions/1/onnx")
+    assert by_job.status_code == by_version.status_code == 200
+    assert by_job.content == by_version.content == (trained.model_dir / "model.onnx").read_bytes()
+    assert by_job.headers["etag"].strip('"') == modeldir.sha256_file(trained.model_dir / "model.onnx")
+
+    folder = tmp_path / "served"
+    folder.mkdir()
+    (folder / "model.onnx").write_bytes(by_job.content)
+    shutil.copy(trained.model_dir / "config.json", folder / "config.json")
+    onnx_model = OnnxModel.load(folder)
+    torch_model, _, _ = modeldir.load_model(trained.model_dir)
+    images = [modeldir.load_rgb_image(p) for p in trained.held_out[:13]]
+    inputs = onnx_model.preprocess(images)
+    transform = modeldir.eval_transform(config)
+    expected_inputs = torch.stack([transform(im) for im in images])
+    assert np.array_equal(inputs, expected_inputs.numpy())
+    with torch.inference_mode():
+        expected = torch_model(expected_inputs).numpy()
+    assert float(np.abs(onnx_model.logits(inputs) - expected).max()) <= ONNX_TOLERANCE
+
+
+@SQLITE_ONLY
+def test_bad_images_and_over_cap_requests_are_4xx(
+    make_settings: Any, trained: Trained, tmp_path: Path
+) -> None:
+    settings: Settings = make_settings(
+        predict_max_files=3, predict_max_bytes=200_000, predict_max_image_pixels=300 * 300
+    )
+    server = LiveServer(settings).start()
+    try:
+        with httpx.Client(base_url=server.url, headers=auth(server.admin_token), timeout=60) as admin:
+            user_token = create_token(admin, "user", "alice")
+            job_id = succeeded_job(settings, admin, trained, user_token)
+            with httpx.Client(base_url=server.url, headers=auth(user_token), timeout=60) as user:
+                _register(user, "digits", job_id)
+                _check_refusals(user, trained)
+    finally:
+        server.stop()
+
+
+def _check_refusals(user: httpx.Client, trained: Trained) -> None:
+    good = trained.held_out[0].read_bytes()
+
+    def refused(
+        files: list[tuple[str, bytes]], status: int, code: str, top_k: int | None = None
+    ) -> dict[str, Any]:
+        r = _predict(user, "digits:1", files, top_k)
+        assert r.status_code == status, r.text
+        body: dict[str, Any] = r.json()
+        assert body["code"] == code, body
+        return body
+
+    garbage = refused([("ok.png", good), ("notes.png", b"this is not an image")], 422, "ValidationError")
+    assert "notes.png" in garbage["message"] and garbage["details"]["file"] == "notes.png"
+    truncated = refused([("cut.png", good[: len(good) // 2])], 422, "ValidationError")
+    assert "cut.png" in truncated["message"]
+    big = _png(Image.new("RGB", (400, 400)))
+    assert "pixels" in refused([("big.png", big)], 422, "ValidationError")["message"]
+    refused([("a.png", good)] * 4, 413, "PayloadTooLargeError")
+    noise = Image.fromarray(np.random.default_rng(0).integers(0, 255, (290, 290, 3), dtype=np.uint8))
+    heavy = _png(noise)
+    assert len(heavy) > 200_000 // 2
+    refused([("n1.png", heavy), ("n2.png", heavy)], 413, "PayloadTooLargeError")
+    refused([("a.png", good)], 422, "ValidationError", top_k=0)
+    refused([("a.png", good)], 422, "ValidationError", top_k=101)
+    assert user.post("/v1/models/digits/versions/1/predict", data={"top_k": "3"}).status_code == 422
+    assert user.post("/v1/models/digits/versions/1/predict", json={"files": []}).status_code == 422
+    assert _predict(user, "digits:7", [("a.png", good)]).status_code == 404
+    # after all that, the service still scores
+    assert _predict(user, "digits:1", [("a.png", good)]).status_code == 200
