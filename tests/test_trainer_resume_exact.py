@@ -5,6 +5,7 @@ the run that was never interrupted."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -88,10 +89,8 @@ def _kill_all(proc: subprocess.Popen[bytes], marker: str) -> None:
     """SIGKILL torchrun and every rank (and loader worker) of the run."""
     pids = [proc.pid, *marked_pids(marker)]
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     proc.wait(30)
     deadline = time.monotonic() + 30
     while marked_pids(marker) and time.monotonic() < deadline:
