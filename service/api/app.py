@@ -13,6 +13,7 @@ from service.api.docs import install_docs
 from service.api.errors import install_error_handlers
 from service.api.routes import (
     artifacts,
+    checkpoints,
     cluster,
     datasets,
     health,
@@ -76,7 +77,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.wakeup = Wakeup()
     install_error_handlers(app)
     install_docs(app)
-    for module in (health, tokens, jobs, datasets, cluster, workers, reports, logs, artifacts, streams):
+    for module in (
+        health,
+        tokens,
+        jobs,
+        datasets,
+        cluster,
+        workers,
+        reports,
+        logs,
+        artifacts,
+        checkpoints,
+        streams,
+    ):
         app.include_router(module.router)
     app.include_router(tokens.whoami_router)
     return app
