@@ -184,6 +184,10 @@ class PlacementRun:
         job_file = self._prepare()
         if job_file is None:
             return
+        if self.preempt_event.is_set():
+            # Claimed while the node drains: hand it back untouched.
+            self.report.finish("preempted", None, None)
+            return
         spec = self._launch_spec()
         if spec.job_file != job_file:
             raise RuntimeError(f"job file {job_file} is not where torchrun will look ({spec.job_file})")
