@@ -120,13 +120,14 @@ class Env:
         for name in names:
             wait_for_node(self.user, name, timeout=timeout)
 
-    def submit(self, nodes: int, ppn: int, **parameters: Any) -> str:
+    def submit(self, nodes: int, ppn: int, max_restarts: int = 0, **parameters: Any) -> str:
         spec = job_spec(
             self.train,
             self.val,
             name=f"digits-{nodes}x{ppn}",
             parameters={**PARAMETERS, **parameters},
-            resources={"node_count": nodes, "process_count_per_node": ppn},
+            # No restarts unless a test asks: a lost node fails the job, as these tests check.
+            resources={"node_count": nodes, "process_count_per_node": ppn, "max_restarts": max_restarts},
         )
         r = self.user.post("/v1/jobs", json=spec)
         assert r.status_code == 201, r.text

@@ -34,3 +34,16 @@ def test_gpu_doc_names_every_trainer_gpu_setting_with_its_default() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "pytest -m gpu tests/test_gpu.py tests/test_gpu_decode.py" in readme
     assert "(docs/gpu.md)" in readme
+
+
+def test_restarts_doc_lists_exactly_the_retryable_failures() -> None:
+    from torchyard.contract.errors import RETRYABLE_FAILURES
+    from torchyard.contract.jobspec import DEFAULT_HANG_TIMEOUT_S, DEFAULT_MAX_RESTARTS
+
+    doc = (ROOT / "docs" / "restarts.md").read_text()
+    section = doc.split("### Which failures are retried", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `(\w+)` \|", section, re.M)
+    assert sorted(listed) == sorted(RETRYABLE_FAILURES)
+    assert f"| `max_restarts` | 0–100 | {DEFAULT_MAX_RESTARTS} |" in doc
+    assert f"| `hang_timeout_s` | 10–604800, or `null` | {DEFAULT_HANG_TIMEOUT_S} |" in doc
+    assert "(docs/restarts.md)" in (ROOT / "README.md").read_text()

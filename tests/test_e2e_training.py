@@ -235,7 +235,10 @@ def test_nan_loss_fails_with_training_diverged(env: Env) -> None:
 
 def test_sigkill_of_the_agent_fails_the_job_with_worker_lost(env: Env) -> None:
     agent = env.agent("cpu-1", slots=1)
-    job_id = env.submit(parameters={"epochs": 50}, resources={"node_count": 1, "process_count_per_node": 1})
+    job_id = env.submit(
+        parameters={"epochs": 50},
+        resources={"node_count": 1, "process_count_per_node": 1, "max_restarts": 0},
+    )
     env.wait(job_id, lambda j: j["status"] == "running")
     directory = run_dir(agent, job_id)
     # torchrun and its rank are up (the rank may still be importing torch).

@@ -41,6 +41,7 @@ from torchyard.apiclient.model_download import MAX_MODEL_UNPACKED_BYTES, ModelDo
 from torchyard.apiclient.models import (
     FINAL_STATUSES,
     ApiModel,
+    Attempt,
     Cluster,
     CreatedToken,
     Dataset,
@@ -50,6 +51,7 @@ from torchyard.apiclient.models import (
     MetricPage,
     MetricPoint,
     Node,
+    NodeDrained,
     Page,
     StatusChange,
     TokenInfo,
@@ -64,6 +66,7 @@ __all__ = [
     "FINAL_STATUSES",
     "MAX_MODEL_UNPACKED_BYTES",
     "ApiModel",
+    "Attempt",
     "Client",
     "Cluster",
     "CreatedToken",
@@ -74,6 +77,7 @@ __all__ = [
     "MetricPage",
     "MetricPoint",
     "Node",
+    "NodeDrained",
     "Page",
     "ProgressCallback",
     "ServiceUnreachableError",
@@ -160,6 +164,14 @@ class Client:
         """Nodes, their processing units and health, and the cluster's limits."""
         return self.admin.cluster()
 
+    def drain_node(self, node: str) -> NodeDrained:
+        """Drain a node by id or name (admin only): no new work; its jobs checkpoint and requeue."""
+        return self.admin.drain_node(node)
+
+    def undrain_node(self, node: str) -> NodeDrained:
+        """Make a drained node ready again (admin only)."""
+        return self.admin.undrain_node(node)
+
     # -- datasets
 
     def upload_dataset(
@@ -238,9 +250,13 @@ class Client:
         name: str | Sequence[str] | None = None,
         after: int | None = None,
         limit: int | None = None,
+        include_superseded: bool = False,
     ) -> MetricPage:
-        """One page of metric points after the ``after`` cursor."""
-        return self.jobs.metrics(job_id, name=name, after=after, limit=limit)
+        """One page of metric points after the ``after`` cursor (with ``include_superseded``,
+        also the points of epochs a later attempt redid)."""
+        return self.jobs.metrics(
+            job_id, name=name, after=after, limit=limit, include_superseded=include_superseded
+        )
 
     def iter_metrics(
         self, job_id: str, *, name: str | Sequence[str] | None = None, after: int | None = None
@@ -249,10 +265,17 @@ class Client:
         return self.jobs.iter_metrics(job_id, name=name, after=after)
 
     def logs(
-        self, job_id: str, *, rank: int | None = None, stream: str | None = None, offset: int = 0
+        self,
+        job_id: str,
+        *,
+        rank: int | None = None,
+        stream: str | None = None,
+        offset: int = 0,
+        attempt: int | None = None,
     ) -> str:
-        """The log text of one stream (rank ``rank``, default 0; or ``stream``, e.g. the agent log)."""
-        return self.streams.logs(job_id, rank=rank, stream=stream, offset=offset)
+        """The log text of one stream (rank ``rank``, default 0; or ``stream``, e.g. the agent log)
+        of attempt ``attempt`` (default: the latest)."""
+        return self.streams.logs(job_id, rank=rank, stream=stream, offset=offset, attempt=attempt)
 
     def follow_logs(
         self,
@@ -262,10 +285,12 @@ class Client:
         stream: str | None = None,
         offset: int = 0,
         reconnects: int = 20,
+        attempt: int | None = None,
     ) -> Iterator[str]:
-        """Log text as it arrives, until the job ends; reconnects where it left off."""
+        """Log text as it arrives, until the job ends (or attempt ``attempt`` ends); reconnects
+        where it left off. Following the latest attempt, a restarted job's next attempt follows."""
         return self.streams.follow_logs(
-            job_id, rank=rank, stream=stream, offset=offset, reconnects=reconnects
+            job_id, rank=rank, stream=stream, offset=offset, reconnects=reconnects, attempt=attempt
         )
 
     def events(

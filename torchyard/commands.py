@@ -55,6 +55,8 @@ _SUBMIT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--nodes", "resources.node_count", int, "nodes to train on"),
     ("--procs", "resources.process_count_per_node", int, "processes (ranks) per node"),
     ("--max-runtime", "resources.max_runtime_s", int, "seconds the job may run before TimeoutError"),
+    ("--max-restarts", "resources.max_restarts", int, "restarts after retryable failures (0..100)"),
+    ("--hang-timeout", "resources.hang_timeout_s", int, "seconds without a training step before HangError"),
     ("--priority", "priority", int, "higher runs first (-100..100)"),
 )
 
@@ -334,7 +336,22 @@ def print_job(job: Job) -> None:
     print(f"parameters:  {_kv(job.parameters)}")
     print(f"resources:   {_kv(job.resources)}")
     _print_outcome(job)
+    _print_attempts(job)
     _print_times(job)
+
+
+def _print_attempts(job: Job) -> None:
+    """Restarts used and one line per attempt: nodes, times and why it ended."""
+    limit = job.resources.get("max_restarts")
+    if job.restarts or (job.attempts and len(job.attempts) > 1):
+        print(f"restarts:    {job.restarts}" + (f" of {limit}" if limit is not None else ""))
+    if not job.attempts:
+        return
+    print("attempts:")
+    for a in job.attempts:
+        times = " -> ".join(format_time(t) for t in (a.started_at or a.created_at, a.finished_at) if t)
+        ended = f"  {a.end_reason.code}: {a.end_reason.message}" if a.end_reason else ""
+        print(f"  #{a.number}  {a.status:<9}  on {', '.join(a.nodes) or '-'}  {times}{ended}")
 
 
 def _print_failure(failure: Failure) -> None:
@@ -409,6 +426,10 @@ def _epoch_notes(client: Client, job: Job, out: TextIO) -> None:
     table = EpochTable()
     noted: set[int] = set()
     for event in client.events(job.id, logs=False):
+        note = requeue_note(event)
+        if note:
+            out.write(note + "\n")
+            out.flush()
         if event.kind != "metric":
             continue
         epoch = table.add(event.data)
@@ -429,13 +450,19 @@ def _logs(args: argparse.Namespace) -> int:
             notes = threading.Thread(target=_notes_quietly, args=(args, job), name="epoch-notes", daemon=True)
             if not args.json:
                 notes.start()
-            for text in client.follow_logs(job.id, rank=args.rank, stream=args.stream, offset=args.offset):
+            for text in client.follow_logs(
+                job.id, rank=args.rank, stream=args.stream, offset=args.offset, attempt=args.attempt
+            ):
                 sys.stdout.write(text)
                 sys.stdout.flush()
             if notes.is_alive():
                 notes.join(timeout=30.0)  # the job is over: its last epoch's note is on its way
         else:
-            sys.stdout.write(client.logs(args.id, rank=args.rank, stream=args.stream, offset=args.offset))
+            sys.stdout.write(
+                client.logs(
+                    args.id, rank=args.rank, stream=args.stream, offset=args.offset, attempt=args.attempt
+                )
+            )
     sys.stdout.flush()
     return 0
 
@@ -488,6 +515,13 @@ def _watch_metrics(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def requeue_note(event: Event) -> str | None:
+    """The line shown when a job goes back to the queue (a restart or a preemption)."""
+    if event.kind != "status" or not event.data.get("requeued"):
+        return None
+    return f"-- back in the queue: {event.data.get('message') or 'requeued'}"
+
+
 class _MetricsView:
     """What ``metrics --watch`` shows of the events: JSON lines, a table redrawn in place on
     a terminal, or one line per finished epoch."""
@@ -501,6 +535,7 @@ class _MetricsView:
         self.status = "-"
         self.printed: set[int] = set()
         self.lines: EpochLines | None = None
+        self.requeues: list[str] = []
 
     def redraw(self) -> None:
         table, epochs = self.table, self.epochs
@@ -512,16 +547,22 @@ class _MetricsView:
                 f"  epoch {done[-1]}" + (f"/{epochs}" if epochs else "") + (f"  {timing}" if timing else "")
             )
         sys.stdout.write("\x1b[H\x1b[2J")
-        sys.stdout.write(f"job {self.job_id}  status {self.status}{where}\n\n{table.render()}\n")
+        notes = "".join(f"{line}\n" for line in self.requeues[-3:])
+        sys.stdout.write(f"job {self.job_id}  status {self.status}{where}\n{notes}\n{table.render()}\n")
         sys.stdout.flush()
 
     def emit(self, event: Event) -> None:
         if self.as_json:
             print(json.dumps({"event": event.kind, "id": event.id, "data": event.data}), flush=True)
             return
+        requeue = requeue_note(event)
+        if requeue:
+            self.requeues.append(requeue)
         if self.tty:
             self.redraw()
             return
+        if requeue:
+            print(requeue, flush=True)
         for epoch in sorted(self.table.rows):
             if epoch in self.printed or not (self.table.is_complete(epoch) or event.is_final):
                 continue
@@ -576,6 +617,27 @@ def _cluster(args: argparse.Namespace) -> int:
         for n in cluster.nodes
     ]
     print(format_table(["NODE", "STATUS", "ACCEL", "UNITS", "FREE", "ADDRESS", "HEARTBEAT"], rows))
+    return 0
+
+
+def _node_drain(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        node = client.drain_node(args.node)
+    if args.json:
+        _print_json(node)
+    else:
+        jobs = f"; preempted jobs: {', '.join(node.preempted_jobs)}" if node.preempted_jobs else ""
+        print(f"node {node.name} {node.status}{jobs}")
+    return 0
+
+
+def _node_undrain(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        node = client.undrain_node(args.node)
+    if args.json:
+        _print_json(node)
+    else:
+        print(f"node {node.name} {node.status}")
     return 0
 
 
@@ -760,6 +822,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     logs.add_argument("--rank", type=int, default=None, help="global rank (default 0)")
     logs.add_argument("--stream", default=None, help="a stream by name, e.g. the agent log")
     logs.add_argument("--offset", type=int, default=0, help="start at this byte offset")
+    logs.add_argument("--attempt", type=int, default=None, help="this attempt's log (default: the latest)")
     logs.set_defaults(handler=_logs)
 
     metrics = sub.add_parser("metrics", parents=[common], help="a job's metrics as a per-epoch table")
@@ -779,6 +842,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     cluster = sub.add_parser("cluster", parents=[common], help="nodes, processing units and limits")
     cluster.set_defaults(handler=_cluster)
+
+    node = sub.add_parser("node", help="drain or undrain a node (admin token)")
+    node_sub = node.add_subparsers(dest="node_command", required=True)
+    for verb, text in (
+        ("drain", "take no new work; the node's jobs checkpoint and go back to the queue"),
+        ("undrain", "make a drained node ready again"),
+    ):
+        cmd = node_sub.add_parser(verb, parents=[common], help=text)
+        cmd.add_argument("node", metavar="NAME", help="node name or id")
+        cmd.set_defaults(handler=_node_drain if verb == "drain" else _node_undrain)
 
     predict = sub.add_parser(
         "predict", help="classify images with a downloaded model directory (no service needed)"

@@ -1,7 +1,7 @@
 """Training-state checkpoints of jobs in the artifact store (the latest two per job).
 
 Revision ID: 0004
-Revises: 0002
+Revises: 0003
 Create Date: 2026-11-23 02:30:00.000000
 """
 
@@ -13,7 +13,7 @@ from alembic import op
 from service.db.models import UTCDateTime
 
 revision: str = "0004"
-down_revision: str | None = "0002"
+down_revision: str | None = "0003"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -158,6 +158,10 @@ class Job(Base):
     model_sha256: Mapped[str | None] = mapped_column(String(64))
     model_size: Mapped[int | None] = mapped_column(BigInteger)
     attempts_count: Mapped[int] = mapped_column(Integer, default=0)
+    # Restarts used after retryable failures (preemptions are not counted).
+    restarts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Why a job went back to the queue (a restart or a preemption), until it is placed again.
+    requeue_reason: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     scheduled_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
@@ -201,6 +205,9 @@ class Node(Base):
     # same token but another key is refused while this one's heartbeats are fresh.
     agent_key_hash: Mapped[str | None] = mapped_column(String(64))
     info: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # Who drained the node: "admin" (kept across agent restarts until undrained) or
+    # "agent" (its agent got SIGTERM; a new agent registering makes it ready again).
+    drained_by: Mapped[str | None] = mapped_column(String(16))
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
@@ -233,6 +240,8 @@ class Attempt(Base):
     master_port: Mapped[int] = mapped_column(Integer)
     failure_code: Mapped[str | None] = mapped_column(String(64))
     failure_message: Mapped[str | None] = mapped_column(Text)
+    # Set when a node of the attempt is drained: every node is told to checkpoint and stop.
+    preempt_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
@@ -273,11 +282,15 @@ class Metric(Base):
         UniqueConstraint("job_id", "attempt_id", "name", "rank", "epoch", "step", name="uq_metrics_point"),
         Index("ix_metrics_job_seq", "job_id", "seq"),
         Index("ix_metrics_job_name_seq", "job_id", "name", "seq"),
+        # Finds the later attempt's point that supersedes one (the default history).
+        Index("ix_metrics_job_point_attempt", "job_id", "name", "rank", "epoch", "step", "attempt"),
     )
 
     seq: Mapped[int] = mapped_column(SeqInt, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     attempt_id: Mapped[str] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    # The attempt's number: the default history shows each point from the latest attempt.
+    attempt: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     name: Mapped[str] = mapped_column(String(64))
     value: Mapped[float] = mapped_column(Float)
     epoch: Mapped[int] = mapped_column(Integer)

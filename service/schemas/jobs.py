@@ -66,10 +66,17 @@ class PlacementPublic(BaseModel):
     status: str
 
 
+class EndReason(BaseModel):
+    """Why an attempt ended: a failure code, ``preempted``, ``succeeded`` or ``cancelled``."""
+
+    code: str
+    message: str
+
+
 class AttemptPublic(BaseModel):
     id: str
     number: int
-    status: str
+    status: str = Field(description="scheduled, running, succeeded, failed, cancelled or preempted.")
     master_addr: str
     master_port: int
     failure_code: str | None = None
@@ -77,6 +84,8 @@ class AttemptPublic(BaseModel):
     created_at: datetime
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    nodes: list[str] = Field(default=[], description="Names of the attempt's nodes, by node rank.")
+    end_reason: EndReason | None = Field(default=None, description="Null while the attempt is live.")
     placements: list[PlacementPublic] = []
 
 
@@ -99,7 +108,12 @@ class JobPublic(BaseModel):
     model_sha256: str | None = None
     model_size: int | None = None
     nodes: list[str] = []
-    attempts: list[AttemptPublic] | None = None
+    restarts: int = Field(
+        default=0, description="Restarts used after retryable failures (preemptions not counted)."
+    )
+    attempts: list[AttemptPublic] | None = Field(
+        default=None, description="Every attempt, oldest first: nodes, times and end reason."
+    )
     history: list[StatusChange] | None = None
     created_at: datetime
     updated_at: datetime

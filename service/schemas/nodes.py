@@ -46,7 +46,11 @@ class NodePublic(BaseModel):
     used_units: int = Field(description="Units held by attempts placed on the node.")
     free_units: int = Field(description="Units a new job could get now (0 on a lost node).")
     accelerator: str
-    status: str = Field(description="ready, or lost (marked lost, or silent past the lease timeout).")
+    status: str = Field(
+        description="ready; lost (marked lost, or silent past the lease timeout); draining (drained by "
+        "an admin or its agent got SIGTERM, its placements still stopping) or drained (no placements "
+        "left): a draining or drained node takes no new work."
+    )
     last_heartbeat_at: datetime
     seconds_since_heartbeat: float
     registered_at: datetime
@@ -67,3 +71,16 @@ class ClusterPublic(BaseModel):
     total_units: int = Field(description="Units of the ready nodes.")
     free_units: int = Field(description="Free units of the ready nodes.")
     nodes: list[NodePublic]
+
+
+class NodeDrained(BaseModel):
+    """A node after a drain or undrain."""
+
+    name: str
+    status: str = Field(description="draining, drained or ready (see NodePublic.status).")
+    drained_by: str | None = Field(
+        default=None, description="admin (held until undrained) or agent (its agent got SIGTERM)."
+    )
+    preempted_jobs: list[str] = Field(
+        default=[], description="Jobs whose attempts were asked to checkpoint and stop (admins only)."
+    )

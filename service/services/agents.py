@@ -14,8 +14,8 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Node
-from service.schemas.nodes import NodeRegister
-from service.services import attempts, nodes, scheduler
+from service.schemas.nodes import NodeDrained, NodeRegister
+from service.services import attempts, drain, nodes, scheduler
 from service.services.reaper import lose_node_placements
 from service.services.tokens import Principal
 from torchyard.contract.protocol import (
@@ -92,3 +92,42 @@ def report_status(
     session.commit()
     placed = ended and bool(scheduler.run_pass(db, settings).scheduled)
     return answer, placed
+
+
+def _drained(result: drain.DrainResult, *, show_jobs: bool) -> NodeDrained:
+    return NodeDrained(
+        name=result.name,
+        status=result.status,
+        drained_by=result.drained_by,
+        preempted_jobs=result.preempted_jobs if show_jobs else [],
+    )
+
+
+def drain_own_node(
+    session: Session, db: Database, settings: Settings, worker: Principal, name: str, agent_key: str | None
+) -> NodeDrained:
+    """The agent drains its own node (it got SIGTERM), and commits; a scheduling pass follows,
+    since preempted jobs are queued again."""
+    node = nodes.check_agent(session, worker, name, agent_key)
+    result = drain.drain(session, settings, node, "agent")
+    session.commit()
+    scheduler.run_pass(db, settings)
+    return _drained(result, show_jobs=False)
+
+
+def drain_by_admin(session: Session, db: Database, settings: Settings, ref: str) -> NodeDrained:
+    """An admin drains a node by id or name, and commits; then a scheduling pass."""
+    node = drain.find_node(session, ref, for_update=True)
+    result = drain.drain(session, settings, node, "admin")
+    session.commit()
+    scheduler.run_pass(db, settings)
+    return _drained(result, show_jobs=True)
+
+
+def undrain_by_admin(session: Session, db: Database, settings: Settings, ref: str) -> NodeDrained:
+    """An admin makes a drained node ready again, and commits; then a scheduling pass."""
+    node = drain.find_node(session, ref, for_update=True)
+    result = drain.undrain(session, settings, node)
+    session.commit()
+    scheduler.run_pass(db, settings)
+    return _drained(result, show_jobs=True)

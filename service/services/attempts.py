@@ -34,8 +34,15 @@ from service.services.leases import lock_lease
 from service.services.nodes import get_own_node, touch_node
 from service.services.scheduler import is_postgres, schedule
 from service.services.tokens import Principal
-from service.states import LIVE_ATTEMPT_STATUSES, AttemptStatus, JobStatus, PlacementStatus
-from torchyard.contract.errors import ConflictError, JobTimeoutError, RankFailedError, WorkerLostError
+from service.states import LIVE_ATTEMPT_STATUSES, AttemptStatus, JobStatus, NodeStatus, PlacementStatus
+from torchyard.contract.errors import (
+    ConflictError,
+    JobTimeoutError,
+    RankFailedError,
+    WorkerLostError,
+    is_retryable,
+)
+from torchyard.contract.jobspec import DEFAULT_MAX_RESTARTS
 from torchyard.contract.protocol import (
     ClaimedDataset,
     ClaimedDatasets,
@@ -51,6 +58,11 @@ log = logging.getLogger(__name__)
 
 _LIVE_ATTEMPT = [s.value for s in LIVE_ATTEMPT_STATUSES]
 _PLACED_JOB = [JobStatus.SCHEDULED.value, JobStatus.RUNNING.value]
+_ENDED_ATTEMPT = [
+    AttemptStatus.FAILED.value,
+    AttemptStatus.CANCELLED.value,
+    AttemptStatus.PREEMPTED.value,
+]
 
 
 def _lock_job(session: Session, job_id: str) -> Job:
@@ -72,12 +84,65 @@ def _end_attempt(
 
 
 def fail_attempt(session: Session, job: Job, attempt: Attempt, failure: Failure, message: str) -> None:
-    """Fail a live attempt and, unless it is being cancelled, its job (first failure wins)."""
+    """Fail a live attempt and, unless it is being cancelled, its job (first failure wins).
+
+    A retryable failure (SPEC §8, ``RETRYABLE_FAILURES``) with restarts left puts the job back
+    to ``queued`` instead (see :func:`restart_verdict`). An attempt that already ended (a late
+    report of a node of an attempt that failed elsewhere) changes nothing of the job: the job
+    may already run a newer attempt.
+    """
+    if attempt.status not in _LIVE_ATTEMPT:
+        return
     now = utcnow()
-    if attempt.status in _LIVE_ATTEMPT:
-        _end_attempt(attempt, AttemptStatus.FAILED, now, failure)
-    if job.status in _PLACED_JOB and job.failure_code is None:
+    _end_attempt(attempt, AttemptStatus.FAILED, now, failure)
+    if job.status not in _PLACED_JOB or job.failure_code is not None:
+        return
+    restart = restart_verdict(session, job, attempt, failure)
+    if restart is None:
         transition(session, job, JobStatus.FAILED, message, failure=failure)
+        return
+    job.restarts = (job.restarts or 0) + 1
+    requeue(session, job, restart)
+    log.warning("job %s: %s", job.id, restart)
+
+
+def max_restarts(job: Job) -> int:
+    value = ((job.spec or {}).get("resources") or {}).get("max_restarts", DEFAULT_MAX_RESTARTS)
+    return int(value)
+
+
+def restart_verdict(session: Session, job: Job, attempt: Attempt, failure: Failure) -> str | None:
+    """The requeue reason if ``failure`` ending ``attempt`` earns a restart, else None (final).
+
+    A restart needs a retryable code, a restart left, and a failure other than the previous
+    attempt's (the same code and message on two attempts in a row is final).
+    """
+    if not is_retryable(failure.code):
+        return None
+    allowed = max_restarts(job)
+    used = job.restarts or 0
+    if used >= allowed:
+        return None
+    previous = session.scalars(
+        select(Attempt)
+        .where(Attempt.job_id == job.id, Attempt.number < attempt.number)
+        .order_by(Attempt.number.desc())
+    ).first()
+    if (
+        previous is not None
+        and previous.status == AttemptStatus.FAILED.value
+        and (previous.failure_code, previous.failure_message) == (failure.code, failure.message)
+    ):
+        return None
+    where = f" on node {failure.node}" if failure.node else ""
+    return f"restarting after {failure.code}{where} (restart {used + 1} of {allowed})"
+
+
+def requeue(session: Session, job: Job, reason: str) -> None:
+    """Put a placed job back to ``queued`` with ``reason`` (a restart or a preemption)."""
+    transition(session, job, JobStatus.QUEUED, reason)
+    job.requeue_reason = reason
+    job.wait_reason = reason
 
 
 def finish_cancellation(session: Session, job: Job) -> bool:
@@ -98,6 +163,65 @@ def finish_cancellation(session: Session, job: Job) -> bool:
         _end_attempt(attempt, AttemptStatus.CANCELLED, now)
     transition(session, job, JobStatus.CANCELLED, "every rank stopped")
     return True
+
+
+def finish_preemption(session: Session, job: Job, attempt: Attempt) -> bool:
+    """A live attempt being preempted whose placements are all done ends ``preempted``, and
+    its job goes back to ``queued`` (reason ``preempted``, no restart counted); True if it did."""
+    if attempt.status not in _LIVE_ATTEMPT or attempt.preempt_requested_at is None:
+        return False
+    open_count = session.scalar(
+        select(func.count(Placement.id)).where(
+            Placement.attempt_id == attempt.id, Placement.status != PlacementStatus.DONE
+        )
+    )
+    if open_count:
+        return False
+    _end_attempt(attempt, AttemptStatus.PREEMPTED, utcnow())
+    attempt.failure_message = "preempted: a node of the attempt was drained"
+    if job.status in _PLACED_JOB:
+        requeue(session, job, "preempted")
+        log.info("job %s: attempt %d preempted, back to the queue", job.id, attempt.number)
+    return True
+
+
+def preempt_node_attempts(session: Session, node: Node) -> list[str]:
+    """Ask every live attempt with a placement on ``node`` to checkpoint and stop.
+
+    Placements not yet claimed have no process: they are done at once, and an attempt with
+    nothing left running is preempted here. Returns the ids of the jobs touched. The caller
+    holds no job lock yet (jobs are locked here, one by one, before their placements).
+    """
+    job_ids = list(
+        session.scalars(
+            select(Placement.job_id)
+            .where(Placement.node_id == node.id, Placement.status != PlacementStatus.DONE)
+            .distinct()
+            .order_by(Placement.job_id)
+        )
+    )
+    now = utcnow()
+    for job_id in job_ids:
+        job = _lock_job(session, job_id)
+        for attempt in session.scalars(
+            select(Attempt)
+            .where(Attempt.job_id == job_id, Attempt.status.in_(_LIVE_ATTEMPT))
+            .with_for_update()
+            .execution_options(populate_existing=True)
+        ).all():
+            if attempt.preempt_requested_at is None:
+                attempt.preempt_requested_at = now
+            for placement in session.scalars(
+                select(Placement)
+                .where(Placement.attempt_id == attempt.id, Placement.status == PlacementStatus.ASSIGNED)
+                .order_by(Placement.id)
+                .with_for_update()
+            ):
+                placement.status = PlacementStatus.DONE
+                placement.finished_at = now
+            finish_preemption(session, job, attempt)
+        finish_cancellation(session, job)
+    return job_ids
 
 
 # --- claim -------------------------------------------------------------------------------
@@ -133,6 +257,7 @@ def claimed_placement(session: Session, placement: Placement, settings: Settings
         classes=sorted(train.classes),
         init_from_job=job.init_from_job_id,
         checkpoint=checkpoints.latest_ref(session, checkpoints.CheckpointStore(settings.data_dir), job.id),
+        restarts=job.restarts or 0,
         heartbeat_interval_s=settings.heartbeat_interval_s,
         lease_timeout_s=settings.lease_timeout_s,
     )
@@ -157,6 +282,7 @@ def claim(
             Placement.status == PlacementStatus.ASSIGNED,
             Job.status.in_(_PLACED_JOB),
             Attempt.status.in_(_LIVE_ATTEMPT),
+            Attempt.preempt_requested_at.is_(None),
         )
         .order_by(Placement.created_at, Placement.id)
         .limit(1)
@@ -246,7 +372,21 @@ def heartbeat(
                     message="the job is being cancelled",
                 )
             )
-        elif attempt.status in (AttemptStatus.FAILED.value, AttemptStatus.CANCELLED.value):
+        elif attempt.status in _LIVE_ATTEMPT and (
+            attempt.preempt_requested_at is not None or node.status != NodeStatus.READY.value
+        ):
+            if attempt.preempt_requested_at is None:
+                attempt.preempt_requested_at = now
+            stop.append(
+                StopOrder(
+                    lease_token=token,
+                    job_id=placement.job_id,
+                    reason="preempted",
+                    message=f"attempt {attempt.number} is preempted (a node of it is draining): "
+                    "checkpoint at the next step boundary, upload it, then report preempted",
+                )
+            )
+        elif attempt.status in _ENDED_ATTEMPT:
             stop.append(
                 StopOrder(
                     lease_token=token,
@@ -274,8 +414,10 @@ def heartbeat(
 def _stop_reason(job: Job, attempt: Attempt) -> str | None:
     if job.status == JobStatus.CANCELLING.value:
         return "the job is being cancelled"
-    if attempt.status in (AttemptStatus.FAILED.value, AttemptStatus.CANCELLED.value):
+    if attempt.status in _ENDED_ATTEMPT:
         return f"attempt {attempt.number} {attempt.status}"
+    if attempt.preempt_requested_at is not None:
+        return f"attempt {attempt.number} is preempted"
     return None
 
 
@@ -291,37 +433,10 @@ def report_status(
     ended = False
 
     if report.state == "running":
-        placement.status = PlacementStatus.RUNNING
-        if attempt.status == AttemptStatus.SCHEDULED.value:
-            attempt.status = AttemptStatus.RUNNING.value
-            attempt.started_at = now
-        if job.status == JobStatus.SCHEDULED.value:
-            transition(session, job, JobStatus.RUNNING, f"ranks started on {node.name}")
+        _report_running(session, job, attempt, placement, node, now)
     else:
-        if (
-            report.state == "succeeded"
-            and placement.node_rank == 0
-            and job.status in _PLACED_JOB
-            and job.model_sha256 is None
-        ):
-            raise ConflictError("node rank 0 reported success before its model directory was uploaded")
-        placement.status = PlacementStatus.DONE
-        placement.finished_at = now
-        placement.exit_code = report.exit_code
+        _report_ended(session, job, attempt, placement, node, report, now)
         ended = True
-        if report.state == "succeeded":
-            if placement.node_rank == 0 and attempt.status in _LIVE_ATTEMPT:
-                _end_attempt(attempt, AttemptStatus.SUCCEEDED, now)
-                if job.status in _PLACED_JOB:
-                    transition(session, job, JobStatus.SUCCEEDED, f"training finished on {node.name}")
-        elif report.state == "failed":
-            failure = _failure(report, node.name)
-            if job.status == JobStatus.CANCELLING.value:
-                log.info("job %s: %s failed while cancelling (%s)", job.id, node.name, failure.code)
-            else:
-                where = f"rank {failure.rank} on {failure.node}" if failure.rank is not None else failure.node
-                fail_attempt(session, job, attempt, failure, f"{failure.code} ({where}): {failure.message}")
-        finish_cancellation(session, job)
     reason = _stop_reason(job, attempt)
     answer = PlacementStatusResponse(
         job_id=job.id,
@@ -332,6 +447,62 @@ def report_status(
         reason=reason,
     )
     return answer, ended
+
+
+def _report_running(
+    session: Session, job: Job, attempt: Attempt, placement: Placement, node: Node, now: datetime
+) -> None:
+    placement.status = PlacementStatus.RUNNING
+    if attempt.status == AttemptStatus.SCHEDULED.value:
+        attempt.status = AttemptStatus.RUNNING.value
+        attempt.started_at = now
+    if job.status == JobStatus.SCHEDULED.value and attempt.status in _LIVE_ATTEMPT:
+        transition(session, job, JobStatus.RUNNING, f"ranks started on {node.name}")
+
+
+def _report_ended(
+    session: Session,
+    job: Job,
+    attempt: Attempt,
+    placement: Placement,
+    node: Node,
+    report: PlacementStatusReport,
+    now: datetime,
+) -> None:
+    """A final report: the placement is done, and the attempt and job follow."""
+    if (
+        report.state == "succeeded"
+        and placement.node_rank == 0
+        and job.status in _PLACED_JOB
+        and job.model_sha256 is None
+    ):
+        raise ConflictError("node rank 0 reported success before its model directory was uploaded")
+    placement.status = PlacementStatus.DONE
+    placement.finished_at = now
+    placement.exit_code = report.exit_code
+    if report.state == "succeeded":
+        if placement.node_rank == 0 and attempt.status in _LIVE_ATTEMPT:
+            _end_attempt(attempt, AttemptStatus.SUCCEEDED, now)
+            if job.status in _PLACED_JOB:
+                transition(session, job, JobStatus.SUCCEEDED, f"training finished on {node.name}")
+    elif report.state == "failed":
+        failure = _failure(report, node.name)
+        if job.status == JobStatus.CANCELLING.value:
+            log.info("job %s: %s failed while cancelling (%s)", job.id, node.name, failure.code)
+        elif attempt.preempt_requested_at is not None and is_retryable(failure.code):
+            # A peer stopping for the preemption broke a collective: part of the preemption.
+            log.info("job %s: %s failed while preempted (%s)", job.id, node.name, failure.code)
+        else:
+            where = f"rank {failure.rank} on {failure.node}" if failure.rank is not None else failure.node
+            fail_attempt(session, job, attempt, failure, f"{failure.code} ({where}): {failure.message}")
+    if attempt.status in _LIVE_ATTEMPT and (
+        report.state == "preempted" or attempt.preempt_requested_at is not None
+    ):
+        if attempt.preempt_requested_at is None:
+            # The node's agent got SIGTERM: its peers checkpoint and stop too.
+            attempt.preempt_requested_at = now
+        finish_preemption(session, job, attempt)
+    finish_cancellation(session, job)
 
 
 def _failure(report: PlacementStatusReport, node_name: str) -> Failure:

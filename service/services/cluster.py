@@ -37,8 +37,11 @@ def ready_node_filter(settings: Settings, now: datetime) -> ColumnElement[bool]:
     return and_(Node.status == NodeStatus.READY.value, Node.last_heartbeat_at >= fresh_after)
 
 
-def node_status(node: Node, settings: Settings, now: datetime) -> NodeStatus:
-    """``ready`` or ``lost``, counting a node silent past the lease timeout as lost."""
+def node_status(node: Node, settings: Settings, now: datetime, *, busy: bool = False) -> NodeStatus:
+    """``ready`` or ``lost``, counting a node silent past the lease timeout as lost; a drained
+    node is ``draining`` while it still has placements (``busy``), then ``drained``."""
+    if node.status in (NodeStatus.DRAINING.value, NodeStatus.DRAINED.value):
+        return NodeStatus.DRAINING if busy else NodeStatus.DRAINED
     if node.status != NodeStatus.READY.value:
         return NodeStatus.LOST
     if node.last_heartbeat_at < now - timedelta(seconds=settings.lease_timeout_s):
@@ -191,7 +194,7 @@ def cluster_view(session: Session, settings: Settings, principal: Principal) -> 
     for node in session.scalars(select(Node).order_by(Node.name)):
         shares = usage.get(node.id, [])
         held = sum(s.units for s in shares)
-        status = node_status(node, settings, now)
+        status = node_status(node, settings, now, busy=bool(shares))
         nodes.append(
             NodePublic(
                 name=node.name,
@@ -224,7 +227,7 @@ def cluster_view(session: Session, settings: Settings, principal: Principal) -> 
         max_nodes_source=limits.max_nodes_source,
         max_units_per_node=limits.max_units_per_node,
         ready_nodes=limits.ready_nodes,
-        lost_nodes=len(nodes) - len(ready),
+        lost_nodes=sum(1 for n in nodes if n.status == NodeStatus.LOST.value),
         total_units=sum(n.units for n in ready),
         free_units=sum(n.free_units for n in ready),
         nodes=nodes,

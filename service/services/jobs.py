@@ -13,6 +13,7 @@ from service.db.models import Attempt, Checkpoint, Job, JobEvent, Node, Placemen
 from service.schemas.common import decode_cursor, encode_cursor
 from service.schemas.jobs import (
     AttemptPublic,
+    EndReason,
     Failure,
     JobCreate,
     JobPublic,
@@ -23,7 +24,7 @@ from service.services import refs
 from service.services.cluster import check_resources
 from service.services.datasets import resolve_job_datasets
 from service.services.tokens import Principal
-from service.states import JobStatus, can_transition
+from service.states import AttemptStatus, JobStatus, can_transition
 from torchyard.architectures import CLASSIFICATION_ARCHITECTURES, closest_architecture
 from torchyard.contract.errors import (
     IllegalTransitionError,
@@ -116,6 +117,7 @@ def transition(
     if new is JobStatus.SCHEDULED:
         job.scheduled_at = now
         job.wait_reason = None
+        job.requeue_reason = None
     elif new is JobStatus.RUNNING and job.started_at is None:
         job.started_at = now
     elif new is JobStatus.QUEUED:
@@ -123,6 +125,7 @@ def transition(
     if new.is_final():
         job.finished_at = now
         job.wait_reason = None
+        job.requeue_reason = None
     if failure is not None:
         job.failure_code = failure.code
         job.failure_message = failure.message
@@ -202,7 +205,49 @@ def cancel_job(session: Session, principal: Principal, job_id: str) -> Job:
     return job
 
 
-def job_public(session: Session, job: Job, *, detail: bool = True) -> JobPublic:
+def attempts_public(session: Session, job_ids: list[str]) -> dict[str, list[AttemptPublic]]:
+    """Every attempt of the given jobs (oldest first), with its placements, in one query."""
+    out: dict[str, list[AttemptPublic]] = {job_id: [] for job_id in job_ids}
+    if not job_ids:
+        return out
+    rows = session.execute(
+        select(Attempt, Placement, Node.name)
+        .outerjoin(Placement, Placement.attempt_id == Attempt.id)
+        .outerjoin(Node, Node.id == Placement.node_id)
+        .where(Attempt.job_id.in_(job_ids))
+        .order_by(Attempt.job_id, Attempt.number, Placement.node_rank)
+    ).all()
+    by_id: dict[str, AttemptPublic] = {}
+    for attempt, placement, node_name in rows:
+        pub = by_id.get(attempt.id)
+        if pub is None:
+            pub = AttemptPublic.model_validate(attempt, from_attributes=True)
+            if attempt.failure_code is not None:
+                pub.end_reason = EndReason(code=attempt.failure_code, message=attempt.failure_message or "")
+            elif attempt.status == AttemptStatus.PREEMPTED.value:
+                pub.end_reason = EndReason(code="preempted", message=attempt.failure_message or "preempted")
+            elif attempt.status in (AttemptStatus.SUCCEEDED.value, AttemptStatus.CANCELLED.value):
+                pub.end_reason = EndReason(code=attempt.status, message=f"attempt {attempt.status}")
+            by_id[attempt.id] = pub
+            out[attempt.job_id].append(pub)
+        if placement is not None:
+            pub.placements.append(
+                PlacementPublic(
+                    node=node_name,
+                    node_rank=placement.node_rank,
+                    units=placement.units,
+                    status=placement.status,
+                )
+            )
+            pub.nodes.append(node_name)
+    return out
+
+
+def job_public(
+    session: Session, job: Job, *, detail: bool = True, attempts: list[AttemptPublic] | None = None
+) -> JobPublic:
+    """The job as users see it; ``detail`` adds its status history. ``attempts``, when given,
+    saves the query for them (a list of jobs reads every job's attempts at once)."""
     spec: dict[str, Any] = job.spec
     failure = None
     if job.failure_code is not None:
@@ -213,40 +258,15 @@ def job_public(session: Session, job: Job, *, detail: bool = True) -> JobPublic:
             node=job.failure_node,
             traceback=job.failure_traceback,
         )
-    attempts: list[AttemptPublic] | None = None
     history: list[StatusChange] | None = None
-    nodes: list[str] = []
     if detail:
         history = [
             StatusChange(status=e.status, at=e.at, message=e.message)
             for e in session.scalars(select(JobEvent).where(JobEvent.job_id == job.id).order_by(JobEvent.seq))
         ]
-        attempts = []
-        rows = session.execute(
-            select(Attempt, Placement, Node.name)
-            .outerjoin(Placement, Placement.attempt_id == Attempt.id)
-            .outerjoin(Node, Node.id == Placement.node_id)
-            .where(Attempt.job_id == job.id)
-            .order_by(Attempt.number, Placement.node_rank)
-        ).all()
-        by_id: dict[str, AttemptPublic] = {}
-        for attempt, placement, node_name in rows:
-            pub = by_id.get(attempt.id)
-            if pub is None:
-                pub = AttemptPublic.model_validate(attempt, from_attributes=True)
-                by_id[attempt.id] = pub
-                attempts.append(pub)
-            if placement is not None:
-                pub.placements.append(
-                    PlacementPublic(
-                        node=node_name,
-                        node_rank=placement.node_rank,
-                        units=placement.units,
-                        status=placement.status,
-                    )
-                )
-        if attempts:
-            nodes = [p.node for p in attempts[-1].placements]
+    if attempts is None:
+        attempts = attempts_public(session, [job.id])[job.id]
+    nodes = [p.node for p in attempts[-1].placements] if attempts else []
     return JobPublic(
         id=job.id,
         name=job.name,
@@ -266,6 +286,7 @@ def job_public(session: Session, job: Job, *, detail: bool = True) -> JobPublic:
         model_sha256=job.model_sha256,
         model_size=job.model_size,
         nodes=nodes,
+        restarts=job.restarts or 0,
         attempts=attempts,
         history=history,
         created_at=job.created_at,

@@ -37,7 +37,7 @@ def _key_matches(node: Node, key: str | None) -> bool:
 
 def is_fresh(node: Node, now: datetime, lease_timeout_s: float) -> bool:
     """The node's agent heartbeated within the lease timeout (and the node is not lost)."""
-    return node.status == NodeStatus.READY.value and now - node.last_heartbeat_at < timedelta(
+    return node.status != NodeStatus.LOST.value and now - node.last_heartbeat_at < timedelta(
         seconds=lease_timeout_s
     )
 
@@ -93,7 +93,13 @@ def register_node(
     node.units = units
     node.accelerator = accelerator
     node.info = info
-    node.status = NodeStatus.READY.value
+    if node.drained_by != "admin":
+        # A node drained by its own agent (SIGTERM) is ready again once an agent registers it;
+        # an admin's drain holds until undrained.
+        node.status = NodeStatus.READY.value
+        node.drained_by = None
+    elif node.status == NodeStatus.LOST.value:
+        node.status = NodeStatus.DRAINED.value
     node.last_heartbeat_at = now
     session.flush()
     return node
@@ -121,6 +127,7 @@ def check_agent(session: Session, principal: Principal, name: str, agent_key: st
 
 
 def touch_node(session: Session, node: Node) -> None:
-    """Record a heartbeat; a lost node that speaks again is ready again."""
+    """Record a heartbeat; a lost node that speaks again is ready again (a drained one stays drained)."""
     node.last_heartbeat_at = utcnow()
-    node.status = NodeStatus.READY.value
+    if node.status == NodeStatus.LOST.value:
+        node.status = NodeStatus.READY.value

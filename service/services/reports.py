@@ -23,9 +23,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Table, func, select
+from sqlalchemy import Table, exists, func, select
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from service.db.models import Attempt, Job, LogChunk, Metric, Node, Placement, utcnow
 from service.schemas.reports import LogStream, LogStreams, MetricPoint
@@ -146,6 +146,7 @@ def ingest_report(
         {
             "job_id": job.id,
             "attempt_id": attempt.id,
+            "attempt": attempt.number,
             "name": p.name,
             "value": p.value,
             "epoch": p.epoch,
@@ -212,11 +213,20 @@ def ingest_report(
 
 
 def metric_points_after(
-    session: Session, job_id: str, after_seq: int, names: Collection[str] | None, limit: int
+    session: Session,
+    job_id: str,
+    after_seq: int,
+    names: Collection[str] | None,
+    limit: int,
+    *,
+    include_superseded: bool = True,
 ) -> list[MetricPoint]:
     """The job's metric points with ``seq > after_seq`` (optionally only ``names``), oldest first.
 
-    No owner check here: callers resolve the job for the principal first.
+    Without ``include_superseded``, a point that a later attempt reported again (the same
+    name, epoch, step and rank: an epoch redone after a restart) is left out, so each
+    appears once, from the latest attempt that reported it. No owner check here: callers
+    resolve the job for the principal first.
     """
     stmt = (
         select(
@@ -234,6 +244,18 @@ def metric_points_after(
     )
     if names:
         stmt = stmt.where(Metric.name.in_(sorted(set(names))))
+    if not include_superseded:
+        later = aliased(Metric)
+        stmt = stmt.where(
+            ~exists().where(
+                later.job_id == Metric.job_id,
+                later.name == Metric.name,
+                later.rank == Metric.rank,
+                later.epoch == Metric.epoch,
+                later.step == Metric.step,
+                later.attempt > Metric.attempt,
+            )
+        )
     rows = session.execute(stmt.order_by(Metric.seq).limit(limit)).all()
     return [
         MetricPoint(

@@ -182,6 +182,8 @@ def schedule(session: Session, settings: Settings) -> PassResult:
             reason = placed_or_reason
             if possible:
                 blocker = job
+        if job.requeue_reason:
+            reason = f"{job.requeue_reason}; {reason}"
         result.waiting[job.id] = reason
         if job.wait_reason != reason:
             job.wait_reason = reason

@@ -146,6 +146,9 @@ def _status_item(ev: JobEvent, job: Job | None) -> Item:
         "message": ev.message,
         "at": ev.at.isoformat(),
     }
+    if status is JobStatus.QUEUED and ev.message != "submitted":
+        # Back in the queue: a restart after a retryable failure, or a preemption.
+        data["requeued"] = True
     final = status.is_final()
     if final and job is not None:
         data["final"] = True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchyard.apiclient.models import Cluster, CreatedToken, TokenInfo
+from torchyard.apiclient.models import Cluster, CreatedToken, NodeDrained, TokenInfo
 from torchyard.apiclient.transport import Transport, segment
 
 
@@ -37,3 +37,11 @@ class AdminCalls:
 
     def cluster(self) -> Cluster:
         return Cluster.model_validate(self._transport.json("GET", "/v1/cluster"))
+
+    def drain_node(self, node: str) -> NodeDrained:
+        body = self._transport.json("POST", f"/v1/cluster/nodes/{segment(node)}/drain")
+        return NodeDrained.model_validate(body)
+
+    def undrain_node(self, node: str) -> NodeDrained:
+        body = self._transport.json("POST", f"/v1/cluster/nodes/{segment(node)}/undrain")
+        return NodeDrained.model_validate(body)

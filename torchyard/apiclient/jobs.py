@@ -60,8 +60,11 @@ class JobCalls:
         name: str | Sequence[str] | None = None,
         after: int | None = None,
         limit: int | None = None,
+        include_superseded: bool = False,
     ) -> MetricPage:
         params: dict[str, Any] = {}
+        if include_superseded:
+            params["include_superseded"] = "true"
         if name:
             params["name"] = _one_or_many(name)
         if after is not None:

@@ -51,6 +51,23 @@ class StatusChange(ApiModel):
     message: str | None = None
 
 
+class EndReason(ApiModel):
+    code: str
+    message: str = ""
+
+
+class Attempt(ApiModel):
+    """One try at running a job: its nodes, times and why it ended."""
+
+    number: int
+    status: str
+    nodes: list[str] = []
+    created_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    end_reason: EndReason | None = None
+
+
 class Job(ApiModel):
     id: str
     name: str
@@ -69,6 +86,8 @@ class Job(ApiModel):
     model_sha256: str | None = None
     model_size: int | None = None
     nodes: list[str] = []
+    restarts: int = 0
+    attempts: list[Attempt] | None = None
     history: list[StatusChange] | None = None
     created_at: datetime | None = None
     started_at: datetime | None = None
@@ -87,6 +106,7 @@ class MetricPoint(ApiModel):
     step: int
     rank: int = 0
     time: datetime | None = None
+    attempt: int | None = None
 
 
 class MetricPage(ApiModel):
@@ -103,6 +123,13 @@ class Node(ApiModel):
     status: str
     last_heartbeat_at: datetime | None = None
     running_attempts: list[str] = []
+
+
+class NodeDrained(ApiModel):
+    name: str
+    status: str
+    drained_by: str | None = None
+    preempted_jobs: list[str] = []
 
 
 class Cluster(ApiModel):

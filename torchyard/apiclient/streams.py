@@ -40,8 +40,12 @@ def parse_sse(lines: Iterator[str]) -> Iterator[tuple[str | None, str, str]]:
             event_id = value
 
 
-def log_params(rank: int | None, stream: str | None, offset: int) -> dict[str, Any]:
+def log_params(
+    rank: int | None, stream: str | None, offset: int, attempt: int | None = None
+) -> dict[str, Any]:
     params: dict[str, Any] = {}
+    if attempt is not None:
+        params["attempt"] = attempt
     if stream is not None:
         params["stream"] = stream
     else:
@@ -125,9 +129,15 @@ class StreamCalls:
         self._transport = transport
 
     def logs(
-        self, job_id: str, *, rank: int | None = None, stream: str | None = None, offset: int = 0
+        self,
+        job_id: str,
+        *,
+        rank: int | None = None,
+        stream: str | None = None,
+        offset: int = 0,
+        attempt: int | None = None,
     ) -> str:
-        params = log_params(rank, stream, offset)
+        params = log_params(rank, stream, offset, attempt)
         return self._transport.request("GET", f"/v1/jobs/{segment(job_id)}/logs", params=params).text
 
     def follow_logs(
@@ -138,11 +148,12 @@ class StreamCalls:
         stream: str | None = None,
         offset: int = 0,
         reconnects: int = 20,
+        attempt: int | None = None,
     ) -> Iterator[str]:
         position = offset
         retry = Reconnects(self._transport, reconnects)
         while True:
-            params = {**log_params(rank, stream, position), "follow": "true"}
+            params = {**log_params(rank, stream, position, attempt), "follow": "true"}
             try:
                 with self._transport.stream(
                     "GET",

@@ -36,6 +36,9 @@ class AttemptStatus(StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    # Its nodes were drained (or their agents got SIGTERM): the ranks checkpointed and
+    # stopped, and the job went back to ``queued`` without counting a restart.
+    PREEMPTED = "preempted"
 
 
 LIVE_ATTEMPT_STATUSES = frozenset({AttemptStatus.SCHEDULED, AttemptStatus.RUNNING})

@@ -34,8 +34,10 @@ def list_jobs(
 ) -> JobList:
     """Jobs newest first; filter by one or more ``status``; follow ``next_cursor`` for more."""
     rows, next_cursor = jobs_service.list_jobs(session, user, statuses=status_, limit=limit, cursor=cursor)
+    attempts = jobs_service.attempts_public(session, [j.id for j in rows])
     return JobList(
-        items=[jobs_service.job_public(session, j, detail=False) for j in rows], next_cursor=next_cursor
+        items=[jobs_service.job_public(session, j, detail=False, attempts=attempts[j.id]) for j in rows],
+        next_cursor=next_cursor,
     )
 
 

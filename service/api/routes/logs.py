@@ -35,10 +35,20 @@ def get_metrics(
         int, Query(ge=0, le=SEQ_MAX, description="Only points with a larger seq (a cursor).")
     ] = 0,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+    include_superseded: Annotated[
+        bool,
+        Query(
+            description="Also the points of epochs that a later attempt redid after a restart "
+            "(each point carries its attempt). Default: each (name, epoch, step, rank) once, "
+            "from the latest attempt that reported it."
+        ),
+    ] = False,
 ) -> MetricPage:
     """The job's metric history in seq order. Poll with ``after=<next_after>`` for new points."""
     job = jobs_service.get_job(session, user, job_id)
-    items = reports_service.metric_points_after(session, job.id, after, name, limit)
+    items = reports_service.metric_points_after(
+        session, job.id, after, name, limit, include_superseded=include_superseded
+    )
     return MetricPage(items=items, next_after=items[-1].seq if items else after)
 
 

@@ -26,7 +26,7 @@ from service.api.deps import (
     WorkerDep,
 )
 from service.api.routing import SessionScopedRoute
-from service.schemas.nodes import NodeRegister
+from service.schemas.nodes import NodeDrained, NodeRegister
 from service.services import agents
 from torchyard.contract.protocol import (
     ClaimedPlacement,
@@ -75,6 +75,24 @@ def heartbeat(
     """Keep the node ready and renew the leases it lists; ``stop`` names placements whose ranks
     must be stopped now (job cancelling, attempt failed elsewhere, lease stale)."""
     return agents.heartbeat(session, settings, worker, name, agent_key, body.leases)
+
+
+@router.post("/nodes/{name}/drain")
+def drain_node(
+    name: str,
+    session: SessionDep,
+    db: DatabaseDep,
+    settings: SettingsDep,
+    wakeup: WakeupDep,
+    worker: WorkerDep,
+    agent_key: AgentKeyDep,
+) -> NodeDrained:
+    """The agent drains its own node (it got SIGTERM: a spot node reclaimed, a pod evicted): the
+    node takes no new work, and its placements get ``preempted`` stop orders at the next
+    heartbeat. A new agent registering the node makes it ready again."""
+    answer = agents.drain_own_node(session, db, settings, worker, name, agent_key)
+    wakeup.notify()
+    return answer
 
 
 @router.post(
