@@ -165,6 +165,9 @@ class Settings(BaseSettings):
     model_max_bytes: int = Field(
         default=4 * 1024**3, gt=0, description="Largest model directory archive a worker may upload."
     )
+    checkpoint_max_bytes: int = Field(
+        default=8 * 1024**3, gt=0, description="Largest training-state checkpoint a worker may upload."
+    )
 
     @field_validator("dataset_roots", mode="before")
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -220,8 +221,12 @@ def test_checkpoint_round_trip_with_weights_only(tmp_path: Path) -> None:
         "history": [{"val.loss": 1.0}],
     }
     path = tmp_path / ckpt.CHECKPOINT_FILE
-    ckpt.save_checkpoint(path, state)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.CHECKPOINT_FILE]
+    info = ckpt.save_checkpoint(path, state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.CHECKPOINT_INFO_FILE, ckpt.CHECKPOINT_FILE]
+    # The description beside it names the bytes the agent uploads.
+    assert info["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert info["size_bytes"] == path.stat().st_size and info["epoch"] == 2
+    assert json.loads((tmp_path / ckpt.CHECKPOINT_INFO_FILE).read_text()) == info
     loaded = ckpt.load_checkpoint(path, job_id="j", architecture="resnet18", classes=["a", "b"])
     assert loaded is not None and loaded["epoch"] == 2
     assert torch.equal(loaded["model"]["weight"], model.weight)

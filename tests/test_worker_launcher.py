@@ -262,3 +262,35 @@ def test_a_finished_placement_prunes_old_runs_but_not_its_peers(tmp_path: Path) 
     assert not older.exists()
     assert peer.run_dir.exists() and finished.run_dir.exists()
     agent.api.close()
+
+
+def _launcher_log(tmp_path: Path, exitcode: int) -> Path:
+    path = tmp_path / "agent.log"
+    path.write_text(
+        "Root Cause (first observed failure):\n[0]:\n  time      : x\n  host      : h\n"
+        f"  rank      : 1 (local_rank: 1)\n  exitcode  : {exitcode} (pid: 4242)\n"
+    )
+    return path
+
+
+def test_failures_are_classified_for_the_restart_policy(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    # A rank killed from outside (SIGKILL: the OOM killer, an operator) is RankKilledError...
+    killed = collect_failure(spec, 1, _launcher_log(tmp_path, -9))
+    assert killed["code"] == "RankKilledError" and killed["rank"] == 1
+    assert "was killed by SIGKILL" in killed["message"]
+    # ... even when its peer left a record of the collective that broke under it.
+    echo = {"code": "RankFailedError", "message": "gloo: Connection closed by peer", "rank": 0, "time": 1.0}
+    (tmp_path / "failure-rank-0.json").write_text(json.dumps({**echo, "secondary": True}))
+    assert collect_failure(spec, 1, _launcher_log(tmp_path, -9))["code"] == "RankKilledError"
+    # A broken collective with no killed rank on this node: CommunicationError (retryable).
+    broken = collect_failure(spec, 1, _launcher_log(tmp_path, 1))
+    assert broken["code"] == "CommunicationError" and broken["rank"] == 0
+    # An ordinary non-zero exit stays RankFailedError.
+    (tmp_path / "failure-rank-0.json").write_text(json.dumps({**echo, "message": "boom", "secondary": False}))
+    assert collect_failure(spec, 1, _launcher_log(tmp_path, 1))["code"] == "RankFailedError"
+    (tmp_path / "failure-rank-0.json").unlink()
+    # A rendezvous that never formed (torchrun's own error, no rank ever ran): CommunicationError.
+    log = tmp_path / "agent.log"
+    log.write_text("torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError: timed out\n")
+    assert collect_failure(spec, 1, log)["code"] == "CommunicationError"

@@ -13,7 +13,7 @@ from alembic import op
 from service.db.models import UTCDateTime
 
 revision: str = "0007"
-down_revision: str | None = "0002"
+down_revision: str | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

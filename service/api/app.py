@@ -14,6 +14,7 @@ from service.api.docs import install_docs
 from service.api.errors import install_error_handlers
 from service.api.routes import (
     artifacts,
+    checkpoints,
     cluster,
     datasets,
     health,
@@ -121,6 +122,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         logs,
         artifacts,
         models,
+        checkpoints,
         streams,
     ):
         app.include_router(module.router)

@@ -13,6 +13,7 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.services.artifacts import ModelFile
+from service.services.checkpoints import CheckpointFile
 
 _READ_CHUNK = 256 * 1024
 
@@ -79,13 +80,20 @@ async def _file_chunks(fh: BinaryIO, start: int, length: int) -> Any:
         fh.close()
 
 
-def file_response(request: Request, model: ModelFile) -> Response:
+def file_response(
+    request: Request,
+    model: ModelFile | CheckpointFile,
+    *,
+    media_type: str = "application/gzip",
+    extra_headers: dict[str, str] | None = None,
+) -> Response:
     etag = f'"{model.sha256}"'
     headers = {
         "ETag": etag,
         "Accept-Ranges": "bytes",
         "Content-Disposition": _content_disposition(model.filename),
         "Cache-Control": "private, no-cache",
+        **(extra_headers or {}),
     }
     if_none_match = request.headers.get("if-none-match")
     if if_none_match is not None and any(tag in (etag, "*") for tag in _etags(if_none_match)):
@@ -116,7 +124,7 @@ def file_response(request: Request, model: ModelFile) -> Response:
     headers["Content-Length"] = str(length)
     if request.method == "HEAD":
         fh.close()
-        return Response(status_code=status, headers=headers, media_type="application/gzip")
+        return Response(status_code=status, headers=headers, media_type=media_type)
     return StreamingResponse(
-        _file_chunks(fh, start, length), status_code=status, headers=headers, media_type="application/gzip"
+        _file_chunks(fh, start, length), status_code=status, headers=headers, media_type=media_type
     )

@@ -347,3 +347,24 @@ class ModelVersion(Base):
     has_onnx: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class Checkpoint(Base):
+    """A job's training-state checkpoint in the artifact store; the latest two are kept
+    until the job ends. The file is ``<data dir>/checkpoints/<job id>/<id>.pt``."""
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (
+        CheckConstraint("epoch >= 0 AND (step IS NULL OR step >= 0) AND size_bytes >= 0", name="position"),
+        Index("ix_checkpoints_job_created", "job_id", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt_id: Mapped[str] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    attempt_number: Mapped[int] = mapped_column(Integer)
+    epoch: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int | None] = mapped_column(Integer)
+    sha256: Mapped[str] = mapped_column(String(64))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

@@ -93,17 +93,18 @@ class ModelStore:
 class IncomingModel:
     """An upload being received: written to disk and hashed as it arrives, size-capped."""
 
-    def __init__(self, path: Path, fh: BinaryIO, max_bytes: int) -> None:
+    def __init__(self, path: Path, fh: BinaryIO, max_bytes: int, what: str = "model archive") -> None:
         self.path = path
         self._fh = fh
         self._digest = hashlib.sha256()
         self.size = 0
         self.max_bytes = max_bytes
+        self.what = what
 
     def write(self, data: bytes) -> None:
         self.size += len(data)
         if self.size > self.max_bytes:
-            raise PayloadTooLargeError(f"model archive exceeds the limit of {self.max_bytes} bytes")
+            raise PayloadTooLargeError(f"{self.what} exceeds the limit of {self.max_bytes} bytes")
         self._digest.update(data)
         self._fh.write(data)
 
@@ -180,13 +181,13 @@ def publish_model(
     job.updated_at = utcnow()
     session.flush()
     os.replace(incoming.path, target)
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
     session.commit()
     log.info("job %s: model archive stored (%d bytes, sha256 %s)", job_id, incoming.size, sha256)
     return job
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

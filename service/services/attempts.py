@@ -28,6 +28,7 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.db.models import Attempt, Dataset, Job, Node, Placement, utcnow
 from service.schemas.jobs import Failure
+from service.services import checkpoints
 from service.services.jobs import transition
 from service.services.leases import lock_lease
 from service.services.nodes import get_own_node, touch_node
@@ -255,6 +256,7 @@ def claimed_placement(session: Session, placement: Placement, settings: Settings
         datasets=ClaimedDatasets(train=train, validation=dataset(job.validation_dataset_id)),
         classes=sorted(train.classes),
         init_from_job=job.init_from_job_id,
+        checkpoint=checkpoints.latest_ref(session, checkpoints.CheckpointStore(settings.data_dir), job.id),
         restarts=job.restarts or 0,
         heartbeat_interval_s=settings.heartbeat_interval_s,
         lease_timeout_s=settings.lease_timeout_s,

@@ -5,11 +5,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Attempt, Job, JobEvent, Node, Placement, utcnow
+from service.db.models import Attempt, Checkpoint, Job, JobEvent, Node, Placement, utcnow
 from service.schemas.common import decode_cursor, encode_cursor
 from service.schemas.jobs import (
     AttemptPublic,
@@ -133,6 +133,9 @@ def transition(
         job.failure_node = failure.node
         job.failure_traceback = failure.traceback
     session.add(JobEvent(job_id=job.id, status=new.value, message=message, at=now))
+    if new.is_final():
+        # Its checkpoints are of no more use (the reaper removes their files).
+        session.execute(delete(Checkpoint).where(Checkpoint.job_id == job.id))
 
 
 def get_job(session: Session, principal: Principal, job_id: str, *, for_update: bool = False) -> Job:

@@ -13,7 +13,10 @@ The API may be unreachable for a while (restarted, upgraded, its database down):
 call is retried with backoff, the ranks train on, and what they write waits in the run
 directory until the API is back (see :mod:`worker.agent.reporting`). A
 placement whose lease the API no longer knows (409 or a ``stale`` stop order) has
-its ranks killed. Two answers end the agent instead: its token refused (401: revoked),
+its ranks killed. SIGTERM drains the node: no more claims, every placement is
+preempted (its ranks checkpoint at their next step boundary, the checkpoint is
+uploaded, the placement reports ``preempted``), then the agent exits; a
+``preempted`` stop order does the same for one placement. SIGINT stops at once. Two answers end the agent instead: its token refused (401: revoked),
 or its node held by another agent (409 ``NodeNameInUseError``, see
 :mod:`worker.agent.identity`).
 """
@@ -39,6 +42,7 @@ from worker.agent.node import NodeResources, address_towards, detect_resources, 
 from worker.agent.placement import AgentContext, PlacementRun
 from worker.agent.run_files import DEFAULT_LOG_BACKLOG_BYTES
 from worker.agent.runs import DEFAULT_KEEP_RUNS, prune_runs
+from worker.agent.watchdog import preempt_grace_s
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +100,8 @@ class Agent:
             options.api_url, options.token, agent_key=load_or_create_agent_key(work_dir, options.name)
         )
         self.shutdown = threading.Event()
+        # SIGTERM: drain the node, preempt every placement, then exit (a reclaimed spot node).
+        self.draining = threading.Event()
         # Set when the API answers that this agent must go (token revoked, node taken).
         self.fatal: TorchyardError | None = None
         self.runs: dict[str, PlacementRun] = {}
@@ -160,8 +166,8 @@ class Agent:
 
     def _serve(self) -> int:
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: self.shutdown.set())
+            signal.signal(signal.SIGTERM, lambda *_: self._drain_requested())
+            signal.signal(signal.SIGINT, lambda *_: self.shutdown.set())
         kill_leftovers(self.options.name, self.ctx.work_dir)
         # The model loader (torch, torchvision) takes seconds to import: do it now, not
         # between the end of training and the model upload. Before registering, and not in
@@ -183,7 +189,7 @@ class Agent:
         ]
         for t in threads:
             t.start()
-        self.shutdown.wait()
+        self._wait_for_the_end()
         log.info("shutting down: stopping %d placement(s)", len(self.runs))
         for placement in self._active():
             placement.request_stop("shutdown", "the agent is shutting down")
@@ -196,6 +202,35 @@ class Agent:
 
     def stop(self) -> None:
         self.shutdown.set()
+
+    def _wait_for_the_end(self) -> None:
+        """Until shutdown, or SIGTERM (then drain and preempt first)."""
+        while not self.shutdown.wait(0.5):
+            if self.draining.is_set():
+                self._drain_and_preempt()
+                return
+
+    def _drain_requested(self) -> None:
+        # A signal handler: the main thread does the work.
+        self.draining.set()
+
+    def _drain_and_preempt(self) -> None:
+        """SIGTERM: the node takes no new work; its placements checkpoint at their next
+        step boundary, upload it and report ``preempted``; then the agent exits."""
+        log.info(
+            "SIGTERM: draining node %s and preempting %d placement(s)", self.options.name, len(self.runs)
+        )
+        try:
+            self.api.drain(self.options.name)
+        except NotFoundError:
+            log.warning("the API has no drain route for nodes: preempting the placements anyway")
+        except Exception as exc:
+            log.warning("could not drain node %s at the API (%s): preempting anyway", self.options.name, exc)
+        for placement in self._active():
+            placement.request_preempt(f"the worker agent of node {self.options.name} got SIGTERM")
+        for placement in self._active():
+            placement.thread.join(preempt_grace_s() + self.options.grace_s + 90)
+        log.info("every placement preempted")
 
     def _must_stop(self, exc: TorchyardError) -> None:
         """The API says this agent must go: stop its ranks and exit with ``exc``."""
@@ -228,6 +263,8 @@ class Agent:
             self.runs[placement.lease_token] = placement
         if self.shutdown.is_set():
             placement.request_stop("shutdown", "the agent is shutting down")
+        elif self.draining.is_set():
+            placement.request_preempt(f"node {self.options.name} is draining")
         placement.start()
 
     # --- loops -----------------------------------------------------------------------------
@@ -235,6 +272,9 @@ class Agent:
     def _claim_loop(self) -> None:
         backoff = Backoff()
         while not self.shutdown.is_set():
+            if self.draining.is_set():
+                self.shutdown.wait(1.0)
+                continue
             try:
                 work = self.api.claim(self.options.name, self.claim_wait)
             except (AuthenticationError, NodeNameInUseError) as exc:
@@ -296,6 +336,9 @@ class Agent:
             kind = order.get("reason", "stale")
             message = order.get("message", "")
             log.info("job %s: stop (%s): %s", placement.job_id, kind, message)
+            if kind == "preempted":
+                placement.request_preempt(message)
+                continue
             placement.request_stop(kind if kind in ("cancelled", "attempt_ended") else "stale", message)
 
     def _reregister(self) -> None:

@@ -123,6 +123,10 @@ class WorkerApi:
         )
         return self._json(response)
 
+    def drain(self, name: str) -> Any:
+        """The node takes no new work (the agent got SIGTERM); 404 from an API without the route."""
+        return self._json(self.client.post(f"/v1/worker/nodes/{name}/drain", timeout=10.0))
+
     def claim(self, name: str, wait: float) -> ClaimedPlacement | None:
         """Long-poll for work: the placement, or None when ``wait`` ran out."""
         response = self.client.post(

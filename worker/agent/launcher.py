@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from torchyard.contract.errors import CommunicationError, RankFailedError, RankKilledError
+
 log = logging.getLogger(__name__)
 
 MARKER_VAR = "TORCHYARD_RUN_MARKER"
@@ -312,24 +314,56 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+# torchrun's own words for a rendezvous that could not form or broke.
+_RENDEZVOUS_MARKERS = (
+    "RendezvousTimeoutError",
+    "RendezvousConnectionError",
+    "RendezvousClosedError",
+    "DistNetworkError",
+    "DistStoreError",
+)
+
+
+# Signals sent to a rank from outside (the OOM killer, an operator, a dying node); a
+# rank's own crash (SIGSEGV, SIGABRT, SIGBUS...) stays RankFailedError.
+_OUTSIDE_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+
+
+def _killed_from_outside(exit_code: int) -> bool:
+    return exit_code < 0 and -exit_code in {int(s) for s in _OUTSIDE_SIGNALS}
+
+
+def _from_record(record: dict[str, Any], spec: LaunchSpec) -> dict[str, Any]:
+    code = str(record["code"])[:64]
+    secondary = bool(record.get("secondary", False))
+    if secondary and code == RankFailedError.code:
+        # A collective broke under the rank (a peer vanished, the network failed): retryable.
+        code = CommunicationError.code
+    return {
+        "code": code,
+        "message": str(record.get("message", ""))[:20_000],
+        "rank": record.get("rank") if isinstance(record.get("rank"), int) else None,
+        "node": str(record.get("node") or spec.node_name)[:200],
+        "traceback": str(record.get("traceback") or "")[-100_000:] or None,
+        "secondary": secondary,
+    }
+
+
 def collect_failure(spec: LaunchSpec, exit_code: int | None, launcher_log: Path) -> dict[str, Any]:
     """The failure to report for ranks that ended badly on this node.
 
-    A rank's own ``failure-rank-<R>.json`` when there is one (the earliest root cause);
-    otherwise ``RankFailedError`` built from torchrun's root cause and the tail of that
-    rank's output.
+    A rank's own ``failure-rank-<R>.json`` when there is one (the earliest root cause; a
+    broken collective is ``CommunicationError``), unless every such file is the echo of a
+    rank killed by a signal, which is then the cause (``RankKilledError``). Otherwise it
+    is built from torchrun's root cause and the tail of that rank's output:
+    ``RankKilledError`` for a rank ended by a signal, ``CommunicationError`` for a
+    rendezvous that failed, else ``RankFailedError``.
     """
     record = first_failure(read_failure_files(spec.run_dir))
-    if record is not None:
-        return {
-            "code": str(record["code"])[:64],
-            "message": str(record.get("message", ""))[:20_000],
-            "rank": record.get("rank") if isinstance(record.get("rank"), int) else None,
-            "node": str(record.get("node") or spec.node_name)[:200],
-            "traceback": str(record.get("traceback") or "")[-100_000:] or None,
-            "secondary": bool(record.get("secondary", False)),
-        }
     cause = _root_cause(launcher_log)
+    killed = cause is not None and _killed_from_outside(cause[2])
+    if record is not None and not (killed and record.get("secondary")):
+        return _from_record(record, spec)
     rank: int | None = None
     local = 0
     if cause is not None:
@@ -345,8 +379,14 @@ def collect_failure(spec: LaunchSpec, exit_code: int | None, launcher_log: Path)
             tails.append(text)
     if not tails:
         tails.append(_tail(launcher_log, TRACEBACK_TAIL_LINES))
+    failure_code = RankFailedError.code
+    if cause is not None and _killed_from_outside(cause[2]):
+        failure_code = RankKilledError.code
+    elif any(marker in _tail(launcher_log, 400) for marker in _RENDEZVOUS_MARKERS):
+        failure_code = CommunicationError.code
+        message += " (the rendezvous or a collective between the ranks failed)"
     return {
-        "code": "RankFailedError",
+        "code": failure_code,
         "message": message,
         "rank": rank,
         "node": spec.node_name,

@@ -19,10 +19,12 @@ from typing import Any
 from torchyard.contract.errors import RankFailedError
 from torchyard.contract.protocol import ClaimedPlacement
 from worker.agent.api import WorkerApi
+from worker.agent.checkpoints import CheckpointUploader
 from worker.agent.launcher import LaunchSpec, RankGroup, collect_failure, rank_log_files
 from worker.agent.run_files import DEFAULT_LOG_BACKLOG_BYTES
 from worker.agent.run_inputs import RunInputs, prepare_failure
 from worker.agent.run_outcome import OutcomeReport, StopKind
+from worker.agent.watchdog import PREEMPT_REQUEST_FILE, PREEMPTED_FILE, HangWatchdog, preempt_grace_s
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,8 @@ AGENT_LOG = "agent.log"
 # upgraded, its database down): the placement's final status waits behind them, and the
 # heartbeat keeps its lease meanwhile. The agent shutting down cuts this short.
 REPORTER_FLUSH_S = 24 * 3600.0
+# How long a failed attempt's node waits for its newest checkpoint to be uploaded.
+CHECKPOINT_FLUSH_S = 60.0
 
 
 @dataclass
@@ -108,6 +112,13 @@ class PlacementRun:
         self.stop_kind: StopKind | None = None
         self.stop_message = ""
         self.group: RankGroup | None = None
+        # Preemption: asked (the ranks checkpoint at their next step boundary), and by when.
+        self.preempt_event = threading.Event()
+        self.preempt_message = ""
+        self.preempt_deadline = 0.0
+        self.uploader: CheckpointUploader | None = None
+        self.watchdog: HangWatchdog | None = None
+        self.hang: dict[str, Any] | None = None
         self.log = log
         self.report = OutcomeReport(ctx, self.job_id, self.lease_token, self.request_stop, log)
         self.thread = threading.Thread(target=self._main, name=f"run-{self.job_id[:8]}")
@@ -118,6 +129,19 @@ class PlacementRun:
 
     def start(self) -> None:
         self.thread.start()
+
+    def request_preempt(self, message: str) -> None:
+        """Ask the ranks to checkpoint at their next step boundary and stop; the placement
+        then reports ``preempted`` (a drain or the agent's SIGTERM). Past the grace period
+        (``TORCHYARD_PREEMPT_GRACE_S``) the ranks are stopped anyway."""
+        if self.preempt_event.is_set() or self.stop_event.is_set():
+            return
+        self.preempt_message = message
+        self.preempt_deadline = time.monotonic() + preempt_grace_s()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / PREEMPT_REQUEST_FILE).write_text(message, encoding="utf-8")
+        self.preempt_event.set()
+        self.log.info("job %s: preempting (%s)", self.job_id, message)
 
     def request_stop(self, kind: StopKind, message: str) -> None:
         """Ask the ranks to stop (from the heartbeat thread or the agent's shutdown)."""
@@ -167,6 +191,10 @@ class PlacementRun:
         job_file = self._prepare()
         if job_file is None:
             return
+        if self.preempt_event.is_set():
+            # Claimed while the node drains: hand it back untouched.
+            self.report.finish("preempted", None, None)
+            return
         spec = self._launch_spec()
         if spec.job_file != job_file:
             raise RuntimeError(f"job file {job_file} is not where torchrun will look ({spec.job_file})")
@@ -175,17 +203,37 @@ class PlacementRun:
             pid = group.start(out)
         self.log.info("torchrun started (pid %d): %s", pid, shlex.join(group.command))
         reporter = self._start_reporter(spec, agent_log)
+        if self.node_rank == 0:
+            self.uploader = CheckpointUploader(
+                self.ctx.api.client, self.job_id, self.lease_token, self.run_dir, self.log
+            )
+            self.uploader.start()
+        timeout = (w.spec.get("resources") or {}).get("hang_timeout_s")
+        if isinstance(timeout, int | float) and timeout > 0:
+            self.watchdog = HangWatchdog(self.run_dir, float(timeout), spec, self.log)
         self.report.report_running(self.stop_event)
 
         exit_code = self._watch(group, reporter)
         self.log.info("torchrun ended: exit code %s", exit_code)
         state, failure = self._outcome(spec, exit_code, agent_log)
+        if self.uploader is not None:
+            # A preempted or failed attempt's restart resumes from the newest checkpoint: send it first.
+            self.uploader.stop(self._upload_patience(state))
         if reporter is not None:
             reporter.stop(REPORTER_FLUSH_S)
-        if state == "stopped":
+        if state == "preempted":
+            self.report.finish("preempted", exit_code, None)
+        elif state == "stopped":
             self.report.finish_stopped(self.stop_kind, exit_code)
         else:
             self.report.finish(state, exit_code, failure)
+
+    def _upload_patience(self, state: str) -> float:
+        if state == "preempted":
+            return max(5.0, self.preempt_deadline - time.monotonic())
+        if state == "failed":
+            return CHECKPOINT_FLUSH_S
+        return 0.0
 
     # --- steps -----------------------------------------------------------------------------
 
@@ -222,9 +270,18 @@ class PlacementRun:
     def _outcome(
         self, spec: LaunchSpec, exit_code: int | None, agent_log: Path
     ) -> tuple[str, dict[str, Any] | None]:
-        """``stopped``, ``succeeded`` or ``failed`` (with the failure) once torchrun ended."""
+        """``stopped``, ``preempted``, ``succeeded`` or ``failed`` (with the failure) once
+        torchrun ended."""
         if self.stop_event.is_set():
             return "stopped", None
+        if self.hang is not None:
+            return "failed", self.hang
+        if self.preempt_event.is_set():
+            if not (self.run_dir / PREEMPTED_FILE).is_file():
+                self.log.warning(
+                    "the ranks did not finish their preemption checkpoint: the latest one counts"
+                )
+            return "preempted", None
         if exit_code == 0:
             failure = self.report.upload_model(self.run_dir) if self.node_rank == 0 else None
             return ("failed", failure) if failure is not None else ("succeeded", None)
@@ -273,8 +330,19 @@ class PlacementRun:
                 return code
             if reporter is not None and reporter.lease_lost:
                 self.request_stop("stale", "the API refused the lease (409)")
+            if self.uploader is not None and self.uploader.lease_lost:
+                self.request_stop("stale", "the API refused the lease (409)")
             if self.stop_event.is_set():
                 return self._stop_ranks(group)
+            if self.preempt_event.is_set() and time.monotonic() > self.preempt_deadline:
+                self.log.warning("the ranks did not stop within the preemption grace period: stopping them")
+                return self._stop_ranks(group)
+            if self.watchdog is not None and not self.preempt_event.is_set():
+                hang = self.watchdog.check()
+                if hang is not None:
+                    self.hang = hang
+                    self.watchdog.dump_stacks()
+                    return self._stop_ranks(group)
 
     def _stop_ranks(self, group: RankGroup) -> int | None:
         self.log.info(

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchyard.contract.errors import RankFailedError, StaleLeaseError, TorchyardError
+from torchyard.contract.errors import NotFoundError, RankFailedError, StaleLeaseError, TorchyardError
 from torchyard.contract.protocol import ClaimedPlacement
 from worker.agent.api import retrying
 
@@ -43,6 +43,9 @@ class RunInputs:
         init_dir = None
         if self.work.init_from_job:
             init_dir = self._fetch_init_model(self.work.init_from_job)
+        if self.work.checkpoint is not None and self.work.node_rank == 0:
+            # Only global rank 0 (on node rank 0) reads it; it shares the state with the others.
+            self._fetch_checkpoint()
         path = self.run_dir / "job.json"
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self._job_document(dirs, init_dir), indent=2), encoding="utf-8")
@@ -79,6 +82,37 @@ class RunInputs:
         )
         self.log.info("initial model of job %s fetched in %.2f s", source_job, time.monotonic() - started)
         return dest
+
+    def _fetch_checkpoint(self) -> None:
+        from worker.agent.checkpoints import download_checkpoint
+
+        ref = self.work.checkpoint
+        assert ref is not None
+        started = time.monotonic()
+        try:
+            got = retrying(
+                lambda: download_checkpoint(self.ctx.api.client, self.work.job_id, self.lease, self.run_dir),
+                f"downloading the checkpoint of job {self.work.job_id}",
+                stop=self.stop,
+                deadline=time.monotonic() + FETCH_DEADLINE_S,
+            )
+        except NotFoundError:
+            self.log.warning(
+                "job %s: the API holds no readable checkpoint: starting from scratch", self.work.job_id
+            )
+            return
+        self.log.info(
+            "checkpoint of epoch %s%s fetched in %.2f s (%s bytes, sha256 %s): resuming from it",
+            got.get("epoch"),
+            f" step {got['step']}" if got.get("step") else "",
+            time.monotonic() - started,
+            got.get("size_bytes"),
+            got.get("sha256"),
+        )
+
+    @property
+    def lease(self) -> str:
+        return self.work.lease_token
 
     def _job_document(self, dirs: dict[str, Path], init_dir: Path | None) -> dict[str, Any]:
         w = self.work

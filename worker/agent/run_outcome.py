@@ -21,7 +21,7 @@ from worker.agent.api import retrying
 if TYPE_CHECKING:
     from worker.agent.placement import AgentContext
 
-StopKind = Literal["cancelled", "attempt_ended", "stale", "shutdown"]
+StopKind = Literal["cancelled", "attempt_ended", "stale", "shutdown", "preempted"]
 RequestStop = Callable[[StopKind, str], None]
 # A report (running, final status, the model) waits this long for an API that cannot be
 # reached: an upgrade, a restart or a database outage must not cost a job.

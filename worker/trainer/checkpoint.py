@@ -7,39 +7,87 @@ no ``module.`` prefix), ``optimizer``, ``scheduler``, ``early_stopping`` (best v
 loss, best epoch, epochs without improvement), ``best_metric`` (lowest val loss),
 ``best_epoch``, ``best_model`` (weights of the best epoch, or None when that is
 ``model``), ``history`` (per-epoch metrics) and ``stopped`` (early stop reached).
+Format 2 adds ``step_in_epoch`` (batches of epoch ``epoch + 1`` already trained: a
+mid-epoch preemption checkpoint; 0 at an epoch end), ``sampler_epoch`` and
+``rank_states`` (every rank's random generator states and loss sums, gathered to rank
+0, indexed by global rank).
+
+Beside it, ``checkpoint.json`` (written after the rename) describes the file the agent
+uploads: ``epoch``, ``step_in_epoch``, ``step``, ``sha256`` and ``size_bytes``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.pt"
-FORMAT_VERSION = 1
+CHECKPOINT_INFO_FILE = "checkpoint.json"
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 
 
-def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` through a temporary file and ``os.replace``."""
+class _HashingWriter:
+    """A binary file that hashes what is written to it."""
+
+    def __init__(self, fh: IO[bytes]) -> None:
+        self.fh = fh
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        self.size += len(data)
+        return self.fh.write(data)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def save_checkpoint(
+    path: str | Path, state: dict[str, Any], *, before_replace: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """Write ``state`` to ``path`` through a temporary file and ``os.replace``, then its
+    description (``checkpoint.json``); returns that description."""
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
-            torch.save({"format_version": FORMAT_VERSION, **state}, fh)
+            writer = _HashingWriter(fh)
+            torch.save({"format_version": FORMAT_VERSION, **state}, writer)  # type: ignore[arg-type]
             fh.flush()
             os.fsync(fh.fileno())
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    info = {
+        "file": target.name,
+        "epoch": int(state.get("epoch", 0)),
+        "step_in_epoch": int(state.get("step_in_epoch", 0)),
+        "step": int(state.get("step", 0)),
+        "sha256": writer.digest.hexdigest(),
+        "size_bytes": writer.size,
+    }
+    info_path = target.with_name(CHECKPOINT_INFO_FILE)
+    info_tmp = info_path.with_name(f".{info_path.name}.tmp")
+    info_tmp.write_text(json.dumps(info), encoding="utf-8")
+    os.replace(info_tmp, info_path)
+    return info
 
 
 def load_checkpoint(
@@ -58,7 +106,7 @@ def load_checkpoint(
     except Exception as exc:  # an unreadable checkpoint must not block the job
         log.warning("ignoring %s: cannot read it (%s); starting from scratch", file.name, exc)
         return None
-    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
+    if not isinstance(state, dict) or state.get("format_version") not in _READABLE_VERSIONS:
         log.warning("ignoring %s: unknown checkpoint format", file.name)
         return None
     mismatches = [

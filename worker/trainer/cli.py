@@ -10,6 +10,7 @@ from pathlib import Path
 
 from worker.trainer import distributed
 from worker.trainer.config import load_job
+from worker.trainer.control import enable_stack_dumps
 from worker.trainer.distributed import read_env
 from worker.trainer.failure import failure_record, write_failure
 from worker.trainer.runner import run_job
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     env = read_env()
     configure_logging(env.rank)
+    enable_stack_dumps()
     # Until job.json is read, failures go next to it (the agent writes it into the run directory).
     output_dir = args.config.parent
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,50 @@ from worker.trainer.gpu_decode import (
 from worker.trainer.seeding import derive_seed, seed_loader_worker
 
 log = logging.getLogger(__name__)
+
+
+class SeededSamples(Dataset[Any]):
+    """A training set whose random augmentation of each sample is a pure function of the
+    job's seed, the epoch and the sample: ``dataset[(index, seed)]`` runs ``inner[index]``
+    with torch's CPU generator seeded by ``seed`` (and restores the generator after).
+
+    The data then does not depend on the number of loader workers nor on where an
+    epoch was interrupted: a resumed epoch sees the same crops and flips.
+    """
+
+    def __init__(self, inner: Dataset[Any]) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        index, seed = key
+        generator = torch.default_generator
+        saved = generator.get_state()
+        generator.manual_seed(seed)
+        try:
+            return self.inner[index]
+        finally:
+            generator.set_state(saved)
+
+
+class ResumableSampler(DistributedSampler[Any]):
+    """The shuffling ``DistributedSampler`` of the training set, yielding ``(index, seed)``
+    for :class:`SeededSamples`; ``skip`` samples are left out of the next pass (a mid-epoch
+    resume)."""
+
+    def __init__(self, dataset: Dataset[Any], *, num_replicas: int, rank: int, seed: int, augment_seed: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.augment_seed = augment_seed
+        self.skip = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        indices = list(super().__iter__())
+        skip, self.skip = self.skip, 0
+        epoch = self.epoch
+        for index in indices[skip:]:
+            yield (index, derive_seed(self.augment_seed, epoch, index))
 
 
 class ImageDataset(Dataset[tuple[torch.Tensor, int]]):
@@ -89,7 +133,7 @@ def default_loader_workers(device: torch.device, local_world_size: int) -> int:
 @dataclass
 class Loaders:
     train: DataLoader[Any]
-    train_sampler: DistributedSampler[Any]
+    train_sampler: ResumableSampler
     val: DataLoader[tuple[torch.Tensor, int]]
     num_train: int
     num_val: int
@@ -132,12 +176,13 @@ def build_loaders(job: JobConfig, env: DistEnv, device: torch.device, start_epoc
     val_set = ImageDataset(val_samples, eval_geometry(params.image_size))
     val_shard = torch.utils.data.Subset(val_set, shard_indices(len(val_set), env.rank, env.world_size))
 
-    sampler: DistributedSampler[Any] = DistributedSampler(
+    train_set = SeededSamples(train_set)
+    sampler = ResumableSampler(
         train_set,
         num_replicas=env.world_size,
         rank=env.rank,
-        shuffle=True,
         seed=derive_seed(params.random_seed, "sampler"),
+        augment_seed=derive_seed(params.random_seed, "augment"),
     )
     workers = (
         job.loader_workers

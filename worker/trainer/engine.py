@@ -23,6 +23,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from torchyard.contract.errors import TrainingDivergedError
 from torchyard.modeldir import channel_stats, normalize_batch
+from worker.trainer.control import RankControl
 from worker.trainer.distributed import all_reduce_sum
 from worker.trainer.events import EventWriter
 
@@ -248,6 +249,15 @@ class LossMeter:
         self.window_sum, self.window_count = 0.0, 0
         return result
 
+    def state(self) -> list[float]:
+        """Sums of the epoch and window so far (for a mid-epoch checkpoint)."""
+        self.drain()
+        return [self.epoch_sum, float(self.epoch_count), self.window_sum, float(self.window_count)]
+
+    def load_state(self, values: list[float]) -> None:
+        self.epoch_sum, self.window_sum = float(values[0]), float(values[2])
+        self.epoch_count, self.window_count = int(values[1]), int(values[3])
+
     def take_epoch(self) -> tuple[float, int]:
         self.drain()
         result = (self.epoch_sum, self.epoch_count)
@@ -304,17 +314,23 @@ class TrainLoop:
     print_frequency: int
     is_primary: bool
     step: int = 0
+    control: RankControl | None = None
+    # Steps into the epoch when the ranks agreed to stop for a preemption (else None).
+    preempted_at: int | None = None
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def train_epoch(self, epoch: int) -> EpochSummary:
-        """One pass over this rank's shard; ``epoch`` is 1-based."""
+    def train_epoch(self, epoch: int, start_index: int = 0) -> EpochSummary | None:
+        """One pass over this rank's shard; ``epoch`` is 1-based. A resumed epoch starts at
+        batch ``start_index`` (the sampler skips the batches already trained on). None when
+        the ranks stopped for a preemption (``preempted_at`` says after which batch)."""
         self.model.train()
         started = window_start = time.perf_counter()
         window_images = epoch_images = 0
         lr = self.current_lr()
-        for index, (batch, labels) in enumerate(device_batches(self.loader, self.prepare, self.device)):
+        batches = device_batches(self.loader, self.prepare, self.device)
+        for index, (batch, labels) in enumerate(batches, start=start_index):
             self.faults.check(self.step)
             with self.autocast():
                 loss = model_loss(self.model(batch), labels)
@@ -332,6 +348,13 @@ class TrainLoop:
                 now = time.perf_counter()
                 self._report_window(epoch, index + 1, lr, window_images, now - window_start)
                 window_start, window_images = now, 0
+            if self.control is not None:
+                self.control.mark_progress()
+                if index + 1 == self.steps_per_epoch // 2:
+                    self.control.pause_point("train", epoch)
+                if not last and self.control.stop_agreed():
+                    self.preempted_at = index + 1
+                    return None
         elapsed = time.perf_counter() - started
         loss_sum, count = self.meter.take_epoch()
         total_loss, total_count, total_images = all_reduce_sum([loss_sum, count, epoch_images], self.device)
@@ -393,6 +416,7 @@ def validate(
     autocast: Callable[[], AbstractContextManager[Any]],
     num_classes: int,
     device: torch.device,
+    progress: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Loss, top-1 (and top-5 with >= 5 classes) over every rank's validation shard.
 
@@ -412,6 +436,8 @@ def validate(
         sums[1] += (logits.argmax(dim=1) == labels).sum()
         sums[2] += (logits.topk(k, dim=1).indices == labels[:, None]).any(dim=1).sum()
         sums[3] += labels.shape[0]
+        if progress is not None:
+            progress()
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     loss_sum, top1, topk, count = (float(v) for v in sums.tolist())
     if count == 0:

@@ -22,8 +22,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torchyard import modeldir
 from torchyard.scoring import ONNX_FILE
 from worker.trainer import checkpoint as ckpt
-from worker.trainer import distributed
+from worker.trainer import distributed, rng_state
 from worker.trainer.config import JobConfig
+from worker.trainer.control import RankControl
 from worker.trainer.data import Loaders, build_loaders
 from worker.trainer.distributed import DistEnv
 from worker.trainer.early_stopping import EarlyStopping
@@ -61,6 +62,11 @@ class ResumeState:
     stopper: dict[str, float | int] | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     best_model: dict[str, torch.Tensor] | None = None
+    # A mid-epoch checkpoint: batches of epoch ``epochs_done + 1`` already trained, the
+    # optimizer step count, and this rank's own random states and loss sums.
+    step_in_epoch: int = 0
+    step: int | None = None
+    rank_state: dict[str, Any] | None = None
 
 
 def configure_threads() -> None:
@@ -125,12 +131,40 @@ def _restore(
         optimizer.state[p]["momentum_buffer"] for g in optimizer.param_groups for p in g["params"]
     )
     resumed = ResumeState(epochs_done=int(epochs_done), stopped=bool(stopped), stopper=stopper.state_dict())
+    _share_position(state, env, resumed)
     if state is not None:
         resumed.history = list(state.get("history", []))
         # No separate copy means the checkpointed weights are the best epoch's.
         resumed.best_model = state.get("best_model") or state["model"]
         log.info("resuming after epoch %d (best epoch %d so far)", resumed.epochs_done, stopper.best_epoch)
     return resumed
+
+
+def _share_position(state: dict[str, Any] | None, env: DistEnv, resumed: ResumeState) -> None:
+    """Give every rank the resume position and its own random states (from rank 0's file)."""
+    shared: list[Any] = [None]
+    if state is not None:
+        shared[0] = {
+            "step_in_epoch": int(state.get("step_in_epoch", 0)),
+            "step": state.get("step"),
+            "rank_states": state.get("rank_states") or [],
+        }
+    if env.world_size > 1:
+        torch.distributed.broadcast_object_list(shared, src=0)
+    position = shared[0] or {}
+    resumed.step_in_epoch = int(position.get("step_in_epoch", 0))
+    step = position.get("step")
+    resumed.step = int(step) if step is not None else None
+    rank_states = position.get("rank_states") or []
+    if len(rank_states) == env.world_size:
+        resumed.rank_state = rank_states[env.rank]
+    elif resumed.step_in_epoch:
+        log.warning(
+            "the checkpoint was written by %d process(es), this attempt has %d: the data order and "
+            "random streams of the interrupted epoch are not restored exactly",
+            len(rank_states),
+            env.world_size,
+        )
 
 
 def _model_config(
@@ -178,7 +212,8 @@ def _val_metrics(entry: dict[str, float]) -> dict[str, float]:
 
 
 def run_job(job: JobConfig, env: DistEnv) -> dict[str, Any] | None:
-    """Train the job on this rank. Rank 0 returns the result summary, other ranks None."""
+    """Train the job on this rank. Rank 0 returns the result summary, other ranks None
+    (rank 0 returns ``{"preempted": True}`` after a preemption checkpoint)."""
     configure_threads()
     output_dir = Path(job.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -193,7 +228,9 @@ def run_job(job: JobConfig, env: DistEnv) -> dict[str, Any] | None:
     built = build_model(job)
     training = _set_up(job, env, device, built, output_dir)
     try:
-        history, best_state, stopped = _train_epochs(training)
+        history, best_state, stopped, preempted = _train_epochs(training)
+        if preempted:
+            return {"preempted": True} if env.is_primary else None
         if not env.is_primary:
             return None
         if best_state is None or not history:
@@ -234,6 +271,7 @@ class _Training:
     autocast: Callable[[], AbstractContextManager[Any]]
     loop: TrainLoop
     effective_lr: float
+    control: RankControl
 
 
 def _set_up(
@@ -254,15 +292,17 @@ def _set_up(
     stopper = EarlyStopping(patience=params.patience)
     resumed = _restore(job, env, device, model, optimizer, stopper)
     start_epoch = resumed.epochs_done
+    start_step = start_epoch * steps_per_epoch + resumed.step_in_epoch
     if start_epoch:
-        # Fresh loader streams for a resumed attempt (reproducible from the seed and epoch).
+        # Fresh loader worker streams for a resumed attempt (the augmentation itself is
+        # seeded per sample: see data.SeededSamples).
         loaders.generator.manual_seed(derive_seed(params.random_seed, "loader", env.rank, start_epoch))
     scheduler = build_scheduler(
         optimizer,
         base_lr=effective_lr,
         total_steps=total_steps,
         warmup_steps=warmup_steps,
-        start_step=min(start_epoch * steps_per_epoch, total_steps),
+        start_step=min(start_step, total_steps),
     )
     # BatchNorm buffers are synchronised explicitly before validation (distributed.sync_buffers).
     ddp = DistributedDataParallel(
@@ -278,6 +318,7 @@ def _set_up(
     if loaders.gpu_decoder is not None:
         train_prepare = DecodeThenPrepare(loaders.gpu_decoder, prepare)
     autocast = autocast_factory(device)
+    control = RankControl(output_dir, env.rank, device)
     loop = TrainLoop(
         model=ddp,
         optimizer=optimizer,
@@ -294,7 +335,8 @@ def _set_up(
         total_steps=total_steps,
         print_frequency=params.print_frequency,
         is_primary=env.is_primary,
-        step=start_epoch * steps_per_epoch,
+        step=start_step,
+        control=control,
     )
     log.info(
         "training %s for epochs %d..%d: %d steps/epoch, %d warm-up steps, effective lr %g on %d process(es)",
@@ -322,6 +364,7 @@ def _set_up(
         autocast=autocast,
         loop=loop,
         effective_lr=effective_lr,
+        control=control,
     )
 
 
@@ -342,9 +385,10 @@ def _place_model(model: nn.Module, device: torch.device, learning_rate: float) -
 
 def _train_epochs(
     t: _Training,
-) -> tuple[list[dict[str, float]], dict[str, torch.Tensor] | None, bool]:
-    """Train and validate epoch after epoch until the last or an early stop; the history,
-    the best epoch's weights (rank 0) and whether training stopped early."""
+) -> tuple[list[dict[str, float]], dict[str, torch.Tensor] | None, bool, bool]:
+    """Train and validate epoch after epoch until the last, an early stop or a preemption;
+    the history, the best epoch's weights (rank 0), whether training stopped early and
+    whether it was preempted (its checkpoint written)."""
     params = t.job.parameters
     history = t.resumed.history
     best_state = t.resumed.best_model
@@ -353,7 +397,11 @@ def _train_epochs(
     while not stopped and epoch < params.epochs:
         epoch += 1
         epoch_started = time.perf_counter()
-        train, val = _run_epoch(t, epoch)
+        ran = _run_epoch(t, epoch)
+        if ran is None:
+            _preempt(t, epoch, best_state, history, stopped)
+            return history, best_state, stopped, True
+        train, val = ran
         improved = t.stopper.update(val["val.loss"], epoch)
         stopped = t.stopper.should_stop
         seconds = time.perf_counter() - epoch_started
@@ -374,19 +422,86 @@ def _train_epochs(
             ", ".join(f"{k} {v:.4f}" for k, v in val.items()),
             " (best so far)" if improved else f" (best: epoch {t.stopper.best_epoch})",
         )
+        rank_states = _gather_rank_states(t)
         if t.env.is_primary:
-            best_state = _record_epoch(t, epoch, val, seconds, improved, best_state, history, stopped)
+            best_state = _record_epoch(
+                t, epoch, val, seconds, improved, best_state, history, stopped, rank_states
+            )
         if stopped and epoch < params.epochs:
             log.info("stopping early: no lower validation loss for %d epochs", params.patience)
-    return history, best_state, stopped
+        if not stopped and epoch < params.epochs and t.control.stop_agreed():
+            # Preempted between epochs: the epoch's checkpoint is the one to resume from.
+            if t.env.is_primary:
+                t.control.write_preempted(epoch, 0, t.loop.step)
+            log.info("preempted after epoch %d: its checkpoint is written", epoch)
+            return history, best_state, stopped, True
+    return history, best_state, stopped, False
 
 
-def _run_epoch(t: _Training, epoch: int) -> tuple[EpochSummary, dict[str, float]]:
-    """One training pass and validation; a non-finite validation metric fails the job."""
+def _gather_rank_states(t: _Training) -> list[dict[str, Any]] | None:
+    """Every rank's random states and loss sums, on rank 0 (None elsewhere)."""
+    mine = {"rng": rng_state.capture(), "meter": t.loop.meter.state()}
+    if t.env.world_size == 1:
+        return [mine]
+    gathered: list[Any] | None = [None] * t.env.world_size if t.env.is_primary else None
+    torch.distributed.gather_object(mine, gathered, dst=0)
+    return gathered
+
+
+def _preempt(
+    t: _Training,
+    epoch: int,
+    best_state: dict[str, torch.Tensor] | None,
+    history: list[dict[str, float]],
+    stopped: bool,
+) -> None:
+    """All ranks stopped after the same step of ``epoch``: rank 0 writes the mid-epoch
+    checkpoint (every rank's random states gathered to it), then ``preempted.json``."""
+    done = t.loop.preempted_at or 0
+    rank_states = _gather_rank_states(t)
+    log.info("preempted at step %d of epoch %d (global step %d)", done, epoch, t.loop.step)
+    if not t.env.is_primary:
+        return
+    current = modeldir.plain_state_dict(t.model)
+    _save_checkpoint(
+        t,
+        epoch=epoch - 1,
+        step_in_epoch=done,
+        model_state=current,
+        best_model=best_state,
+        history=history,
+        stopped=stopped,
+        rank_states=rank_states,
+    )
+    t.control.write_preempted(epoch - 1, done, t.loop.step)
+
+
+def _run_epoch(t: _Training, epoch: int) -> tuple[EpochSummary, dict[str, float]] | None:
+    """One training pass and validation; a non-finite validation metric fails the job.
+    None when the ranks stopped mid-epoch for a preemption.
+
+    A mid-epoch resume continues the interrupted epoch at its next batch, with this
+    rank's random states and loss sums as they were: the rest of the epoch runs as it
+    would have without the interruption.
+    """
     params = t.job.parameters
-    seed_everything(derive_seed(params.random_seed, "epoch", epoch, t.env.rank))
+    start_index = 0
+    resumed = t.resumed
+    if resumed.step_in_epoch and epoch == resumed.epochs_done + 1:
+        start_index = resumed.step_in_epoch
+        resumed.step_in_epoch = 0
+        t.loaders.train_sampler.skip = start_index * params.batch_size
+        if resumed.rank_state is not None:
+            rng_state.restore(resumed.rank_state["rng"])
+            t.loop.meter.load_state(list(resumed.rank_state["meter"]))
+        log.info("resuming epoch %d at batch %d", epoch, start_index + 1)
+    else:
+        seed_everything(derive_seed(params.random_seed, "epoch", epoch, t.env.rank))
     t.loaders.train_sampler.set_epoch(epoch)
-    train = t.loop.train_epoch(epoch)
+    train = t.loop.train_epoch(epoch, start_index)
+    if train is None:
+        return None
+    t.control.pause_point("validation", epoch)
     distributed.sync_buffers(t.model)
     val = validate(
         t.model,
@@ -395,6 +510,7 @@ def _run_epoch(t: _Training, epoch: int) -> tuple[EpochSummary, dict[str, float]
         autocast=t.autocast,
         num_classes=t.job.num_classes,
         device=t.device,
+        progress=t.control.mark_progress,
     )
     if not all(math.isfinite(v) for v in val.values()):
         raise diverged_error(
@@ -416,6 +532,7 @@ def _record_epoch(
     best_state: dict[str, torch.Tensor] | None,
     history: list[dict[str, float]],
     stopped: bool,
+    rank_states: list[dict[str, Any]] | None,
 ) -> dict[str, torch.Tensor] | None:
     """Rank 0: the epoch's metric and progress events and its checkpoint; the best
     epoch's weights so far."""
@@ -427,59 +544,57 @@ def _record_epoch(
     if improved:
         best_state = current
     _save_checkpoint(
-        t.job,
-        t.env,
-        t.output_dir,
+        t,
         epoch=epoch,
-        step=step,
+        step_in_epoch=0,
         model_state=current,
-        optimizer=t.optimizer,
-        scheduler=t.scheduler,
-        stopper=t.stopper,
         best_model=None if improved else best_state,
         history=history,
         stopped=stopped,
+        rank_states=rank_states,
     )
     return best_state
 
 
 def _save_checkpoint(
-    job: JobConfig,
-    env: DistEnv,
-    output_dir: Path,
+    t: _Training,
     *,
     epoch: int,
-    step: int,
+    step_in_epoch: int,
     model_state: dict[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    stopper: EarlyStopping,
     best_model: dict[str, torch.Tensor] | None,
     history: list[dict[str, float]],
     stopped: bool,
+    rank_states: list[dict[str, Any]] | None,
 ) -> None:
     started = time.perf_counter()
+    job = t.job
     ckpt.save_checkpoint(
-        output_dir / ckpt.CHECKPOINT_FILE,
+        t.output_dir / ckpt.CHECKPOINT_FILE,
         {
             "job_id": job.job_id,
             "architecture": job.model.architecture,
             "classes": list(job.classes),
-            "world_size": env.world_size,
+            "world_size": t.env.world_size,
             "epoch": epoch,
-            "step": step,
+            "step_in_epoch": step_in_epoch,
+            "step": t.loop.step,
+            "sampler_epoch": t.loaders.train_sampler.epoch,
             "model": model_state,
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "early_stopping": stopper.state_dict(),
-            "best_metric": stopper.best_loss,
-            "best_epoch": stopper.best_epoch,
+            "optimizer": t.optimizer.state_dict(),
+            "scheduler": t.scheduler.state_dict(),
+            "early_stopping": t.stopper.state_dict(),
+            "best_metric": t.stopper.best_loss,
+            "best_epoch": t.stopper.best_epoch,
             "best_model": best_model,
             "history": history,
             "stopped": stopped,
+            "rank_states": rank_states or [],
         },
+        before_replace=lambda: t.control.pause_point("checkpoint", epoch),
     )
-    log.info("checkpoint after epoch %d written in %.1fs", epoch, time.perf_counter() - started)
+    where = f"epoch {epoch}" if not step_in_epoch else f"step {step_in_epoch} of epoch {epoch + 1}"
+    log.info("checkpoint after %s written in %.1fs", where, time.perf_counter() - started)
 
 
 def _publish(

@@ -1,0 +1,229 @@
+"""The checkpoint store: each running job's latest training-state checkpoints (SPEC §8).
+
+Node rank 0's agent uploads a checkpoint after every epoch (and on preemption) under
+the lease of a live placement of the job. The body is streamed to a temporary file
+(size-capped), its sha256 compared with the announced one, then renamed into
+``<data dir>/checkpoints/<job id>/<checkpoint id>.pt`` and recorded in the
+``checkpoints`` table in one transaction. The latest two are kept; older ones are
+deleted. When the job ends its records go (``jobs.transition`` to a final status) and
+the reaper removes the files (:func:`remove_ended_jobs_files`).
+
+Paths come only from the job id in the URL (checked against the lease) and ids the
+server made: an agent can never read another job's checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.db.engine import Database
+from service.db.models import Attempt, Checkpoint, Job, Placement, utcnow
+from service.services.artifacts import IncomingModel, fsync_dir
+from service.services.leases import lock_lease, placement_for_lease
+from service.services.tokens import Principal
+from service.states import JobStatus
+from torchyard.contract.errors import ConflictError, NotFoundError, PermissionDeniedError, StaleLeaseError
+from torchyard.contract.protocol import CheckpointRef
+
+log = logging.getLogger(__name__)
+
+KEEP = 2
+_JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_HASH_CHUNK = 1 << 20
+
+
+class CheckpointStore:
+    """``<data dir>/checkpoints``: one folder per job, uploads in progress in ``.incoming``."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.root = Path(data_dir) / "checkpoints"
+        self.incoming = self.root / ".incoming"
+
+    def job_dir(self, job_id: str) -> Path:
+        if not _JOB_ID.match(job_id):
+            raise NotFoundError(f"job {job_id!r} not found")
+        return self.root / job_id
+
+    def path(self, job_id: str, checkpoint_id: str) -> Path:
+        return self.job_dir(job_id) / f"{checkpoint_id}.pt"
+
+    def start_upload(self, max_bytes: int) -> IncomingModel:
+        self.incoming.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix="upload-", suffix=".pt", dir=self.incoming)
+        return IncomingModel(Path(name), os.fdopen(fd, "wb"), max_bytes, what="checkpoint")
+
+
+def _check_writer(job: Job, placement: Placement, job_id: str) -> None:
+    if placement.job_id != job_id:
+        raise StaleLeaseError("the lease belongs to another job")
+    if placement.node_rank != 0:
+        raise PermissionDeniedError("only node rank 0 uploads the job's checkpoints")
+    if job.status not in (JobStatus.SCHEDULED.value, JobStatus.RUNNING.value):
+        raise ConflictError(f"job {job.id} is {job.status}: it takes no more checkpoints")
+
+
+def authorize_upload(session: Session, principal: Principal, job_id: str, lease_token: str | None) -> None:
+    """Refuse an upload before its body is read: stale lease (409), not node rank 0 (403)."""
+    placement = placement_for_lease(session, principal, lease_token)
+    _check_writer(session.get_one(Job, placement.job_id), placement, job_id)
+
+
+def record_checkpoint(
+    session: Session,
+    principal: Principal,
+    store: CheckpointStore,
+    job_id: str,
+    lease_token: str | None,
+    incoming: IncomingModel,
+    *,
+    sha256: str,
+    epoch: int,
+    step: int | None,
+) -> Checkpoint:
+    """Move a verified upload into the store and record it, under the lease; keep the
+    latest :data:`KEEP` and delete older ones. Commits."""
+    job, placement = lock_lease(session, principal, lease_token, job_id=job_id)
+    _check_writer(job, placement, job_id)
+    attempt = session.get_one(Attempt, placement.attempt_id)
+    row = Checkpoint(
+        job_id=job_id,
+        attempt_id=attempt.id,
+        attempt_number=attempt.number,
+        epoch=epoch,
+        step=step,
+        sha256=sha256,
+        size_bytes=incoming.size,
+        created_at=utcnow(),
+    )
+    session.add(row)
+    session.flush()
+    target = store.path(job_id, row.id)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(incoming.path, target)
+    fsync_dir(target.parent)
+    older = _records(session, job_id)[KEEP:]
+    for old in older:
+        session.delete(old)
+    session.commit()
+    for old in older:
+        store.path(job_id, old.id).unlink(missing_ok=True)
+    log.info(
+        "job %s: checkpoint %s stored (epoch %d, step %s, %d bytes)",
+        job_id,
+        row.id,
+        epoch,
+        step,
+        row.size_bytes,
+    )
+    return row
+
+
+def _records(session: Session, job_id: str) -> list[Checkpoint]:
+    """The job's checkpoints, newest first."""
+    return list(
+        session.scalars(
+            select(Checkpoint)
+            .where(Checkpoint.job_id == job_id)
+            .order_by(Checkpoint.created_at.desc(), Checkpoint.epoch.desc(), Checkpoint.id.desc())
+        )
+    )
+
+
+def _sha256_of(path: Path) -> str | None:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            while chunk := fh.read(_HASH_CHUNK):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class CheckpointFile:
+    path: Path
+    sha256: str
+    size: int
+    filename: str
+    epoch: int
+    step: int | None
+    attempt: int
+
+
+def checkpoint_for_worker(
+    session: Session, principal: Principal, store: CheckpointStore, job_id: str, lease_token: str | None
+) -> CheckpointFile:
+    """The newest checkpoint of the job whose bytes still match their sha256 (else the one
+    before), for the holder of a live lease of that job. 404 when there is none."""
+    placement = placement_for_lease(session, principal, lease_token)
+    if placement.job_id != job_id:
+        raise StaleLeaseError("the lease belongs to another job")
+    for row in _records(session, job_id):
+        path = store.path(job_id, row.id)
+        if _sha256_of(path) == row.sha256:
+            return CheckpointFile(
+                path=path,
+                sha256=row.sha256,
+                size=row.size_bytes,
+                filename=f"{job_id}-checkpoint-{row.id}.pt",
+                epoch=row.epoch,
+                step=row.step,
+                attempt=row.attempt_number,
+            )
+        log.error(
+            "job %s: checkpoint %s does not match its sha256 on disk; trying an older one", job_id, row.id
+        )
+    raise NotFoundError(f"job {job_id} has no checkpoint")
+
+
+def latest_ref(session: Session, store: CheckpointStore | None, job_id: str) -> CheckpointRef | None:
+    """The newest checkpoint whose file is present with its recorded size (for a claim)."""
+    for row in _records(session, job_id):
+        if store is not None:
+            try:
+                if store.path(job_id, row.id).stat().st_size != row.size_bytes:
+                    continue
+            except OSError:
+                continue
+        return CheckpointRef(
+            epoch=row.epoch,
+            step=row.step,
+            sha256=row.sha256,
+            size_bytes=row.size_bytes,
+            attempt=row.attempt_number,
+        )
+    return None
+
+
+def remove_ended_jobs_files(db: Database, store: CheckpointStore) -> int:
+    """Remove the checkpoint folders of jobs that ended or no longer exist; how many."""
+    if not store.root.is_dir():
+        return 0
+    names = [p.name for p in store.root.iterdir() if p.is_dir() and _JOB_ID.match(p.name)]
+    if not names:
+        return 0
+    with db.read_session() as session:
+        live = set(
+            session.scalars(
+                select(Job.id).where(
+                    Job.id.in_(names), Job.status.in_([s.value for s in JobStatus if not s.is_final()])
+                )
+            )
+        )
+    removed = 0
+    for name in names:
+        if name not in live:
+            shutil.rmtree(store.root / name, ignore_errors=True)
+            removed += 1
+    return removed

@@ -1,0 +1,264 @@
+"""Training-state checkpoints between a node and the API (SPEC §8).
+
+:class:`CheckpointUploader` runs beside the ranks of node rank 0: whenever the
+trainer has written a new ``checkpoint.pt`` (announced by ``checkpoint.json``, which
+carries its sha256), it uploads it in a thread of its own, so training never waits for
+the network. When several checkpoints appear during one upload, only the newest is
+sent next. :func:`download_checkpoint` fetches the checkpoint a claim names into the
+run directory, checking its sha256.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import httpx
+
+from torchyard.contract.errors import StaleLeaseError, TorchyardError, error_from_body
+from torchyard.contract.headers import (
+    CHECKPOINT_EPOCH_HEADER,
+    CHECKPOINT_STEP_HEADER,
+    LEASE_HEADER,
+    SHA256_HEADER,
+)
+from worker.agent.api import Backoff, is_retryable
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FILE = "checkpoint.pt"
+CHECKPOINT_INFO_FILE = "checkpoint.json"
+_CHUNK = 1 << 20
+_POLL_S = 0.5
+_DOWNLOAD_TRIES = 4
+
+
+def _url(job_id: str) -> str:
+    return f"/v1/worker/jobs/{job_id}/checkpoint"
+
+
+def _sha256_of(fh: BinaryIO) -> str:
+    digest = hashlib.sha256()
+    fh.seek(0)
+    while chunk := fh.read(_CHUNK):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _chunks(fh: BinaryIO) -> Iterator[bytes]:
+    fh.seek(0)
+    while chunk := fh.read(_CHUNK):
+        yield chunk
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    sha256: str
+    epoch: int
+    step: int | None
+    size: int
+    seconds: float
+
+
+class CheckpointUploader:
+    """Uploads each new checkpoint of a run directory in a background thread."""
+
+    def __init__(
+        self,
+        client: httpx.Client,
+        job_id: str,
+        lease_token: str,
+        run_dir: Path,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.client = client
+        self.job_id = job_id
+        self.lease_token = lease_token
+        self.run_dir = Path(run_dir)
+        self.log = logger or log
+        self.uploaded: list[Uploaded] = []
+        self.lease_lost = False
+        self._stopping = threading.Event()
+        self._idle = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"checkpoints-{job_id[:8]}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def last_sha256(self) -> str | None:
+        return self.uploaded[-1].sha256 if self.uploaded else None
+
+    def _pending(self) -> dict[str, object] | None:
+        """The newest checkpoint's description when it is not uploaded yet."""
+        try:
+            info = json.loads((self.run_dir / CHECKPOINT_INFO_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(info, dict) or info.get("sha256") == self.last_sha256:
+            return None
+        return info
+
+    def _run(self) -> None:
+        backoff = Backoff(first=0.5, cap=10.0)
+        while not self.lease_lost:
+            info = self._pending()
+            if info is None:
+                self._idle.set()
+                if self._stopping.is_set():
+                    return
+                self._stopping.wait(_POLL_S)
+                continue
+            self._idle.clear()
+            try:
+                self._upload(info)
+                backoff.reset()
+            except StaleLeaseError as exc:
+                self.log.warning("checkpoint upload refused, the lease is gone: %s", exc.message)
+                self.lease_lost = True
+            except Exception as exc:
+                if self._stopping.is_set():
+                    self.log.warning("checkpoint upload failed while stopping: %s", exc)
+                    return
+                delay = backoff.next()
+                self.log.warning("checkpoint upload failed (%s); retrying in %.1f s", exc, delay)
+                self._stopping.wait(delay)
+        self._idle.set()
+
+    def _upload(self, info: dict[str, object]) -> None:
+        path = self.run_dir / CHECKPOINT_FILE
+        started = time.monotonic()
+        with open(path, "rb") as fh:
+            # The open file is the bytes we send, even if the trainer replaces the path meanwhile.
+            sha256 = _sha256_of(fh)
+            if sha256 != info.get("sha256"):
+                return  # replaced between the description and the open: the next poll takes the newer
+            size = os.fstat(fh.fileno()).st_size
+            epoch = int(str(info.get("epoch", 0)))
+            step_in_epoch = int(str(info.get("step_in_epoch", 0)))
+            headers = {
+                LEASE_HEADER: self.lease_token,
+                SHA256_HEADER: sha256,
+                CHECKPOINT_EPOCH_HEADER: str(epoch),
+                "Content-Length": str(size),
+                "Content-Type": "application/octet-stream",
+            }
+            if step_in_epoch:
+                headers[CHECKPOINT_STEP_HEADER] = str(step_in_epoch)
+            response = self.client.put(
+                _url(self.job_id),
+                content=_chunks(fh),
+                headers=headers,
+                timeout=httpx.Timeout(300.0, connect=10.0),
+            )
+        if response.status_code >= 400:
+            raise error_from_body(response.status_code, _body(response))
+        done = Uploaded(sha256, epoch, step_in_epoch or None, size, time.monotonic() - started)
+        self.uploaded.append(done)
+        self.log.info(
+            "checkpoint of epoch %d%s uploaded: %d bytes in %.2f s",
+            epoch,
+            f" step {step_in_epoch}" if step_in_epoch else "",
+            size,
+            done.seconds,
+        )
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until the newest checkpoint is uploaded (or ``timeout``); True if it is."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self.lease_lost:
+            if self._pending() is None and self._idle.is_set():
+                return True
+            time.sleep(0.1)
+        return self._pending() is None
+
+    def stop(self, timeout: float = 0.0) -> None:
+        """Upload what is pending within ``timeout`` seconds, then stop the thread."""
+        if timeout > 0:
+            self.flush(timeout)
+        self._stopping.set()
+        self._thread.join(timeout=max(1.0, timeout))
+
+
+def _body(response: httpx.Response) -> object:
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
+
+
+def download_checkpoint(
+    client: httpx.Client, job_id: str, lease_token: str, run_dir: Path
+) -> dict[str, object]:
+    """Fetch the job's latest good checkpoint into ``run_dir/checkpoint.pt``; what it is.
+
+    The bytes must match the ``X-Torchyard-Sha256`` the API sends (a transfer cut short
+    or altered on the way is fetched again, then refused). 404 (none) raises ``NotFoundError``.
+    """
+    last: Exception | None = None
+    for attempt in range(_DOWNLOAD_TRIES):
+        if attempt:
+            time.sleep(min(10.0, 0.5 * 2**attempt))
+        try:
+            return _download_once(client, job_id, lease_token, Path(run_dir))
+        except TorchyardError as exc:
+            if not is_retryable(exc):
+                raise
+            last = exc
+        except (httpx.TransportError, ChecksumMismatch) as exc:
+            last = exc
+        log.warning("checkpoint download failed (%s); trying again", last)
+    assert last is not None
+    raise last
+
+
+class ChecksumMismatch(Exception):
+    pass
+
+
+def _download_once(client: httpx.Client, job_id: str, lease_token: str, run_dir: Path) -> dict[str, object]:
+    target = run_dir / CHECKPOINT_FILE
+    with client.stream(
+        "GET", _url(job_id), headers={LEASE_HEADER: lease_token}, timeout=httpx.Timeout(300.0, connect=10.0)
+    ) as response:
+        if response.status_code >= 400:
+            response.read()
+            raise error_from_body(response.status_code, _body(response))
+        expected = response.headers.get(SHA256_HEADER, "")
+        epoch = response.headers.get(CHECKPOINT_EPOCH_HEADER)
+        step = response.headers.get(CHECKPOINT_STEP_HEADER)
+        fd, tmp = tempfile.mkstemp(prefix=".checkpoint-download-", dir=run_dir)
+        try:
+            digest = hashlib.sha256()
+            size = 0
+            with os.fdopen(fd, "wb") as fh:
+                for chunk in response.iter_bytes(_CHUNK):
+                    digest.update(chunk)
+                    size += len(chunk)
+                    fh.write(chunk)
+                fh.flush()
+                os.fsync(fh.fileno())
+            if digest.hexdigest() != expected:
+                raise ChecksumMismatch(
+                    f"the checkpoint's bytes hash to {digest.hexdigest()}, the API announced {expected}"
+                )
+            os.replace(tmp, target)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    return {
+        "sha256": expected,
+        "epoch": int(epoch) if epoch and epoch.isdecimal() else None,
+        "step": int(step) if step and step.isdecimal() else None,
+        "size_bytes": size,
+    }

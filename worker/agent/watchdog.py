@@ -1,0 +1,132 @@
+"""The agent's side of what the ranks leave in the run directory for it: progress marks
+(the hang watchdog), the preemption request and its answer.
+
+The file names are those of the trainer's ``worker/trainer/control.py`` (the agent does
+not import the trainer, which needs torch).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from torchyard.contract.errors import HangError
+from worker.agent.launcher import LaunchSpec
+
+PREEMPT_REQUEST_FILE = "preempt-request"
+PREEMPTED_FILE = "preempted.json"
+PROGRESS_PREFIX = "progress-rank-"
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+PREEMPT_GRACE_ENV = "TORCHYARD_PREEMPT_GRACE_S"
+DEFAULT_PREEMPT_GRACE_S = 30.0
+# Time for every rank to write its stacks after the dump signal.
+DUMP_WAIT_S = 3.0
+_CHECK_EVERY_S = 1.0
+
+
+def preempt_grace_s() -> float:
+    """``TORCHYARD_PREEMPT_GRACE_S`` (default 30): how long preempted ranks have to
+    checkpoint and stop before they are killed."""
+    raw = os.environ.get(PREEMPT_GRACE_ENV, "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_PREEMPT_GRACE_S
+    except ValueError:
+        value = DEFAULT_PREEMPT_GRACE_S
+    return value if value > 0 else DEFAULT_PREEMPT_GRACE_S
+
+
+def _process_state(pid: int) -> str | None:
+    """The one-letter state of ``/proc/<pid>/stat`` (R, S, D, T...), or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    return text.rpartition(")")[2].split()[0] if ")" in text else None
+
+
+_STATES = {
+    "T": "stopped by a signal",
+    "t": "stopped by a debugger",
+    "D": "in uninterruptible I/O",
+    "Z": "exited",
+}
+
+
+class HangWatchdog:
+    """No rank of this node finished a training step (or validation batch) for
+    ``timeout_s``: the attempt is hung. Ranks mark progress by touching
+    ``progress-rank-<R>`` (which holds their pid); until the first mark, the launch
+    time counts."""
+
+    def __init__(self, run_dir: Path, timeout_s: float, spec: LaunchSpec, log: logging.Logger) -> None:
+        self.run_dir = Path(run_dir)
+        self.timeout_s = timeout_s
+        self.spec = spec
+        self.log = log
+        self.started = time.time()
+        self._next_check = 0.0
+        self.ranks = [spec.node_rank * spec.nproc + local for local in range(spec.nproc)]
+
+    def _marks(self) -> dict[int, tuple[float, int | None]]:
+        """Each rank's last progress time and pid (ranks without a mark are left out)."""
+        found: dict[int, tuple[float, int | None]] = {}
+        for rank in self.ranks:
+            path = self.run_dir / f"{PROGRESS_PREFIX}{rank}"
+            try:
+                mtime = path.stat().st_mtime
+                text = path.read_text(encoding="ascii").strip()
+            except (OSError, ValueError):
+                continue
+            found[rank] = (mtime, int(text) if text.isdecimal() else None)
+        return found
+
+    def check(self) -> dict[str, Any] | None:
+        """The ``HangError`` failure to report when the ranks are hung, else None."""
+        now = time.time()
+        if time.monotonic() < self._next_check:
+            return None
+        self._next_check = time.monotonic() + _CHECK_EVERY_S
+        marks = self._marks()
+        latest = max([self.started, *(t for t, _ in marks.values())])
+        if now - latest < self.timeout_s:
+            return None
+        parts = []
+        for rank in self.ranks:
+            mark = marks.get(rank)
+            if mark is None:
+                parts.append(f"rank {rank}: no step finished yet")
+                continue
+            seen, pid = mark
+            state = _process_state(pid) if pid is not None else None
+            detail = f", {_STATES[state]}" if state in _STATES else ""
+            parts.append(f"rank {rank}: last progress {now - seen:.0f} s ago{detail}")
+        message = (
+            f"no training step finished on node {self.spec.node_name} for {self.timeout_s:g} s "
+            f"(resources.hang_timeout_s): ranks {', '.join(str(r) for r in self.ranks)} stuck "
+            f"({'; '.join(parts)}). Their Python stacks are in their logs."
+        )
+        self.log.error("HangError: %s", message)
+        return {
+            "code": HangError.code,
+            "message": message,
+            "rank": self.ranks[0] if len(self.ranks) == 1 else None,
+            "node": self.spec.node_name,
+        }
+
+    def dump_stacks(self) -> None:
+        """Every rank writes all its threads' Python stacks into its log (faulthandler on
+        SIGUSR1); a stopped rank is continued so it can."""
+        pids = [pid for _, pid in self._marks().values() if pid is not None]
+        for pid in pids:
+            for sig in (STACK_DUMP_SIGNAL, signal.SIGCONT):
+                try:
+                    os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    break
+        self.log.info("asked %d rank(s) for their Python stacks", len(pids))
+        time.sleep(DUMP_WAIT_S)

@@ -1,0 +1,110 @@
+"""What the worker agent and a rank tell each other through the run directory.
+
+* ``preempt-request``: the agent asks the ranks to stop at the next step boundary and
+  write a mid-epoch checkpoint (a drain or SIGTERM). Every rank looks for the file after
+  each step and the ranks agree with one all-reduce of a stop flag, so all of them stop
+  after the same step.
+* ``progress-rank-<R>``: touched (at most once a second) when rank R finishes a training
+  step or a validation batch; the agent's hang watchdog reads its modification time. The
+  file holds the rank's pid, so the agent can signal it.
+* ``preempted.json``: written by rank 0 after the preemption checkpoint (epoch, step).
+* ``SIGUSR1`` makes a rank dump the Python stacks of all its threads into its log
+  (``faulthandler``), for the hang watchdog.
+
+Test hook: ``TORCHYARD_TEST_PAUSE_AT=<point>:<epoch>`` makes rank 0 write
+``paused-<point>-<epoch>`` in the run directory and wait while that file exists when it
+reaches ``point`` (``train``: half-way through the epoch, ``validation``, ``checkpoint``:
+the file written, not yet renamed) in that epoch, so a test can kill the processes or
+request a preemption at a known moment. Unset in production.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+PREEMPT_REQUEST_FILE = "preempt-request"
+PREEMPTED_FILE = "preempted.json"
+PROGRESS_PREFIX = "progress-rank-"
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+_TOUCH_EVERY_S = 1.0
+
+
+def progress_file(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / f"{PROGRESS_PREFIX}{rank}"
+
+
+def enable_stack_dumps() -> None:
+    """Dump every thread's Python stack to stderr (the rank's log) on ``SIGUSR1``."""
+    faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+
+
+class RankControl:
+    """One rank's side: progress marks, the preemption flag, and the test pause points."""
+
+    def __init__(self, run_dir: Path, rank: int, device: torch.device) -> None:
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.request = self.run_dir / PREEMPT_REQUEST_FILE
+        self.progress_path = progress_file(self.run_dir, rank)
+        self._last_touch = 0.0
+        # A CPU group for the per-step flag: on NCCL reading a device result would stall the GPU queue.
+        self.group: dist.ProcessGroup | None = None
+        if dist.is_initialized() and dist.get_backend() != "gloo":
+            group = dist.new_group(backend="gloo")
+            self.group = group if isinstance(group, dist.ProcessGroup) else None
+        self._pause = _parse_pause(os.environ.get("TORCHYARD_TEST_PAUSE_AT", ""))
+        self.progress_path.write_text(str(os.getpid()), encoding="utf-8")
+
+    def mark_progress(self) -> None:
+        """A step or batch finished (cheap: one ``utime`` at most once a second)."""
+        now = time.monotonic()
+        if now - self._last_touch >= _TOUCH_EVERY_S:
+            self._last_touch = now
+            # The agent may have cleaned the run directory up: nothing to tell then.
+            with contextlib.suppress(OSError):
+                os.utime(self.progress_path)
+
+    def stop_agreed(self) -> bool:
+        """True on every rank when any rank saw a preemption request (one tiny all-reduce)."""
+        flag = torch.tensor([1 if self.request.exists() else 0], dtype=torch.int32)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+    def write_preempted(self, epoch: int, step_in_epoch: int, step: int) -> None:
+        target = self.run_dir / PREEMPTED_FILE
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text(
+            json.dumps({"epoch": epoch, "step_in_epoch": step_in_epoch, "step": step}), encoding="utf-8"
+        )
+        os.replace(tmp, target)
+
+    def pause_point(self, point: str, epoch: int) -> None:
+        """Test hook: rank 0 waits here while its marker file exists, when asked to."""
+        if self.rank != 0 or self._pause != (point, epoch):
+            return
+        marker = self.run_dir / f"paused-{point}-{epoch}"
+        marker.write_text(str(os.getpid()), encoding="utf-8")
+        log.warning("paused at %s of epoch %d (TORCHYARD_TEST_PAUSE_AT)", point, epoch)
+        while marker.exists():
+            time.sleep(0.05)
+
+
+def _parse_pause(raw: str) -> tuple[str, int] | None:
+    point, sep, epoch = raw.strip().partition(":")
+    if not sep or not epoch.isdigit():
+        return None
+    return point, int(epoch)
