@@ -34,3 +34,17 @@ def test_gpu_doc_names_every_trainer_gpu_setting_with_its_default() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "pytest -m gpu tests/test_gpu.py tests/test_gpu_decode.py" in readme
     assert "(docs/gpu.md)" in readme
+
+
+def test_operations_doc_names_its_settings_with_their_defaults() -> None:
+    from service.config import Settings
+
+    doc = (ROOT / "docs" / "operations.md").read_text()
+    rows = re.findall(r"^\| `TORCHYARD_([A-Z_]+)` \| `([^`]+)` \|", doc, re.M)
+    assert len(rows) >= 7
+    for name, default in rows:
+        field = Settings.model_fields[name.lower()]
+        assert float(default) == float(field.default), name
+    for route in ("GET /healthz", "GET /readyz"):
+        assert route in doc
+    assert "(docs/operations.md)" in (ROOT / "README.md").read_text()
