@@ -181,6 +181,8 @@ def test_a_job_trains_through_a_database_outage_and_an_api_sigkill(
         poller.stop.set()
         polling.join(30)
         follower.thread.join(60)
+        stored_points = _all_metrics(user, job_id)
+        rank0_log = _log_bytes(user, job_id, "rank-0")
     finally:
         agent.stop(timeout=60)
         api.terminate()
@@ -199,12 +201,12 @@ def test_a_job_trains_through_a_database_outage_and_an_api_sigkill(
     # Every metric point the trainer wrote, stored once.
     run_dir = next((tmp_path / "n1" / "runs").glob(f"{job_id}-*"))
     written = _written_metrics(run_dir)
-    stored = Counter((p["name"], p["epoch"], p["step"], p["rank"]) for p in _all_metrics(user, job_id))
+    stored = Counter((p["name"], p["epoch"], p["step"], p["rank"]) for p in stored_points)
     assert stored == written and max(stored.values()) == 1
     # Every log byte of rank 0, once: the stream is as long as what the rank wrote.
     rank_files = list((run_dir / "torchrun-logs").glob("**/attempt_*/0/std*.log"))
     assert rank_files
-    assert len(_log_bytes(user, job_id, "rank-0")) == sum(p.stat().st_size for p in rank_files)
+    assert len(rank0_log) == sum(p.stat().st_size for p in rank_files)
 
     # The events follower reconnected through both faults and missed or doubled nothing.
     assert follower.done and follower.reconnects >= 1
