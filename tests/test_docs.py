@@ -47,3 +47,17 @@ def test_restarts_doc_lists_exactly_the_retryable_failures() -> None:
     assert f"| `max_restarts` | 0–100 | {DEFAULT_MAX_RESTARTS} |" in doc
     assert f"| `hang_timeout_s` | 10–604800, or `null` | {DEFAULT_HANG_TIMEOUT_S} |" in doc
     assert "(docs/restarts.md)" in (ROOT / "README.md").read_text()
+
+
+def test_operations_doc_names_its_settings_with_their_defaults() -> None:
+    from service.config import Settings
+
+    doc = (ROOT / "docs" / "operations.md").read_text()
+    rows = re.findall(r"^\| `TORCHYARD_([A-Z_]+)` \| `([^`]+)` \|", doc, re.M)
+    assert len(rows) >= 7
+    for name, default in rows:
+        field = Settings.model_fields[name.lower()]
+        assert float(default) == float(field.default), name
+    for route in ("GET /healthz", "GET /readyz"):
+        assert route in doc
+    assert "(docs/operations.md)" in (ROOT / "README.md").read_text()

@@ -711,22 +711,12 @@ async def follow_log(
         opened = resolved
     reader = _LogReader(db, job_id, target, opened, offset)
     try:
-        async for data in _until_outage(_follow_log_body(reader, live, target), job_id):
+        # A database outage cuts the body (no clean end, which would read as "complete"): the
+        # follower asks again from the offset it reached.
+        async for data in _follow_log_body(reader, live, target):
             yield data
     finally:
         await live.aclose()
-
-
-async def _until_outage(source: AsyncIterator[bytes], job_id: str) -> AsyncIterator[bytes]:
-    """``source``, ended (not failed) when the database becomes unreachable: the follower
-    asks again from the offset it reached."""
-    try:
-        async for data in source:
-            yield data
-    except Exception as exc:
-        if not _database_outage(exc):
-            raise
-        log.warning("log follower of job %s: the database is unreachable, closing the stream", job_id)
 
 
 def _database_outage(exc: BaseException) -> bool:

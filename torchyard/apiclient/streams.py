@@ -11,6 +11,7 @@ import httpx
 
 from torchyard.apiclient.models import Event
 from torchyard.apiclient.transport import Reconnects, Transport, segment
+from torchyard.contract.errors import ServiceUnavailableError
 
 IDLE_READ_TIMEOUT_S = 60.0
 """The service sends a comment line every 15 s while nothing happens: a read timeout
@@ -84,7 +85,7 @@ class EventFollower:
                     if event.is_final:
                         return
                 # The stream closed before the final status: resume where it stopped.
-            except (httpx.TransportError, httpx.StreamError) as exc:
+            except (httpx.TransportError, httpx.StreamError, ServiceUnavailableError) as exc:
                 if self._past_deadline():
                     raise self._timed_out() from exc
                 self._reconnects.failed(exc)
@@ -166,7 +167,7 @@ class StreamCalls:
                         retry.succeeded()
                         yield chunk.decode("utf-8", errors="replace")
                 return
-            except (httpx.TransportError, httpx.StreamError) as exc:
+            except (httpx.TransportError, httpx.StreamError, ServiceUnavailableError) as exc:
                 retry.failed(exc)
 
     def events(

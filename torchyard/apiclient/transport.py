@@ -10,7 +10,7 @@ from urllib.parse import quote
 
 import httpx
 
-from torchyard.contract.errors import TorchyardError, error_from_body
+from torchyard.contract.errors import ServiceUnavailableError, TorchyardError, error_from_body
 
 ProgressCallback = Callable[[int, int | None], None]
 """Called with (bytes done, bytes in total or None) while a transfer runs."""
@@ -104,8 +104,11 @@ class Reconnects:
     def succeeded(self) -> None:
         self._failures = 0
 
-    def failed(self, exc: httpx.TransportError | httpx.StreamError) -> None:
-        """Wait before the next try; past the limit, raise (unreachable for a transport error)."""
+    def failed(self, exc: httpx.TransportError | httpx.StreamError | ServiceUnavailableError) -> None:
+        """Wait before the next try; past the limit, raise (unreachable for a transport error).
+
+        A 503 ``ServiceUnavailableError`` (the API's database is away) is waited out like a
+        dropped connection."""
         self._failures += 1
         if self._failures > self._limit:
             if isinstance(exc, httpx.TransportError):

@@ -268,6 +268,7 @@ class RunFileReader:
 
     def backlog(self) -> int:
         """Log bytes written but not yet read into a batch, over every stream."""
+        self._refresh_sources()
         total = 0
         for source in list(self.files.values()):
             try:
