@@ -8,6 +8,9 @@ and preemptions, and metric points and logs across attempts.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +27,7 @@ from tests.factories import auth, create_token, insert_dataset, job_spec, regist
 from torchyard.client import Client
 
 LEASE = "X-Torchyard-Lease"
-LEASE_TIMEOUT_S = 2.0
+LEASE_TIMEOUT_S = 4.0
 
 
 @pytest.fixture
@@ -372,3 +375,46 @@ def first_node(events: list[Any]) -> str:
 
 def _now() -> str:
     return datetime.now(UTC).isoformat()
+
+
+def test_cli_submit_flags_show_attempts_and_node_drain(cluster: Cluster) -> None:
+    user_token = cluster.user.headers["Authorization"].removeprefix("Bearer ")
+    env = {**os.environ, "TORCHYARD_URL": cluster.server.url, "TORCHYARD_TOKEN": user_token}
+
+    def cli(*args: str) -> str:
+        r = subprocess.run(
+            [sys.executable, "-m", "torchyard.cli", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert r.returncode == 0, f"{args}: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+        return r.stdout
+
+    train, val = cluster.train, cluster.val
+    out = cli(
+        "submit", "--arch", "resnet18", "--train", train, "--val", val,
+        "--max-restarts", "5", "--hang-timeout", "60",
+    )  # fmt: skip
+    job_id = out.strip().splitlines()[-1]
+    assert (
+        cluster.job(job_id)["resources"] | {"max_restarts": 5, "hang_timeout_s": 60}
+        == cluster.job(job_id)["resources"]
+    )
+    node = cluster.wait_for(job_id, lambda j: j["status"] == "scheduled")["nodes"][0]
+    cluster.fail(cluster.run(node), node, "RankKilledError", "rank 0 was killed by SIGKILL")
+    node = cluster.wait_for(job_id, lambda j: j["status"] == "scheduled")["nodes"][0]
+    cluster.run(node)  # claimed: the heartbeats keep its lease while the CLI runs
+
+    shown = cli("show", job_id)
+    assert "restarts:    1 of 5" in shown
+    assert "#1  failed     on " in shown and "RankKilledError: rank 0 was killed by SIGKILL" in shown
+    assert f"#2  running    on {node}" in shown
+
+    admin = ("--token", cluster.server.admin_token)
+    assert cli("node", "drain", "n1", *admin).startswith("node n1 ")
+    assert cluster.nodes()["n1"]["status"] in ("draining", "drained")
+    assert cli("node", "undrain", "n1", *admin).strip() == "node n1 ready"
+    assert cluster.nodes()["n1"]["status"] == "ready"
