@@ -98,6 +98,7 @@ def main() -> None:
         admin = httpx.Client(
             base_url=service.url, headers={"Authorization": f"Bearer {service.admin_token}"}, timeout=60
         )
+        worker = ScriptedWorker(service, admin)  # a node first: a job must fit the cluster
         train, val = upload_tiny_datasets(admin, Path(service.tmp.name) / "digits")
         spec = {
             "name": "bench-checkpoint",
@@ -106,8 +107,9 @@ def main() -> None:
             "validation_dataset": val,
             "resources": {"node_count": 1, "process_count_per_node": 1},
         }
-        job_id = admin.post("/v1/jobs", json=spec).json()["id"]
-        worker = ScriptedWorker(service, admin)
+        submitted = admin.post("/v1/jobs", json=spec)
+        submitted.raise_for_status()
+        job_id = submitted.json()["id"]
         placement = worker.http.post("/v1/worker/nodes/bench-node/claim", params={"wait": 10}).json()
         worker.lease = lease = placement["lease_token"]
         worker.http.post(

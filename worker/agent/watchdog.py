@@ -60,15 +60,15 @@ _STATES = {
 class HangWatchdog:
     """No rank of this node finished a training step (or validation batch) for
     ``timeout_s``: the attempt is hung. Ranks mark progress by touching
-    ``progress-rank-<R>`` (which holds their pid); until the first mark, the launch
-    time counts."""
+    ``progress-rank-<R>`` (which holds their pid). A rank creates that file once its
+    set-up is done (process group, data, model), so the watchdog counts from there:
+    start-up has its own bounds (the rendezvous and process-group timeouts)."""
 
     def __init__(self, run_dir: Path, timeout_s: float, spec: LaunchSpec, log: logging.Logger) -> None:
         self.run_dir = Path(run_dir)
         self.timeout_s = timeout_s
         self.spec = spec
         self.log = log
-        self.started = time.time()
         self._next_check = 0.0
         self.ranks = [spec.node_rank * spec.nproc + local for local in range(spec.nproc)]
 
@@ -92,14 +92,16 @@ class HangWatchdog:
             return None
         self._next_check = time.monotonic() + _CHECK_EVERY_S
         marks = self._marks()
-        latest = max([self.started, *(t for t, _ in marks.values())])
+        if not marks:
+            return None  # still setting up
+        latest = max(t for t, _ in marks.values())
         if now - latest < self.timeout_s:
             return None
         parts = []
         for rank in self.ranks:
             mark = marks.get(rank)
             if mark is None:
-                parts.append(f"rank {rank}: no step finished yet")
+                parts.append(f"rank {rank}: still setting up")
                 continue
             seen, pid = mark
             state = _process_state(pid) if pid is not None else None
