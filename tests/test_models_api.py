@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -309,3 +312,36 @@ def _check_refusals(user: httpx.Client, trained: Trained) -> None:
     assert _predict(user, "digits:7", [("a.png", good)]).status_code == 404
     # after all that, the service still scores
     assert _predict(user, "digits:1", [("a.png", good)]).status_code == 200
+
+
+@SQLITE_ONLY
+def test_cli_registers_lists_predicts_and_downloads(env: Env, trained: Trained, tmp_path: Path) -> None:
+    """``torchyard model register|list|show|download|delete`` and ``torchyard predict --model``
+    against the service; the CLI's predictions are the API's, and the downloaded version
+    loads locally."""
+    cli_env = {**os.environ, "TORCHYARD_URL": env.server.url, "TORCHYARD_TOKEN": env.user_token}
+
+    def ok(*args: str) -> str:
+        r = subprocess.run(
+            [sys.executable, "-m", "torchyard.cli", *args],
+            env=cli_env, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert r.returncode == 0, f"{args}: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+        return r.stdout
+
+    assert ok("model", "register", "digits", env.job_id).strip() == "digits:1"
+    assert "digits" in ok("model", "list") and "resnet18" in ok("model", "show", "digits:1")
+    images = [str(p) for p in trained.held_out[:5]]
+    predicted = json.loads(ok("predict", "--model", "digits:1", *images, "--topk", "2", "--json"))
+    api = _predict(env.user, "digits:1", [(Path(p).name, Path(p).read_bytes()) for p in images], top_k=2)
+    assert [p["image"] for p in predicted] == images
+    assert [[t["class"] for t in p["top"]] for p in predicted] == [
+        [t["label"] for t in p["top"]] for p in api.json()["predictions"]
+    ]
+    folder = Path(ok("model", "download", "digits", "-o", str(tmp_path / "dl")).strip())
+    _, classes, _ = modeldir.load_model(folder)
+    assert classes == [str(i) for i in range(10)]
+    onnx = Path(ok("model", "download", "digits:1", "--onnx", "-o", str(tmp_path / "m.onnx")).strip())
+    assert onnx.read_bytes() == (trained.model_dir / "model.onnx").read_bytes()
+    assert ok("model", "delete", "digits:1").strip() == "deleted digits:1"
+    assert json.loads(ok("model", "list", "--json")) == []

@@ -54,6 +54,7 @@ from torchyard.apiclient.models import (
     StatusChange,
     TokenInfo,
 )
+from torchyard.apiclient.registry import ModelVersion, RegisteredModel, RegistryCalls
 from torchyard.apiclient.streams import StreamCalls
 from torchyard.apiclient.transport import ProgressCallback, ServiceUnreachableError, Transport
 
@@ -73,9 +74,11 @@ __all__ = [
     "Job",
     "MetricPage",
     "MetricPoint",
+    "ModelVersion",
     "Node",
     "Page",
     "ProgressCallback",
+    "RegisteredModel",
     "ServiceUnreachableError",
     "StatusChange",
     "TokenInfo",
@@ -94,7 +97,8 @@ class Client:
     service (``http://127.0.0.1:8000`` and the data directory's ``admin.token``).
 
     Each area of the API is one part sharing the connection — ``admin``, ``datasets``,
-    ``jobs``, ``streams`` and ``models`` — and every call is also a method here.
+    ``jobs``, ``streams``, ``models`` (downloads) and ``registry`` (registered models and
+    scoring) — and every call is also a method here.
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class Client:
         self.jobs = JobCalls(self._transport)
         self.streams = StreamCalls(self._transport)
         self.models = ModelDownloads(self._transport, lambda job_id: self.get_job(job_id).model_sha256)
+        self.registry = RegistryCalls(self._transport)
 
     # -- plumbing
 
@@ -317,3 +322,27 @@ class Client:
         return self.models.download_model(
             job_id, dest, progress=progress, keep_archive=keep_archive, on_resume=on_resume
         )
+
+    # -- model registry and scoring
+
+    def register_model(self, name: str, job_id: str, path: str | None = None) -> ModelVersion:
+        """Register a succeeded training job's model as the next version of ``name``."""
+        return self.registry.register_model(name, job_id, path)
+
+    def list_models(self) -> list[RegisteredModel]:
+        return self.registry.list_models()
+
+    def get_model(self, name: str) -> RegisteredModel:
+        return self.registry.get_model(name)
+
+    def get_model_version(self, name: str, version: str | int = "latest") -> ModelVersion:
+        return self.registry.get_model_version(name, version)
+
+    def delete_model_version(self, name: str, version: str | int) -> ModelVersion:
+        return self.registry.delete_model_version(name, version)
+
+    def predict(
+        self, name: str, images: Sequence[str | Path], *, version: str | int = "latest", top_k: int = 3
+    ) -> list[dict[str, Any]]:
+        """Score image files with a registered model (the service runs it)."""
+        return self.registry.predict(name, version, images, top_k=top_k)

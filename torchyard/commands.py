@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from torchyard.apiclient.models import Failure
+from torchyard.apiclient.registry import ModelVersion, parse_model_ref
 from torchyard.client import Client, Event, Job, MetricPoint, missing_token_message
 from torchyard.contract.errors import AuthenticationError
 from torchyard.extras import require
@@ -645,21 +646,160 @@ def register_token_commands(
 
 
 def _predict(args: argparse.Namespace) -> int:
+    if args.model:
+        return _predict_remote(args)
+    if len(args.paths) < 2:
+        raise ValueError("give a model directory and one or more images (or --model NAME[:VERSION] IMAGES)")
     require("predict", "worker")
     from torchyard.modeldir import predict
 
-    results = predict(args.model_dir, args.images, topk=args.topk, device=args.device)
+    model_dir, images = args.paths[0], args.paths[1:]
+    results = predict(model_dir, images, topk=args.topk, device=args.device)
     if args.json:
         _print_json(
             [
                 {"image": str(image), "top": [{"class": c, "probability": p} for c, p in top]}
-                for image, top in zip(args.images, results, strict=True)
+                for image, top in zip(images, results, strict=True)
             ]
         )
         return 0
-    for image, top in zip(args.images, results, strict=True):
+    for image, top in zip(images, results, strict=True):
         print(f"{image}: " + "  ".join(f"{c} ({p:.1%})" for c, p in top))
     return 0
+
+
+def _predict_remote(args: argparse.Namespace) -> int:
+    """``predict --model NAME[:VERSION] IMAGES``: the service scores the images."""
+    name, version = parse_model_ref(args.model)
+    with _client(args) as client:
+        results = client.predict(name, args.paths, version=version, top_k=args.topk)
+    if args.json:
+        _print_json(
+            [
+                {
+                    "image": r["file"],
+                    "top": [{"class": t["label"], "probability": t["probability"]} for t in r["top"]],
+                }
+                for r in results
+            ]
+        )
+        return 0
+    for r in results:
+        print(f"{r['file']}: " + "  ".join(f"{t['label']} ({t['probability']:.1%})" for t in r["top"]))
+    return 0
+
+
+# --------------------------------------------------------------------------- model registry
+
+
+def _version_row(v: ModelVersion) -> list[str]:
+    created = v.model_extra.get("created_at", "") if v.model_extra else ""
+    return [
+        v.name,
+        str(v.version),
+        v.architecture,
+        str(len(v.classes)),
+        "yes" if v.onnx else "no",
+        v.job_id[:12],
+        str(created)[:19],
+    ]
+
+
+_VERSION_HEADER = ["NAME", "VERSION", "ARCHITECTURE", "CLASSES", "ONNX", "JOB", "CREATED"]
+
+
+def _model_register(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        version = client.register_model(args.name, args.job)
+    if args.json:
+        _print_json(version.model_dump(mode="json"))
+    else:
+        print(f"{version.name}:{version.version}")
+        _note(f"registered from job {version.job_id} (sha256 {version.sha256})")
+    return 0
+
+
+def _model_list(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        models = client.list_models()
+    if args.json:
+        _print_json([m.model_dump(mode="json") for m in models])
+        return 0
+    rows = [_version_row(m.versions[-1]) for m in models if m.versions]
+    print(format_table(_VERSION_HEADER, rows) if rows else "no models")
+    return 0
+
+
+def _model_show(args: argparse.Namespace) -> int:
+    name, version = args.ref.partition(":")[0], args.ref.partition(":")[2]
+    with _client(args) as client:
+        versions = [client.get_model_version(name, version)] if version else client.get_model(name).versions
+    if args.json:
+        _print_json([v.model_dump(mode="json") for v in versions])
+        return 0
+    print(format_table(_VERSION_HEADER, [_version_row(v) for v in versions]))
+    if version:
+        print(f"classes: {', '.join(versions[0].classes)}")
+        print(f"sha256:  {versions[0].sha256}")
+    return 0
+
+
+def _model_delete(args: argparse.Namespace) -> int:
+    name, version = parse_model_ref(args.ref)
+    if version == "latest" and ":" not in args.ref:
+        raise ValueError("name the version to delete: NAME:VERSION")
+    with _client(args) as client:
+        deleted = client.delete_model_version(name, version)
+    if args.json:
+        _print_json(deleted.model_dump(mode="json"))
+    else:
+        print(f"deleted {deleted.name}:{deleted.version}")
+    return 0
+
+
+def _model_download(args: argparse.Namespace) -> int:
+    name, version = parse_model_ref(args.ref)
+    with _client(args) as client:
+        found = client.get_model_version(name, version)
+        if args.onnx:
+            out = Path(args.output or f"{found.name}-{found.version}.onnx")
+            path = client.registry.download_version_onnx(found.name, found.version, out)
+        else:
+            out = Path(args.output or f"{found.name}-{found.version}")
+            path = client.download_model(found.job_id, out)
+    if args.json:
+        _print_json({"model": found.name, "version": found.version, "path": str(path)})
+    else:
+        print(path)
+    return 0
+
+
+def register_model_commands(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    model = sub.add_parser("model", help="the model registry: register, list, show, delete, download")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    reg = model_sub.add_parser(
+        "register", parents=[common], help="register a succeeded job's model as the next version of NAME"
+    )
+    reg.add_argument("name", metavar="NAME")
+    reg.add_argument("job", metavar="JOB", help="the job's id, name or id prefix")
+    reg.set_defaults(handler=_model_register)
+    ls = model_sub.add_parser("list", parents=[common], help="your models and their latest versions")
+    ls.set_defaults(handler=_model_list)
+    show = model_sub.add_parser("show", parents=[common], help="a model's versions, or one version")
+    show.add_argument("ref", metavar="NAME[:VERSION]")
+    show.set_defaults(handler=_model_show)
+    delete = model_sub.add_parser("delete", parents=[common], help="delete one version (NAME:VERSION)")
+    delete.add_argument("ref", metavar="NAME:VERSION")
+    delete.set_defaults(handler=_model_delete)
+    download = model_sub.add_parser(
+        "download", parents=[common], help="download a version's model directory (or --onnx its export)"
+    )
+    download.add_argument("ref", metavar="NAME[:VERSION]")
+    download.add_argument("-o", "--output", help="destination (default NAME-VERSION[.onnx])")
+    download.add_argument("--onnx", action="store_true", help="the ONNX export instead of the directory")
+    download.set_defaults(handler=_model_download)
 
 
 # --------------------------------------------------------------------------- parser
@@ -781,11 +921,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cluster.set_defaults(handler=_cluster)
 
     predict = sub.add_parser(
-        "predict", help="classify images with a downloaded model directory (no service needed)"
+        "predict",
+        parents=[common],
+        help="classify images: MODEL_DIR IMAGES locally (no service), or --model NAME[:VERSION] IMAGES "
+        "through the service",
     )
-    predict.add_argument("model_dir")
-    predict.add_argument("images", nargs="+", metavar="IMAGE")
+    predict.add_argument("paths", nargs="+", metavar="[MODEL_DIR] IMAGE")
+    predict.add_argument(
+        "--model", metavar="NAME[:VERSION]", help="a registered model, scored by the service"
+    )
     predict.add_argument("--topk", type=int, default=5, help="classes to show per image")
-    predict.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    predict.add_argument("--json", action="store_true", help="machine-readable JSON output")
+    predict.add_argument(
+        "--device", default="cpu", help="torch device for a local model directory (default cpu)"
+    )
     predict.set_defaults(handler=_predict)
+    register_model_commands(sub, common)
