@@ -14,6 +14,7 @@ from service.api.errors import install_error_handlers
 from service.api.routes import (
     artifacts,
     cluster,
+    code,
     datasets,
     health,
     jobs,
@@ -76,7 +77,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.wakeup = Wakeup()
     install_error_handlers(app)
     install_docs(app)
-    for module in (health, tokens, jobs, datasets, cluster, workers, reports, logs, artifacts, streams):
+    for module in (health, tokens, jobs, datasets, code, cluster, workers, reports, logs, artifacts, streams):
         app.include_router(module.router)
     app.include_router(tokens.whoami_router)
     return app
