@@ -19,6 +19,7 @@ from service.api.routes import (
     health,
     jobs,
     logs,
+    outputs,
     reports,
     streams,
     tokens,
@@ -77,7 +78,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.wakeup = Wakeup()
     install_error_handlers(app)
     install_docs(app)
-    for module in (health, tokens, jobs, datasets, code, cluster, workers, reports, logs, artifacts, streams):
+    for module in (
+        health,
+        tokens,
+        jobs,
+        datasets,
+        code,
+        cluster,
+        workers,
+        reports,
+        logs,
+        artifacts,
+        outputs,
+        streams,
+    ):
         app.include_router(module.router)
     app.include_router(tokens.whoami_router)
     return app

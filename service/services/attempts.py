@@ -316,6 +316,7 @@ def report_status(
         if (
             report.state == "succeeded"
             and placement.node_rank == 0
+            and job.type == "train"
             and job.status in _PLACED_JOB
             and job.model_sha256 is None
         ):
@@ -328,7 +329,8 @@ def report_status(
             if placement.node_rank == 0 and attempt.status in _LIVE_ATTEMPT:
                 _end_attempt(attempt, AttemptStatus.SUCCEEDED, now)
                 if job.status in _PLACED_JOB:
-                    transition(session, job, JobStatus.SUCCEEDED, f"training finished on {node.name}")
+                    what = "training" if job.type == "train" else "the script"
+                    transition(session, job, JobStatus.SUCCEEDED, f"{what} finished on {node.name}")
         elif report.state == "failed":
             failure = _failure(report, node.name)
             if job.status == JobStatus.CANCELLING.value:
