@@ -83,7 +83,10 @@ class ScriptEnv:
     def agent(self, name: str, *, slots: int, **kw: Any) -> AgentProcess:
         agent = start_agent(self.server.url, self.token, name, self.tmp / name, slots=slots, **kw)
         self.agents.append(agent)
-        wait_for_node(self.user, name)
+        try:
+            wait_for_node(self.user, name, timeout=120)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{agent.log_text()[-4000:]}") from None
         return agent
 
     def upload_code(self, files: dict[str, str | bytes], name: str = "probe") -> str:

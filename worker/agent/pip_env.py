@@ -89,7 +89,6 @@ def ensure_environment(
     envs_dir: Path,
     requirements: list[str],
     *,
-    env: dict[str, str] | None = None,
     stop: threading.Event | None = None,
     on_build: logging.Logger | None = None,
 ) -> tuple[Path, bool]:
@@ -112,20 +111,21 @@ def ensure_environment(
         started = time.monotonic()
         logger.info("building the pip environment %s: %s", key, " ".join(requirements))
         try:
-            code = _run([sys.executable, "-m", "venv", "--system-site-packages", str(work)], build_log, stop)
+            # No pip inside (fast): the worker's own pip installs into it (pip --python).
+            code = _run(
+                [sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(work)],
+                build_log,
+                stop,
+            )
             if code == 0:
-                # The worker's own packages (torch...) stay visible even when it runs in a venv.
-                base = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-                (_site_packages(work) / "_torchyard_worker.pth").write_text("\n".join(sorted(base)) + "\n")
-                pip = [
-                    str(env_python(work)),
-                    "-m",
-                    "pip",
-                    "install",
-                    "--disable-pip-version-check",
-                    "--no-input",
-                ]
-                code = _run([*pip, *requirements], build_log, stop)
+                # The worker's own packages (torch...) stay visible even when it runs in a
+                # venv: its site folders are added as site folders (their .pth files count).
+                base = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+                lines = [f"import site; site.addsitedir({path!r})" for path in base]
+                (_site_packages(work) / "_torchyard_worker.pth").write_text("\n".join(lines) + "\n")
+                pip = [sys.executable, "-m", "pip", "--python", str(env_python(work)), "install"]
+                options = ["--disable-pip-version-check", "--no-input"]
+                code = _run([*pip, *options, *requirements], build_log, stop)
             if code != 0:
                 tail = _tail(build_log, PIP_TAIL_LINES)
                 raise EnvironmentBuildError(
