@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from torchyard.apiclient.admin import AdminCalls
+from torchyard.apiclient.code import CodeCalls
 from torchyard.apiclient.connection import (
     DEFAULT_DATA_DIR,
     DEFAULT_URL,
@@ -42,6 +43,7 @@ from torchyard.apiclient.models import (
     FINAL_STATUSES,
     ApiModel,
     Cluster,
+    CodePackage,
     CreatedToken,
     Dataset,
     Event,
@@ -67,6 +69,7 @@ __all__ = [
     "ApiModel",
     "Client",
     "Cluster",
+    "CodePackage",
     "CreatedToken",
     "Dataset",
     "Event",
@@ -116,6 +119,7 @@ class Client:
         self.datasets = DatasetCalls(self._transport)
         self.jobs = JobCalls(self._transport)
         self.streams = StreamCalls(self._transport)
+        self.code = CodeCalls(self._transport)
         self.models = ModelDownloads(self._transport, lambda job_id: self.get_job(job_id).model_sha256)
         self.registry = RegistryCalls(self._transport)
 
@@ -200,6 +204,27 @@ class Client:
     def find_dataset(self, ref: str) -> Dataset:
         """A dataset by id, name or unique id prefix; of several with that exact name, the newest."""
         return self.datasets.find_dataset(ref)
+
+    # -- code packages and outputs (script jobs)
+
+    def upload_code(self, folder: str | Path, name: str | None = None) -> CodePackage:
+        """Upload a source folder as a code package: the WHOLE folder is sent, except hidden
+        entries and what its ``.torchyardignore`` (gitignore syntax) leaves out."""
+        return self.code.upload_code(folder, name)
+
+    def list_code(self, *, limit: int | None = None, cursor: str | None = None) -> Page[CodePackage]:
+        return self.code.list_code(limit=limit, cursor=cursor)
+
+    def get_code(self, code_id: str) -> CodePackage:
+        return self.code.get_code(code_id)
+
+    def delete_code(self, code_id: str) -> None:
+        """Delete a code package (409 ``ConflictError`` while a live job uses it)."""
+        self.code.delete_code(code_id)
+
+    def download_outputs(self, job_id: str, dest: str | Path, *, path: str | None = None) -> Path:
+        """A script job's outputs as .tar.gz (or one file with ``path``), checked against its sha256."""
+        return self.code.download_outputs(job_id, dest, path=path)
 
     # -- jobs
 

@@ -248,6 +248,11 @@ def _resolve_datasets(client: Client, spec: dict[str, Any]) -> None:
         ref = spec.get(key)
         if isinstance(ref, str) and ref:
             spec[key] = client.find_dataset(ref).id
+    inputs = spec.get("inputs")
+    if isinstance(inputs, dict):  # a script job's input datasets
+        for name, ref in inputs.items():
+            if isinstance(ref, str) and ref:
+                inputs[name] = client.find_dataset(ref).id
     model = spec.get("model")
     if isinstance(model, dict) and isinstance(model.get("init_from_job"), str) and model["init_from_job"]:
         model["init_from_job"] = client.get_job(model["init_from_job"]).id
@@ -273,7 +278,8 @@ def _submit(args: argparse.Namespace) -> int:
             _print_json(job)
             return 0
         print(job.id)
-        _note(f"submitted job {job.name!r} ({job.model.get('architecture')}), status {job.status}")
+        what = job.model.get("architecture") if job.type == "train" else f"{job.type} job"
+        _note(f"submitted job {job.name!r} ({what}), status {job.status}")
         if not args.follow:
             _note(f"follow it with: torchyard logs {job.id} -f   or   torchyard metrics {job.id} --watch")
             return 0
@@ -536,7 +542,68 @@ class _MetricsView:
 # --------------------------------------------------------------------------- model, cluster, predict
 
 
+def _code_upload(args: argparse.Namespace) -> int:
+    from torchyard.apiclient.code import IGNORE_FILE, code_files
+
+    folder = Path(args.folder)
+    if folder.is_dir():
+        files, skipped = code_files(folder)
+        size = sum((folder / rel).stat().st_size for rel in files)
+        # As the seed warns: the whole folder is sent. Say so before it is.
+        _note(
+            f"uploading the WHOLE folder {folder}: {len(files)} files ({human_bytes(size)}); keep secrets "
+            f"and data out of it, or list them in {IGNORE_FILE} (gitignore syntax)"
+        )
+        for rel in skipped:
+            _note(f"left out {rel}: not a regular file (links are not uploaded)")
+        if not files:
+            raise ValueError(f"{folder} has no files to upload")
+    with _client(args) as client:
+        package = client.upload_code(folder, args.name)
+    if args.json:
+        _print_json(package)
+    else:
+        print(package.id)
+        _note(
+            f"code {package.name!r}: {package.files} files ({human_bytes(package.size_bytes)}), sha256 {package.sha256[:12]}"
+        )
+    return 0
+
+
+def _code_list(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        items = client.list_code(limit=args.limit).items
+    if args.json:
+        _print_json(items)
+        return 0
+    rows = [(c.id[:12], c.name, c.files, human_bytes(c.size_bytes), format_time(c.created_at)) for c in items]
+    print(format_table(["ID", "NAME", "FILES", "SIZE", "CREATED"], rows))
+    return 0
+
+
+def _code_delete(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        client.delete_code(args.id)
+    _note(f"deleted code package {args.id}")
+    return 0
+
+
+def _download_outputs(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.get_job(args.id)
+        default = Path(args.path).name if args.path else f"outputs-{job.id}.tar.gz"
+        out = Path(args.output) if args.output else Path(default)
+        path = client.download_outputs(job.id, out, path=args.path)
+    if args.json:
+        _print_json({"job": job.id, "path": str(path), "sha256": job.outputs_sha256})
+    else:
+        print(path)
+    return 0
+
+
 def _download(args: argparse.Namespace) -> int:
+    if args.outputs or args.path:
+        return _download_outputs(args)
     with _client(args) as client:
         job = client.get_job(args.id)  # the full id, whatever the user typed
         out = Path(args.output) if args.output else Path(f"model-{job.id}")
@@ -915,7 +982,28 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     download.add_argument("id")
     download.add_argument("-o", "--output", help="directory to create (default: ./model-<job id>)")
     download.add_argument("--keep-archive", action="store_true", help="keep the .tar.gz beside the directory")
+    download.add_argument(
+        "--outputs", action="store_true", help="a script job's outputs folder as .tar.gz instead of a model"
+    )
+    download.add_argument("--path", help="with --outputs: only this file of the outputs")
     download.set_defaults(handler=_download)
+
+    code = sub.add_parser("code", help="upload, list and delete code packages for script jobs")
+    code_sub = code.add_subparsers(dest="code_command", required=True)
+    code_up = code_sub.add_parser(
+        "upload",
+        parents=[common],
+        help="upload a source folder (the whole folder, minus .torchyardignore) and print its id",
+    )
+    code_up.add_argument("folder", help="the folder (or a .zip/.tar.gz of it)")
+    code_up.add_argument("--name", help="package name (default: the folder name)")
+    code_up.set_defaults(handler=_code_upload)
+    code_ls = code_sub.add_parser("list", parents=[common], help="list code packages, newest first")
+    code_ls.add_argument("--limit", type=int, default=50)
+    code_ls.set_defaults(handler=_code_list)
+    code_rm = code_sub.add_parser("delete", parents=[common], help="delete a code package")
+    code_rm.add_argument("id")
+    code_rm.set_defaults(handler=_code_delete)
 
     cluster = sub.add_parser("cluster", parents=[common], help="nodes, processing units and limits")
     cluster.set_defaults(handler=_cluster)

@@ -14,11 +14,13 @@ from service.api.errors import install_error_handlers
 from service.api.routes import (
     artifacts,
     cluster,
+    code,
     datasets,
     health,
     jobs,
     logs,
     models,
+    outputs,
     reports,
     streams,
     tokens,
@@ -82,12 +84,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         tokens,
         jobs,
         datasets,
+        code,
         cluster,
         workers,
         reports,
         logs,
         artifacts,
         models,
+        outputs,
         streams,
     ):
         app.include_router(module.router)

@@ -79,7 +79,7 @@ async def _file_chunks(fh: BinaryIO, start: int, length: int) -> Any:
         fh.close()
 
 
-def file_response(request: Request, model: ModelFile) -> Response:
+def file_response(request: Request, model: ModelFile, media_type: str = "application/gzip") -> Response:
     etag = f'"{model.sha256}"'
     headers = {
         "ETag": etag,
@@ -116,7 +116,7 @@ def file_response(request: Request, model: ModelFile) -> Response:
     headers["Content-Length"] = str(length)
     if request.method == "HEAD":
         fh.close()
-        return Response(status_code=status, headers=headers, media_type="application/gzip")
+        return Response(status_code=status, headers=headers, media_type=media_type)
     return StreamingResponse(
-        _file_chunks(fh, start, length), status_code=status, headers=headers, media_type="application/gzip"
+        _file_chunks(fh, start, length), status_code=status, headers=headers, media_type=media_type
     )

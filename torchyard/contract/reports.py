@@ -10,7 +10,7 @@ from typing import Annotated
 from pydantic import AwareDatetime, BaseModel, Field, field_validator
 
 from torchyard.contract.base import StrictModel
-from torchyard.contract.metrics import MetricName
+from torchyard.contract.metrics import METRIC_NAME_PATTERN, MetricName
 
 INT32_MAX = 2**31 - 1
 MAX_RANK = 1_000_000
@@ -31,7 +31,10 @@ def is_stream_name(name: str) -> bool:
 
 
 class MetricIn(StrictModel):
-    name: MetricName
+    name: str = Field(
+        pattern=METRIC_NAME_PATTERN,
+        description="A metric name: the trainer's (SPEC §4) or any a script logs.",
+    )
     value: FiniteFloat
     epoch: Count
     step: Count

@@ -7,6 +7,7 @@ lines → the final status goes out (the lease ends there, later writes would be
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shlex
 import threading
@@ -22,6 +23,7 @@ from worker.agent.api import WorkerApi
 from worker.agent.launcher import LaunchSpec, RankGroup, collect_failure, rank_log_files
 from worker.agent.run_inputs import RunInputs, prepare_failure
 from worker.agent.run_outcome import OutcomeReport, StopKind
+from worker.agent.script_run import ScriptGroup, prepare_script, upload_outputs
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +102,7 @@ class PlacementRun:
         self.stop_event = threading.Event()
         self.stop_kind: StopKind | None = None
         self.stop_message = ""
-        self.group: RankGroup | None = None
+        self.group: RankGroup | ScriptGroup | None = None
         self.log = log
         self.report = OutcomeReport(ctx, self.job_id, self.lease_token, self.request_stop, log)
         self.thread = threading.Thread(target=self._main, name=f"run-{self.job_id[:8]}")
@@ -145,6 +147,11 @@ class PlacementRun:
             self.ctx.release(self)
 
     def _run(self, agent_log: Path) -> None:
+        if self.work.type == "script":
+            self._run_script(agent_log)
+            return
+        if self.work.type != "train":
+            raise RuntimeError(f"this agent cannot run jobs of type {self.work.type!r}")
         w = self.work
         self.log.info(
             "job %s attempt %d: node rank %d of %d, %d process(es) per node, rendezvous %s:%d, run dir %s",
@@ -179,6 +186,81 @@ class PlacementRun:
             self.report.finish_stopped(self.stop_kind, exit_code)
         else:
             self.report.finish(state, exit_code, failure)
+
+    def _run_script(self, agent_log: Path) -> None:
+        """A script job (SPEC §9): the user's command per process or per node."""
+        w = self.work
+        self.log.info(
+            "job %s attempt %d (script, %s): node rank %d of %d, %d process(es) per node, master %s:%d",
+            self.job_id,
+            w.attempt_number,
+            (w.spec.get("distribution") or {}).get("launch", "per_process"),
+            self.node_rank,
+            w.node_count,
+            self.units,
+            w.master_addr,
+            w.master_port,
+        )
+        try:
+            launch = prepare_script(self.ctx, w, self.run_dir, self.stop_event, self.log)
+        except Exception as exc:
+            if self.stop_event.is_set():
+                self.report.finish_stopped(self.stop_kind, None)
+            else:
+                self.report.finish("failed", None, prepare_failure(exc, self.ctx.node_name, self.log))
+            return
+        if self.stop_event.is_set():
+            self.report.finish_stopped(self.stop_kind, None)
+            return
+        launch = dataclasses.replace(launch, gpu_ids=self.gpu_ids)
+        group = self.group = ScriptGroup(launch)
+        with open(agent_log, "a", encoding="utf-8") as out:
+            pid = group.start(out)
+        self.log.info("script started (pid %d): %s", pid, shlex.join(group.command))
+        reporter = self._start_reporter_for(group.log_files, agent_log, group.metric_files)
+        self.report.report_running(self.stop_event)
+        exit_code = self._watch(group, reporter)
+        self.log.info("script ended: exit code %s", exit_code)
+        state, failure = "stopped", None
+        if not self.stop_event.is_set():
+            state = "succeeded" if exit_code == 0 else "failed"
+            failure = None if exit_code == 0 else group.failure(exit_code)
+        if state != "stopped" or self.stop_kind == "attempt_ended":
+            state, failure = self._keep_outputs(launch.outputs_dir, state, failure)
+        if failure is not None:
+            self.log.error(
+                "job %s failed: %s (rank %s): %s",
+                self.job_id,
+                failure["code"],
+                failure.get("rank"),
+                failure["message"],
+            )
+        if reporter is not None:
+            reporter.stop(REPORTER_FLUSH_S)
+        if state == "stopped":
+            self.report.finish_stopped(self.stop_kind, exit_code)
+        else:
+            self.report.finish(state, exit_code, failure)
+
+    def _keep_outputs(
+        self, folder: Path, state: str, failure: dict[str, Any] | None
+    ) -> tuple[str, dict[str, Any] | None]:
+        """Upload the output folder (node rank 0; every node with outputs "all"), succeeded
+        or failed. A success whose outputs cannot be kept is a failure."""
+        if self.node_rank != 0 and self.work.spec.get("outputs") != "all":
+            return state, failure
+        try:
+            upload_outputs(self.ctx, self.job_id, self.lease_token, folder)
+        except Exception as exc:
+            self.log.error("job %s: the outputs could not be uploaded: %s", self.job_id, exc)
+            if state == "succeeded":
+                message = f"the outputs of node {self.ctx.node_name} could not be uploaded: {exc}"
+                return "failed", {
+                    "code": RankFailedError.code,
+                    "message": message,
+                    "node": self.ctx.node_name,
+                }
+        return state, failure
 
     # --- steps -----------------------------------------------------------------------------
 
@@ -239,6 +321,14 @@ class PlacementRun:
         return ("stopped", None) if self.stop_event.is_set() else ("failed", failure)
 
     def _start_reporter(self, spec: LaunchSpec, agent_log: Path) -> Any:
+        return self._start_reporter_for(lambda: rank_log_files(spec), agent_log)
+
+    def _start_reporter_for(
+        self,
+        log_sources: Callable[[], list[tuple[str, Path]]],
+        agent_log: Path,
+        metric_sources: Callable[[], list[Path]] | None = None,
+    ) -> Any:
         try:
             from worker.agent.reporting import RunReporter
         except ImportError:  # pragma: no cover - the reporting module ships with the agent
@@ -249,14 +339,15 @@ class PlacementRun:
             self.job_id,
             self.lease_token,
             self.run_dir,
-            lambda: rank_log_files(spec),
+            log_sources,
             agent_log,
             self.ctx.node_name,
+            metric_sources=metric_sources,
         )
         reporter.start()
         return reporter
 
-    def _watch(self, group: RankGroup, reporter: Any) -> int | None:
+    def _watch(self, group: RankGroup | ScriptGroup, reporter: Any) -> int | None:
         while True:
             code = group.wait(0.2)
             if code is not None:
@@ -267,7 +358,7 @@ class PlacementRun:
             if self.stop_event.is_set():
                 return self._stop_ranks(group)
 
-    def _stop_ranks(self, group: RankGroup) -> int | None:
+    def _stop_ranks(self, group: RankGroup | ScriptGroup) -> int | None:
         self.log.info(
             "stopping the ranks (%s: %s): SIGTERM, SIGKILL after %.0f s",
             self.stop_kind,

@@ -91,11 +91,12 @@ class RunReporter:
         *,
         interval: float = 0.5,
         max_backoff: float = 10.0,
+        metric_sources: Callable[[], list[Path]] | None = None,
     ) -> None:
         self.client = client
         self.job_id = job_id
         self.lease_token = lease_token
-        self.reader = RunFileReader(job_id, run_dir, log_sources, agent_log, node_name)
+        self.reader = RunFileReader(job_id, run_dir, log_sources, agent_log, node_name, metric_sources)
         self.interval = interval
         self.max_backoff = max_backoff
         self.url = f"/v1/worker/jobs/{job_id}/reports"

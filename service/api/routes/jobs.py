@@ -17,7 +17,8 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=SessionScopedRo
 def submit_job(
     body: JobCreate, session: SessionDep, settings: SettingsDep, wakeup: WakeupDep, user: CurrentUser
 ) -> JobPublic:
-    """Submit a training job; 201 with the normalized spec (every default filled), status ``queued``."""
+    """Submit a job: ``type`` ``train`` (the built-in trainer, the default) or ``script`` (your own
+    code, see POST /v1/code); 201 with the normalized spec (every default filled), status ``queued``."""
     job = jobs_service.submit_job(session, settings, user, body)
     public = jobs_service.job_public(session, job)
     wakeup.notify()  # idle workers' claims run a scheduling pass at once
