@@ -58,7 +58,7 @@ from torchyard.apiclient.models import (
 )
 from torchyard.apiclient.registry import ModelVersion, RegisteredModel, RegistryCalls
 from torchyard.apiclient.streams import StreamCalls
-from torchyard.apiclient.transport import ProgressCallback, ServiceUnreachableError, Transport
+from torchyard.apiclient.transport import ProgressCallback, ServiceUnreachableError, Transport, segment
 
 __all__ = [
     "AMBIGUOUS",
@@ -371,3 +371,8 @@ class Client:
     ) -> list[dict[str, Any]]:
         """Score image files with a registered model (the service runs it)."""
         return self.registry.predict(name, version, images, top_k=top_k)
+
+    def job_result(self, job_id: str) -> dict[str, Any]:
+        """``GET /v1/jobs/{id}/result``: an evaluation's figures, a training job's summary."""
+        result: dict[str, Any] = self._json("GET", f"/v1/jobs/{segment(job_id)}/result")
+        return result

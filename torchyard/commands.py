@@ -278,7 +278,11 @@ def _submit(args: argparse.Namespace) -> int:
             _print_json(job)
             return 0
         print(job.id)
-        what = job.model.get("architecture") if job.type == "train" else f"{job.type} job"
+        what = (
+            job.model.get("architecture")
+            if isinstance(job.model, dict) and job.type == "train"
+            else f"{job.type} job"
+        )
         _note(f"submitted job {job.name!r} ({what}), status {job.status}")
         if not args.follow:
             _note(f"follow it with: torchyard logs {job.id} -f   or   torchyard metrics {job.id} --watch")
@@ -756,6 +760,43 @@ def _predict_remote(args: argparse.Namespace) -> int:
     return 0
 
 
+def _evaluate(args: argparse.Namespace) -> int:
+    """``torchyard evaluate MODEL DATASET``: an evaluation job, followed to its end, as a table."""
+    with _client(args) as client:
+        dataset = client.find_dataset(args.dataset)
+        job = client.submit_job({"type": "evaluate", "model": args.model, "dataset": dataset.id})
+        _note(f"evaluation job {job.id} submitted: {args.model} on dataset {dataset.name}")
+        job = client.wait(job.id, timeout=args.timeout)
+        if job.status != "succeeded":
+            print_job(job)
+            return 1
+        result = client.job_result(job.id)
+    if args.json:
+        _print_json(result)
+        return 0
+    print_evaluation(result)
+    return 0
+
+
+def print_evaluation(result: dict[str, Any]) -> None:
+    top5 = result.get("top5")
+    print(
+        f"{result['model']} on {result['num_images']} images: top-1 {result['top1']:.2%}"
+        + ("" if top5 is None else f", top-5 {top5:.2%}")
+        + f", loss {result['loss']:.4f}"
+    )
+    rows = [
+        (c["label"], f"{c['precision']:.3f}", f"{c['recall']:.3f}", f"{c['f1']:.3f}", c["support"])
+        for c in result["per_class"]
+    ]
+    print(format_table(["CLASS", "PRECISION", "RECALL", "F1", "IMAGES"], rows))
+    classes = result["classes"]
+    if len(classes) <= 20:
+        print("confusion matrix (rows: true label, columns: predicted):")
+        matrix = [[label, *row] for label, row in zip(classes, result["confusion_matrix"], strict=True)]
+        print(format_table(["", *classes], matrix))
+
+
 # --------------------------------------------------------------------------- model registry
 
 
@@ -1024,3 +1065,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     predict.set_defaults(handler=_predict)
     register_model_commands(sub, common)
+    evaluate = sub.add_parser(
+        "evaluate",
+        parents=[common],
+        help="evaluate a registered model on a labeled dataset (runs on a worker)",
+    )
+    evaluate.add_argument("model", metavar="NAME[:VERSION]")
+    evaluate.add_argument("dataset", metavar="DATASET", help="the dataset's id, name or id prefix")
+    evaluate.add_argument(
+        "--timeout", type=float, default=None, help="give up waiting after this many seconds"
+    )
+    evaluate.set_defaults(handler=_evaluate)

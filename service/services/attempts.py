@@ -142,6 +142,20 @@ def claimed_placement(session: Session, placement: Placement, settings: Settings
             code=ClaimedCode(id=code.id, sha256=code.sha256, files=code.files),
             inputs={row.name: dataset(row.dataset_id) for row in inputs},
         )
+    if job.type == "evaluate":
+        assert job.validation_dataset_id is not None
+        evaluated = dataset(job.validation_dataset_id)
+        return ClaimedPlacement(
+            **common,
+            spec={
+                "model": {"architecture": spec["architecture"]},
+                "parameters": {"image_size": spec["image_size"], "batch_size": spec["batch_size"]},
+                "resources": spec["resources"],
+            },
+            datasets=ClaimedDatasets(train=evaluated, validation=evaluated),
+            classes=list(spec["classes"]),
+            init_from_job=job.init_from_job_id,
+        )
     assert job.train_dataset_id is not None and job.validation_dataset_id is not None
     train = dataset(job.train_dataset_id)
     return ClaimedPlacement(
@@ -329,7 +343,7 @@ def report_status(
             if placement.node_rank == 0 and attempt.status in _LIVE_ATTEMPT:
                 _end_attempt(attempt, AttemptStatus.SUCCEEDED, now)
                 if job.status in _PLACED_JOB:
-                    what = "training" if job.type == "train" else "the script"
+                    what = {"train": "training", "evaluate": "the evaluation"}.get(job.type, "the script")
                     transition(session, job, JobStatus.SUCCEEDED, f"{what} finished on {node.name}")
         elif report.state == "failed":
             failure = _failure(report, node.name)

@@ -13,6 +13,7 @@ from service.db.models import Attempt, Job, JobEvent, JobInput, Node, Placement,
 from service.schemas.common import decode_cursor, encode_cursor
 from service.schemas.jobs import (
     AttemptPublic,
+    EvaluateJobCreate,
     Failure,
     JobPublic,
     PlacementPublic,
@@ -68,9 +69,17 @@ def check_model(session: Session, principal: Principal, spec: TrainJobCreate) ->
 
 
 def submit_job(
-    session: Session, settings: Settings, principal: Principal, spec: TrainJobCreate | ScriptJobCreate
+    session: Session,
+    settings: Settings,
+    principal: Principal,
+    spec: TrainJobCreate | ScriptJobCreate | EvaluateJobCreate,
 ) -> Job:
     """Validate a spec of any job type, then queue it."""
+    if isinstance(spec, EvaluateJobCreate):
+        # Evaluations look up registered models, whose module imports this one.
+        from service.services.evaluations import submit_evaluate_job
+
+        return submit_evaluate_job(session, settings, principal, spec)
     if isinstance(spec, ScriptJobCreate):
         return submit_script_job(session, settings, principal, spec)
     return submit_train_job(session, settings, principal, spec)
@@ -264,6 +273,7 @@ def cancel_job(session: Session, principal: Principal, job_id: str) -> Job:
 _TYPE_FIELDS: dict[str, tuple[str, ...]] = {
     "train": ("model", "parameters"),
     "script": ("command", "distribution", "inputs", "environment", "outputs"),
+    "evaluate": ("model", "batch_size"),
 }
 
 
@@ -318,6 +328,8 @@ def job_public(session: Session, job: Job, *, detail: bool = True) -> JobPublic:
         own.update(train_dataset=job.train_dataset_id, validation_dataset=job.validation_dataset_id)
     elif job.type == "script":
         own.update(code=job.code_id, outputs_sha256=job.outputs_sha256, outputs_size=job.outputs_size)
+    elif job.type == "evaluate":
+        own.update(dataset=job.validation_dataset_id)
     return JobPublic(
         **own,
         id=job.id,

@@ -65,7 +65,9 @@ class Job(ApiModel):
     name: str
     status: str
     type: str = "train"
-    model: dict[str, Any] = {}
+    # A training job's model spec; an evaluation's registered model ("name:version").
+    model: dict[str, Any] | str = {}
+    dataset: str | None = None
     train_dataset: str | None = None
     validation_dataset: str | None = None
     parameters: dict[str, Any] = {}

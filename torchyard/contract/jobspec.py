@@ -138,7 +138,7 @@ class ResourceFields(BaseModel):
 # (``SUBMITTERS``) and its launch in the agent.
 
 JobType = Literal["train", "script"]
-JOB_TYPES: tuple[str, ...] = ("train", "script")
+JOB_TYPES: tuple[str, ...] = ("train", "script", "evaluate")
 DEFAULT_JOB_TYPE = "train"
 
 Launch = Literal["per_process", "per_node"]

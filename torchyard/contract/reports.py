@@ -69,12 +69,40 @@ class ProgressIn(StrictModel):
     time: AwareDatetime | None = Field(default=None, strict=False)
 
 
+#: The most classes an evaluation reports a confusion matrix for (its size grows as the square).
+MAX_EVALUATION_CLASSES = 1000
+
+
+class ClassScores(StrictModel):
+    label: str = Field(max_length=200)
+    precision: FiniteFloat
+    recall: FiniteFloat
+    f1: FiniteFloat
+    support: Count
+
+
+class EvaluationIn(StrictModel):
+    """An evaluation job's figures over the whole dataset (SPEC §10)."""
+
+    num_images: Count
+    loss: FiniteFloat
+    top1: FiniteFloat
+    top5: FiniteFloat | None = None
+    classes: list[str] = Field(max_length=MAX_EVALUATION_CLASSES)
+    per_class: list[ClassScores] = Field(max_length=MAX_EVALUATION_CLASSES)
+    confusion_matrix: list[list[Count]] = Field(
+        max_length=MAX_EVALUATION_CLASSES,
+        description="Rows: true labels, columns: predicted labels, both in ``classes`` order.",
+    )
+
+
 class ResultIn(StrictModel):
     best_epoch: Count
     best: dict[MetricName, FiniteFloat]
     final: dict[MetricName, FiniteFloat] | None = None
     stopped_early: bool
     epochs_run: Count
+    evaluation: EvaluationIn | None = None
 
 
 class ReportBatch(StrictModel):

@@ -150,7 +150,7 @@ class PlacementRun:
         if self.work.type == "script":
             self._run_script(agent_log)
             return
-        if self.work.type != "train":
+        if self.work.type not in ("train", "evaluate"):
             raise RuntimeError(f"this agent cannot run jobs of type {self.work.type!r}")
         w = self.work
         self.log.info(
@@ -301,7 +301,9 @@ class PlacementRun:
         if self.stop_event.is_set():
             return "stopped", None
         if exit_code == 0:
-            failure = self.report.upload_model(self.run_dir) if self.node_rank == 0 else None
+            # An evaluation's outcome is its result; it has no model directory of its own.
+            uploads = self.node_rank == 0 and self.work.type == "train"
+            failure = self.report.upload_model(self.run_dir) if uploads else None
             return ("failed", failure) if failure is not None else ("succeeded", None)
         failure = collect_failure(spec, exit_code, agent_log)
         self.log.error(

@@ -141,6 +141,8 @@ def _result(event: dict[str, Any]) -> dict[str, Any] | None:
         "final": _metric_dict(event.get("final")) if event.get("final") is not None else None,
         "stopped_early": bool(event.get("stopped_early", False)),
         "epochs_run": epochs_run,
+        # An evaluation's figures; the API checks their shape.
+        "evaluation": event["evaluation"] if isinstance(event.get("evaluation"), dict) else None,
     }
 
 
