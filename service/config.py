@@ -52,6 +52,15 @@ class Settings(BaseSettings):
         "(16 MiB is always allowed); more is refused as a likely zip bomb, from the sizes the "
         "archive declares before they are written.",
     )
+    max_code_upload_bytes: int = Field(
+        default=256 * 1024**2,
+        gt=0,
+        description="Largest code archive accepted by POST /v1/code (and most it may expand to: 4x).",
+    )
+    max_code_files: int = Field(default=50_000, gt=0, description="Most files a code archive may hold.")
+    max_outputs_bytes: int = Field(
+        default=4 * 1024**3, gt=0, description="Largest outputs archive a script job may upload."
+    )
     max_concurrent_uploads_per_user: int = Field(
         default=2,
         ge=1,

@@ -25,7 +25,7 @@ from service.api.app import create_app
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Attempt, Job, LogChunk, Metric, Node, Placement, utcnow
-from service.schemas.jobs import JobCreate
+from service.schemas.jobs import TrainJobCreate
 from service.services.leases import LEASE_HEADER
 from tests.conftest import LiveServer
 from tests.factories import auth, create_token, insert_dataset, token_id
@@ -70,7 +70,7 @@ def start_running_job(
     owner = token_id(client, user_token)
     worker_id = token_id(client, worker_token)
     dataset = insert_dataset(settings, owner)
-    spec = JobCreate.model_validate(
+    spec = TrainJobCreate.model_validate(
         {
             "name": name,
             "model": {"architecture": "resnet18"},

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +33,8 @@ from service.services.artifacts import ModelStore
 from tests.conftest import LiveServer
 from tests.factories import auth, create_token
 from tests.report_helpers import finish_job, start_running_job
-from tests.trainer_helpers import Digits, run_in_process, single_process_env, write_job
+from tests.trainer_helpers import Digits, run_in_process, single_process_env, subset_classes, write_job
+from tests.worker_fixtures import start_agent, upload_dataset, wait_for_job, wait_for_node, worker_token
 from torchyard import modeldir
 from torchyard.contract.model_archive import pack_model_dir
 from torchyard.sample_data import write_digits
@@ -47,6 +51,7 @@ class Trained:
     sha256: str
     held_out: list[Path]
     labels: list[str]
+    val_dir: Path
 
 
 def _held_out(root: Path, used: Digits) -> list[Path]:
@@ -69,7 +74,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     assert len(held_out) >= 100
     model_dir = root / "run" / "model"
     sha256, _ = pack_model_dir(model_dir, root / "model.tar.gz")
-    return Trained(model_dir, root / "model.tar.gz", sha256, held_out, [p.parent.name for p in held_out])
+    labels = [p.parent.name for p in held_out]
+    return Trained(model_dir, root / "model.tar.gz", sha256, held_out, labels, val)
 
 
 def succeeded_job(
@@ -309,3 +315,88 @@ def _check_refusals(user: httpx.Client, trained: Trained) -> None:
     assert _predict(user, "digits:7", [("a.png", good)]).status_code == 404
     # after all that, the service still scores
     assert _predict(user, "digits:1", [("a.png", good)]).status_code == 200
+
+
+@SQLITE_ONLY
+def test_cli_registers_lists_predicts_and_downloads(env: Env, trained: Trained, tmp_path: Path) -> None:
+    """``torchyard model register|list|show|download|delete`` and ``torchyard predict --model``
+    against the service; the CLI's predictions are the API's, and the downloaded version
+    loads locally."""
+    cli_env = {**os.environ, "TORCHYARD_URL": env.server.url, "TORCHYARD_TOKEN": env.user_token}
+
+    def ok(*args: str) -> str:
+        r = subprocess.run(
+            [sys.executable, "-m", "torchyard.cli", *args],
+            env=cli_env, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert r.returncode == 0, f"{args}: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+        return r.stdout
+
+    assert ok("model", "register", "digits", env.job_id).strip() == "digits:1"
+    assert "digits" in ok("model", "list") and "resnet18" in ok("model", "show", "digits:1")
+    images = [str(p) for p in trained.held_out[:5]]
+    predicted = json.loads(ok("predict", "--model", "digits:1", *images, "--topk", "2", "--json"))
+    api = _predict(env.user, "digits:1", [(Path(p).name, Path(p).read_bytes()) for p in images], top_k=2)
+    assert [p["image"] for p in predicted] == images
+    assert [[t["class"] for t in p["top"]] for p in predicted] == [
+        [t["label"] for t in p["top"]] for p in api.json()["predictions"]
+    ]
+    folder = Path(ok("model", "download", "digits", "-o", str(tmp_path / "dl")).strip())
+    _, classes, _ = modeldir.load_model(folder)
+    assert classes == [str(i) for i in range(10)]
+    onnx = Path(ok("model", "download", "digits:1", "--onnx", "-o", str(tmp_path / "m.onnx")).strip())
+    assert onnx.read_bytes() == (trained.model_dir / "model.onnx").read_bytes()
+    assert ok("model", "delete", "digits:1").strip() == "deleted digits:1"
+    assert json.loads(ok("model", "list", "--json")) == []
+
+
+@SQLITE_ONLY
+def test_evaluation_on_the_validation_set_equals_training_figures(
+    env: Env, trained: Trained, tmp_path: Path
+) -> None:
+    """An evaluate job runs on a real worker agent; on the training job's validation set
+    its top-1, top-5 and loss are the saved epoch's validation figures; per-class scores
+    and the confusion matrix are consistent; a dataset with other labels is refused at
+    submission naming them; a version in use by a queued evaluation cannot be deleted."""
+    _register(env.user, "digits", env.job_id)
+    val = upload_dataset(env.user, shutil.copytree(trained.val_dir, tmp_path / "val"), "digits-val")
+    fewer = subset_classes(trained.val_dir, tmp_path / "fewer", ["0", "1", "2"])
+    wrong = upload_dataset(env.user, fewer, "digits-012")
+    refused = env.user.post(
+        "/v1/jobs", json={"type": "evaluate", "model": "digits:1", "dataset": wrong["id"]}
+    )
+    assert refused.status_code == 422 and refused.json()["code"] == "InvalidDatasetError"
+    assert "'3'" in refused.json()["message"] and "'9'" in refused.json()["message"]
+
+    r = env.user.post("/v1/jobs", json={"type": "evaluate", "model": "digits:1", "dataset": val["id"]})
+    assert r.status_code == 201, r.text
+    job = r.json()
+    assert job["type"] == "evaluate" and job["model"] == "digits:1" and job["dataset"] == val["id"]
+    busy = env.user.delete("/v1/models/digits/versions/1")
+    assert busy.status_code == 409 and job["id"] in busy.json()["message"]
+    assert env.user.get(f"/v1/jobs/{job['id']}/result").status_code == 409
+
+    agent = start_agent(env.server.url, worker_token(env.admin), "evaluator", tmp_path / "agent")
+    try:
+        wait_for_node(env.admin, "evaluator")
+        done = wait_for_job(env.user, job["id"], timeout=300, agents=[agent])
+    finally:
+        agent.stop()
+    assert done["status"] == "succeeded", done
+    result = env.user.get(f"/v1/jobs/{job['id']}/result").json()
+    best = json.loads((trained.model_dir / "metrics.json").read_text())["best"]
+    assert result["num_images"] == len(list(trained.val_dir.rglob("*.png")))
+    assert result["top1"] == pytest.approx(best["val.top1"], abs=1e-9)
+    assert result["top5"] == pytest.approx(best["val.top5"], abs=1e-9)
+    assert result["loss"] == pytest.approx(best["val.loss"], abs=1e-4)
+    matrix = np.array(result["confusion_matrix"])
+    assert matrix.shape == (10, 10) and matrix.sum() == result["num_images"]
+    assert np.trace(matrix) / matrix.sum() == pytest.approx(result["top1"])
+    for index, scores in enumerate(result["per_class"]):
+        assert scores["label"] == result["classes"][index] == str(index)
+        assert scores["support"] == matrix[index].sum()
+        if matrix[:, index].sum():
+            assert scores["precision"] == pytest.approx(matrix[index, index] / matrix[:, index].sum())
+        assert scores["recall"] == pytest.approx(matrix[index, index] / matrix[index].sum())
+    # once it has ended, the version may go
+    assert env.user.delete("/v1/models/digits/versions/1").status_code == 200

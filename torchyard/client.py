@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from torchyard.apiclient.admin import AdminCalls
+from torchyard.apiclient.code import CodeCalls
 from torchyard.apiclient.connection import (
     DEFAULT_DATA_DIR,
     DEFAULT_URL,
@@ -43,6 +44,7 @@ from torchyard.apiclient.models import (
     ApiModel,
     Attempt,
     Cluster,
+    CodePackage,
     CreatedToken,
     Dataset,
     Event,
@@ -56,8 +58,9 @@ from torchyard.apiclient.models import (
     StatusChange,
     TokenInfo,
 )
+from torchyard.apiclient.registry import ModelVersion, RegisteredModel, RegistryCalls
 from torchyard.apiclient.streams import StreamCalls
-from torchyard.apiclient.transport import ProgressCallback, ServiceUnreachableError, Transport
+from torchyard.apiclient.transport import ProgressCallback, ServiceUnreachableError, Transport, segment
 
 __all__ = [
     "AMBIGUOUS",
@@ -69,6 +72,7 @@ __all__ = [
     "Attempt",
     "Client",
     "Cluster",
+    "CodePackage",
     "CreatedToken",
     "Dataset",
     "Event",
@@ -76,10 +80,12 @@ __all__ = [
     "Job",
     "MetricPage",
     "MetricPoint",
+    "ModelVersion",
     "Node",
     "NodeDrained",
     "Page",
     "ProgressCallback",
+    "RegisteredModel",
     "ServiceUnreachableError",
     "StatusChange",
     "TokenInfo",
@@ -98,7 +104,8 @@ class Client:
     service (``http://127.0.0.1:8000`` and the data directory's ``admin.token``).
 
     Each area of the API is one part sharing the connection — ``admin``, ``datasets``,
-    ``jobs``, ``streams`` and ``models`` — and every call is also a method here.
+    ``jobs``, ``streams``, ``models`` (downloads) and ``registry`` (registered models and
+    scoring) — and every call is also a method here.
     """
 
     def __init__(
@@ -116,7 +123,9 @@ class Client:
         self.datasets = DatasetCalls(self._transport)
         self.jobs = JobCalls(self._transport)
         self.streams = StreamCalls(self._transport)
+        self.code = CodeCalls(self._transport)
         self.models = ModelDownloads(self._transport, lambda job_id: self.get_job(job_id).model_sha256)
+        self.registry = RegistryCalls(self._transport)
 
     # -- plumbing
 
@@ -207,6 +216,27 @@ class Client:
     def find_dataset(self, ref: str) -> Dataset:
         """A dataset by id, name or unique id prefix; of several with that exact name, the newest."""
         return self.datasets.find_dataset(ref)
+
+    # -- code packages and outputs (script jobs)
+
+    def upload_code(self, folder: str | Path, name: str | None = None) -> CodePackage:
+        """Upload a source folder as a code package: the WHOLE folder is sent, except hidden
+        entries and what its ``.torchyardignore`` (gitignore syntax) leaves out."""
+        return self.code.upload_code(folder, name)
+
+    def list_code(self, *, limit: int | None = None, cursor: str | None = None) -> Page[CodePackage]:
+        return self.code.list_code(limit=limit, cursor=cursor)
+
+    def get_code(self, code_id: str) -> CodePackage:
+        return self.code.get_code(code_id)
+
+    def delete_code(self, code_id: str) -> None:
+        """Delete a code package (409 ``ConflictError`` while a live job uses it)."""
+        self.code.delete_code(code_id)
+
+    def download_outputs(self, job_id: str, dest: str | Path, *, path: str | None = None) -> Path:
+        """A script job's outputs as .tar.gz (or one file with ``path``), checked against its sha256."""
+        return self.code.download_outputs(job_id, dest, path=path)
 
     # -- jobs
 
@@ -342,3 +372,32 @@ class Client:
         return self.models.download_model(
             job_id, dest, progress=progress, keep_archive=keep_archive, on_resume=on_resume
         )
+
+    # -- model registry and scoring
+
+    def register_model(self, name: str, job_id: str, path: str | None = None) -> ModelVersion:
+        """Register a succeeded training job's model as the next version of ``name``."""
+        return self.registry.register_model(name, job_id, path)
+
+    def list_models(self) -> list[RegisteredModel]:
+        return self.registry.list_models()
+
+    def get_model(self, name: str) -> RegisteredModel:
+        return self.registry.get_model(name)
+
+    def get_model_version(self, name: str, version: str | int = "latest") -> ModelVersion:
+        return self.registry.get_model_version(name, version)
+
+    def delete_model_version(self, name: str, version: str | int) -> ModelVersion:
+        return self.registry.delete_model_version(name, version)
+
+    def predict(
+        self, name: str, images: Sequence[str | Path], *, version: str | int = "latest", top_k: int = 3
+    ) -> list[dict[str, Any]]:
+        """Score image files with a registered model (the service runs it)."""
+        return self.registry.predict(name, version, images, top_k=top_k)
+
+    def job_result(self, job_id: str) -> dict[str, Any]:
+        """``GET /v1/jobs/{id}/result``: an evaluation's figures, a training job's summary."""
+        result: dict[str, Any] = self._json("GET", f"/v1/jobs/{segment(job_id)}/result")
+        return result

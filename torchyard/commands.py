@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from torchyard.apiclient.models import Failure
+from torchyard.apiclient.registry import ModelVersion, parse_model_ref
 from torchyard.client import Client, Event, Job, MetricPoint, missing_token_message
 from torchyard.contract.errors import AuthenticationError
 from torchyard.extras import require
@@ -249,6 +250,11 @@ def _resolve_datasets(client: Client, spec: dict[str, Any]) -> None:
         ref = spec.get(key)
         if isinstance(ref, str) and ref:
             spec[key] = client.find_dataset(ref).id
+    inputs = spec.get("inputs")
+    if isinstance(inputs, dict):  # a script job's input datasets
+        for name, ref in inputs.items():
+            if isinstance(ref, str) and ref:
+                inputs[name] = client.find_dataset(ref).id
     model = spec.get("model")
     if isinstance(model, dict) and isinstance(model.get("init_from_job"), str) and model["init_from_job"]:
         model["init_from_job"] = client.get_job(model["init_from_job"]).id
@@ -274,7 +280,12 @@ def _submit(args: argparse.Namespace) -> int:
             _print_json(job)
             return 0
         print(job.id)
-        _note(f"submitted job {job.name!r} ({job.model.get('architecture')}), status {job.status}")
+        what = (
+            job.model.get("architecture")
+            if isinstance(job.model, dict) and job.type == "train"
+            else f"{job.type} job"
+        )
+        _note(f"submitted job {job.name!r} ({what}), status {job.status}")
         if not args.follow:
             _note(f"follow it with: torchyard logs {job.id} -f   or   torchyard metrics {job.id} --watch")
             return 0
@@ -576,7 +587,68 @@ class _MetricsView:
 # --------------------------------------------------------------------------- model, cluster, predict
 
 
+def _code_upload(args: argparse.Namespace) -> int:
+    from torchyard.apiclient.code import IGNORE_FILE, code_files
+
+    folder = Path(args.folder)
+    if folder.is_dir():
+        files, skipped = code_files(folder)
+        size = sum((folder / rel).stat().st_size for rel in files)
+        # As the seed warns: the whole folder is sent. Say so before it is.
+        _note(
+            f"uploading the WHOLE folder {folder}: {len(files)} files ({human_bytes(size)}); keep secrets "
+            f"and data out of it, or list them in {IGNORE_FILE} (gitignore syntax)"
+        )
+        for rel in skipped:
+            _note(f"left out {rel}: not a regular file (links are not uploaded)")
+        if not files:
+            raise ValueError(f"{folder} has no files to upload")
+    with _client(args) as client:
+        package = client.upload_code(folder, args.name)
+    if args.json:
+        _print_json(package)
+    else:
+        print(package.id)
+        _note(
+            f"code {package.name!r}: {package.files} files ({human_bytes(package.size_bytes)}), sha256 {package.sha256[:12]}"
+        )
+    return 0
+
+
+def _code_list(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        items = client.list_code(limit=args.limit).items
+    if args.json:
+        _print_json(items)
+        return 0
+    rows = [(c.id[:12], c.name, c.files, human_bytes(c.size_bytes), format_time(c.created_at)) for c in items]
+    print(format_table(["ID", "NAME", "FILES", "SIZE", "CREATED"], rows))
+    return 0
+
+
+def _code_delete(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        client.delete_code(args.id)
+    _note(f"deleted code package {args.id}")
+    return 0
+
+
+def _download_outputs(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.get_job(args.id)
+        default = Path(args.path).name if args.path else f"outputs-{job.id}.tar.gz"
+        out = Path(args.output) if args.output else Path(default)
+        path = client.download_outputs(job.id, out, path=args.path)
+    if args.json:
+        _print_json({"job": job.id, "path": str(path), "sha256": job.outputs_sha256})
+    else:
+        print(path)
+    return 0
+
+
 def _download(args: argparse.Namespace) -> int:
+    if args.outputs or args.path:
+        return _download_outputs(args)
     with _client(args) as client:
         job = client.get_job(args.id)  # the full id, whatever the user typed
         out = Path(args.output) if args.output else Path(f"model-{job.id}")
@@ -707,21 +779,197 @@ def register_token_commands(
 
 
 def _predict(args: argparse.Namespace) -> int:
+    if args.model:
+        return _predict_remote(args)
+    if len(args.paths) < 2:
+        raise ValueError("give a model directory and one or more images (or --model NAME[:VERSION] IMAGES)")
     require("predict", "worker")
     from torchyard.modeldir import predict
 
-    results = predict(args.model_dir, args.images, topk=args.topk, device=args.device)
+    model_dir, images = args.paths[0], args.paths[1:]
+    results = predict(model_dir, images, topk=args.topk, device=args.device)
     if args.json:
         _print_json(
             [
                 {"image": str(image), "top": [{"class": c, "probability": p} for c, p in top]}
-                for image, top in zip(args.images, results, strict=True)
+                for image, top in zip(images, results, strict=True)
             ]
         )
         return 0
-    for image, top in zip(args.images, results, strict=True):
+    for image, top in zip(images, results, strict=True):
         print(f"{image}: " + "  ".join(f"{c} ({p:.1%})" for c, p in top))
     return 0
+
+
+def _predict_remote(args: argparse.Namespace) -> int:
+    """``predict --model NAME[:VERSION] IMAGES``: the service scores the images."""
+    name, version = parse_model_ref(args.model)
+    with _client(args) as client:
+        results = client.predict(name, args.paths, version=version, top_k=args.topk)
+    if args.json:
+        _print_json(
+            [
+                {
+                    "image": r["file"],
+                    "top": [{"class": t["label"], "probability": t["probability"]} for t in r["top"]],
+                }
+                for r in results
+            ]
+        )
+        return 0
+    for r in results:
+        print(f"{r['file']}: " + "  ".join(f"{t['label']} ({t['probability']:.1%})" for t in r["top"]))
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    """``torchyard evaluate MODEL DATASET``: an evaluation job, followed to its end, as a table."""
+    with _client(args) as client:
+        dataset = client.find_dataset(args.dataset)
+        job = client.submit_job({"type": "evaluate", "model": args.model, "dataset": dataset.id})
+        _note(f"evaluation job {job.id} submitted: {args.model} on dataset {dataset.name}")
+        job = client.wait(job.id, timeout=args.timeout)
+        if job.status != "succeeded":
+            print_job(job)
+            return 1
+        result = client.job_result(job.id)
+    if args.json:
+        _print_json(result)
+        return 0
+    print_evaluation(result)
+    return 0
+
+
+def print_evaluation(result: dict[str, Any]) -> None:
+    top5 = result.get("top5")
+    print(
+        f"{result['model']} on {result['num_images']} images: top-1 {result['top1']:.2%}"
+        + ("" if top5 is None else f", top-5 {top5:.2%}")
+        + f", loss {result['loss']:.4f}"
+    )
+    rows = [
+        (c["label"], f"{c['precision']:.3f}", f"{c['recall']:.3f}", f"{c['f1']:.3f}", c["support"])
+        for c in result["per_class"]
+    ]
+    print(format_table(["CLASS", "PRECISION", "RECALL", "F1", "IMAGES"], rows))
+    classes = result["classes"]
+    if len(classes) <= 20:
+        print("confusion matrix (rows: true label, columns: predicted):")
+        matrix = [[label, *row] for label, row in zip(classes, result["confusion_matrix"], strict=True)]
+        print(format_table(["", *classes], matrix))
+
+
+# --------------------------------------------------------------------------- model registry
+
+
+def _version_row(v: ModelVersion) -> list[str]:
+    created = v.model_extra.get("created_at", "") if v.model_extra else ""
+    return [
+        v.name,
+        str(v.version),
+        v.architecture,
+        str(len(v.classes)),
+        "yes" if v.onnx else "no",
+        v.job_id[:12],
+        str(created)[:19],
+    ]
+
+
+_VERSION_HEADER = ["NAME", "VERSION", "ARCHITECTURE", "CLASSES", "ONNX", "JOB", "CREATED"]
+
+
+def _model_register(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        version = client.register_model(args.name, args.job)
+    if args.json:
+        _print_json(version.model_dump(mode="json"))
+    else:
+        print(f"{version.name}:{version.version}")
+        _note(f"registered from job {version.job_id} (sha256 {version.sha256})")
+    return 0
+
+
+def _model_list(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        models = client.list_models()
+    if args.json:
+        _print_json([m.model_dump(mode="json") for m in models])
+        return 0
+    rows = [_version_row(m.versions[-1]) for m in models if m.versions]
+    print(format_table(_VERSION_HEADER, rows) if rows else "no models")
+    return 0
+
+
+def _model_show(args: argparse.Namespace) -> int:
+    name, version = args.ref.partition(":")[0], args.ref.partition(":")[2]
+    with _client(args) as client:
+        versions = [client.get_model_version(name, version)] if version else client.get_model(name).versions
+    if args.json:
+        _print_json([v.model_dump(mode="json") for v in versions])
+        return 0
+    print(format_table(_VERSION_HEADER, [_version_row(v) for v in versions]))
+    if version:
+        print(f"classes: {', '.join(versions[0].classes)}")
+        print(f"sha256:  {versions[0].sha256}")
+    return 0
+
+
+def _model_delete(args: argparse.Namespace) -> int:
+    name, version = parse_model_ref(args.ref)
+    if version == "latest" and ":" not in args.ref:
+        raise ValueError("name the version to delete: NAME:VERSION")
+    with _client(args) as client:
+        deleted = client.delete_model_version(name, version)
+    if args.json:
+        _print_json(deleted.model_dump(mode="json"))
+    else:
+        print(f"deleted {deleted.name}:{deleted.version}")
+    return 0
+
+
+def _model_download(args: argparse.Namespace) -> int:
+    name, version = parse_model_ref(args.ref)
+    with _client(args) as client:
+        found = client.get_model_version(name, version)
+        if args.onnx:
+            out = Path(args.output or f"{found.name}-{found.version}.onnx")
+            path = client.registry.download_version_onnx(found.name, found.version, out)
+        else:
+            out = Path(args.output or f"{found.name}-{found.version}")
+            path = client.download_model(found.job_id, out)
+    if args.json:
+        _print_json({"model": found.name, "version": found.version, "path": str(path)})
+    else:
+        print(path)
+    return 0
+
+
+def register_model_commands(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    model = sub.add_parser("model", help="the model registry: register, list, show, delete, download")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    reg = model_sub.add_parser(
+        "register", parents=[common], help="register a succeeded job's model as the next version of NAME"
+    )
+    reg.add_argument("name", metavar="NAME")
+    reg.add_argument("job", metavar="JOB", help="the job's id, name or id prefix")
+    reg.set_defaults(handler=_model_register)
+    ls = model_sub.add_parser("list", parents=[common], help="your models and their latest versions")
+    ls.set_defaults(handler=_model_list)
+    show = model_sub.add_parser("show", parents=[common], help="a model's versions, or one version")
+    show.add_argument("ref", metavar="NAME[:VERSION]")
+    show.set_defaults(handler=_model_show)
+    delete = model_sub.add_parser("delete", parents=[common], help="delete one version (NAME:VERSION)")
+    delete.add_argument("ref", metavar="NAME:VERSION")
+    delete.set_defaults(handler=_model_delete)
+    download = model_sub.add_parser(
+        "download", parents=[common], help="download a version's model directory (or --onnx its export)"
+    )
+    download.add_argument("ref", metavar="NAME[:VERSION]")
+    download.add_argument("-o", "--output", help="destination (default NAME-VERSION[.onnx])")
+    download.add_argument("--onnx", action="store_true", help="the ONNX export instead of the directory")
+    download.set_defaults(handler=_model_download)
 
 
 # --------------------------------------------------------------------------- parser
@@ -838,7 +1086,28 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     download.add_argument("id")
     download.add_argument("-o", "--output", help="directory to create (default: ./model-<job id>)")
     download.add_argument("--keep-archive", action="store_true", help="keep the .tar.gz beside the directory")
+    download.add_argument(
+        "--outputs", action="store_true", help="a script job's outputs folder as .tar.gz instead of a model"
+    )
+    download.add_argument("--path", help="with --outputs: only this file of the outputs")
     download.set_defaults(handler=_download)
+
+    code = sub.add_parser("code", help="upload, list and delete code packages for script jobs")
+    code_sub = code.add_subparsers(dest="code_command", required=True)
+    code_up = code_sub.add_parser(
+        "upload",
+        parents=[common],
+        help="upload a source folder (the whole folder, minus .torchyardignore) and print its id",
+    )
+    code_up.add_argument("folder", help="the folder (or a .zip/.tar.gz of it)")
+    code_up.add_argument("--name", help="package name (default: the folder name)")
+    code_up.set_defaults(handler=_code_upload)
+    code_ls = code_sub.add_parser("list", parents=[common], help="list code packages, newest first")
+    code_ls.add_argument("--limit", type=int, default=50)
+    code_ls.set_defaults(handler=_code_list)
+    code_rm = code_sub.add_parser("delete", parents=[common], help="delete a code package")
+    code_rm.add_argument("id")
+    code_rm.set_defaults(handler=_code_delete)
 
     cluster = sub.add_parser("cluster", parents=[common], help="nodes, processing units and limits")
     cluster.set_defaults(handler=_cluster)
@@ -854,11 +1123,29 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         cmd.set_defaults(handler=_node_drain if verb == "drain" else _node_undrain)
 
     predict = sub.add_parser(
-        "predict", help="classify images with a downloaded model directory (no service needed)"
+        "predict",
+        parents=[common],
+        help="classify images: MODEL_DIR IMAGES locally (no service), or --model NAME[:VERSION] IMAGES "
+        "through the service",
     )
-    predict.add_argument("model_dir")
-    predict.add_argument("images", nargs="+", metavar="IMAGE")
+    predict.add_argument("paths", nargs="+", metavar="[MODEL_DIR] IMAGE")
+    predict.add_argument(
+        "--model", metavar="NAME[:VERSION]", help="a registered model, scored by the service"
+    )
     predict.add_argument("--topk", type=int, default=5, help="classes to show per image")
-    predict.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    predict.add_argument("--json", action="store_true", help="machine-readable JSON output")
+    predict.add_argument(
+        "--device", default="cpu", help="torch device for a local model directory (default cpu)"
+    )
     predict.set_defaults(handler=_predict)
+    register_model_commands(sub, common)
+    evaluate = sub.add_parser(
+        "evaluate",
+        parents=[common],
+        help="evaluate a registered model on a labeled dataset (runs on a worker)",
+    )
+    evaluate.add_argument("model", metavar="NAME[:VERSION]")
+    evaluate.add_argument("dataset", metavar="DATASET", help="the dataset's id, name or id prefix")
+    evaluate.add_argument(
+        "--timeout", type=float, default=None, help="give up waiting after this many seconds"
+    )
+    evaluate.set_defaults(handler=_evaluate)

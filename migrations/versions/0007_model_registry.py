@@ -1,7 +1,7 @@
 """The model registry: named, numbered versions of trained model directories.
 
 Revision ID: 0007
-Revises: 0002
+Revises: 0006
 Create Date: 2026-12-12 10:00:00.000000
 """
 
@@ -13,7 +13,7 @@ from alembic import op
 from service.db.models import UTCDateTime
 
 revision: str = "0007"
-down_revision: str | None = "0004"
+down_revision: str | None = "0006"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

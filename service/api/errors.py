@@ -111,11 +111,16 @@ def _allowed_for(models: list[type[BaseModel]], loc: tuple[Any, ...]) -> str | N
 
 
 def _validation_body(exc: FastAPIValidationError, request: Request) -> dict[str, Any]:
-    from service.schemas.jobs import JobCreate
+    from service.schemas.jobs import JOB_CREATE_MODELS
 
     errors = []
     for err in exc.errors():
         loc = tuple(err.get("loc", ()))
+        if len(loc) > 1 and loc[0] == "body" and loc[1] in JOB_CREATE_MODELS:
+            # The job spec union's tag (its ``type``) is not a field of the body.
+            loc = (loc[0], *loc[2:])
+        if err.get("type") == "invalid_job_type":
+            loc = ("body", "type")
         where = loc[0] if loc else "body"
         path = (
             [str(p) for p in loc[1:]] if where in ("body", "query", "path", "header") else list(map(str, loc))
@@ -137,7 +142,7 @@ def _validation_body(exc: FastAPIValidationError, request: Request) -> dict[str,
             item["message"] = malformed_json_message(reason, exc.body or "", position)
             errors.append(item)
             continue
-        allowed = _allowed_for([JobCreate], tuple(loc[1:])) if where == "body" else None
+        allowed = _allowed_for(list(JOB_CREATE_MODELS.values()), tuple(loc[1:])) if where == "body" else None
         if allowed is not None:
             item["allowed"] = allowed
         if (

@@ -120,6 +120,24 @@ class Dataset(Base):
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
+class CodePackage(Base):
+    """An uploaded source folder for script jobs, stored content-addressed under
+    ``<data dir>/code/<sha256>/`` (two uploads of the same files share one copy)."""
+
+    __tablename__ = "code_packages"
+    __table_args__ = (CheckConstraint("files >= 0 AND size_bytes >= 0", name="sizes"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    owner_id: Mapped[str] = mapped_column(ForeignKey("tokens.id"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    sha256: Mapped[str] = mapped_column(String(64), index=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    files: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # Deleted packages keep their row (finished jobs still reference it) but are hidden.
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
 _final = sql_in(FINAL_STATUSES)
 
 
@@ -129,7 +147,15 @@ class Job(Base):
         CheckConstraint(f"status IN {sql_in(JobStatus)}", name="status"),
         CheckConstraint(f"(status IN {_final}) = (finished_at IS NOT NULL)", name="finished_iff_final"),
         CheckConstraint("(status = 'failed') = (failure_code IS NOT NULL)", name="failure_iff_failed"),
-        CheckConstraint("status <> 'succeeded' OR model_sha256 IS NOT NULL", name="succeeded_has_model"),
+        CheckConstraint(
+            "type <> 'train' OR status <> 'succeeded' OR model_sha256 IS NOT NULL", name="succeeded_has_model"
+        ),
+        CheckConstraint(
+            "type <> 'train' OR (architecture IS NOT NULL AND train_dataset_id IS NOT NULL "
+            "AND validation_dataset_id IS NOT NULL)",
+            name="train_fields",
+        ),
+        CheckConstraint("type <> 'script' OR code_id IS NOT NULL", name="script_fields"),
         CheckConstraint("node_count >= 1 AND process_count_per_node >= 1", name="resources"),
         Index("ix_jobs_owner_created", "owner_id", "created_at"),
         Index("ix_jobs_status_priority", "status", "priority", "created_at"),
@@ -139,10 +165,17 @@ class Job(Base):
     owner_id: Mapped[str] = mapped_column(ForeignKey("tokens.id"))
     name: Mapped[str] = mapped_column(String(200))
     status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED.value)
+    # What runs (torchyard.contract.jobspec.JOB_TYPES); the API refuses other values.
+    type: Mapped[str] = mapped_column(String(16), default="train", server_default="train")
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
-    architecture: Mapped[str] = mapped_column(String(100))
-    train_dataset_id: Mapped[str] = mapped_column(ForeignKey("datasets.id"), index=True)
-    validation_dataset_id: Mapped[str] = mapped_column(ForeignKey("datasets.id"), index=True)
+    # Training jobs only (the train_fields constraint).
+    architecture: Mapped[str | None] = mapped_column(String(100))
+    train_dataset_id: Mapped[str | None] = mapped_column(ForeignKey("datasets.id"), index=True)
+    validation_dataset_id: Mapped[str | None] = mapped_column(ForeignKey("datasets.id"), index=True)
+    # Script jobs only: the code package, and the outputs archive once uploaded.
+    code_id: Mapped[str | None] = mapped_column(ForeignKey("code_packages.id"), index=True)
+    outputs_sha256: Mapped[str | None] = mapped_column(String(64))
+    outputs_size: Mapped[int | None] = mapped_column(BigInteger)
     init_from_job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"))
     node_count: Mapped[int] = mapped_column(Integer)
     process_count_per_node: Mapped[int] = mapped_column(Integer)
@@ -169,6 +202,16 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     cancel_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class JobInput(Base):
+    """A dataset a job reads besides a training job's own two (a script job's ``inputs``)."""
+
+    __tablename__ = "job_inputs"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    dataset_id: Mapped[str] = mapped_column(ForeignKey("datasets.id"), index=True)
 
 
 class JobEvent(Base):

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Discriminator, Field, Tag, TypeAdapter
 
 from service.schemas.common import StrictModel
-from torchyard.contract.jobspec import JobParameters, ModelFields, ResourceFields, allowed
+from torchyard.contract.jobspec import (
+    DEFAULT_JOB_TYPE,
+    DistributionFields,
+    EnvironmentFields,
+    JobParameters,
+    ModelFields,
+    ResourceFields,
+    ScriptFields,
+    allowed,
+)
 
 
 class ModelSpec(ModelFields, StrictModel):
@@ -27,9 +36,27 @@ class Resources(ResourceFields, StrictModel):
     pass
 
 
-class JobCreate(StrictModel):
-    """A training job spec. Unknown fields anywhere are refused."""
+class Distribution(DistributionFields, StrictModel):
+    pass
 
+
+class Environment(EnvironmentFields, StrictModel):
+    pass
+
+
+_TYPE_DESCRIPTION = (
+    "What runs: train (the built-in trainer, the default), script (your own code) or evaluate "
+    "(a registered model scored on a labeled dataset)."
+)
+_TYPES = "train, script or evaluate"
+
+
+class TrainJobCreate(StrictModel):
+    """A training job spec (the built-in trainer). Unknown fields anywhere are refused."""
+
+    type: Literal["train"] = Field(
+        default="train", description=_TYPE_DESCRIPTION, json_schema_extra=allowed(_TYPES)
+    )
     name: str | None = Field(default=None, min_length=1, max_length=200)
     model: ModelSpec
     train_dataset: str = Field(min_length=1, max_length=64, description="Training dataset id.")
@@ -43,6 +70,72 @@ class JobCreate(StrictModel):
         description="Higher runs first; FIFO among equal priorities.",
         json_schema_extra=allowed("-100..100"),
     )
+
+
+class ScriptJobCreate(ScriptFields, StrictModel):
+    """A script job spec (SPEC §9): the user's own code and command. Unknown fields are refused."""
+
+    type: Literal["script"] = Field(description=_TYPE_DESCRIPTION, json_schema_extra=allowed(_TYPES))
+    name: str | None = Field(default=None, min_length=1, max_length=200)
+    distribution: Distribution = Field(default_factory=Distribution)
+    environment: Environment = Field(default_factory=Environment)
+    resources: Resources = Field(default_factory=Resources)
+    priority: int = Field(
+        default=0,
+        ge=-100,
+        le=100,
+        description="Higher runs first; FIFO among equal priorities.",
+        json_schema_extra=allowed("-100..100"),
+    )
+
+
+class EvaluateJobCreate(StrictModel):
+    """An evaluation job (SPEC §10): a registered model scored on a labeled dataset, on a worker."""
+
+    type: Literal["evaluate"] = Field(description=_TYPE_DESCRIPTION, json_schema_extra=allowed(_TYPES))
+    name: str | None = Field(default=None, min_length=1, max_length=200)
+    model: str = Field(
+        min_length=1,
+        max_length=120,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}(:([1-9][0-9]{0,8}|latest))?$",
+        description="The registered model as name:version (name alone: the latest version).",
+    )
+    dataset: str = Field(min_length=1, max_length=64, description="The labeled dataset to evaluate on.")
+    batch_size: int = Field(default=64, ge=1, le=4096, description="Images per evaluation batch.")
+    priority: int = Field(
+        default=0,
+        ge=-100,
+        le=100,
+        description="Higher runs first; FIFO among equal priorities.",
+        json_schema_extra=allowed("-100..100"),
+    )
+
+
+def job_type_of(value: Any) -> str:
+    """The union's tag: the spec's ``type``, ``train`` when it is left out."""
+    found = value.get("type", DEFAULT_JOB_TYPE) if isinstance(value, dict) else getattr(value, "type", None)
+    return found if isinstance(found, str) else DEFAULT_JOB_TYPE
+
+
+# Every job type's request model, by its ``type``. A new type adds its model here.
+JOB_CREATE_MODELS: dict[str, type[StrictModel]] = {
+    "train": TrainJobCreate,
+    "script": ScriptJobCreate,
+    "evaluate": EvaluateJobCreate,
+}
+
+JobCreate = Annotated[
+    Annotated[TrainJobCreate, Tag("train")]
+    | Annotated[ScriptJobCreate, Tag("script")]
+    | Annotated[EvaluateJobCreate, Tag("evaluate")],
+    Discriminator(
+        job_type_of,
+        custom_error_type="invalid_job_type",
+        custom_error_message="type must be one of: train, script, evaluate",
+        custom_error_context={"allowed": _TYPES},
+    ),
+]
+JOB_CREATE: TypeAdapter[TrainJobCreate | ScriptJobCreate | EvaluateJobCreate] = TypeAdapter(JobCreate)
 
 
 class Failure(BaseModel):
@@ -91,14 +184,29 @@ class AttemptPublic(BaseModel):
 
 class JobPublic(BaseModel):
     id: str
+    type: str = Field(description="train (the built-in trainer), script or evaluate.")
     name: str
     owner: str
     status: str
-    model: dict[str, Any]
-    train_dataset: str
-    validation_dataset: str
-    parameters: dict[str, Any]
+    model: dict[str, Any] | str | None = Field(
+        default=None, description="A training job's model; an evaluation's registered model (name:version)."
+    )
+    dataset: str | None = Field(default=None, description="Evaluation jobs: the dataset evaluated on.")
+    batch_size: int | None = Field(default=None, description="Evaluation jobs: images per batch.")
+    train_dataset: str | None = None
+    validation_dataset: str | None = None
+    parameters: dict[str, Any] | None = None
     resources: dict[str, Any]
+    code: str | None = Field(default=None, description="Script jobs: the code package id.")
+    command: list[str] | None = None
+    distribution: dict[str, Any] | None = None
+    inputs: dict[str, str] | None = None
+    environment: dict[str, Any] | None = None
+    outputs: str | None = Field(default=None, description="Script jobs: node0 or all.")
+    outputs_sha256: str | None = Field(
+        default=None, description="Script jobs: sha256 of the outputs archive, once uploaded."
+    )
+    outputs_size: int | None = None
     priority: int
     reason: str | None = Field(default=None, description="Why a queued job waits.")
     failure: Failure | None = None

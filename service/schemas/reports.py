@@ -7,12 +7,10 @@ from datetime import datetime
 
 from pydantic import BaseModel, Field
 
-from torchyard.contract.metrics import MetricName
-
 
 class MetricPoint(BaseModel):
     seq: int = Field(description="Position in the job's metric history; pass it as ``after`` to continue.")
-    name: MetricName
+    name: str = Field(description="A trainer metric (SPEC §4) or a name a script job logged.")
     value: float
     epoch: int
     step: int

@@ -26,7 +26,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Attempt, Dataset, Job, Node, Placement, utcnow
+from service.db.models import Attempt, CodePackage, Dataset, Job, JobInput, Node, Placement, utcnow
 from service.schemas.jobs import Failure
 from service.services import checkpoints
 from service.services.jobs import transition
@@ -44,6 +44,7 @@ from torchyard.contract.errors import (
 )
 from torchyard.contract.jobspec import DEFAULT_MAX_RESTARTS
 from torchyard.contract.protocol import (
+    ClaimedCode,
     ClaimedDataset,
     ClaimedDatasets,
     ClaimedPlacement,
@@ -238,28 +239,58 @@ def claimed_placement(session: Session, placement: Placement, settings: Settings
             id=row.id, sha256=row.sha256, classes=list(row.classes), num_images=row.num_images
         )
 
+    common: dict[str, Any] = {
+        "job_id": job.id,
+        "job_name": job.name,
+        "attempt_id": attempt.id,
+        "attempt_number": attempt.number,
+        "lease_token": placement.lease_token,
+        "lease_expires_at": placement.lease_expires_at,
+        "node_rank": placement.node_rank,
+        "node_count": job.node_count,
+        "process_count_per_node": job.process_count_per_node,
+        "world_size": job.node_count * job.process_count_per_node,
+        "master_addr": attempt.master_addr,
+        "master_port": attempt.master_port,
+        "type": job.type,
+        "restarts": job.restarts or 0,
+        "heartbeat_interval_s": settings.heartbeat_interval_s,
+        "lease_timeout_s": settings.lease_timeout_s,
+    }
+    if job.type == "script":
+        assert job.code_id is not None  # the script_fields constraint
+        code = session.get_one(CodePackage, job.code_id)
+        inputs = session.scalars(select(JobInput).where(JobInput.job_id == job.id).order_by(JobInput.name))
+        keys = ("command", "distribution", "environment", "outputs", "resources")
+        return ClaimedPlacement(
+            **common,
+            spec={k: spec[k] for k in keys if k in spec},
+            code=ClaimedCode(id=code.id, sha256=code.sha256, files=code.files),
+            inputs={row.name: dataset(row.dataset_id) for row in inputs},
+        )
+    if job.type == "evaluate":
+        assert job.validation_dataset_id is not None
+        evaluated = dataset(job.validation_dataset_id)
+        return ClaimedPlacement(
+            **common,
+            spec={
+                "model": {"architecture": spec["architecture"]},
+                "parameters": {"image_size": spec["image_size"], "batch_size": spec["batch_size"]},
+                "resources": spec["resources"],
+            },
+            datasets=ClaimedDatasets(train=evaluated, validation=evaluated),
+            classes=list(spec["classes"]),
+            init_from_job=job.init_from_job_id,
+        )
+    assert job.train_dataset_id is not None and job.validation_dataset_id is not None
     train = dataset(job.train_dataset_id)
     return ClaimedPlacement(
-        job_id=job.id,
-        job_name=job.name,
-        attempt_id=attempt.id,
-        attempt_number=attempt.number,
-        lease_token=placement.lease_token,
-        lease_expires_at=placement.lease_expires_at,
-        node_rank=placement.node_rank,
-        node_count=job.node_count,
-        process_count_per_node=job.process_count_per_node,
-        world_size=job.node_count * job.process_count_per_node,
-        master_addr=attempt.master_addr,
-        master_port=attempt.master_port,
+        **common,
         spec={"model": spec["model"], "parameters": spec["parameters"], "resources": spec["resources"]},
         datasets=ClaimedDatasets(train=train, validation=dataset(job.validation_dataset_id)),
         classes=sorted(train.classes),
         init_from_job=job.init_from_job_id,
         checkpoint=checkpoints.latest_ref(session, checkpoints.CheckpointStore(settings.data_dir), job.id),
-        restarts=job.restarts or 0,
-        heartbeat_interval_s=settings.heartbeat_interval_s,
-        lease_timeout_s=settings.lease_timeout_s,
     )
 
 
@@ -469,6 +500,7 @@ def _report_ended(
     if (
         report.state == "succeeded"
         and placement.node_rank == 0
+        and job.type == "train"
         and job.status in _PLACED_JOB
         and job.model_sha256 is None
     ):
@@ -480,7 +512,8 @@ def _report_ended(
         if placement.node_rank == 0 and attempt.status in _LIVE_ATTEMPT:
             _end_attempt(attempt, AttemptStatus.SUCCEEDED, now)
             if job.status in _PLACED_JOB:
-                transition(session, job, JobStatus.SUCCEEDED, f"training finished on {node.name}")
+                what = {"train": "training", "evaluate": "the evaluation"}.get(job.type, "the script")
+                transition(session, job, JobStatus.SUCCEEDED, f"{what} finished on {node.name}")
     elif report.state == "failed":
         failure = _failure(report, node.name)
         if job.status == JobStatus.CANCELLING.value:

@@ -32,7 +32,7 @@ from service.config import Settings
 from service.datasets import staging
 from service.datasets.tarstream import DatasetTar
 from service.datasets.validate import ValidatedDataset, validate_image_directory
-from service.db.models import Dataset, Job, Node, Placement, utcnow
+from service.db.models import Dataset, Job, JobInput, Node, Placement, utcnow
 from service.schemas.common import decode_cursor, encode_cursor
 from service.schemas.datasets import DatasetPublic, DatasetRegister
 from service.services import refs
@@ -316,7 +316,11 @@ def delete_dataset(session: Session, settings: Settings, principal: Principal, d
     users = session.execute(
         select(Job.id, Job.status)
         .where(
-            or_(Job.train_dataset_id == row.id, Job.validation_dataset_id == row.id),
+            or_(
+                Job.train_dataset_id == row.id,
+                Job.validation_dataset_id == row.id,
+                Job.id.in_(select(JobInput.job_id).where(JobInput.dataset_id == row.id)),
+            ),
             Job.status.in_([s.value for s in ACTIVE_STATUSES]),
         )
         .order_by(Job.created_at)
@@ -398,7 +402,11 @@ def dataset_for_worker(session: Session, principal: Principal, dataset_id: str) 
         .where(
             Node.token_id == principal.id,
             Placement.status != PlacementStatus.DONE,
-            or_(Job.train_dataset_id == row.id, Job.validation_dataset_id == row.id),
+            or_(
+                Job.train_dataset_id == row.id,
+                Job.validation_dataset_id == row.id,
+                Job.id.in_(select(JobInput.job_id).where(JobInput.dataset_id == row.id)),
+            ),
         )
         .limit(1)
     ).first()

@@ -9,20 +9,23 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Attempt, Checkpoint, Job, JobEvent, Node, Placement, utcnow
+from service.db.models import Attempt, Checkpoint, Job, JobEvent, JobInput, Node, Placement, utcnow
 from service.schemas.common import decode_cursor, encode_cursor
 from service.schemas.jobs import (
     AttemptPublic,
     EndReason,
+    EvaluateJobCreate,
     Failure,
-    JobCreate,
     JobPublic,
     PlacementPublic,
+    ScriptJobCreate,
     StatusChange,
+    TrainJobCreate,
 )
 from service.services import refs
 from service.services.cluster import check_resources
-from service.services.datasets import resolve_job_datasets
+from service.services.code import get_code
+from service.services.datasets import get_dataset, resolve_job_datasets
 from service.services.tokens import Principal
 from service.states import AttemptStatus, JobStatus, can_transition
 from torchyard.architectures import CLASSIFICATION_ARCHITECTURES, closest_architecture
@@ -34,7 +37,7 @@ from torchyard.contract.errors import (
 )
 
 
-def check_model(session: Session, principal: Principal, spec: JobCreate) -> None:
+def check_model(session: Session, principal: Principal, spec: TrainJobCreate) -> None:
     arch = spec.model.architecture
     if arch not in CLASSIFICATION_ARCHITECTURES:
         suggestion = closest_architecture(arch)
@@ -66,32 +69,99 @@ def check_model(session: Session, principal: Principal, spec: JobCreate) -> None
             )
 
 
-def submit_job(session: Session, settings: Settings, principal: Principal, spec: JobCreate) -> Job:
-    """Validate a spec against models, datasets and the cluster, then queue it."""
+def submit_job(
+    session: Session,
+    settings: Settings,
+    principal: Principal,
+    spec: TrainJobCreate | ScriptJobCreate | EvaluateJobCreate,
+) -> Job:
+    """Validate a spec of any job type, then queue it."""
+    if isinstance(spec, EvaluateJobCreate):
+        # Evaluations look up registered models, whose module imports this one.
+        from service.services.evaluations import submit_evaluate_job
+
+        return submit_evaluate_job(session, settings, principal, spec)
+    if isinstance(spec, ScriptJobCreate):
+        return submit_script_job(session, settings, principal, spec)
+    return submit_train_job(session, settings, principal, spec)
+
+
+def _queue(session: Session, job: Job) -> Job:
+    session.add(job)
+    session.flush()
+    session.add(
+        JobEvent(job_id=job.id, status=JobStatus.QUEUED.value, message="submitted", at=job.created_at)
+    )
+    return job
+
+
+def submit_script_job(
+    session: Session, settings: Settings, principal: Principal, spec: ScriptJobCreate
+) -> Job:
+    """A script job (SPEC §9): the code package and every input dataset must be the
+    submitter's (another user's is a 404 naming the field), and the resources fit the cluster."""
+    code = get_code(session, principal, spec.code, exact=True)
+    inputs = {}
+    for name, dataset_id in spec.inputs.items():
+        try:
+            inputs[name] = get_dataset(session, principal, dataset_id, lock=True, exact=True)
+        except NotFoundError as exc:
+            raise NotFoundError(
+                f"inputs.{name}: dataset {dataset_id!r} not found", details={"field": f"inputs.{name}"}
+            ) from exc
+    check_resources(session, settings, spec.resources.node_count, spec.resources.process_count_per_node)
+    normalized = spec.model_dump(mode="json")
+    normalized["name"] = spec.name or f"script-{code.name}"
+    now = utcnow()
+    job = _queue(
+        session,
+        Job(
+            owner_id=principal.id,
+            type="script",
+            name=normalized["name"],
+            status=JobStatus.QUEUED.value,
+            spec=normalized,
+            code_id=code.id,
+            node_count=spec.resources.node_count,
+            process_count_per_node=spec.resources.process_count_per_node,
+            priority=spec.priority,
+            created_at=now,
+            updated_at=now,
+        ),
+    )
+    for name, row in inputs.items():
+        session.add(JobInput(job_id=job.id, name=name, dataset_id=row.id))
+    session.commit()
+    return job
+
+
+def submit_train_job(session: Session, settings: Settings, principal: Principal, spec: TrainJobCreate) -> Job:
+    """Validate a training spec against models, datasets and the cluster, then queue it."""
     check_model(session, principal, spec)
     train, val = resolve_job_datasets(session, principal, spec.train_dataset, spec.validation_dataset)
     check_resources(session, settings, spec.resources.node_count, spec.resources.process_count_per_node)
     normalized = spec.model_dump(mode="json")
     normalized["name"] = spec.name or f"{spec.model.architecture}-{train.name}"
     now = utcnow()
-    job = Job(
-        owner_id=principal.id,
-        name=normalized["name"],
-        status=JobStatus.QUEUED.value,
-        spec=normalized,
-        architecture=spec.model.architecture,
-        train_dataset_id=train.id,
-        validation_dataset_id=val.id,
-        init_from_job_id=spec.model.init_from_job,
-        node_count=spec.resources.node_count,
-        process_count_per_node=spec.resources.process_count_per_node,
-        priority=spec.priority,
-        created_at=now,
-        updated_at=now,
+    job = _queue(
+        session,
+        Job(
+            owner_id=principal.id,
+            type="train",
+            name=normalized["name"],
+            status=JobStatus.QUEUED.value,
+            spec=normalized,
+            architecture=spec.model.architecture,
+            train_dataset_id=train.id,
+            validation_dataset_id=val.id,
+            init_from_job_id=spec.model.init_from_job,
+            node_count=spec.resources.node_count,
+            process_count_per_node=spec.resources.process_count_per_node,
+            priority=spec.priority,
+            created_at=now,
+            updated_at=now,
+        ),
     )
-    session.add(job)
-    session.flush()
-    session.add(JobEvent(job_id=job.id, status=JobStatus.QUEUED.value, message="submitted", at=now))
     session.commit()
     return job
 
@@ -205,6 +275,14 @@ def cancel_job(session: Session, principal: Principal, job_id: str) -> Job:
     return job
 
 
+# The spec fields each job type shows in its JobPublic (besides name, resources, priority).
+_TYPE_FIELDS: dict[str, tuple[str, ...]] = {
+    "train": ("model", "parameters"),
+    "script": ("command", "distribution", "inputs", "environment", "outputs"),
+    "evaluate": ("model", "batch_size"),
+}
+
+
 def attempts_public(session: Session, job_ids: list[str]) -> dict[str, list[AttemptPublic]]:
     """Every attempt of the given jobs (oldest first), with its placements, in one query."""
     out: dict[str, list[AttemptPublic]] = {job_id: [] for job_id in job_ids}
@@ -267,15 +345,21 @@ def job_public(
     if attempts is None:
         attempts = attempts_public(session, [job.id])[job.id]
     nodes = [p.node for p in attempts[-1].placements] if attempts else []
+    # Each type shows its own spec fields; the common ones are set below.
+    own = {k: v for k, v in spec.items() if k in _TYPE_FIELDS.get(job.type, ())}
+    if job.type == "train":
+        own.update(train_dataset=job.train_dataset_id, validation_dataset=job.validation_dataset_id)
+    elif job.type == "script":
+        own.update(code=job.code_id, outputs_sha256=job.outputs_sha256, outputs_size=job.outputs_size)
+    elif job.type == "evaluate":
+        own.update(dataset=job.validation_dataset_id)
     return JobPublic(
+        **own,
         id=job.id,
+        type=job.type,
         name=job.name,
         owner=job.owner_id,
         status=job.status,
-        model=spec["model"],
-        train_dataset=job.train_dataset_id,
-        validation_dataset=job.validation_dataset_id,
-        parameters=spec["parameters"],
         resources=spec["resources"],
         priority=job.priority,
         reason=job.wait_reason,

@@ -84,7 +84,7 @@ def unpacked_job_model(settings: Settings, job: Job) -> Path:
 
 
 def _is_evaluation(job: Job) -> bool:
-    return job.spec.get("type") == EVALUATE
+    return job.type == EVALUATE
 
 
 def register_model(
@@ -98,8 +98,11 @@ def register_model(
             "without path",
             details={"field": "path"},
         )
-    if _is_evaluation(job):
-        raise RequestValidationError(f"job {job.id} is an evaluation: it has no model of its own to register")
+    if job.type != "train":
+        raise RequestValidationError(
+            f"job {job.id} is a {job.type} job: only a training job's model directory can be registered "
+            "(a script job's output file is not supported yet)"
+        )
     if job.status != JobStatus.SUCCEEDED.value:
         raise ModelNotReadyError(
             f"job {job.id} is {job.status}: only a succeeded job's model can be registered"

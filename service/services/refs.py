@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from sqlalchemy import ColumnElement, select
 from sqlalchemy.orm import Session
 
-from service.db.models import Dataset, Job
+from service.db.models import CodePackage, Dataset, Job
 from torchyard.contract.errors import ConflictError
 
 MIN_PREFIX = 4
@@ -23,7 +23,7 @@ MIN_PREFIX = 4
 _ID_PREFIX = re.compile(rf"[0-9a-fA-F]{{{MIN_PREFIX},31}}")
 _SHOWN = 10
 
-M = TypeVar("M", Job, Dataset)
+M = TypeVar("M", Job, Dataset, CodePackage)
 
 
 class AmbiguousReferenceError(ConflictError):

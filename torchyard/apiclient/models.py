@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 FINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
 
@@ -68,11 +68,23 @@ class Attempt(ApiModel):
     end_reason: EndReason | None = None
 
 
+class CodePackage(ApiModel):
+    id: str
+    name: str
+    sha256: str = ""
+    size_bytes: int = 0
+    files: int = 0
+    created_at: datetime | None = None
+
+
 class Job(ApiModel):
     id: str
     name: str
     status: str
-    model: dict[str, Any] = {}
+    type: str = "train"
+    # A training job's model spec; an evaluation's registered model ("name:version").
+    model: dict[str, Any] | str = {}
+    dataset: str | None = None
     train_dataset: str | None = None
     validation_dataset: str | None = None
     parameters: dict[str, Any] = {}
@@ -85,6 +97,10 @@ class Job(ApiModel):
     result: dict[str, Any] | None = None
     model_sha256: str | None = None
     model_size: int | None = None
+    code: str | None = None
+    command: list[str] | None = None
+    outputs_sha256: str | None = None
+    outputs_size: int | None = None
     nodes: list[str] = []
     restarts: int = 0
     attempts: list[Attempt] | None = None
@@ -92,6 +108,12 @@ class Job(ApiModel):
     created_at: datetime | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
+
+    @field_validator("model", "parameters", mode="before")
+    @classmethod
+    def _absent_is_empty(cls, value: Any) -> Any:
+        # Fields of another job type are null: read them as empty.
+        return {} if value is None else value
 
     @property
     def is_final(self) -> bool:

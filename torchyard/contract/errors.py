@@ -41,6 +41,13 @@ class InvalidModelDirectoryError(TorchyardError):
     status_code = 422
 
 
+class InvalidCodeError(TorchyardError):
+    """An uploaded code package that cannot be used: unreadable, unsafe or empty archive."""
+
+    code = "InvalidCodeError"
+    status_code = 422
+
+
 class NotLabeledDatasetError(TorchyardError):
     code = "NotLabeledDatasetError"
     status_code = 422
@@ -79,6 +86,12 @@ class NotFoundError(TorchyardError):
 class ConflictError(TorchyardError):
     code = "ConflictError"
     status_code = 409
+
+
+class OutputsNotReadyError(ConflictError):
+    """A script job's outputs are asked for before they were uploaded."""
+
+    code = "OutputsNotReadyError"
 
 
 class IllegalTransitionError(ConflictError):
@@ -182,6 +195,8 @@ ERRORS_BY_CODE: dict[str, type[TorchyardError]] = {
         InvalidModelDirectoryError,
         NotLabeledDatasetError,
         InvalidDatasetError,
+        InvalidCodeError,
+        OutputsNotReadyError,
         ResourceLimitError,
         PayloadTooLargeError,
         AuthenticationError,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 DOUBLE_EPSILON = 2.220446049250313e-16
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -127,3 +127,156 @@ class ResourceFields(BaseModel):
             f">= {MIN_HANG_TIMEOUT_S} and <= {MAX_HANG_TIMEOUT_S} (7 days), or null for no watchdog"
         ),
     )
+
+
+# --- job types ------------------------------------------------------------------------------
+#
+# A job spec's ``type`` selects what runs: ``train`` (the built-in trainer, the default
+# when ``type`` is left out) or ``script`` (the user's own code, SPEC §9). A new type adds
+# its name here, its request model beside the others in ``service/schemas/jobs.py`` (the
+# discriminated union ``JobCreate``), its checks in ``service/services/jobs.py``
+# (``SUBMITTERS``) and its launch in the agent.
+
+JobType = Literal["train", "script"]
+JOB_TYPES: tuple[str, ...] = ("train", "script", "evaluate")
+DEFAULT_JOB_TYPE = "train"
+
+Launch = Literal["per_process", "per_node"]
+OutputsScope = Literal["node0", "all"]
+
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+INPUT_NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_]{0,63}$"
+MAX_COMMAND_ARGS = 1000
+MAX_ARG_CHARS = 10_000
+MAX_ENV_VARIABLES = 200
+MAX_ENV_VALUE_CHARS = 32_768
+MAX_PIP_REQUIREMENTS = 100
+MAX_INPUTS = 32
+
+# Variables the agent sets for every script process; a spec may not set them itself.
+PER_PROCESS_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NODE_RANK",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+)
+PER_NODE_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "NNODES", "NPROC_PER_NODE")
+RESERVED_VARIABLE_PREFIX = "TORCHYARD_"
+RESERVED_VARIABLES = frozenset(
+    {*PER_PROCESS_VARIABLES, *PER_NODE_VARIABLES, "CUDA_VISIBLE_DEVICES", "PYTHONPATH", "VIRTUAL_ENV"}
+)
+
+
+def input_variable(name: str) -> str:
+    """The environment variable holding the local path of input ``name``."""
+    return f"TORCHYARD_INPUT_{name.upper()}"
+
+
+class DistributionFields(BaseModel):
+    """How a script job's command is started on each node."""
+
+    launch: Launch = Field(
+        default="per_process",
+        description="per_process: process_count_per_node copies of the command on every node, each "
+        "with RANK, LOCAL_RANK, WORLD_SIZE... set; per_node: the command once per node (it may be "
+        "torchrun) with NNODES, NPROC_PER_NODE, NODE_RANK, MASTER_ADDR and MASTER_PORT set.",
+        json_schema_extra=allowed("per_process or per_node"),
+    )
+
+
+def _check_variables(variables: dict[str, str]) -> dict[str, str]:
+    for name, value in variables.items():
+        if name in RESERVED_VARIABLES or name.startswith(RESERVED_VARIABLE_PREFIX):
+            raise ValueError(f"{name} is set by torchyard and may not be given in environment.variables")
+        if "\x00" in value:
+            raise ValueError(f"the value of {name} contains a NUL character")
+    return variables
+
+
+def _check_requirements(pip: list[str]) -> list[str]:
+    for item in pip:
+        if item.startswith("-"):
+            raise ValueError(f"{item!r}: pip options are not accepted, only requirements")
+        if any(c in item for c in "\x00\n\r"):
+            raise ValueError(f"{item!r}: a requirement is one line")
+    return pip
+
+
+class EnvironmentFields(BaseModel):
+    """A script's environment: extra variables and pip requirements."""
+
+    variables: dict[
+        Annotated[str, Field(pattern=ENV_NAME_PATTERN)], Annotated[str, Field(max_length=MAX_ENV_VALUE_CHARS)]
+    ] = Field(
+        default_factory=dict,
+        max_length=MAX_ENV_VARIABLES,
+        description="Environment variables for every process (not MASTER_*, RANK... or TORCHYARD_*).",
+        json_schema_extra=allowed(f"at most {MAX_ENV_VARIABLES} NAME: value pairs, names {ENV_NAME_PATTERN}"),
+    )
+    pip: list[Annotated[str, Field(min_length=1, max_length=500)]] = Field(
+        default_factory=list,
+        max_length=MAX_PIP_REQUIREMENTS,
+        description="pip requirements installed into a virtual environment built once per node over "
+        "the worker's own torch (--system-site-packages), cached by requirement set.",
+        json_schema_extra=allowed(f"at most {MAX_PIP_REQUIREMENTS} requirement strings, no pip options"),
+    )
+
+    @field_validator("variables")
+    @classmethod
+    def _check_variables(cls, value: dict[str, str]) -> dict[str, str]:
+        return _check_variables(value)
+
+    @field_validator("pip")
+    @classmethod
+    def _check_pip(cls, value: list[str]) -> list[str]:
+        return _check_requirements(value)
+
+
+class ScriptFields(BaseModel):
+    """What a script job runs (SPEC §9)."""
+
+    code: str = Field(
+        min_length=1, max_length=64, description="Id of an uploaded code package (POST /v1/code)."
+    )
+    command: list[Annotated[str, Field(max_length=MAX_ARG_CHARS)]] = Field(
+        min_length=1,
+        max_length=MAX_COMMAND_ARGS,
+        description="The program and its arguments, run in a fresh copy of the code without a shell; "
+        "$NAME and ${NAME} are expanded from the launch variables.",
+        json_schema_extra=allowed("a non-empty list of strings, the first one non-empty"),
+    )
+    distribution: DistributionFields = Field(default_factory=DistributionFields)
+    inputs: dict[
+        Annotated[str, Field(pattern=INPUT_NAME_PATTERN)], Annotated[str, Field(min_length=1, max_length=64)]
+    ] = Field(
+        default_factory=dict,
+        max_length=MAX_INPUTS,
+        description="Input name → dataset id; each is materialised on the node and its path given "
+        "in TORCHYARD_INPUT_<NAME>.",
+        json_schema_extra=allowed(f"at most {MAX_INPUTS} name: dataset id pairs, names {INPUT_NAME_PATTERN}"),
+    )
+    environment: EnvironmentFields = Field(default_factory=EnvironmentFields)
+    outputs: OutputsScope = Field(
+        default="node0",
+        description="node0: node rank 0's output folder is kept; all: every node's, under node-<rank>/.",
+        json_schema_extra=allowed("node0 or all"),
+    )
+
+    @field_validator("command")
+    @classmethod
+    def _check_command(cls, value: list[str]) -> list[str]:
+        if not value[0].strip():
+            raise ValueError("command[0] (the program) may not be empty")
+        if any("\x00" in arg for arg in value):
+            raise ValueError("command arguments may not contain NUL characters")
+        return value
+
+    @field_validator("inputs")
+    @classmethod
+    def _check_inputs(cls, value: dict[str, str]) -> dict[str, str]:
+        if len({input_variable(n) for n in value}) != len(value):
+            raise ValueError("input names must differ in more than letter case")
+        return value

@@ -70,6 +70,14 @@ class ClaimedDatasets(BaseModel):
     validation: ClaimedDataset
 
 
+class ClaimedCode(BaseModel):
+    """A script job's code package (GET /v1/worker/code/{id}/archive)."""
+
+    id: str
+    sha256: str
+    files: int
+
+
 class CheckpointRef(BaseModel):
     """The job's latest training-state checkpoint held by the service (SPEC §8)."""
 
@@ -98,9 +106,17 @@ class ClaimedPlacement(BaseModel):
     world_size: int
     master_addr: str
     master_port: int
-    spec: dict[str, Any] = Field(description="The job's model and parameters (normalized).")
-    datasets: ClaimedDatasets
-    classes: list[str]
+    type: str = Field(default="train", description="The job's type: train or script.")
+    spec: dict[str, Any] = Field(
+        description="The job's normalized spec: model, parameters and resources of a training job; "
+        "command, distribution, environment, outputs and resources of a script job."
+    )
+    datasets: ClaimedDatasets | None = Field(default=None, description="A training job's datasets.")
+    classes: list[str] = []
+    code: ClaimedCode | None = Field(default=None, description="A script job's code package.")
+    inputs: dict[str, ClaimedDataset] = Field(
+        default_factory=dict, description="A script job's input datasets by input name."
+    )
     init_from_job: str | None = None
     checkpoint: CheckpointRef | None = Field(
         default=None, description="Resume from this checkpoint (GET /v1/worker/jobs/{id}/checkpoint)."

@@ -10,7 +10,7 @@ from typing import Annotated
 from pydantic import AwareDatetime, BaseModel, Field, field_validator
 
 from torchyard.contract.base import StrictModel
-from torchyard.contract.metrics import MetricName
+from torchyard.contract.metrics import METRIC_NAME_PATTERN, MetricName
 
 INT32_MAX = 2**31 - 1
 MAX_RANK = 1_000_000
@@ -31,7 +31,10 @@ def is_stream_name(name: str) -> bool:
 
 
 class MetricIn(StrictModel):
-    name: MetricName
+    name: str = Field(
+        pattern=METRIC_NAME_PATTERN,
+        description="A metric name: the trainer's (SPEC §4) or any a script logs.",
+    )
     value: FiniteFloat
     epoch: Count
     step: Count
@@ -66,12 +69,40 @@ class ProgressIn(StrictModel):
     time: AwareDatetime | None = Field(default=None, strict=False)
 
 
+#: The most classes an evaluation reports a confusion matrix for (its size grows as the square).
+MAX_EVALUATION_CLASSES = 1000
+
+
+class ClassScores(StrictModel):
+    label: str = Field(max_length=200)
+    precision: FiniteFloat
+    recall: FiniteFloat
+    f1: FiniteFloat
+    support: Count
+
+
+class EvaluationIn(StrictModel):
+    """An evaluation job's figures over the whole dataset (SPEC §10)."""
+
+    num_images: Count
+    loss: FiniteFloat
+    top1: FiniteFloat
+    top5: FiniteFloat | None = None
+    classes: list[str] = Field(max_length=MAX_EVALUATION_CLASSES)
+    per_class: list[ClassScores] = Field(max_length=MAX_EVALUATION_CLASSES)
+    confusion_matrix: list[list[Count]] = Field(
+        max_length=MAX_EVALUATION_CLASSES,
+        description="Rows: true labels, columns: predicted labels, both in ``classes`` order.",
+    )
+
+
 class ResultIn(StrictModel):
     best_epoch: Count
     best: dict[MetricName, FiniteFloat]
     final: dict[MetricName, FiniteFloat] | None = None
     stopped_early: bool
     epochs_run: Count
+    evaluation: EvaluationIn | None = None
 
 
 class ReportBatch(StrictModel):

@@ -79,8 +79,7 @@ def cached_dataset(cache_dir: Path, sha256: str) -> Path | None:
     return path if path.is_dir() else None
 
 
-def _download(client: httpx.Client, dataset_id: str, sha256: str, dest: Path) -> int:
-    url = f"/v1/worker/datasets/{dataset_id}/archive"
+def _download(client: httpx.Client, dataset_id: str, sha256: str, dest: Path, url: str) -> int:
     with client.stream("GET", url) as response:
         if response.status_code != 200:
             response.read()
@@ -107,13 +106,17 @@ def _download(client: httpx.Client, dataset_id: str, sha256: str, dest: Path) ->
     return written
 
 
-def fetch_dataset(client: httpx.Client, dataset_id: str, sha256: str, cache_dir: Path) -> Path:
+def fetch_dataset(
+    client: httpx.Client, dataset_id: str, sha256: str, cache_dir: Path, *, url: str | None = None
+) -> Path:
     """The local data root (the folder of class folders) of a dataset, downloading it if needed.
 
     ``client`` is an httpx client with the API's base URL and the worker token. The
     content is checked against ``sha256`` (the checksum recorded at upload); a mismatch
-    raises InvalidDatasetError and nothing is cached.
+    raises InvalidDatasetError and nothing is cached. ``url`` fetches another content-addressed
+    folder the same way (a script job's code package).
     """
+    url = url or f"/v1/worker/datasets/{dataset_id}/archive"
     if not _SHA256.match(sha256):
         raise InvalidDatasetError(f"dataset {dataset_id}: {sha256!r} is not a sha256 checksum")
     cache_dir = Path(cache_dir)
@@ -131,7 +134,7 @@ def fetch_dataset(client: httpx.Client, dataset_id: str, sha256: str, cache_dir:
         tar_path = work / "dataset.tar"
         extracted: Path | None = None
         try:
-            size = _download(client, dataset_id, sha256, tar_path)
+            size = _download(client, dataset_id, sha256, tar_path, url)
             # The tar is not compressed: its content can be no larger than the tar itself,
             # and each file takes at least one 512-byte header.
             limits = ExtractionLimits(max_bytes=size, max_files=max(1, size // 512))

@@ -85,45 +85,73 @@ def upload_model(
     with tempfile.TemporaryDirectory(prefix=".model-upload-", dir=folder.parent) as tmp:
         archive = Path(tmp) / "model.tar.gz"
         sha256, size = pack_model_dir(folder, archive)
-        headers = {
-            LEASE_HEADER: lease_token,
-            SHA256_HEADER: sha256,
-            "Content-Length": str(size),
-            "Content-Type": "application/gzip",
-        }
-        last_error: Exception | None = None
-        backoff = Backoff(first=0.5)
-        tries = 0
-        while tries < _UPLOAD_TRIES:
-            tries += 1
-            in_outage = isinstance(last_error, httpx.TransportError) or (
-                isinstance(last_error, TorchyardError) and _outage(last_error.status_code)
-            )
-            if in_outage and outage_deadline is not None and time.monotonic() < outage_deadline:
-                tries = 1  # an outage: wait for the API rather than count tries
-            try:
-                with open(archive, "rb") as fh:
-                    response = client.put(
-                        url,
-                        content=_file_chunks(fh),
-                        headers=headers,
-                        timeout=httpx.Timeout(60.0, read=900.0),
-                    )
-            except httpx.HTTPError as exc:
-                last_error = exc
-                log.warning("job %s: model upload failed (%s), retrying", job_id, exc)
-                time.sleep(backoff.next())
-                continue
-            if response.status_code == 200:
-                log.info("job %s: model uploaded (%d bytes, sha256 %s)", job_id, size, sha256)
-                return sha256
-            error = error_from_body(response.status_code, response_body(response))
-            if not is_retryable(response.status_code):
-                raise error
-            last_error = error
-            log.warning("job %s: model upload got HTTP %d, retrying", job_id, response.status_code)
+        put_archive(
+            client,
+            url,
+            archive,
+            sha256,
+            size,
+            lease_token,
+            f"job {job_id}: model",
+            outage_deadline=outage_deadline,
+        )
+        return sha256
+
+
+def put_archive(
+    client: httpx.Client,
+    url: str,
+    archive: Path,
+    sha256: str,
+    size: int,
+    lease_token: str,
+    what: str,
+    *,
+    outage_deadline: float | None = None,
+) -> None:
+    """PUT an archive with its sha256 and the lease; network errors and 5xx are retried, the
+    API's refusals raise the matching ``TorchyardError``. An API that cannot be reached, or
+    answers 502/503/504, is waited for until ``outage_deadline`` (monotonic; default: a few
+    tries); other failures get ``_UPLOAD_TRIES`` tries."""
+    headers = {
+        LEASE_HEADER: lease_token,
+        SHA256_HEADER: sha256,
+        "Content-Length": str(size),
+        "Content-Type": "application/gzip",
+    }
+    last_error: Exception | None = None
+    backoff = Backoff(first=0.5)
+    tries = 0
+    while tries < _UPLOAD_TRIES:
+        tries += 1
+        in_outage = isinstance(last_error, httpx.TransportError) or (
+            isinstance(last_error, TorchyardError) and _outage(last_error.status_code)
+        )
+        if in_outage and outage_deadline is not None and time.monotonic() < outage_deadline:
+            tries = 1  # an outage: wait for the API rather than count tries
+        try:
+            with open(archive, "rb") as fh:
+                response = client.put(
+                    url,
+                    content=_file_chunks(fh),
+                    headers=headers,
+                    timeout=httpx.Timeout(60.0, read=900.0),
+                )
+        except httpx.HTTPError as exc:
+            last_error = exc
+            log.warning("%s upload failed (%s), retrying", what, exc)
             time.sleep(backoff.next())
-    raise TorchyardError(f"model upload of job {job_id} failed after {_UPLOAD_TRIES} tries: {last_error}")
+            continue
+        if response.status_code == 200:
+            log.info("%s uploaded (%d bytes, sha256 %s)", what, size, sha256)
+            return
+        error = error_from_body(response.status_code, response_body(response))
+        if not is_retryable(response.status_code):
+            raise error
+        last_error = error
+        log.warning("%s upload got HTTP %d, retrying", what, response.status_code)
+        time.sleep(backoff.next())
+    raise TorchyardError(f"{what} upload failed after {_UPLOAD_TRIES} tries: {last_error}")
 
 
 def download_model(client: httpx.Client, job_id: str, dest: Path) -> Path:

@@ -7,6 +7,7 @@ lines → the final status goes out (the lease ends there, later writes would be
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shlex
 import threading
@@ -24,6 +25,7 @@ from worker.agent.launcher import LaunchSpec, RankGroup, collect_failure, rank_l
 from worker.agent.run_files import DEFAULT_LOG_BACKLOG_BYTES
 from worker.agent.run_inputs import RunInputs, prepare_failure
 from worker.agent.run_outcome import OutcomeReport, StopKind
+from worker.agent.script_run import ScriptGroup, prepare_script, upload_outputs
 from worker.agent.watchdog import PREEMPT_REQUEST_FILE, PREEMPTED_FILE, HangWatchdog, preempt_grace_s
 
 log = logging.getLogger(__name__)
@@ -111,7 +113,7 @@ class PlacementRun:
         self.stop_event = threading.Event()
         self.stop_kind: StopKind | None = None
         self.stop_message = ""
-        self.group: RankGroup | None = None
+        self.group: RankGroup | ScriptGroup | None = None
         # Preemption: asked (the ranks checkpoint at their next step boundary), and by when.
         self.preempt_event = threading.Event()
         self.preempt_message = ""
@@ -176,6 +178,15 @@ class PlacementRun:
             self.ctx.release(self)
 
     def _run(self, agent_log: Path) -> None:
+        if self.work.type == "script":
+            self._run_script(agent_log)
+        elif self.work.type in ("train", "evaluate"):
+            self._run_trainer(agent_log)
+        else:
+            raise RuntimeError(f"this agent cannot run jobs of type {self.work.type!r}")
+
+    def _run_trainer(self, agent_log: Path) -> None:
+        """The built-in trainer (training or evaluation) under torchrun."""
         w = self.work
         self.log.info(
             "job %s attempt %d: node rank %d of %d, %d process(es) per node, rendezvous %s:%d, run dir %s",
@@ -203,14 +214,7 @@ class PlacementRun:
             pid = group.start(out)
         self.log.info("torchrun started (pid %d): %s", pid, shlex.join(group.command))
         reporter = self._start_reporter(spec, agent_log)
-        if self.node_rank == 0:
-            self.uploader = CheckpointUploader(
-                self.ctx.api.client, self.job_id, self.lease_token, self.run_dir, self.log
-            )
-            self.uploader.start()
-        timeout = (w.spec.get("resources") or {}).get("hang_timeout_s")
-        if isinstance(timeout, int | float) and timeout > 0:
-            self.watchdog = HangWatchdog(self.run_dir, float(timeout), spec, self.log)
+        self._start_guards(spec)
         self.report.report_running(self.stop_event)
 
         exit_code = self._watch(group, reporter)
@@ -228,12 +232,98 @@ class PlacementRun:
         else:
             self.report.finish(state, exit_code, failure)
 
+    def _start_guards(self, spec: LaunchSpec) -> None:
+        """Node rank 0's checkpoint uploader, and the hang watchdog when the job asks for one."""
+        if self.node_rank == 0:
+            self.uploader = CheckpointUploader(
+                self.ctx.api.client, self.job_id, self.lease_token, self.run_dir, self.log
+            )
+            self.uploader.start()
+        timeout = (self.work.spec.get("resources") or {}).get("hang_timeout_s")
+        if isinstance(timeout, int | float) and timeout > 0:
+            self.watchdog = HangWatchdog(self.run_dir, float(timeout), spec, self.log)
+
     def _upload_patience(self, state: str) -> float:
         if state == "preempted":
             return max(5.0, self.preempt_deadline - time.monotonic())
         if state == "failed":
             return CHECKPOINT_FLUSH_S
         return 0.0
+
+    def _run_script(self, agent_log: Path) -> None:
+        """A script job (SPEC §9): the user's command per process or per node."""
+        w = self.work
+        self.log.info(
+            "job %s attempt %d (script, %s): node rank %d of %d, %d process(es) per node, master %s:%d",
+            self.job_id,
+            w.attempt_number,
+            (w.spec.get("distribution") or {}).get("launch", "per_process"),
+            self.node_rank,
+            w.node_count,
+            self.units,
+            w.master_addr,
+            w.master_port,
+        )
+        try:
+            launch = prepare_script(self.ctx, w, self.run_dir, self.stop_event, self.log)
+        except Exception as exc:
+            if self.stop_event.is_set():
+                self.report.finish_stopped(self.stop_kind, None)
+            else:
+                self.report.finish("failed", None, prepare_failure(exc, self.ctx.node_name, self.log))
+            return
+        if self.stop_event.is_set():
+            self.report.finish_stopped(self.stop_kind, None)
+            return
+        launch = dataclasses.replace(launch, gpu_ids=self.gpu_ids)
+        group = self.group = ScriptGroup(launch)
+        with open(agent_log, "a", encoding="utf-8") as out:
+            pid = group.start(out)
+        self.log.info("script started (pid %d): %s", pid, shlex.join(group.command))
+        reporter = self._start_reporter_for(group.log_files, agent_log, group.metric_files)
+        self.report.report_running(self.stop_event)
+        exit_code = self._watch(group, reporter)
+        self.log.info("script ended: exit code %s", exit_code)
+        state, failure = "stopped", None
+        if not self.stop_event.is_set():
+            state = "succeeded" if exit_code == 0 else "failed"
+            failure = None if exit_code == 0 else group.failure(exit_code)
+        if state != "stopped" or self.stop_kind == "attempt_ended":
+            state, failure = self._keep_outputs(launch.outputs_dir, state, failure)
+        if failure is not None:
+            self.log.error(
+                "job %s failed: %s (rank %s): %s",
+                self.job_id,
+                failure["code"],
+                failure.get("rank"),
+                failure["message"],
+            )
+        if reporter is not None:
+            reporter.stop(REPORTER_FLUSH_S)
+        if state == "stopped":
+            self.report.finish_stopped(self.stop_kind, exit_code)
+        else:
+            self.report.finish(state, exit_code, failure)
+
+    def _keep_outputs(
+        self, folder: Path, state: str, failure: dict[str, Any] | None
+    ) -> tuple[str, dict[str, Any] | None]:
+        """Upload the output folder (node rank 0; every node with outputs "all"), succeeded
+        or failed. A success whose outputs cannot be kept is a failure."""
+        if self.node_rank != 0 and self.work.spec.get("outputs") != "all":
+            return state, failure
+        try:
+            upload_outputs(self.ctx, self.job_id, self.lease_token, folder)
+        except Exception as exc:
+            self.log.error("job %s: the outputs could not be uploaded: %s", self.job_id, exc)
+            if state == "succeeded":
+                message = f"the outputs of node {self.ctx.node_name} could not be uploaded: {exc}"
+                return "failed", {
+                    "code": RankFailedError.code,
+                    "message": message,
+                    "node": self.ctx.node_name,
+                }
+        return state, failure
 
     # --- steps -----------------------------------------------------------------------------
 
@@ -283,7 +373,9 @@ class PlacementRun:
                 )
             return "preempted", None
         if exit_code == 0:
-            failure = self.report.upload_model(self.run_dir) if self.node_rank == 0 else None
+            # An evaluation's outcome is its result; it has no model directory of its own.
+            uploads = self.node_rank == 0 and self.work.type == "train"
+            failure = self.report.upload_model(self.run_dir) if uploads else None
             return ("failed", failure) if failure is not None else ("succeeded", None)
         failure = collect_failure(spec, exit_code, agent_log)
         self.log.error(
@@ -303,6 +395,14 @@ class PlacementRun:
         return ("stopped", None) if self.stop_event.is_set() else ("failed", failure)
 
     def _start_reporter(self, spec: LaunchSpec, agent_log: Path) -> Any:
+        return self._start_reporter_for(lambda: rank_log_files(spec), agent_log)
+
+    def _start_reporter_for(
+        self,
+        log_sources: Callable[[], list[tuple[str, Path]]],
+        agent_log: Path,
+        metric_sources: Callable[[], list[Path]] | None = None,
+    ) -> Any:
         try:
             from worker.agent.reporting import RunReporter
         except ImportError:  # pragma: no cover - the reporting module ships with the agent
@@ -313,16 +413,17 @@ class PlacementRun:
             self.job_id,
             self.lease_token,
             self.run_dir,
-            lambda: rank_log_files(spec),
+            log_sources,
             agent_log,
             self.ctx.node_name,
             max_log_backlog=self.ctx.log_backlog_bytes,
             abandon=self.ctx.shutdown,
+            metric_sources=metric_sources,
         )
         reporter.start()
         return reporter
 
-    def _watch(self, group: RankGroup, reporter: Any) -> int | None:
+    def _watch(self, group: RankGroup | ScriptGroup, reporter: Any) -> int | None:
         while True:
             code = group.wait(0.2)
             if code is not None:
@@ -344,7 +445,7 @@ class PlacementRun:
                     self.watchdog.dump_stacks()
                     return self._stop_ranks(group)
 
-    def _stop_ranks(self, group: RankGroup) -> int | None:
+    def _stop_ranks(self, group: RankGroup | ScriptGroup) -> int | None:
         self.log.info(
             "stopping the ranks (%s: %s): SIGTERM, SIGKILL after %.0f s",
             self.stop_kind,

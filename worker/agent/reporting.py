@@ -99,12 +99,19 @@ class RunReporter:
         max_backoff: float = 10.0,
         max_log_backlog: int = DEFAULT_LOG_BACKLOG_BYTES,
         abandon: threading.Event | None = None,
+        metric_sources: Callable[[], list[Path]] | None = None,
     ) -> None:
         self.client = client
         self.job_id = job_id
         self.lease_token = lease_token
         self.reader = RunFileReader(
-            job_id, run_dir, log_sources, agent_log, node_name, max_log_backlog=max_log_backlog
+            job_id,
+            run_dir,
+            log_sources,
+            agent_log,
+            node_name,
+            metric_sources,
+            max_log_backlog=max_log_backlog,
         )
         # Set when the agent shuts down: a final drain then waits REPORTER_GIVE_UP_S at most.
         self.abandon = abandon or threading.Event()

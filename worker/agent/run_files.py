@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from torchyard.contract.metrics import METRIC_NAMES
+from torchyard.contract.metrics import METRIC_NAMES, is_metric_name
 from worker.trainer.events import EVENTS_FILE
 
 log = logging.getLogger("worker.agent.reporting")
@@ -145,11 +145,45 @@ def _result(event: dict[str, Any]) -> dict[str, Any] | None:
         "final": _metric_dict(event.get("final")) if event.get("final") is not None else None,
         "stopped_early": bool(event.get("stopped_early", False)),
         "epochs_run": epochs_run,
+        # An evaluation's figures; the API checks their shape.
+        "evaluation": event["evaluation"] if isinstance(event.get("evaluation"), dict) else None,
     }
 
 
+def _script_metric(record: dict[str, Any], auto_steps: dict[tuple[str, int], int]) -> dict[str, Any] | None:
+    """A line of a script's metrics file (``torchyard.run.log_metric`` or hand-written JSON):
+    ``{"name", "value", "step"?, "epoch"?, "rank"?, "time"?}``. A missing step takes the next
+    one of that name and rank, so repeated values are kept rather than dropped as duplicates."""
+    name, value = record.get("name"), _finite(record.get("value"))
+    rank = _int(record.get("rank", 0))
+    epoch = _int(record.get("epoch", 0)) if record.get("epoch") is not None else 0
+    if not is_metric_name(name) or value is None or rank is None or epoch is None:
+        return None
+    assert isinstance(name, str)
+    key = (name, rank)
+    step = _int(record.get("step")) if record.get("step") is not None else auto_steps.get(key, -1) + 1
+    if step is None:
+        return None
+    auto_steps[key] = max(step, auto_steps.get(key, -1))
+    return {
+        "name": name,
+        "value": value,
+        "epoch": epoch,
+        "step": step,
+        "rank": rank,
+        "time": _iso_time(record.get("time")),
+    }
+
+
+@dataclass
+class _MetricsFile:
+    path: Path
+    position: int = 0
+
+
 class RunFileReader:
-    """Tails ``events.jsonl`` and the log files of one placement into batches."""
+    """Tails ``events.jsonl``, a script's metrics files and the log files of one placement
+    into batches."""
 
     def __init__(
         self,
@@ -158,12 +192,16 @@ class RunFileReader:
         log_sources: Callable[[], list[tuple[str, Path]]],
         agent_log: Path,
         node_name: str,
+        metric_sources: Callable[[], list[Path]] | None = None,
         *,
         max_log_backlog: int = DEFAULT_LOG_BACKLOG_BYTES,
     ) -> None:
         self.job_id = job_id
         self.max_log_backlog = max_log_backlog
         self.dropped_log_bytes = 0
+        self.metric_sources = metric_sources
+        self.metric_files: dict[Path, _MetricsFile] = {}
+        self._auto_steps: dict[tuple[str, int], int] = {}
         self.events_path = Path(run_dir) / EVENTS_FILE
         self.log_sources = log_sources
         self.agent_stream = f"agent-{node_name}"
@@ -177,6 +215,7 @@ class RunFileReader:
     def collect(self, final: bool) -> Batch:
         batch = Batch()
         self._read_events(batch)
+        self._read_script_metrics(batch)
         self._refresh_sources()
         self._read_logs(batch, final)
         return batch
@@ -220,6 +259,50 @@ class RunFileReader:
                 self._take_event(batch, line)
             consumed = end + 1
         self._events_position += consumed
+
+    def _read_script_metrics(self, batch: Batch) -> None:
+        if self.metric_sources is None:
+            return
+        for path in self.metric_sources():
+            self.metric_files.setdefault(Path(path), _MetricsFile(Path(path)))
+        for source in self.metric_files.values():
+            if batch.full:
+                return
+            try:
+                with open(source.path, "rb") as fh:
+                    fh.seek(source.position)
+                    data = fh.read(EVENTS_READ_BYTES)
+            except FileNotFoundError:
+                continue
+            source.position += self._take_metric_lines(batch, source.path, data)
+
+    def _take_metric_lines(self, batch: Batch, path: Path, data: bytes) -> int:
+        """Metric points of the complete lines in ``data``; the bytes consumed."""
+        consumed = 0
+        while consumed < len(data):
+            end = data.find(b"\n", consumed)
+            if end < 0:
+                if consumed == 0 and len(data) == EVENTS_READ_BYTES:
+                    log.warning("job %s: skipping an over-long line in %s", self.job_id, path.name)
+                    consumed = len(data)
+                break
+            if len(batch.metrics) >= MAX_BATCH_METRICS:
+                batch.full = True
+                break
+            line = data[consumed:end].strip()
+            consumed = end + 1
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            point = _script_metric(record, self._auto_steps) if isinstance(record, dict) else None
+            if point is None:
+                log.warning("job %s: ignoring an invalid line in %s", self.job_id, path.name)
+            else:
+                batch.metrics.append(point)
+        return consumed
 
     def _take_event(self, batch: Batch, line: bytes) -> None:
         try:

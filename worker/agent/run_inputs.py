@@ -136,6 +136,7 @@ class RunInputs:
             },
             "output_dir": str(self.run_dir),
             "loader_workers": None,
+            "task": "evaluate" if w.type == "evaluate" else "train",
         }
 
 

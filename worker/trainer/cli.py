@@ -12,6 +12,7 @@ from worker.trainer import distributed
 from worker.trainer.config import load_job
 from worker.trainer.control import enable_stack_dumps
 from worker.trainer.distributed import read_env
+from worker.trainer.evaluate import run_evaluation
 from worker.trainer.failure import failure_record, write_failure
 from worker.trainer.runner import run_job
 
@@ -59,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = load_job(args.config)
         output_dir = Path(job.output_dir)
-        run_job(job, env)
+        if job.task == "evaluate":
+            run_evaluation(job, env)
+        else:
+            run_job(job, env)
     except Exception as exc:
         record = failure_record(exc, rank=env.rank, local_rank=env.local_rank, node=env.node_name)
         log.error("rank %d failed with %s: %s", env.rank, record["code"], record["message"], exc_info=exc)

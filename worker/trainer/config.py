@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -50,6 +50,8 @@ class JobConfig(_Section):
     datasets: Datasets | None = None
     output_dir: str
     loader_workers: int | None = Field(None, ge=0)
+    # "evaluate": score the model in init_from_dir on val_dir instead of training (SPEC §10).
+    task: Literal["train", "evaluate"] = "train"
 
     @model_validator(mode="after")
     def _classes_unique(self) -> JobConfig:

@@ -58,13 +58,14 @@ _CREATE_BODY: dict[str, Any] = {
 _ARCHIVE_SUFFIXES = (".tar.gz", ".tar.bz2", ".tar.xz", ".tgz", ".zip", ".tar")
 
 
-def _default_name(filename: str | None) -> str:
+def default_archive_name(filename: str | None, fallback: str = "dataset") -> str:
+    """An upload's name when none is given: its file name without the archive suffix."""
     base = Path(filename or "").name
     for suffix in _ARCHIVE_SUFFIXES:
         if base.lower().endswith(suffix):
             base = base[: -len(suffix)]
             break
-    return base[:NAME_MAX] or "dataset"
+    return base[:NAME_MAX] or fallback
 
 
 @router.post(
@@ -101,7 +102,7 @@ async def create_dataset(
                 raise RequestValidationError(
                     "the multipart body has no 'file' part", details={"field": "file"}
                 )
-            name = form.fields.get("name") or _default_name(form.filename)
+            name = form.fields.get("name") or default_archive_name(form.filename)
             if len(name) > NAME_MAX:
                 raise RequestValidationError(f"name is longer than {NAME_MAX} characters")
             row = await run_in_threadpool(

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, status
 
@@ -9,6 +9,7 @@ from service.api.routing import SessionScopedRoute
 from service.schemas.jobs import JobCreate, JobList, JobPublic
 from service.services import jobs as jobs_service
 from service.states import JobStatus
+from torchyard.contract.errors import ConflictError
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=SessionScopedRoute)
 
@@ -17,7 +18,8 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=SessionScopedRo
 def submit_job(
     body: JobCreate, session: SessionDep, settings: SettingsDep, wakeup: WakeupDep, user: CurrentUser
 ) -> JobPublic:
-    """Submit a training job; 201 with the normalized spec (every default filled), status ``queued``."""
+    """Submit a job: ``type`` ``train`` (the built-in trainer, the default) or ``script`` (your own
+    code, see POST /v1/code); 201 with the normalized spec (every default filled), status ``queued``."""
     job = jobs_service.submit_job(session, settings, user, body)
     public = jobs_service.job_public(session, job)
     wakeup.notify()  # idle workers' claims run a scheduling pass at once
@@ -52,3 +54,26 @@ def cancel_job(job_id: str, session: SessionDep, user: CurrentUser) -> JobPublic
     """Idempotent cancel: running ranks are stopped by their agents; status ends ``cancelled``."""
     job = jobs_service.cancel_job(session, user, job_id)
     return jobs_service.job_public(session, job)
+
+
+@router.get("/{job_id}/result")
+def get_result(job_id: str, session: ReadSessionDep, user: CurrentUser) -> dict[str, Any]:
+    """What the job produced: an evaluation's top-1, top-5, loss, per-class precision, recall
+    and F1 and confusion matrix; a training job's summary (best epoch, best and final
+    metrics). 409 until the job has reported it."""
+    job = jobs_service.get_job(session, user, job_id)
+    if job.result is None:
+        raise ConflictError(f"job {job.id} is {job.status}: it has no result yet")
+    result = dict(job.result)
+    evaluation = result.pop("evaluation", None)
+    if job.type == "evaluate" and isinstance(evaluation, dict):
+        spec = job.spec
+        return {
+            "job_id": job.id,
+            "type": job.type,
+            "status": job.status,
+            "model": spec.get("model"),
+            "dataset": job.validation_dataset_id,
+            **evaluation,
+        }
+    return {"job_id": job.id, "type": job.type, "status": job.status, **result}

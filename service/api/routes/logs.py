@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
+from pydantic import StringConstraints
 
 from service.api.deps import CurrentUser, ReadSessionDep
 from service.api.routes.streams import follow_log_response
@@ -15,7 +16,7 @@ from service.api.routing import SessionScopedRoute
 from service.schemas.reports import LogStreams, MetricPage
 from service.services import jobs as jobs_service
 from service.services import reports as reports_service
-from torchyard.contract.metrics import MetricName
+from torchyard.contract.metrics import METRIC_NAME_PATTERN
 from torchyard.contract.reports import INT32_MAX, MAX_RANK
 
 router = APIRouter(route_class=SessionScopedRoute)
@@ -30,7 +31,10 @@ def get_metrics(
     job_id: str,
     session: ReadSessionDep,
     user: CurrentUser,
-    name: Annotated[list[MetricName] | None, Query(description="Only these metrics (repeatable).")] = None,
+    name: Annotated[
+        list[Annotated[str, StringConstraints(pattern=METRIC_NAME_PATTERN)]] | None,
+        Query(description="Only these metrics (repeatable): a trainer metric or a script's own name."),
+    ] = None,
     after: Annotated[
         int, Query(ge=0, le=SEQ_MAX, description="Only points with a larger seq (a cursor).")
     ] = 0,

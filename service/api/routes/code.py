@@ -1,0 +1,137 @@
+"""Code package routes (SPEC §9): upload, list, show, delete; and the worker's download."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request, Response, status
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from service.api.deps import CurrentUser, ReadSessionDep, SessionDep, SettingsDep, WorkerDep
+from service.api.routes.dataset_bodies import receive_multipart
+from service.api.routes.datasets import default_archive_name
+from service.api.routing import SessionScopedRoute
+from service.schemas.code import NAME_MAX, CodeList, CodePublic
+from service.services import code as code_service
+from torchyard.contract.errors import RequestValidationError, TorchyardError
+from torchyard.contract.headers import SHA256_HEADER
+
+router = APIRouter(tags=["code"], route_class=SessionScopedRoute)
+
+_CREATE_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {
+                        "name": {
+                            "type": "string",
+                            "maxLength": NAME_MAX,
+                            "description": "Package name (default: the file name).",
+                        },
+                        "file": {
+                            "type": "string",
+                            "format": "binary",
+                            "description": ".zip, .tar, .tar.gz/.tgz, .tar.bz2 or .tar.xz archive of a "
+                            "source folder (its files at the top of the archive).",
+                        },
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+@router.post(
+    "/v1/code",
+    status_code=status.HTTP_201_CREATED,
+    response_model=CodePublic,
+    openapi_extra=_CREATE_BODY,
+    responses={413: {"description": "The upload is larger than TORCHYARD_MAX_CODE_UPLOAD_BYTES."}},
+)
+async def create_code(
+    request: Request, session: SessionDep, settings: SettingsDep, user: CurrentUser
+) -> CodePublic | JSONResponse:
+    """Upload a source folder as an archive (multipart ``file``, optional ``name``). It is
+    extracted safely (size caps; no traversal, links or devices) and stored by content.
+    201 with id, name, sha256, size and file count."""
+    content_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if content_type != "multipart/form-data":
+        raise RequestValidationError(
+            "send multipart/form-data with a 'file' part holding the archive", details={"field": "file"}
+        )
+    with ExitStack() as stack:
+        try:
+            work = stack.enter_context(code_service.upload_workspace(settings, user))
+            dest = work / "upload.part"
+            form = await receive_multipart(
+                request,
+                dest,
+                max_file_bytes=settings.max_code_upload_bytes,
+                text_fields=frozenset({"name"}),
+            )
+        except TorchyardError as exc:
+            return JSONResponse(exc.to_dict(), status_code=exc.status_code, headers={"Connection": "close"})
+        if not form.has_file:
+            raise RequestValidationError("the multipart body has no 'file' part", details={"field": "file"})
+        name = form.fields.get("name") or default_archive_name(form.filename, "code")
+        if len(name) > NAME_MAX:
+            raise RequestValidationError(
+                f"name is longer than {NAME_MAX} characters", details={"field": "name"}
+            )
+        row = await run_in_threadpool(
+            code_service.create_from_archive, session, settings, user, name, dest, work
+        )
+    return code_service.code_public(row)
+
+
+@router.get("/v1/code")
+def list_code(
+    session: ReadSessionDep,
+    user: CurrentUser,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    cursor: Annotated[str | None, Query(max_length=500)] = None,
+) -> CodeList:
+    """Code packages newest first (a user's own; all of them for admin)."""
+    rows, next_cursor = code_service.list_code(session, user, limit=limit, cursor=cursor)
+    return CodeList(items=[code_service.code_public(r) for r in rows], next_cursor=next_cursor)
+
+
+@router.get("/v1/code/{code_id}")
+def get_code(code_id: str, session: ReadSessionDep, user: CurrentUser) -> CodePublic:
+    """One code package: name, sha256, size and file count."""
+    return code_service.code_public(code_service.get_code(session, user, code_id))
+
+
+@router.delete("/v1/code/{code_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_code(code_id: str, session: SessionDep, settings: SettingsDep, user: CurrentUser) -> Response:
+    """Delete a code package; 409 while a queued or running job uses it."""
+    code_service.delete_code(session, settings, user, code_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.get(
+    "/v1/worker/code/{code_id}/archive",
+    tags=["worker"],
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/x-tar": {}}}},
+)
+def code_archive(
+    code_id: str, session: ReadSessionDep, settings: SettingsDep, worker: WorkerDep
+) -> StreamingResponse:
+    """The package's files as a deterministic tar with its checksum in ``X-Torchyard-Sha256``;
+    only for a package that a job placed on one of the worker's nodes uses."""
+    row = code_service.code_for_worker(session, worker, code_id)
+    tar = code_service.code_tar(settings, row)
+    headers = {
+        "Content-Length": str(tar.size),
+        SHA256_HEADER: row.sha256,
+        "ETag": f'"{row.sha256}"',
+    }
+    return StreamingResponse(iter(tar), media_type="application/x-tar", headers=headers)

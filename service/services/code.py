@@ -1,0 +1,263 @@
+"""Code packages for script jobs: upload, listing, deletion and shipping to workers (no HTTP).
+
+An upload goes through the same safe extractor as a dataset (size and file caps, no
+traversal, links or devices). The files are stored content-addressed under
+``<data dir>/code/<sha256>/`` (``sha256`` is the manifest checksum datasets use), so two
+uploads of the same folder share one copy. Hidden files and folders (``.git``,
+``.env``...) are not part of a package. A package is its owner's only.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from datetime import datetime
+from pathlib import Path
+
+from sqlalchemy import ColumnElement, func, select
+from sqlalchemy.orm import Session
+
+from service.config import Settings
+from service.datasets import staging
+from service.datasets.tarstream import DatasetTar
+from service.db.models import CodePackage, Job, Node, Placement, utcnow
+from service.schemas.code import CodePublic
+from service.schemas.common import decode_cursor, encode_cursor
+from service.services import refs
+from service.services.tokens import Principal
+from service.states import ACTIVE_STATUSES, PlacementStatus
+from torchyard.contract.archive import ExtractionLimits, extract_archive
+from torchyard.contract.dataset_digest import hash_files, is_ignored_name, list_files, manifest_sha256
+from torchyard.contract.errors import (
+    ConflictError,
+    InvalidCodeError,
+    InvalidDatasetError,
+    NotFoundError,
+    PermissionDeniedError,
+    RequestValidationError,
+)
+
+log = logging.getLogger(__name__)
+
+# An archive of source files may expand to this many times the upload limit.
+EXPANSION = 4
+
+
+def code_dir(settings: Settings) -> Path:
+    return settings.data_dir / "code"
+
+
+def staging_dir(settings: Settings) -> Path:
+    return code_dir(settings) / ".staging"
+
+
+def upload_workspace(settings: Settings, principal: Principal) -> AbstractContextManager[Path]:
+    """A private folder for one upload (see :func:`service.datasets.staging.workspace`)."""
+    return staging.workspace(
+        staging_dir(settings), owner=principal.id, max_per_owner=settings.max_concurrent_uploads_per_user
+    )
+
+
+@contextmanager
+def _store_lock(settings: Settings) -> Iterator[None]:
+    store = code_dir(settings)
+    store.mkdir(parents=True, exist_ok=True)
+    with open(store / ".lock", "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def create_from_archive(
+    session: Session, settings: Settings, principal: Principal, name: str, archive: Path, workspace: Path
+) -> CodePackage:
+    """Extract an uploaded archive safely, store its files and record the package.
+
+    Raises InvalidCodeError (422) with nothing left behind. The caller removes ``archive``."""
+    limits = ExtractionLimits(
+        max_bytes=settings.max_code_upload_bytes * EXPANSION,
+        max_files=settings.max_code_files,
+        max_ratio=settings.max_compression_ratio,
+    )
+    try:
+        extracted = extract_archive(archive, workspace, limits)
+    except InvalidDatasetError as exc:
+        raise InvalidCodeError(str(exc).replace("dataset", "code package"), details=exc.details) from None
+    try:
+        try:
+            files = list_files(extracted)
+        except InvalidDatasetError as exc:
+            raise InvalidCodeError(str(exc), details=exc.details) from None
+        if not files:
+            raise InvalidCodeError("the archive holds no files (hidden files are not part of a package)")
+        _drop_ignored(extracted)
+        digests = hash_files(extracted, files)
+        sha = manifest_sha256(digests.items())
+        size = sum((extracted / rel).stat().st_size for rel in files)
+        final = code_dir(settings) / sha
+        with _store_lock(settings):
+            if not final.exists():
+                os.rename(extracted, final)
+            row = CodePackage(
+                owner_id=principal.id,
+                name=name,
+                sha256=sha,
+                size_bytes=size,
+                files=len(files),
+                created_at=utcnow(),
+            )
+            session.add(row)
+            session.commit()
+    finally:
+        shutil.rmtree(extracted, ignore_errors=True)
+    log.info("code package %s (%r) uploaded: %d files, sha256 %s", row.id, name, row.files, sha)
+    return row
+
+
+def _drop_ignored(root: Path) -> None:
+    """Remove hidden entries (see :func:`is_ignored_name`): they are not part of a package."""
+    for folder, dirs, names in os.walk(root):
+        for name in [*dirs, *names]:
+            if is_ignored_name(name):
+                path = Path(folder) / name
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+        dirs[:] = [d for d in dirs if not is_ignored_name(d)]
+
+
+def get_code(session: Session, principal: Principal, code_id: str, *, exact: bool = False) -> CodePackage:
+    """The package, if the principal may see it; another user's (or a deleted) one is a 404.
+
+    Unless ``exact``, ``code_id`` may also be its name or a unique prefix of its id."""
+
+    def by_id(wanted: str) -> CodePackage | None:
+        return session.scalars(
+            select(CodePackage).where(CodePackage.id == wanted, CodePackage.deleted_at.is_(None))
+        ).first()
+
+    row = by_id(code_id) if refs.comparable(code_id) else None
+    if row is None or (not principal.is_admin and row.owner_id != principal.id):
+        found = None
+        if not exact:
+            visible: list[ColumnElement[bool]] = [CodePackage.deleted_at.is_(None)]
+            if not principal.is_admin:
+                visible.append(CodePackage.owner_id == principal.id)
+            found = refs.resolve(session, CodePackage, visible, code_id, "code package")
+        row = None if found is None else by_id(found)
+        if row is None:
+            raise NotFoundError(f"code package {code_id!r} not found", details={"field": "code"})
+    return row
+
+
+def list_code(
+    session: Session, principal: Principal, *, limit: int, cursor: str | None
+) -> tuple[list[CodePackage], str | None]:
+    """Newest first; ``cursor`` continues after the last package of the previous page."""
+    stmt = select(CodePackage).where(CodePackage.deleted_at.is_(None))
+    if not principal.is_admin:
+        stmt = stmt.where(CodePackage.owner_id == principal.id)
+    if cursor:
+        created_iso, last_id = decode_cursor(cursor, 2)
+        try:
+            created = datetime.fromisoformat(created_iso)
+        except (TypeError, ValueError) as exc:
+            raise RequestValidationError("cursor is not one this service issued") from exc
+        stmt = stmt.where(
+            (CodePackage.created_at < created)
+            | ((CodePackage.created_at == created) & (CodePackage.id < last_id))
+        )
+    order = (CodePackage.created_at.desc(), CodePackage.id.desc())
+    rows = list(session.scalars(stmt.order_by(*order).limit(limit + 1)))
+    next_cursor = None
+    if len(rows) > limit:
+        rows = rows[:limit]
+        next_cursor = encode_cursor(rows[-1].created_at.isoformat(), rows[-1].id)
+    return rows, next_cursor
+
+
+def code_public(row: CodePackage) -> CodePublic:
+    return CodePublic(
+        id=row.id,
+        name=row.name,
+        owner=row.owner_id,
+        sha256=row.sha256,
+        size_bytes=row.size_bytes,
+        files=row.files,
+        created_at=row.created_at,
+    )
+
+
+def delete_code(session: Session, settings: Settings, principal: Principal, code_id: str) -> None:
+    """Delete a package no queued or running job uses (409 otherwise)."""
+    row = get_code(session, principal, code_id)
+    users = session.execute(
+        select(Job.id, Job.status)
+        .where(Job.code_id == row.id, Job.status.in_([s.value for s in ACTIVE_STATUSES]))
+        .order_by(Job.created_at)
+        .limit(20)
+    ).all()
+    if users:
+        listed = ", ".join(f"{job_id} ({status})" for job_id, status in users)
+        raise ConflictError(
+            f"code package {row.id!r} is used by jobs that have not finished: {listed}; "
+            "cancel them or wait for them to finish",
+            details={"jobs": [job_id for job_id, _ in users]},
+        )
+    row.deleted_at = utcnow()
+    sha = row.sha256
+    session.commit()
+    log.info("code package %s deleted by %s", row.id, principal.name)
+    with _store_lock(settings):
+        left = session.scalar(
+            select(func.count())
+            .select_from(CodePackage)
+            .where(CodePackage.sha256 == sha, CodePackage.deleted_at.is_(None))
+        )
+        session.commit()
+        target = code_dir(settings) / sha
+        if left or not target.exists():
+            return
+        trash = staging_dir(settings) / f"deleted-{uuid.uuid4().hex}"
+        trash.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(target, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def code_for_worker(session: Session, principal: Principal, code_id: str) -> CodePackage:
+    """The package a worker asks for, if a job placed on one of its nodes uses it."""
+    row = session.get(CodePackage, code_id)
+    if row is None:
+        raise NotFoundError(f"code package {code_id!r} not found")
+    placed = session.scalars(
+        select(Placement.id)
+        .join(Node, Node.id == Placement.node_id)
+        .join(Job, Job.id == Placement.job_id)
+        .where(
+            Node.token_id == principal.id,
+            Placement.status != PlacementStatus.DONE,
+            Job.code_id == row.id,
+        )
+        .limit(1)
+    ).first()
+    if placed is None:
+        raise PermissionDeniedError(
+            f"code package {code_id!r} is not used by any job placed on this worker's nodes"
+        )
+    return row
+
+
+def code_tar(settings: Settings, row: CodePackage) -> DatasetTar:
+    """The deterministic tar of a package's files (what workers download and verify)."""
+    root = code_dir(settings) / row.sha256
+    if not root.is_dir():
+        raise NotFoundError(f"the files of code package {row.id!r} are missing from the store")
+    return DatasetTar(root, list_files(root))

@@ -1,0 +1,90 @@
+"""Evaluation jobs (SPEC §10): a registered model scored on a labeled dataset, on a worker.
+
+The job rides the training job's path through the scheduler and the agent: one process
+on one node, the dataset fetched into the node's cache, the model directory downloaded
+as for ``init_from_job`` (``init_from_job_id`` is the version's training job), and the
+trainer program run in evaluation mode. Its result (top-1, top-5, loss, per-class
+precision/recall/F1 and the confusion matrix) is the job's ``result``.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.orm import Session
+
+from service.config import Settings
+from service.db.models import Job, JobEvent, utcnow
+from service.schemas.jobs import EvaluateJobCreate
+from service.services import models as models_service
+from service.services.cluster import check_resources
+from service.services.datasets import get_dataset
+from service.services.tokens import Principal
+from service.states import JobStatus
+from torchyard.contract.errors import InvalidDatasetError, NotFoundError
+
+EVALUATE = "evaluate"
+
+
+def _names(labels: list[str]) -> str:
+    shown = ", ".join(repr(label) for label in labels[:10])
+    return shown + (f" and {len(labels) - 10} more" if len(labels) > 10 else "")
+
+
+def check_classes(model_classes: list[str], dataset_classes: list[str]) -> None:
+    """The dataset's labels must be the model's, else ``InvalidDatasetError`` naming the difference."""
+    missing = sorted(set(model_classes) - set(dataset_classes))
+    extra = sorted(set(dataset_classes) - set(model_classes))
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"labels of the model missing from the dataset: {_names(missing)}")
+        if extra:
+            parts.append(f"labels of the dataset the model does not know: {_names(extra)}")
+        raise InvalidDatasetError(
+            "the dataset's labels differ from the model's: " + "; ".join(parts),
+            details={"field": "dataset", "missing": missing, "unexpected": extra},
+        )
+
+
+def submit_evaluate_job(
+    session: Session, settings: Settings, principal: Principal, spec: EvaluateJobCreate
+) -> Job:
+    name, version = models_service.parse_reference(spec.model)
+    try:
+        row = models_service.get_version(session, principal, name, version)
+    except NotFoundError as exc:
+        raise NotFoundError(exc.message, details={"field": "model"}) from exc
+    try:
+        dataset = get_dataset(session, principal, spec.dataset, lock=True, exact=True)
+    except NotFoundError as exc:
+        raise NotFoundError(f"dataset {spec.dataset!r} not found", details={"field": "dataset"}) from exc
+    check_classes(list(row.classes), list(dataset.classes))
+    check_resources(session, settings, 1, 1)
+    normalized = spec.model_dump(mode="json")
+    normalized["model"] = f"{row.name}:{row.version}"
+    normalized["name"] = spec.name or f"evaluate-{row.name}-{row.version}-{dataset.name}"
+    normalized["resources"] = {"node_count": 1, "process_count_per_node": 1}
+    normalized["model_version_id"] = row.id
+    normalized["architecture"] = row.architecture
+    normalized["classes"] = list(row.classes)
+    normalized["image_size"] = row.image_size
+    now = utcnow()
+    job = Job(
+        owner_id=principal.id,
+        type=EVALUATE,
+        name=normalized["name"],
+        status=JobStatus.QUEUED.value,
+        spec=normalized,
+        architecture=row.architecture,
+        validation_dataset_id=dataset.id,
+        init_from_job_id=row.job_id,
+        node_count=1,
+        process_count_per_node=1,
+        priority=spec.priority,
+        created_at=now,
+        updated_at=now,
+    )
+    session.add(job)
+    session.flush()
+    session.add(JobEvent(job_id=job.id, status=JobStatus.QUEUED.value, message="submitted", at=now))
+    session.commit()
+    return job

@@ -1,0 +1,242 @@
+"""Script jobs' outputs (SPEC §9): the output folder of node rank 0 (of every node with
+``"outputs": "all"``), uploaded by the agents when the job ends, succeeded or failed.
+
+Stored as ``<data dir>/outputs/<job id>.tar.gz`` (what ``GET /v1/jobs/{id}/outputs``
+serves, ETag = sha256). With ``"outputs": "all"`` each node's upload is kept as
+``<job id>/node-<rank>.tar.gz`` and the served archive is rebuilt from all of them, each
+under ``node-<rank>/``. An upload is streamed to a temporary file, its sha256 checked
+against the announced one, its members checked (regular files and folders with safe
+names only), then moved into place with one rename. Single files asked for with
+``?path=`` are extracted once into ``<job id>.files/`` and served from there.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import gzip
+import hashlib
+import io
+import logging
+import os
+import shutil
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy.orm import Session
+
+from service.db.models import Job, utcnow
+from service.services.artifacts import IncomingModel, ModelFile
+from service.services.jobs import get_job
+from service.services.leases import lock_lease, placement_for_lease
+from service.services.tokens import Principal
+from service.states import JobStatus
+from torchyard.contract.archive import safe_member_parts
+from torchyard.contract.errors import (
+    ConflictError,
+    InvalidDatasetError,
+    NotFoundError,
+    OutputsNotReadyError,
+    PermissionDeniedError,
+    RequestValidationError,
+    StaleLeaseError,
+)
+
+log = logging.getLogger(__name__)
+
+# Where a job's outputs may still be uploaded from: placed, or just failed or cancelling
+# (node 0 uploads what it has after another node's failure ended the job).
+_UPLOAD_STATUSES = (
+    JobStatus.SCHEDULED.value,
+    JobStatus.RUNNING.value,
+    JobStatus.CANCELLING.value,
+    JobStatus.FAILED.value,
+)
+MAX_MEMBERS = 200_000
+
+
+class OutputsStore:
+    def __init__(self, data_dir: Path) -> None:
+        self.root = Path(data_dir) / "outputs"
+        self.incoming = self.root / ".incoming"
+
+    def archive(self, job_id: str) -> Path:
+        return self.root / f"{job_id}.tar.gz"
+
+    def node_archive(self, job_id: str, node_rank: int) -> Path:
+        return self.root / job_id / f"node-{node_rank}.tar.gz"
+
+    def files_dir(self, job_id: str) -> Path:
+        return self.root / f"{job_id}.files"
+
+    def start_upload(self, max_bytes: int) -> IncomingModel:
+        self.incoming.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix="upload-", suffix=".tar.gz", dir=self.incoming)
+        return IncomingModel(Path(name), os.fdopen(fd, "wb"), max_bytes)
+
+    @contextmanager
+    def lock(self, job_id: str) -> Iterator[None]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / f".{job_id}.lock", "a+b") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _check_uploader(job: Job, node_rank: int) -> None:
+    if job.type != "script":
+        raise ConflictError(f"job {job.id} is a {job.type} job: it has no outputs folder")
+    if node_rank != 0 and job.spec.get("outputs") != "all":
+        raise PermissionDeniedError("only node rank 0 uploads the outputs (the job keeps node 0's)")
+    if job.status not in _UPLOAD_STATUSES:
+        raise ConflictError(f"job {job.id} is {job.status}: its outputs can no longer be uploaded")
+
+
+def authorize_upload(session: Session, principal: Principal, job_id: str, lease_token: str | None) -> None:
+    """Refuse an upload before its body is read (stale lease, wrong node, wrong job)."""
+    placement = placement_for_lease(session, principal, lease_token)
+    if placement.job_id != job_id:
+        raise StaleLeaseError("the lease belongs to another job")
+    _check_uploader(session.get_one(Job, job_id), placement.node_rank)
+
+
+def check_archive(path: Path, announced: str, actual: str, max_unpacked: int) -> int:
+    """The upload is what was announced and a plain .tar.gz of files and folders; its file count."""
+    if announced != actual:
+        raise RequestValidationError(
+            f"sha256 mismatch: the header announced {announced}, the body hashes to {actual}",
+            details={"expected": announced, "received": actual},
+        )
+    files = total = 0
+    try:
+        with tarfile.open(path, "r:gz") as tf:
+            for member in tf:
+                safe_member_parts(member.name)
+                if not (member.isreg() or member.isdir()):
+                    raise RequestValidationError(
+                        f"outputs archive member {member.name!r} is not a file or folder"
+                    )
+                files += member.isreg()
+                total += member.size
+                if files > MAX_MEMBERS or total > max_unpacked:
+                    raise RequestValidationError("the outputs archive is too large once unpacked")
+    except InvalidDatasetError as exc:
+        raise RequestValidationError(f"outputs archive: {exc.message}") from None
+    except (tarfile.TarError, OSError, EOFError, gzip.BadGzipFile) as exc:
+        raise RequestValidationError(f"the outputs archive cannot be read: {exc}") from None
+    return files
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _combine(store: OutputsStore, job_id: str, target: Path) -> None:
+    """One archive of every node's outputs, each under ``node-<rank>/`` (sorted, fixed times)."""
+    parts = sorted((store.root / job_id).glob("node-*.tar.gz"), key=lambda p: int(p.name[5:].split(".")[0]))
+    with tarfile.open(target, "w:gz", format=tarfile.PAX_FORMAT) as out:
+        for part in parts:
+            prefix = part.name.removesuffix(".tar.gz")
+            folder = tarfile.TarInfo(prefix)
+            folder.type, folder.mode = tarfile.DIRTYPE, 0o755
+            out.addfile(folder)
+            with tarfile.open(part, "r:gz") as tf:
+                for member in tf:
+                    inner = "/".join(safe_member_parts(member.name))
+                    if not inner:
+                        continue
+                    member.name = f"{prefix}/{inner}"
+                    out.addfile(member, tf.extractfile(member) if member.isreg() else None)
+
+
+def publish(
+    session: Session,
+    principal: Principal,
+    store: OutputsStore,
+    job_id: str,
+    lease_token: str | None,
+    incoming: IncomingModel,
+    sha256: str,
+) -> Job:
+    """Move a checked upload into the store and record it on the job, under the lease; commits."""
+    job, placement = lock_lease(session, principal, lease_token, job_id=job_id)
+    _check_uploader(job, placement.node_rank)
+    target = store.archive(job_id)
+    with store.lock(job_id):
+        shutil.rmtree(store.files_dir(job_id), ignore_errors=True)
+        if job.spec.get("outputs") == "all":
+            node_file = store.node_archive(job_id, placement.node_rank)
+            node_file.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(incoming.path, node_file)
+            tmp = store.incoming / f"combined-{job_id}.tar.gz"
+            _combine(store, job_id, tmp)
+            os.replace(tmp, target)
+            digest, size = _sha256(target), target.stat().st_size
+        else:
+            os.replace(incoming.path, target)
+            digest, size = sha256, incoming.size
+        job.outputs_sha256 = digest
+        job.outputs_size = size
+        job.updated_at = utcnow()
+        session.commit()
+    log.info("job %s: outputs stored from node rank %d (%d bytes)", job_id, placement.node_rank, size)
+    return job
+
+
+def outputs_for_user(session: Session, principal: Principal, store: OutputsStore, job_id: str) -> ModelFile:
+    """The outputs archive of the principal's script job; 409 until one was uploaded."""
+    job = get_job(session, principal, job_id)
+    if job.type != "script":
+        raise NotFoundError(f"job {job.id} is a {job.type} job: it has no outputs (see its model)")
+    if job.outputs_sha256 is None:
+        raise OutputsNotReadyError(
+            f"job {job.id} is {job.status}: its outputs are uploaded when it ends (succeeded or failed)"
+        )
+    path = store.archive(job.id)
+    if not path.is_file():
+        raise NotFoundError(f"the outputs of job {job.id} are missing from the artifact store")
+    return ModelFile(
+        path=path,
+        sha256=job.outputs_sha256,
+        size=job.outputs_size or 0,
+        filename=f"{job.name}-{job.id}-outputs.tar.gz",
+    )
+
+
+def output_file(store: OutputsStore, archive: ModelFile, job_id: str, wanted: str) -> ModelFile:
+    """One file of the outputs archive (``wanted`` relative to its root), extracted once."""
+    try:
+        parts = safe_member_parts(wanted)
+    except InvalidDatasetError:
+        raise RequestValidationError(f"path {wanted!r} is not a relative path inside the outputs") from None
+    rel = "/".join(parts)
+    if not rel:
+        raise RequestValidationError("path is empty")
+    folder = store.files_dir(job_id) / archive.sha256
+    dest = folder.joinpath(*parts)
+    with store.lock(job_id):
+        if not dest.is_file():
+            found = None
+            with tarfile.open(archive.path, "r:gz") as tf:
+                for member in tf:
+                    if member.isreg() and "/".join(safe_member_parts(member.name)) == rel:
+                        found = tf.extractfile(member)
+                        dest.parent.mkdir(parents=True, exist_ok=True)
+                        tmp = dest.with_name(f".{dest.name}.part")
+                        with open(tmp, "wb") as out:
+                            shutil.copyfileobj(found or io.BytesIO(), out)
+                        os.replace(tmp, dest)
+                        break
+            if found is None:
+                raise NotFoundError(
+                    f"the outputs of job {job_id} hold no file {rel!r}", details={"path": rel}
+                )
+    return ModelFile(path=dest, sha256=_sha256(dest), size=dest.stat().st_size, filename=parts[-1])

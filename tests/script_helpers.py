@@ -1,0 +1,150 @@
+"""Helpers for script-job tests: code packages built from strings, a live API with real
+agents, and a probe script that reports what each process sees."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import tarfile
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from service.config import Settings
+from tests.conftest import LiveServer
+from tests.factories import auth
+from tests.worker_fixtures import (
+    AgentProcess,
+    start_agent,
+    user_client,
+    wait_for_job,
+    wait_for_node,
+    worker_token,
+)
+
+# What every process of a probe job reports: its launch variables, whether it sees the
+# worker token, its input, and a gloo all-reduce over the world (proof the variables work).
+PROBE = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch.distributed as dist
+    from torchyard import run
+
+    keys = ["MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE", "NNODES", "NPROC_PER_NODE", "TORCHYARD_OUTPUT_DIR",
+            "TORCHYARD_LOG_DIR", "TORCHYARD_METRICS_FILE", "TORCHYARD_INPUT_DATA", "GREETING"]
+    seen = {k: os.environ.get(k) for k in keys}
+    seen["token_visible"] = any("TOKEN" in k for k in os.environ)
+    seen["argv"] = sys.argv[1:]
+    seen["cwd"] = os.getcwd()
+    rank = int(os.environ["RANK"])
+    print(f"hello from rank {rank}", flush=True)
+    dist.init_process_group("gloo")
+    import torch
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    seen["all_reduce"] = total.item()
+    run.log_metric("probe.rank", rank, step=0)
+    run.log_metric("probe.auto", 1.5)
+    run.log_metric("probe.auto", 2.5)
+    (run.output_dir() / f"rank-{rank}.json").write_text(json.dumps(seen))
+    (run.log_dir() / f"rank-{rank}.txt").write_text("extra log")
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+def code_archive(files: dict[str, str | bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        for name, data in sorted(files.items()):
+            raw = data.encode() if isinstance(data, str) else data
+            info = tarfile.TarInfo(name)
+            info.size = len(raw)
+            tf.addfile(info, io.BytesIO(raw))
+    return buf.getvalue()
+
+
+@dataclass
+class ScriptEnv:
+    server: LiveServer
+    user: httpx.Client
+    token: str
+    tmp: Path
+    agents: list[AgentProcess] = field(default_factory=list)
+
+    def agent(self, name: str, *, slots: int, **kw: Any) -> AgentProcess:
+        agent = start_agent(self.server.url, self.token, name, self.tmp / name, slots=slots, **kw)
+        self.agents.append(agent)
+        try:
+            wait_for_node(self.user, name, timeout=120)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{agent.log_text()[-4000:]}") from None
+        return agent
+
+    def upload_code(self, files: dict[str, str | bytes], name: str = "probe") -> str:
+        r = self.user.post(
+            "/v1/code",
+            data={"name": name},
+            files={"file": ("src.tar.gz", code_archive(files), "application/gzip")},
+        )
+        assert r.status_code == 201, r.text
+        code_id: str = r.json()["id"]
+        return code_id
+
+    def submit(self, code: str, command: list[str], **spec: Any) -> str:
+        body = {"type": "script", "code": code, "command": command, **spec}
+        r = self.user.post("/v1/jobs", json=body)
+        assert r.status_code == 201, r.text
+        job_id: str = r.json()["id"]
+        return job_id
+
+    def wait(self, job_id: str, predicate: Any = None, timeout: float = 180) -> dict[str, Any]:
+        if predicate is None:
+            return wait_for_job(self.user, job_id, timeout=timeout, agents=self.agents)
+        return wait_for_job(self.user, job_id, predicate, timeout=timeout, agents=self.agents)
+
+    def log(self, job_id: str, **params: Any) -> str:
+        r = self.user.get(f"/v1/jobs/{job_id}/logs", params=params)
+        assert r.status_code == 200, r.text
+        return r.text
+
+    def outputs(self, job_id: str) -> dict[str, bytes]:
+        r = self.user.get(f"/v1/jobs/{job_id}/outputs")
+        assert r.status_code == 200, r.text
+        assert r.headers["etag"].strip('"') == hashlib.sha256(r.content).hexdigest()
+        with tarfile.open(fileobj=io.BytesIO(r.content), mode="r:gz") as tf:
+            return {m.name: tf.extractfile(m).read() for m in tf if m.isreg()}  # type: ignore[union-attr]
+
+    def seen(self, job_id: str) -> dict[int, dict[str, Any]]:
+        """What each process of a probe job reported, by rank."""
+        files = self.outputs(job_id)
+        found = {}
+        for name, data in files.items():
+            base = name.rsplit("/", 1)[-1]
+            if base.startswith("rank-") and base.endswith(".json"):
+                found[int(base[5:-5])] = json.loads(data)
+        return found
+
+
+@contextlib.contextmanager
+def script_env(settings: Settings, tmp_path: Path, host: str = "127.0.0.1") -> Iterator[ScriptEnv]:
+    server = LiveServer(settings, host=host).start()
+    admin = httpx.Client(base_url=server.url, headers=auth(server.admin_token), timeout=60)
+    user = user_client(admin, server.url)
+    env = ScriptEnv(server, user, worker_token(admin), tmp_path)
+    try:
+        yield env
+    finally:
+        for agent in env.agents:
+            agent.stop(timeout=30)
+        user.close()
+        admin.close()
+        server.stop()

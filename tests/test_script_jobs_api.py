@@ -1,0 +1,195 @@
+"""Job types and script jobs at the API: the default type stays ``train``, code packages
+(upload, list, show, delete, 409 while used, owner only, unsafe archives refused) and bad
+script specs (each a 4xx naming the field)."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.config import Settings
+from tests.dataset_files import tar_with
+from tests.factories import auth, create_token, insert_dataset, job_spec, register_node, token_id
+
+
+def code_archive(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def upload_code(client: TestClient, files: dict[str, bytes], **kw: Any) -> Any:
+    return client.post(
+        "/v1/code", files={"file": ("src.tar.gz", code_archive(files), "application/gzip")}, **kw
+    )
+
+
+@pytest.fixture
+def ready(client: TestClient, settings: Settings) -> dict[str, str]:
+    register_node(client, create_token(client, "worker"), "node-a", units=4)
+    me = token_id(client, client.headers["Authorization"].split()[1])
+    code = upload_code(client, {"train.py": b"print('hi')\n", "pkg/util.py": b"X = 1\n"})
+    assert code.status_code == 201, code.text
+    return {"data": insert_dataset(settings, me, name="data"), "code": code.json()["id"]}
+
+
+def script_spec(code_id: str, **overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {"type": "script", "code": code_id, "command": ["python", "train.py"]}
+    spec.update(overrides)
+    return spec
+
+
+def errors_of(r: Any) -> list[str]:
+    return [e["field"] for e in r.json().get("errors", [])]
+
+
+def test_a_spec_without_type_is_a_training_job(client: TestClient, settings: Settings) -> None:
+    register_node(client, create_token(client, "worker"), "node-a", units=2)
+    me = token_id(client, client.headers["Authorization"].split()[1])
+    train, val = insert_dataset(settings, me, name="t"), insert_dataset(settings, me, name="v")
+    r = client.post("/v1/jobs", json=job_spec(train, val))
+    assert r.status_code == 201, r.text
+    assert r.json()["type"] == "train" and r.json()["model"]["architecture"] == "resnet18"
+    explicit = client.post("/v1/jobs", json={**job_spec(train, val), "type": "train"})
+    assert explicit.status_code == 201 and explicit.json()["type"] == "train"
+    # A training field error keeps its plain name, not the union's tag.
+    bad = client.post("/v1/jobs", json={**job_spec(train, val), "parameters": {"epochs": 0}})
+    assert bad.status_code == 422 and errors_of(bad) == ["parameters.epochs"]
+    unknown = client.post("/v1/jobs", json={**job_spec(train, val), "type": "notebook"})
+    assert unknown.status_code == 422 and errors_of(unknown) == ["type"], unknown.text
+
+
+def test_script_job_is_queued_with_its_spec_normalized(client: TestClient, ready: dict[str, str]) -> None:
+    r = client.post(
+        "/v1/jobs",
+        json=script_spec(
+            ready["code"],
+            command=["python", "train.py", "--rank", "$RANK"],
+            inputs={"data": ready["data"]},
+            environment={"variables": {"K": "V"}},
+            resources={"node_count": 1, "process_count_per_node": 2, "max_restarts": 0},
+        ),
+    )
+    assert r.status_code == 201, r.text
+    body = r.json()
+    assert body["type"] == "script" and body["status"] == "queued"
+    assert body["code"] == ready["code"]
+    assert body["command"] == ["python", "train.py", "--rank", "$RANK"]
+    assert body["distribution"] == {"launch": "per_process"}
+    assert body["inputs"] == {"data": ready["data"]}
+    assert body["environment"] == {"variables": {"K": "V"}, "pip": []}
+    assert body["outputs"] == "node0"
+    assert body["resources"]["max_restarts"] == 0 and body["resources"]["hang_timeout_s"] == 1800
+    assert body["model"] is None and body["parameters"] is None
+    shown = client.get(f"/v1/jobs/{body['id']}").json()
+    assert shown["type"] == "script" and shown["command"] == body["command"]
+    # The code package and the input dataset are in use: neither can be deleted.
+    assert client.delete(f"/v1/code/{ready['code']}").status_code == 409
+    assert client.delete(f"/v1/datasets/{ready['data']}").status_code == 409
+    client.post(f"/v1/jobs/{body['id']}/cancel")
+    assert client.delete(f"/v1/code/{ready['code']}").status_code == 204
+    assert client.get(f"/v1/code/{ready['code']}").status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "status"),
+    [
+        ({"distribution": {"launch": "per_gpu"}}, "distribution.launch", 422),
+        ({"command": []}, "command", 422),
+        ({"command": [""]}, "command", 422),
+        ({"code": "0" * 32}, "code", 404),
+        ({"inputs": {"data": "0" * 32}}, "inputs.data", 404),
+        ({"environment": {"variables": {"RANK": "3"}}}, "environment.variables", 422),
+        ({"environment": {"pip": ["--index-url=http://x"]}}, "environment.pip", 422),
+        ({"model": {"architecture": "resnet18"}}, "model", 422),
+        ({"resources": {"process_count_per_node": 5}}, "process_count_per_node", 422),
+    ],
+)
+def test_bad_script_specs_name_the_field(
+    client: TestClient, ready: dict[str, str], overrides: dict[str, Any], field: str, status: int
+) -> None:
+    r = client.post("/v1/jobs", json=script_spec(ready["code"], **overrides))
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert field in " ".join([*errors_of(r), str(body.get("details")), body["message"]]), body
+
+
+def test_missing_code_field(client: TestClient, ready: dict[str, str]) -> None:
+    r = client.post("/v1/jobs", json={"type": "script", "command": ["python", "x.py"]})
+    assert r.status_code == 422 and errors_of(r) == ["code"], r.text
+
+
+def test_another_users_code_is_not_found(client: TestClient, ready: dict[str, str]) -> None:
+    other = auth(create_token(client, "user", "other"))
+    r = client.post("/v1/jobs", json=script_spec(ready["code"]), headers=other)
+    assert r.status_code == 404 and r.json()["details"]["field"] == "code", r.text
+    assert client.get(f"/v1/code/{ready['code']}", headers=other).status_code == 404
+    assert client.get("/v1/code", headers=other).json()["items"] == []
+    assert client.delete(f"/v1/code/{ready['code']}", headers=other).status_code == 404
+
+
+def test_code_upload_list_show_and_content_address(client: TestClient, settings: Settings) -> None:
+    files = {"train.py": b"print(1)\n", "lib/a.py": b"A = 2\n", ".git/config": b"secret"}
+    first = upload_code(client, files, data={"name": "birds"})
+    assert first.status_code == 201, first.text
+    body = first.json()
+    assert body["name"] == "birds" and body["files"] == 2  # hidden files are not part of it
+    assert body["size_bytes"] == len(b"print(1)\n") + len(b"A = 2\n")
+    second = upload_code(client, files).json()
+    assert second["sha256"] == body["sha256"] and second["id"] != body["id"]
+    stored = settings.data_dir / "code" / body["sha256"]
+    assert sorted(p.relative_to(stored).as_posix() for p in stored.rglob("*") if p.is_file()) == [
+        "lib/a.py",
+        "train.py",
+    ]
+    listed = client.get("/v1/code").json()["items"]
+    assert [c["id"] for c in listed] == [second["id"], body["id"]]
+    assert client.get(f"/v1/code/{body['id']}").json()["sha256"] == body["sha256"]
+    # Deleting one of two packages with the same content keeps the shared copy.
+    assert client.delete(f"/v1/code/{body['id']}").status_code == 204
+    assert stored.is_dir()
+    assert client.delete(f"/v1/code/{second['id']}").status_code == 204
+    assert not stored.exists()
+
+
+@pytest.mark.parametrize(
+    "members",
+    [
+        [("../evil.py", b"x", {})],
+        [("link.py", b"", {"type": tarfile.SYMTYPE, "linkname": "/etc/passwd"})],
+        [("dev", b"", {"type": tarfile.CHRTYPE})],
+    ],
+    ids=["traversal", "symlink", "device"],
+)
+def test_unsafe_code_archives_are_refused(
+    client: TestClient,
+    settings: Settings,
+    tmp_path: Path,
+    members: list[tuple[str, bytes, dict[str, object]]],
+) -> None:
+    archive = tar_with(tmp_path / "bad.tar", [("ok.py", b"print(1)\n", {}), *members])
+    r = client.post("/v1/code", files={"file": ("bad.tar", archive.read_bytes(), "application/x-tar")})
+    assert r.status_code == 422 and r.json()["code"] == "InvalidCodeError", r.text
+    store = settings.data_dir / "code"
+    assert not [p for p in store.iterdir() if p.name not in (".staging", ".lock")]
+    assert not list((store / ".staging").iterdir())
+
+
+def test_code_upload_over_the_size_limit_is_413(make_settings: Any, tmp_path: Path) -> None:
+    from service.api.app import create_app
+
+    settings = make_settings(max_code_upload_bytes=1000)
+    with TestClient(create_app(settings)) as client:
+        client.headers["Authorization"] = f"Bearer {settings.admin_token_path.read_text().strip()}"
+        r = upload_code(client, {"big.bin": os.urandom(4000)})
+    assert r.status_code == 413, r.text

@@ -1,0 +1,127 @@
+"""Script jobs across two nodes in network namespaces (2×1, both launch modes, every
+node's outputs kept), and the birds example as a script job on the demo's digits."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.config import Settings
+from tests.netns import NetnsCluster, require_netns
+from tests.script_helpers import PROBE, ScriptEnv, script_env
+from tests.test_script_jobs import SCRIPT_SETTINGS
+from tests.worker_fixtures import upload_digits
+
+ROOT = Path(__file__).resolve().parent.parent
+TORCHRUN = ["torchrun", "--nnodes", "$NNODES", "--nproc-per-node", "$NPROC_PER_NODE", "--node-rank",
+            "$NODE_RANK", "--master-addr", "$MASTER_ADDR", "--master-port", "$MASTER_PORT", "probe.py"]  # fmt: skip
+
+
+@pytest.fixture
+def db_url(sqlite_url: str) -> str:
+    return sqlite_url
+
+
+@pytest.fixture
+def settings(make_settings: Any) -> Settings:
+    values = {**SCRIPT_SETTINGS, "master_port_min": 33500, "master_port_max": 33999}
+    settings: Settings = make_settings(**values)
+    return settings
+
+
+@pytest.fixture
+def netns_hosts() -> Iterator[NetnsCluster]:
+    require_netns()
+    with NetnsCluster(2) as cluster:
+        yield cluster
+
+
+def test_two_nodes_in_network_namespaces_both_launch_modes(
+    netns_hosts: NetnsCluster, settings: Settings, tmp_path: Path
+) -> None:
+    with script_env(settings, tmp_path, host=netns_hosts.gateway) as env:
+        names = []
+        for host in netns_hosts.hosts:
+            names.append(f"{host.name}-node")
+            env.agent(names[-1], slots=1, wrap=host.argv([]), env={"NO_PROXY": "*"})
+        code = env.upload_code({"probe.py": PROBE})
+        two_nodes = {"node_count": 2, "process_count_per_node": 1}
+        per_process = env.submit(code, ["python", "probe.py"], resources=two_nodes, outputs="all")
+        job = env.wait(per_process)
+        assert job["status"] == "succeeded", job
+        files = env.outputs(per_process)
+        assert {name.split("/")[0] for name in files} == {"node-0", "node-1"}  # every node's outputs
+        seen = env.seen(per_process)
+        addresses = {h.address for h in netns_hosts.hosts}
+        for rank, s in seen.items():
+            assert (s["RANK"], s["NODE_RANK"], s["WORLD_SIZE"], s["LOCAL_RANK"]) == (
+                str(rank),
+                str(rank),
+                "2",
+                "0",
+            )
+            assert s["MASTER_ADDR"] in addresses and s["all_reduce"] == 3.0
+
+        per_node = env.submit(code, TORCHRUN, resources=two_nodes, distribution={"launch": "per_node"})
+        job = env.wait(per_node)
+        assert job["status"] == "succeeded", job
+        seen = env.seen(per_node)  # node 0's outputs only (the default)
+        assert list(seen) == [0]
+        assert (seen[0]["NNODES"], seen[0]["NPROC_PER_NODE"], seen[0]["all_reduce"]) == ("2", "1", 3.0)
+
+
+@pytest.fixture
+def env(settings: Settings, tmp_path: Path) -> Iterator[ScriptEnv]:
+    with script_env(settings, tmp_path) as e:
+        yield e
+
+
+def test_birds_example_trains_on_the_digits(env: ScriptEnv, tmp_path: Path) -> None:
+    env.agent("solo", slots=2)
+    train, val = upload_digits(env.user, tmp_path / "digits", per_class=8, size=32)
+    folder = ROOT / "examples" / "birds"
+    r = env.user.post(
+        "/v1/code",
+        data={"name": "birds"},
+        files={"file": ("birds.tar.gz", _pack(folder), "application/gzip")},
+    )
+    assert r.status_code == 201, r.text
+    command = [
+        "python",
+        "train.py",
+        "--num_epochs",
+        "1",
+        "--image_size",
+        "32",
+        "--batch_size",
+        "8",
+        "--arch",
+        "resnet18",
+    ]
+    job_id = env.submit(
+        r.json()["id"],
+        command,
+        inputs={"train": train, "val": val},
+        resources={"node_count": 1, "process_count_per_node": 2},
+    )
+    job = env.wait(job_id, timeout=300)
+    assert job["status"] == "succeeded", (job, env.log(job_id, rank=0))
+    names = {p["name"] for p in env.user.get(f"/v1/jobs/{job_id}/metrics").json()["items"]}
+    assert {"train.loss", "val.top1", "val.loss", "train.images_per_sec"} <= names
+    outputs = env.outputs(job_id)
+    assert set(outputs) == {"model.pt", "classes.json"}
+    assert outputs["classes.json"] == b'["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"]'
+
+
+def _pack(folder: Path) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        for path in sorted(folder.iterdir()):
+            if path.is_file():
+                tf.add(path, arcname=path.name)
+    return buf.getvalue()

@@ -1,0 +1,140 @@
+"""Virtual environments for script jobs' ``environment.pip`` (SPEC §9).
+
+One environment per requirement set and node, under ``<work dir>/envs/<key>/`` where the
+key is the sha256 of the sorted requirements and the worker's Python version. It is
+built with ``--system-site-packages`` and a ``.pth`` file naming the worker's own
+site-packages, so the worker's torch is used rather than installed again. Builds run
+under a per-key lock file: two jobs asking for the same set on one node build it once,
+the second one waits and reuses it. An environment is ready once its marker file is
+written after pip succeeded; a failed build leaves nothing behind and is an
+``EnvironmentBuildError`` carrying pip's last lines.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from torchyard.contract.errors import EnvironmentBuildError
+
+log = logging.getLogger(__name__)
+
+PIP_TAIL_LINES = 30
+BUILD_TIMEOUT_S = 3600
+READY_MARKER = ".torchyard-ready"
+
+
+def requirements_key(requirements: list[str]) -> str:
+    """The cache key of a requirement set (order and duplicates do not matter)."""
+    wanted = {"python": sys.version, "requirements": sorted(set(requirements))}
+    return hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def env_python(env_dir: Path) -> Path:
+    return env_dir / "bin" / "python"
+
+
+def _site_packages(env_dir: Path) -> Path:
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return env_dir / "lib" / version / "site-packages"
+
+
+def _run(command: list[str], log_file: Path, stop: threading.Event | None) -> int:
+    with open(log_file, "ab") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + BUILD_TIMEOUT_S
+        while True:
+            try:
+                return process.wait(0.2)
+            except subprocess.TimeoutExpired:
+                if (stop is not None and stop.is_set()) or time.monotonic() > deadline:
+                    os.killpg(process.pid, 9)
+                    process.wait()
+                    return -9
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def ensure_environment(
+    envs_dir: Path,
+    requirements: list[str],
+    *,
+    stop: threading.Event | None = None,
+    on_build: logging.Logger | None = None,
+) -> tuple[Path, bool]:
+    """The folder of the environment for ``requirements``, and whether this call built it."""
+    key = requirements_key(requirements)
+    envs_dir.mkdir(parents=True, exist_ok=True)
+    final = envs_dir / key
+    if (final / READY_MARKER).exists():
+        return final, False
+    with _locked(envs_dir / f".{key}.lock"):
+        if (final / READY_MARKER).exists():
+            return final, False  # another job built it while we waited
+        # Built in place (a venv's scripts name their own folder), ready once the marker is
+        # written: a folder without it is a build that was interrupted.
+        work = final
+        shutil.rmtree(work, ignore_errors=True)
+        build_log = envs_dir / f".build-{key}.log"
+        build_log.unlink(missing_ok=True)
+        logger = on_build or log
+        started = time.monotonic()
+        logger.info("building the pip environment %s: %s", key, " ".join(requirements))
+        try:
+            # No pip inside (fast): the worker's own pip installs into it (pip --python).
+            code = _run(
+                [sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(work)],
+                build_log,
+                stop,
+            )
+            if code == 0:
+                # The worker's own packages (torch...) stay visible even when it runs in a
+                # venv: its site folders are added as site folders (their .pth files count).
+                base = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+                lines = [f"import site; site.addsitedir({path!r})" for path in base]
+                (_site_packages(work) / "_torchyard_worker.pth").write_text("\n".join(lines) + "\n")
+                pip = [sys.executable, "-m", "pip", "--python", str(env_python(work)), "install"]
+                options = ["--disable-pip-version-check", "--no-input"]
+                code = _run([*pip, *options, *requirements], build_log, stop)
+            if code != 0:
+                tail = _tail(build_log, PIP_TAIL_LINES)
+                raise EnvironmentBuildError(
+                    f"pip could not build the environment for {requirements} (exit code {code}):\n{tail}",
+                    details={"requirements": requirements},
+                )
+            (work / READY_MARKER).write_text(json.dumps({"requirements": requirements}))
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        logger.info("pip environment %s built in %.1f s", key, time.monotonic() - started)
+        return final, True

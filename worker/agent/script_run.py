@@ -1,0 +1,488 @@
+"""A script job's share of one node (SPEC §9): its inputs, environment and processes.
+
+Every process runs the job's ``command`` (no shell; ``$NAME``/``${NAME}`` expanded from
+the launch variables) in a fresh copy of the code, with the variables of SPEC §9:
+``per_process`` starts ``process_count_per_node`` processes each with ``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``; ``per_node`` starts one with ``NNODES``, ``NPROC_PER_NODE``,
+``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, so the command may be ``torchrun``.
+
+A process's environment is the agent's minus its secrets and every ``TORCHYARD_*``
+variable of its own, plus the job's ``environment.variables`` and the paths below, all
+inside this placement's run directory: ``TORCHYARD_OUTPUT_DIR`` and ``TORCHYARD_LOG_DIR``
+(shared by the node's processes; ``./outputs`` and ``./logs`` in each copy point there),
+``TORCHYARD_METRICS_FILE`` and ``TORCHYARD_INPUT_<NAME>`` (a hard-linked copy of the
+dataset from the node's cache). Each process is the leader of a session of its own;
+stopping signals every session and every process carrying the run's marker variable,
+so children a script started go too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import logging
+import os
+import re
+import secrets
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from torchyard.contract.jobspec import input_variable
+from worker.agent import guard
+from worker.agent.api import retrying
+from worker.agent.launcher import (
+    _SCRUBBED,
+    _SECRETS,
+    MARKER_VAR,
+    TRACEBACK_TAIL_LINES,
+    _describe_exit,
+    _root_cause,
+    _signal_pids,
+    _tail,
+    marked_pids,
+    marker_scope,
+)
+
+if TYPE_CHECKING:
+    from torchyard.contract.protocol import ClaimedPlacement
+    from worker.agent.placement import AgentContext
+
+log = logging.getLogger(__name__)
+
+FETCH_DEADLINE_S = 600
+_VARIABLE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*)|(\$))")
+_PYTHON_NAMES = re.compile(r"^python(3(\.\d+)?)?$")
+
+
+def expand(arg: str, variables: Mapping[str, str]) -> str:
+    """``$NAME`` and ``${NAME}`` replaced from ``variables`` (others left as written), ``$$`` → ``$``."""
+
+    def sub(match: re.Match[str]) -> str:
+        if match.group(3):
+            return "$"
+        name = match.group(1) or match.group(2)
+        return variables.get(name, match.group(0))
+
+    return _VARIABLE.sub(sub, arg)
+
+
+@dataclass(frozen=True)
+class ScriptLaunch:
+    """Where and how this node's script processes start."""
+
+    run_dir: Path
+    node_name: str
+    node_rank: int
+    node_count: int
+    nproc: int
+    master_addr: str
+    master_port: int
+    cpus: int
+    command: tuple[str, ...]
+    launch: str = "per_process"
+    variables: Mapping[str, str] = field(default_factory=dict)
+    inputs: Mapping[str, Path] = field(default_factory=dict)
+    code_dir: Path | None = None
+    env_dir: Path | None = None
+    gpu_ids: tuple[int, ...] = ()
+    socket_ifname: str | None = None
+    grace_s: float = 10.0
+
+    @property
+    def outputs_dir(self) -> Path:
+        return self.run_dir / "outputs"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.run_dir / "logs"
+
+    @property
+    def metrics_dir(self) -> Path:
+        return self.run_dir / "metrics"
+
+    @property
+    def stdout_dir(self) -> Path:
+        return self.run_dir / "stdout"
+
+    @property
+    def python(self) -> str:
+        return str(self.env_dir / "bin" / "python") if self.env_dir is not None else sys.executable
+
+    def launch_variables(self, local_rank: int | None) -> dict[str, str]:
+        """The variables of SPEC §9 for one process (``local_rank`` None: per node)."""
+        common = {
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "NODE_RANK": str(self.node_rank),
+        }
+        if local_rank is None:
+            return {**common, "NNODES": str(self.node_count), "NPROC_PER_NODE": str(self.nproc)}
+        return {
+            **common,
+            "WORLD_SIZE": str(self.node_count * self.nproc),
+            "RANK": str(self.node_rank * self.nproc + local_rank),
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(self.nproc),
+        }
+
+
+@dataclass
+class ScriptProcess:
+    rank: int  # the global rank (per node: the node's first rank, whose log stream it feeds)
+    local_rank: int | None
+    argv: list[str]
+    env: dict[str, str]
+    cwd: Path
+    log_path: Path
+    metrics_path: Path
+    process: subprocess.Popen[bytes] | None = None
+
+
+def script_env(
+    launch: ScriptLaunch, base: Mapping[str, str], marker: str, local_rank: int | None, rank: int
+) -> dict[str, str]:
+    """One process's environment: never the worker's token nor the agent's own settings."""
+    env = {
+        k: v
+        for k, v in base.items()
+        if k not in _SCRUBBED and k not in _SECRETS and not k.startswith("TORCHYARD_") and k != "VIRTUAL_ENV"
+    }
+    env.update(launch.variables)
+    bins = [str(Path(launch.python).parent), str(Path(sys.executable).parent)]
+    env["PATH"] = os.pathsep.join([*dict.fromkeys(bins), env.get("PATH", os.defpath)])
+    if launch.env_dir is not None:
+        env["VIRTUAL_ENV"] = str(launch.env_dir)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("OMP_NUM_THREADS", str(max(1, launch.cpus // launch.nproc)))
+    if launch.gpu_ids:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in launch.gpu_ids)
+        if launch.socket_ifname:
+            env.setdefault("NCCL_SOCKET_IFNAME", launch.socket_ifname)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    if launch.socket_ifname:
+        env.setdefault("GLOO_SOCKET_IFNAME", launch.socket_ifname)
+    env.update(launch.launch_variables(local_rank))
+    env[MARKER_VAR] = marker
+    env["TORCHYARD_OUTPUT_DIR"] = str(launch.outputs_dir)
+    env["TORCHYARD_LOG_DIR"] = str(launch.logs_dir)
+    name = f"rank-{rank}" if local_rank is not None else f"node-{launch.node_rank}"
+    env["TORCHYARD_METRICS_FILE"] = str(launch.metrics_dir / f"{name}.jsonl")
+    for input_name, path in launch.inputs.items():
+        env[input_variable(input_name)] = str(path)
+    return env
+
+
+class ScriptGroup:
+    """The script processes of one placement on this node."""
+
+    def __init__(self, launch: ScriptLaunch, *, env: Mapping[str, str] | None = None) -> None:
+        self.launch = launch
+        self.marker = marker_scope(launch.node_name, launch.run_dir.parent.parent) + secrets.token_hex(8)
+        base = os.environ if env is None else env
+        locals_: list[int | None] = list(range(launch.nproc)) if launch.launch == "per_process" else [None]
+        self.processes: list[ScriptProcess] = []
+        for local in locals_:
+            rank = launch.node_rank * launch.nproc + (local or 0)
+            process_env = script_env(launch, base, self.marker, local, rank)
+            argv = [expand(arg, process_env) for arg in launch.command]
+            if _PYTHON_NAMES.match(argv[0]):
+                argv[0] = launch.python  # the worker's interpreter (or the job's environment's)
+            name = f"rank-{rank}" if local is not None else f"node-{launch.node_rank}"
+            self.processes.append(
+                ScriptProcess(
+                    rank=rank,
+                    local_rank=local,
+                    argv=argv,
+                    env=process_env,
+                    cwd=launch.run_dir / "work" / name,
+                    log_path=launch.stdout_dir / f"{name}.log",
+                    metrics_path=Path(process_env["TORCHYARD_METRICS_FILE"]),
+                )
+            )
+        self.command = self.processes[0].argv
+        self.failed: ScriptProcess | None = None
+        self.stopped = False
+
+    # --- start --------------------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        launch = self.launch
+        for folder in (launch.outputs_dir, launch.logs_dir, launch.metrics_dir, launch.stdout_dir):
+            folder.mkdir(parents=True, exist_ok=True)
+        for proc in self.processes:
+            if proc.cwd.exists():
+                shutil.rmtree(proc.cwd)
+            if launch.code_dir is not None:
+                shutil.copytree(launch.code_dir, proc.cwd, symlinks=False)
+            else:
+                proc.cwd.mkdir(parents=True)
+            for link, target in (("outputs", launch.outputs_dir), ("logs", launch.logs_dir)):
+                if not (proc.cwd / link).exists():
+                    (proc.cwd / link).symlink_to(target, target_is_directory=True)
+
+    def start(self, output: TextIO) -> int:
+        """Copy the code, start every process; the first one's pid."""
+        self._prepare()
+        for proc in self.processes:
+            print(f"rank {proc.rank}: {shlex.join(proc.argv)} (in {proc.cwd})", file=output, flush=True)
+            with open(proc.log_path, "ab") as out:
+                proc.process = subprocess.Popen(
+                    [sys.executable, "-I", guard.__file__, str(os.getpid()), *proc.argv],
+                    cwd=proc.cwd,
+                    env=proc.env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        first = self.processes[0].process
+        assert first is not None
+        return first.pid
+
+    # --- watch --------------------------------------------------------------------------
+
+    def _poll(self) -> int | None:
+        """0 once every process exited 0; the exit code of the first that failed; None while running."""
+        running = False
+        for proc in self.processes:
+            code = proc.process.poll() if proc.process is not None else None
+            if code is None:
+                running = True
+            elif code != 0:
+                self.failed = self.failed or proc
+                return code
+        return None if running else 0
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        deadline = time.monotonic() + (timeout or 0.0)
+        while True:
+            code = self._poll()
+            if code is not None:
+                if code != 0:
+                    # One rank failed: the others on this node are stopped, not left hanging.
+                    self.stop(self.launch.grace_s)
+                return code
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def alive_pids(self) -> list[int]:
+        return marked_pids(self.marker)
+
+    def _signal_all(self, sig: signal.Signals) -> None:
+        for proc in self.processes:
+            if proc.process is not None and proc.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.process.pid, sig)
+        _signal_pids(self.alive_pids(), sig)
+
+    def _all_ended(self) -> bool:
+        return all(p.process is None or p.process.poll() is not None for p in self.processes)
+
+    def stop(self, grace: float) -> int | None:
+        """SIGTERM every session and marked process, SIGKILL after ``grace``; the first failure's code."""
+        self.stopped = True
+        self._signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if self._all_ended() and not self.alive_pids():
+                break
+            time.sleep(0.1)
+        else:
+            log.warning("script processes still alive %.0f s after SIGTERM: sending SIGKILL", grace)
+            self._signal_all(signal.SIGKILL)
+        for proc in self.processes:
+            if proc.process is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.process.wait(10)
+        self.sweep()
+        codes = [p.process.returncode for p in self.processes if p.process is not None]
+        return next((c for c in codes if c), codes[0] if codes else None)
+
+    def sweep(self, timeout: float = 5.0) -> list[int]:
+        """Kill whatever the run left behind (a script's own children)."""
+        for proc in self.processes:
+            if proc.process is not None and proc.process.poll() is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.process.pid, signal.SIGKILL)
+        left = self.alive_pids()
+        if not left:
+            return []
+        log.warning("killing %d leftover process(es) of the script: %s", len(left), left)
+        _signal_pids(left, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        while self.alive_pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return left
+
+    # --- what it wrote ------------------------------------------------------------------
+
+    def log_files(self) -> list[tuple[str, Path]]:
+        return [(f"rank-{p.rank}", p.log_path) for p in self.processes]
+
+    def metric_files(self) -> list[Path]:
+        return sorted(self.launch.metrics_dir.glob("*.jsonl"))
+
+    def failure(self, exit_code: int | None) -> dict[str, Any]:
+        """``RankFailedError`` (``RankKilledError`` for a signal) naming the rank, the node and its log tail."""
+        proc = self.failed or self.processes[0]
+        code = exit_code if exit_code is not None else -1
+        rank: int | None = proc.rank if proc.local_rank is not None else None
+        if proc.local_rank is None:
+            cause = _root_cause(proc.log_path)  # the command was torchrun: its own report
+            if cause is not None:
+                rank, _local, code = cause
+        who = f"rank {rank}" if rank is not None else "the command"
+        return {
+            "code": "RankKilledError" if code < 0 else "RankFailedError",
+            "message": f"{who} on node {self.launch.node_name} {_describe_exit(code)}",
+            "rank": rank,
+            "node": self.launch.node_name,
+            "traceback": _tail(proc.log_path, TRACEBACK_TAIL_LINES) or None,
+            "secondary": False,
+        }
+
+
+# --- inputs ------------------------------------------------------------------------------
+
+
+def _link_tree(src: Path, dest: Path) -> None:
+    """A copy of ``src`` made of hard links (a plain copy across file systems)."""
+    tmp = dest.with_name(f".{dest.name}.part")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    def link(source: str, target: str) -> None:
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copy2(source, target)
+
+    shutil.copytree(src, tmp, copy_function=link)
+    os.replace(tmp, dest)
+
+
+def prepare_script(
+    ctx: AgentContext, work: ClaimedPlacement, run_dir: Path, stop: threading.Event, logger: logging.Logger
+) -> ScriptLaunch:
+    """Fetch the code and the inputs into the node's caches, build the pip environment if
+    asked for, and describe the launch."""
+    from worker.agent.dataset_cache import fetch_dataset
+    from worker.agent.pip_env import ensure_environment
+
+    def fetch(what: str, url: str | None, ref_id: str, sha256: str, cache: Path) -> Path:
+        started = time.monotonic()
+        folder: Path = retrying(
+            lambda: fetch_dataset(ctx.api.client, ref_id, sha256, cache, url=url),
+            f"fetching {what} {ref_id}",
+            stop=stop,
+            deadline=time.monotonic() + FETCH_DEADLINE_S,
+        )
+        logger.info("%s %s ready in %.2f s", what, ref_id, time.monotonic() - started)
+        return folder
+
+    assert work.code is not None
+    code_dir = fetch(
+        "code package",
+        f"/v1/worker/code/{work.code.id}/archive",
+        work.code.id,
+        work.code.sha256,
+        ctx.work_dir / "code",
+    )
+    inputs: dict[str, Path] = {}
+    for name, ref in work.inputs.items():
+        cached = fetch("input dataset", None, ref.id, ref.sha256, ctx.dataset_cache)
+        inputs[name] = run_dir / "inputs" / name
+        inputs[name].parent.mkdir(parents=True, exist_ok=True)
+        _link_tree(cached, inputs[name])
+    spec = work.spec
+    environment = spec.get("environment") or {}
+    env_dir = None
+    requirements = list(environment.get("pip") or [])
+    if requirements:
+        env_dir, built = ensure_environment(ctx.work_dir / "envs", requirements, stop=stop, on_build=logger)
+        logger.info("pip environment %s %s", env_dir.name, "built" if built else "reused")
+    return ScriptLaunch(
+        run_dir=run_dir,
+        node_name=ctx.node_name,
+        node_rank=work.node_rank,
+        node_count=work.node_count,
+        nproc=work.process_count_per_node,
+        master_addr=work.master_addr,
+        master_port=work.master_port,
+        cpus=ctx.cpus,
+        command=tuple(spec["command"]),
+        launch=(spec.get("distribution") or {}).get("launch", "per_process"),
+        variables=dict(environment.get("variables") or {}),
+        inputs=inputs,
+        code_dir=code_dir,
+        env_dir=env_dir,
+        socket_ifname=ctx.socket_ifname,
+        grace_s=ctx.grace_s,
+    )
+
+
+# --- outputs -----------------------------------------------------------------------------
+
+
+def pack_outputs(folder: Path, archive: Path) -> tuple[str, int, int]:
+    """A deterministic .tar.gz of the regular files under ``folder`` (links and other
+    special files are left out); its sha256, size and file count."""
+    files = []
+    for root, dirs, names in os.walk(folder, followlinks=False):
+        dirs.sort()
+        for name in sorted(names):
+            path = Path(root) / name
+            if path.is_symlink() or not path.is_file():
+                log.warning("outputs: leaving out %s (not a regular file)", path)
+                continue
+            files.append(path)
+    with (
+        open(archive, "wb") as raw,
+        gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz,
+        tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tf,
+    ):
+        for path in files:
+            info = tarfile.TarInfo(path.relative_to(folder).as_posix())
+            info.size = path.stat().st_size
+            info.mode = 0o644
+            info.mtime = 0
+            with open(path, "rb") as fh:
+                tf.addfile(info, fh)
+    digest = hashlib.sha256()
+    with open(archive, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest(), archive.stat().st_size, len(files)
+
+
+def upload_outputs(ctx: AgentContext, job_id: str, lease_token: str, folder: Path) -> str:
+    from worker.agent.model_transfer import put_archive
+
+    archive = folder.parent / "outputs.tar.gz"
+    try:
+        sha256, size, count = pack_outputs(folder, archive)
+        put_archive(
+            ctx.api.client,
+            f"/v1/worker/jobs/{job_id}/outputs",
+            archive,
+            sha256,
+            size,
+            lease_token,
+            f"job {job_id}: outputs ({count} files)",
+        )
+    finally:
+        archive.unlink(missing_ok=True)
+    return sha256
