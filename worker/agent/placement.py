@@ -240,7 +240,8 @@ class PlacementRun:
             )
             self.uploader.start()
         timeout = (self.work.spec.get("resources") or {}).get("hang_timeout_s")
-        if isinstance(timeout, int | float) and timeout > 0:
+        # Training steps feed the watchdog; an evaluation has none to count.
+        if self.work.type == "train" and isinstance(timeout, int | float) and timeout > 0:
             self.watchdog = HangWatchdog(self.run_dir, float(timeout), spec, self.log)
 
     def _upload_patience(self, state: str) -> float:
