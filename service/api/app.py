@@ -23,6 +23,8 @@ from service.api.routes import (
     tokens,
     workers,
 )
+from service.api.routes.ui import install_ui
+from service.api.security import SecurityHeadersMiddleware
 from service.config import Settings, get_settings
 from service.db.engine import Database
 from service.db.migrate import upgrade
@@ -76,7 +78,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.wakeup = Wakeup()
     install_error_handlers(app)
     install_docs(app)
+    app.include_router(streams.list_router)
     for module in (health, tokens, jobs, datasets, cluster, workers, reports, logs, artifacts, streams):
         app.include_router(module.router)
     app.include_router(tokens.whoami_router)
+    install_ui(app)
+    app.add_middleware(SecurityHeadersMiddleware)
     return app

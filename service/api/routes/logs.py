@@ -12,8 +12,9 @@ from fastapi import APIRouter, Query, Request, Response
 from service.api.deps import CurrentUser, ReadSessionDep
 from service.api.routes.streams import follow_log_response
 from service.api.routing import SessionScopedRoute
-from service.schemas.reports import LogStreams, MetricPage
+from service.schemas.reports import LogStreams, MetricPage, MetricSeries, MetricSeriesPage
 from service.services import jobs as jobs_service
+from service.services import metric_series as series_service
 from service.services import reports as reports_service
 from torchyard.contract.metrics import MetricName
 from torchyard.contract.reports import INT32_MAX, MAX_RANK
@@ -40,6 +41,27 @@ def get_metrics(
     job = jobs_service.get_job(session, user, job_id)
     items = reports_service.metric_points_after(session, job.id, after, name, limit)
     return MetricPage(items=items, next_after=items[-1].seq if items else after)
+
+
+@router.get("/v1/jobs/{job_id}/metrics/series", tags=["jobs"])
+def get_metric_series(
+    job_id: str,
+    session: ReadSessionDep,
+    user: CurrentUser,
+    points: Annotated[
+        int, Query(ge=10, le=100_000, description="At most this many points per metric (about).")
+    ] = 2000,
+) -> MetricSeriesPage:
+    """Every metric of the job as x (step) / y arrays for charts, each reduced to at most
+    ``points`` points by keeping the lowest and highest value of each stretch (spikes stay
+    visible). ``last_seq`` says where live points continue."""
+    job = jobs_service.get_job(session, user, job_id)
+    series, last_seq = series_service.metric_series(session, job.id, points)
+    return MetricSeriesPage(
+        series={name: MetricSeries(x=s.x, y=s.y, epoch=s.epoch, count=s.count) for name, s in series.items()},
+        points=points,
+        last_seq=last_seq,
+    )
 
 
 _LOG_HEADERS = {
