@@ -48,9 +48,10 @@ class ModelUploaded(BaseModel):
 
 
 class MetricSeries(BaseModel):
-    x: list[int] = Field(description="The training step of each point.")
+    x: list[float] = Field(
+        description="The training step of each point (a stretch's middle step when reduced)."
+    )
     y: list[float]
-    epoch: list[int]
     count: int = Field(description="Points stored for this metric, before reduction.")
 
 

@@ -52,13 +52,14 @@ def get_metric_series(
         int, Query(ge=10, le=100_000, description="At most this many points per metric (about).")
     ] = 2000,
 ) -> MetricSeriesPage:
-    """Every metric of the job as x (step) / y arrays for charts, each reduced to at most
-    ``points`` points by keeping the lowest and highest value of each stretch (spikes stay
-    visible). ``last_seq`` says where live points continue."""
+    """Every metric of the job as x (step) / y arrays for charts. A metric with more than
+    ``points`` points is reduced to about that many: the lowest and highest value of each of
+    ``points / 2`` equal stretches of steps (spikes stay visible), then its last point.
+    ``last_seq`` says where live points continue."""
     job = jobs_service.get_job(session, user, job_id)
     series, last_seq = series_service.metric_series(session, job.id, points)
     return MetricSeriesPage(
-        series={name: MetricSeries(x=s.x, y=s.y, epoch=s.epoch, count=s.count) for name, s in series.items()},
+        series={name: MetricSeries(x=s.x, y=s.y, count=s.count) for name, s in series.items()},
         points=points,
         last_seq=last_seq,
     )

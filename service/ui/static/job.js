@@ -192,7 +192,7 @@ function actions(ctx, job, refresh) {
   return [box, extra];
 }
 
-async function setUpCharts(ctx, job, grid) {
+async function setUpCharts(ctx, job, grid, seriesPromise) {
   const charts = [];
   const byMetric = new Map();
   const add = (def) => {
@@ -209,7 +209,7 @@ async function setUpCharts(ctx, job, grid) {
     byMetric.get(name) || add({ id: name.replace(/[^A-Za-z0-9_-]/g, "-"), title: name, series: [{ name, label: name }] });
 
   const started = performance.now();
-  const page = await api(`/v1/jobs/${job.id}/metrics/series?points=2000`);
+  const page = await seriesPromise;
   for (const [name, s] of Object.entries(page.series)) ensure(name).setData(name, s.x, s.y);
   await new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve)));
   grid.dataset.loadedMs = String(Math.round(performance.now() - started));
@@ -284,6 +284,9 @@ function logsBlock(ctx, job) {
 }
 
 export async function renderJob(ctx, jobId) {
+  // The job and its chart series are asked for at once.
+  const seriesPromise = api(`/v1/jobs/${encodeURIComponent(jobId)}/metrics/series?points=2000`);
+  seriesPromise.catch(() => {});
   let job = await api(`/v1/jobs/${encodeURIComponent(jobId)}`);
   const head = h("div", { class: "page-head" });
   const status = h("div", { id: "job-status" });
@@ -303,7 +306,7 @@ export async function renderJob(ctx, jobId) {
   draw();
   ctx.main.replaceChildren(head, status, h("h2", {}, "Metrics"), grid, logsBlock(ctx, job));
 
-  const { ensure, lastSeq } = await setUpCharts(ctx, job, grid);
+  const { ensure, lastSeq } = await setUpCharts(ctx, job, grid, seriesPromise);
   const tick = setInterval(() => {
     if (!FINAL.has(job.status)) status.querySelector("#progress")?.replaceWith(progressBlock(job));
   }, 5000);
