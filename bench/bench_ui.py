@@ -10,6 +10,9 @@ for ``--repeats`` fresh page loads:
   which covers the HTML, the scripts, the job, the reduced series and the drawing;
 * series: the ``GET /v1/jobs/{id}/metrics/series`` answer alone (server-side min/max
   decimation to 2,000 points per metric), timed with httpx;
+* CPU time: the API process's (for the page: it, Chromium's and Playwright's driver's)
+  user + system time over the same spans, read from /proc: on a machine shared with other work wall time stretches with
+  the load, CPU time is about what the work takes on an idle one;
 * client draw: one ``LineChart`` fed all points of the largest metric unreduced, timed
   in the page (the per-pixel-column reduction in ``chart.js``).
 
@@ -22,6 +25,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import signal
@@ -45,6 +49,41 @@ TRAIN = ("train.loss", "train.lr", "train.images_per_sec")
 VAL = ("val.loss", "val.top1", "val.top5", "epoch.seconds")
 
 
+def cpu_seconds(root: int) -> float:
+    """User + system CPU time used so far by ``root``'s descendants (not ``root`` itself).
+
+    On a machine shared with other work, wall time stretches with the load; CPU time is
+    about what the same work takes in wall time on an idle machine."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    used: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(entry)] = int(fields[1])
+        used[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    total = 0.0
+    for pid, seconds in used.items():
+        up = parent.get(pid)
+        while up is not None and up > 1:
+            if up == root:
+                total += seconds
+                break
+            up = parent.get(up)
+    return total
+
+
+def own_cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,13 +92,14 @@ def free_port() -> int:
 
 
 class Service:
-    def __init__(self) -> None:
+    def __init__(self, settings: dict[str, str] | None = None) -> None:
         self.tmp = tempfile.TemporaryDirectory(prefix="bench-ui-")
         self.data_dir = Path(self.tmp.name) / "data"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
         env["TORCHYARD_DATA_DIR"] = str(self.data_dir)
+        env.update(settings or {})
         self.log = open(Path(self.tmp.name) / "serve.log", "wb")  # noqa: SIM115
         self.process = subprocess.Popen(
             [sys.executable, "-m", "torchyard.cli", "serve", "--port", str(self.port)],
@@ -153,8 +193,12 @@ def write_job(service: Service, owner_id: str, points: int) -> str:
             for step in range(1, steps + 1):
                 epoch = (step - 1) // steps_per_epoch
                 t = start + timedelta(seconds=step)
-                loss = 2.3 / (1 + step / 2000) + 0.05 * ((step * 7919) % 13) / 13
-                for name, value in zip(TRAIN, (loss, 0.1 * (1 - step / steps), 900 + step % 50), strict=True):
+                loss = 2.3 / (1 + step / 2000) + 0.03 * ((step * 7919) % 13) / 13
+                for name, value in zip(
+                    TRAIN,
+                    (loss, 0.1 * (1 - step / steps), 900 + 30 * math.sin(step / 700) + (step * 31) % 7),
+                    strict=True,
+                ):
                     rows.append({"job_id": job.id, "attempt_id": attempt.id, "name": name, "value": value,
                                  "epoch": epoch, "step": step, "rank": 0, "time": t})  # fmt: skip
                 if step % steps_per_epoch == 0:
@@ -190,17 +234,20 @@ def main() -> None:
         job_id = write_job(service, owner_id, args.points)
 
         user = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
-        series_ms = []
+        series_ms, series_cpu_ms = [], []
+        serve = service.process.pid
         for _ in range(args.repeats):
+            c0 = own_cpu(serve)
             t0 = time.perf_counter()
             page = user.get(f"/v1/jobs/{job_id}/metrics/series", params={"points": 2000})
             page.raise_for_status()
             series_ms.append((time.perf_counter() - t0) * 1000)
+            series_cpu_ms.append((own_cpu(serve) - c0) * 1000)
         body = page.json()
         drawn = sum(len(s["x"]) for s in body["series"].values())
         stored = sum(s["count"] for s in body["series"].values())
 
-        load_ms, in_page_ms, draw_ms = [], [], []
+        load_ms, in_page_ms, draw_ms, load_cpu_ms = [], [], [], []
         with sync_playwright() as pw:
             extra = ["--no-sandbox"] if os.geteuid() == 0 else []
             browser = pw.chromium.launch(executable_path=args.chromium, headless=True, args=extra)
@@ -212,10 +259,12 @@ def main() -> None:
             tab.wait_for_selector("#whoami")
             for _ in range(args.repeats):
                 tab.goto("about:blank")
+                c0 = cpu_seconds(os.getpid())
                 t0 = time.perf_counter()
                 tab.goto(f"/#/jobs/{job_id}")
                 tab.wait_for_selector("#charts[data-ready='true']", timeout=60_000)
                 load_ms.append((time.perf_counter() - t0) * 1000)
+                load_cpu_ms.append((cpu_seconds(os.getpid()) - c0) * 1000)
                 nav = tab.evaluate(
                     "performance.now() - performance.getEntriesByType('navigation')[0].startTime"
                 )
@@ -250,10 +299,12 @@ def main() -> None:
     print(
         f"series answer (httpx):       median {statistics.median(series_ms):7.1f} ms  max {max(series_ms):7.1f} ms"
     )
+    print(f"  API process CPU time:      median {statistics.median(series_cpu_ms):7.1f} ms")
     print(
         f"page load → charts drawn:    median {statistics.median(load_ms):7.1f} ms  max {max(load_ms):7.1f} ms"
     )
     print(f"  (in-page, from navigation) median {statistics.median(in_page_ms):7.1f} ms")
+    print(f"  API + Chromium CPU time:   median {statistics.median(load_cpu_ms):7.1f} ms")
     print(
         f"client draw of {len(full['x']):,} unreduced points: median {statistics.median(draw_ms):.1f} ms"
         f"  max {max(draw_ms):.1f} ms"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sqlalchemy import Integer, cast, func, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.db.models import Metric
@@ -55,7 +55,7 @@ def metric_series(session: Session, job_id: str, points: int) -> tuple[dict[str,
         lo = min(row[2] for row in big)
         hi = max(row[3] for row in big)
         buckets = max(1, points // 2)
-        bucket = cast((Metric.seq - lo) * buckets / (hi - lo + 1), Integer).label("bucket")
+        bucket = ((Metric.seq - lo) * buckets // (hi - lo + 1)).label("bucket")
         rows = session.execute(
             select(
                 Metric.name,
