@@ -11,7 +11,8 @@ export async function renderCluster(ctx) {
   const admin = ctx.me.role === "admin";
   const nodeAction = async (node, template) => {
     try {
-      await api(template.replace(/\{[^}]+\}/, encodeURIComponent(node.name)), { method: "POST" });
+      // The node's id where the service lists one, else its name.
+      await api(template.replace(/\{[^}]+\}/, encodeURIComponent(node.id ?? node.name)), { method: "POST" });
       await load();
     } catch (err) {
       problem.replaceChildren(errorBox(err));

@@ -25,8 +25,12 @@ function resolve(schema, node) {
 
 // {section: {field: property schema}} from the JobCreate schema.
 function sections(schema) {
-  const create = schema && schema.components && schema.components.schemas.JobCreate;
-  if (!create || !create.properties) return FALLBACK;
+  // The training job's request schema: JobCreate, or (where jobs of several types are
+  // accepted) whichever request schema has a model, parameters and resources.
+  const all = (schema && schema.components && schema.components.schemas) || {};
+  const fits = (s) => s && s.properties && ["model", "parameters", "resources"].every((k) => k in s.properties);
+  const create = fits(all.JobCreate) ? all.JobCreate : Object.values(all).find(fits);
+  if (!create) return FALLBACK;
   const out = {};
   for (const section of ["model", "parameters", "resources"]) {
     const s = resolve(schema, create.properties[section]);
