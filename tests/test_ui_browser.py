@@ -307,3 +307,47 @@ def test_a_running_job_live_status_chart_log_and_cancel(
             assert ui.errors == [] and jobs_tab.errors == []
         finally:
             agent.stop(timeout=30)
+
+
+def test_a_failed_job_shows_its_failure_rank_node_and_traceback(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    from service.db.engine import Database
+    from service.db.models import Job, utcnow
+
+    token, uid = _user(admin, "jana")
+    register_node(admin, create_token(admin, "worker"), "cpu-1", units=1)
+    train = insert_dataset(live_server.settings, uid)
+    r = httpx.post(
+        f"{live_server.url}/v1/jobs", json=job_spec(train, train, name="diverges"), headers=auth(token)
+    )
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    # The failure as the trainer's report leaves it (a real divergence takes minutes to provoke).
+    db = Database(live_server.settings.sqlalchemy_url)
+    try:
+        with db.transaction() as session:
+            job = session.get_one(Job, job_id)
+            job.status, job.finished_at, job.updated_at = "failed", utcnow(), utcnow()
+            job.failure_code = "TrainingDivergedError"
+            job.failure_message = "train.loss became nan at epoch 2: try a lower learning_rate"
+            job.failure_rank, job.failure_node = 1, "cpu-1"
+            job.failure_traceback = (
+                'Traceback (most recent call last):\n  File "engine.py", line 3\n<b>not markup</b>'
+            )
+    finally:
+        db.dispose()
+
+    ui = open_ui(live_server.url)
+    ui.sign_in(token)
+    page = ui.page
+    page.goto(f"/#/jobs/{job_id}")
+    page.wait_for_selector("#failure")
+    assert "TrainingDivergedError" in page.text_content("#failure h2")
+    assert "try a lower learning_rate" in page.text_content("#failure-message")
+    assert "rank 1 on node cpu-1" in page.text_content("#failure")
+    # Text from a worker is shown as text, never as markup.
+    assert "<b>not markup</b>" in page.text_content("#traceback")
+    assert page.locator("#traceback b").count() == 0
+    assert not page.is_visible("#cancel") and not page.is_visible("#download-model")
+    assert ui.errors == []
