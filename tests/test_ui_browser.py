@@ -144,6 +144,19 @@ def test_new_job_form_shows_each_422_next_to_its_field_then_submits(
     job_id = page.url.rsplit("/", 1)[1]
     job = httpx.get(f"{live_server.url}/v1/jobs/{job_id}", headers=auth(token)).json()
     assert job["parameters"]["epochs"] == 2 and job["parameters"]["image_size"] == 32
+
+    # The jobs list filters by status.
+    page.click("#nav-jobs")
+    page.wait_for_selector(f"tr[data-job-id='{job_id}']")
+    page.select_option("#status-filter", "succeeded")
+    page.wait_for_selector("#jobs-empty", state="visible")
+    assert page.locator(f"tr[data-job-id='{job_id}']").count() == 0
+    assert page.url.endswith("#/jobs?status=succeeded")
+    # Placed on the node registered above, which never claims it: it stays scheduled.
+    with httpx.Client(base_url=live_server.url, headers=auth(token), timeout=30) as user:
+        wait_for_job(user, job_id, lambda j: j["status"] == "scheduled", timeout=30)
+    page.select_option("#status-filter", "scheduled")
+    page.wait_for_selector(f"tr[data-job-id='{job_id}'][data-status='scheduled']")
     assert ui.errors == []
 
 
