@@ -87,6 +87,11 @@ def test_sign_in_sets_an_httponly_strict_cookie_and_cookie_writes_need_the_csrf_
         refused = anon.post("/v1/session", json={"token": worker})
         assert refused.status_code == 403 and refused.json()["code"] == "PermissionDeniedError"
         assert anon.post("/v1/session", json={"token": user, "extra": 1}).status_code == 422
+        # A form of another site can post text/plain (no preflight), never JSON: refused.
+        forged = anon.post(
+            "/v1/session", content=json.dumps({"token": user}), headers={"Content-Type": "text/plain"}
+        )
+        assert forged.status_code == 422 and "set-cookie" not in forged.headers
         assert SESSION_COOKIE not in anon.cookies
 
         r = anon.post("/v1/session", json={"token": user})
