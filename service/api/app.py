@@ -28,6 +28,8 @@ from service.api.routes import (
     tokens,
     workers,
 )
+from service.api.routes.ui import install_ui
+from service.api.security import SecurityHeadersMiddleware
 from service.config import Settings, get_settings
 from service.db.engine import Database, is_unavailable
 from service.db.migrate import upgrade
@@ -113,6 +115,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.wakeup = Wakeup()
     install_error_handlers(app)
     install_docs(app)
+    app.include_router(streams.list_router)
     for module in (
         health,
         tokens,
@@ -131,4 +134,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     ):
         app.include_router(module.router)
     app.include_router(tokens.whoami_router)
+    install_ui(app)
+    app.add_middleware(SecurityHeadersMiddleware)
     return app

@@ -12,6 +12,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from service.api.security import CSRF_HEADER, SAFE_METHODS, SESSION_COOKIE
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import utcnow
@@ -67,13 +68,23 @@ def _token(credentials: HTTPAuthorizationCredentials | None) -> str | None:
     return (credentials.credentials.strip() or None) if credentials is not None else None
 
 
+def _cookie_token(request: Request) -> str | None:
+    """The web UI's sign-in cookie (see ``service/api/security.py``), for a request without
+    an Authorization header. A write authenticated this way must carry the CSRF header."""
+    token = request.cookies.get(SESSION_COOKIE, "").strip() or None
+    if token is not None and request.method not in SAFE_METHODS and not request.headers.get(CSRF_HEADER):
+        raise PermissionDeniedError(f"a write signed in by cookie must carry the {CSRF_HEADER} header")
+    return token
+
+
 def get_principal(request: Request, credentials: BearerCredentials) -> Principal:
     cached: Principal | None = getattr(request.state, "principal", None)
     if cached is not None:
         return cached
+    token = _token(credentials) if credentials is not None else _cookie_token(request)
     db = get_db(request)
     with db.read_session() as session:
-        principal = authenticate(session, _token(credentials))
+        principal = authenticate(session, token)
     now = utcnow()
     if USE_RECORDER.should_record(principal, now):
         _record_use(db, principal, now)

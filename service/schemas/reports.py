@@ -43,3 +43,20 @@ class ModelUploaded(BaseModel):
     sha256: str
     size: int
     files: dict[str, str] = Field(description="sha256 of every file of the model directory.")
+
+
+class MetricSeries(BaseModel):
+    x: list[float] = Field(
+        description="The training step of each point (a stretch's middle step when reduced)."
+    )
+    y: list[float]
+    count: int = Field(description="Points stored for this metric, before reduction.")
+
+
+class MetricSeriesPage(BaseModel):
+    series: dict[str, MetricSeries]
+    points: int = Field(description="The most points asked for per metric.")
+    last_seq: int = Field(
+        description="The last metric seq these series include: continue with ``metrics?after=`` or "
+        "the events stream resumed at ``s0.m<last_seq>.l0``."
+    )

@@ -13,8 +13,9 @@ from pydantic import StringConstraints
 from service.api.deps import CurrentUser, ReadSessionDep
 from service.api.routes.streams import follow_log_response
 from service.api.routing import SessionScopedRoute
-from service.schemas.reports import LogStreams, MetricPage
+from service.schemas.reports import LogStreams, MetricPage, MetricSeries, MetricSeriesPage
 from service.services import jobs as jobs_service
+from service.services import metric_series as series_service
 from service.services import reports as reports_service
 from torchyard.contract.metrics import METRIC_NAME_PATTERN
 from torchyard.contract.reports import INT32_MAX, MAX_RANK
@@ -54,6 +55,28 @@ def get_metrics(
         session, job.id, after, name, limit, include_superseded=include_superseded
     )
     return MetricPage(items=items, next_after=items[-1].seq if items else after)
+
+
+@router.get("/v1/jobs/{job_id}/metrics/series", tags=["jobs"])
+def get_metric_series(
+    job_id: str,
+    session: ReadSessionDep,
+    user: CurrentUser,
+    points: Annotated[
+        int, Query(ge=10, le=100_000, description="At most this many points per metric (about).")
+    ] = 2000,
+) -> MetricSeriesPage:
+    """Every metric of the job as x (step) / y arrays for charts. A metric with more than
+    ``points`` points is reduced to about that many: the lowest and highest value of each of
+    ``points / 2`` equal stretches of steps (spikes stay visible), then its last point.
+    ``last_seq`` says where live points continue."""
+    job = jobs_service.get_job(session, user, job_id)
+    series, last_seq = series_service.metric_series(session, job.id, points)
+    return MetricSeriesPage(
+        series={name: MetricSeries(x=s.x, y=s.y, count=s.count) for name, s in series.items()},
+        points=points,
+        last_seq=last_seq,
+    )
 
 
 _LOG_HEADERS = {

@@ -19,6 +19,7 @@ from service.api.deps import CurrentUser, DatabaseDep
 from service.api.routing import SessionScopedRoute
 from service.db.engine import Database
 from service.services import jobs as jobs_service
+from service.services.job_feed import job_list_events
 from service.services.streams import Cursor, EventFilter, LogTarget, StreamHub, follow_log, sse_events
 from service.services.tokens import Principal
 from torchyard.contract.reports import MAX_RANK
@@ -49,6 +50,24 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 router = APIRouter(tags=["jobs"], lifespan=lifespan, route_class=SessionScopedRoute)
+
+
+# Included before the jobs router, so that /v1/jobs/events is not taken for a job id.
+list_router = APIRouter(tags=["jobs"], route_class=SessionScopedRoute)
+
+
+@list_router.get(
+    "/v1/jobs/events",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"text/event-stream": {}}}},
+)
+async def job_list_stream(db: DatabaseDep, user: CurrentUser) -> StreamingResponse:
+    """Server-sent ``job`` events whenever one of your jobs changes (status, waiting reason,
+    progress): ``{id, name, status, reason, progress, created_at, updated_at, started_at,
+    finished_at}``. Only changes after the connection opened; the web UI's jobs list uses it."""
+    return StreamingResponse(
+        job_list_events(db, user), media_type="text/event-stream", headers=_STREAM_HEADERS
+    )
 
 
 def _check_job(db: Database, user: Principal, job_id: str) -> str:

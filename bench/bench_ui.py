@@ -1,0 +1,316 @@
+"""The web UI's job page with 100,000 metric points: load and draw time in Chromium.
+
+Starts ``torchyard serve`` (SQLite in a temporary data dir), writes a running job with
+``--points`` metric points straight into its database (train.loss, train.lr and
+train.images_per_sec every step, the validation metrics every epoch), then opens the
+job's page in headless Chromium (Debian's package, driven by Playwright) and measures,
+for ``--repeats`` fresh page loads:
+
+* page: navigation start → every chart drawn (the page's ``#charts[data-ready]``),
+  which covers the HTML, the scripts, the job, the reduced series and the drawing;
+* series: the ``GET /v1/jobs/{id}/metrics/series`` answer alone (server-side min/max
+  decimation to 2,000 points per metric), timed with httpx;
+* CPU time: the API process's (for the page: it, Chromium's and Playwright's driver's)
+  user + system time over the same spans, read from /proc: on a machine shared with other work wall time stretches with
+  the load, CPU time is about what the work takes on an idle one;
+* client draw: one ``LineChart`` fed all points of the largest metric unreduced, timed
+  in the page (the per-pixel-column reduction in ``chart.js``).
+
+Usage::
+
+    python bench/bench_ui.py                      # 100,000 points, 5 page loads
+    python bench/bench_ui.py --points 1000000 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import httpx
+from sqlalchemy import insert
+
+from service.config import Settings
+from service.db.engine import Database
+from service.db.models import Attempt, Dataset, Job, Metric, utcnow
+
+TRAIN = ("train.loss", "train.lr", "train.images_per_sec")
+VAL = ("val.loss", "val.top1", "val.top5", "epoch.seconds")
+
+
+def cpu_seconds(root: int) -> float:
+    """User + system CPU time used so far by ``root``'s descendants (not ``root`` itself).
+
+    On a machine shared with other work, wall time stretches with the load; CPU time is
+    about what the same work takes in wall time on an idle machine."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    used: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(entry)] = int(fields[1])
+        used[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    total = 0.0
+    for pid, seconds in used.items():
+        up = parent.get(pid)
+        while up is not None and up > 1:
+            if up == root:
+                total += seconds
+                break
+            up = parent.get(up)
+    return total
+
+
+def own_cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Service:
+    def __init__(self, settings: dict[str, str] | None = None) -> None:
+        self.tmp = tempfile.TemporaryDirectory(prefix="bench-ui-")
+        self.data_dir = Path(self.tmp.name) / "data"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
+        env["TORCHYARD_DATA_DIR"] = str(self.data_dir)
+        env.update(settings or {})
+        self.log = open(Path(self.tmp.name) / "serve.log", "wb")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "torchyard.cli", "serve", "--port", str(self.port)],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(
+                    "torchyard serve did not start; see " + str(Path(self.tmp.name) / "serve.log")
+                )
+            time.sleep(0.2)
+        self.admin_token = (self.data_dir / "admin.token").read_text().strip()
+        self.database_url = Settings(data_dir=self.data_dir).sqlalchemy_url
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(60)
+        self.log.close()
+        self.tmp.cleanup()
+
+
+def write_job(service: Service, owner_id: str, points: int) -> str:
+    """A running job with ``points`` metric points (about), as a long training run leaves them."""
+    steps_per_epoch = 250
+    steps = max(1, (points * steps_per_epoch) // (len(TRAIN) * steps_per_epoch + len(VAL)))
+    db = Database(service.database_url)
+    now = utcnow()
+    start = now - timedelta(hours=10)
+    try:
+        with db.transaction() as session:
+            dataset = Dataset(
+                owner_id=owner_id,
+                name="bench",
+                source="upload",
+                storage_path="unused",
+                classes=["a", "b"],
+                class_counts={"a": 1, "b": 1},
+                num_images=2,
+                size_bytes=1,
+                sha256="0" * 64,
+            )
+            session.add(dataset)
+            session.flush()
+            epochs = steps // steps_per_epoch + 1
+            job = Job(
+                owner_id=owner_id,
+                name="bench-100k",
+                status="running",
+                spec={
+                    "name": "bench-100k",
+                    "model": {"architecture": "resnet18", "pretrained": False, "memory_efficient": False},
+                    "train_dataset": dataset.id,
+                    "validation_dataset": dataset.id,
+                    "parameters": {"epochs": epochs},
+                    "resources": {"node_count": 1, "process_count_per_node": 1},
+                    "priority": 0,
+                },
+                architecture="resnet18",
+                train_dataset_id=dataset.id,
+                validation_dataset_id=dataset.id,
+                node_count=1,
+                process_count_per_node=1,
+                attempts_count=1,
+                progress={
+                    "epoch": epochs - 1,
+                    "epochs": epochs,
+                    "step": steps,
+                    "total_steps": epochs * steps_per_epoch,
+                },
+                created_at=start,
+                updated_at=now,
+                scheduled_at=start,
+                started_at=start,
+            )
+            session.add(job)
+            session.flush()
+            attempt = Attempt(
+                job_id=job.id, number=1, status="running", master_addr="127.0.0.1", master_port=29500
+            )
+            session.add(attempt)
+            session.flush()
+            rows = []
+            for step in range(1, steps + 1):
+                epoch = (step - 1) // steps_per_epoch
+                t = start + timedelta(seconds=step)
+                loss = 2.3 / (1 + step / 2000) + 0.03 * ((step * 7919) % 13) / 13
+                for name, value in zip(
+                    TRAIN,
+                    (loss, 0.1 * (1 - step / steps), 900 + 30 * math.sin(step / 700) + (step * 31) % 7),
+                    strict=True,
+                ):
+                    rows.append({"job_id": job.id, "attempt_id": attempt.id, "name": name, "value": value,
+                                 "epoch": epoch, "step": step, "rank": 0, "time": t})  # fmt: skip
+                if step % steps_per_epoch == 0:
+                    for name, value in zip(VAL, (loss * 1.1, 1 - loss / 3, 1 - loss / 6, 250.0), strict=True):
+                        rows.append({"job_id": job.id, "attempt_id": attempt.id, "name": name, "value": value,
+                                     "epoch": epoch, "step": step, "rank": 0, "time": t})  # fmt: skip
+            for i in range(0, len(rows), 20_000):
+                session.execute(insert(Metric), rows[i : i + 20_000])
+            print(f"job {job.id}: {len(rows):,} metric points over {steps:,} steps")
+            return job.id
+    finally:
+        db.dispose()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--points", type=int, default=100_000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--chromium", default=shutil.which("chromium") or "/usr/bin/chromium")
+    args = parser.parse_args()
+
+    from playwright.sync_api import sync_playwright
+
+    service = Service()
+    try:
+        admin = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {service.admin_token}"})
+        token = admin.post("/v1/tokens", json={"name": "bench-user", "role": "user"}).json()["token"]
+        owner_id = httpx.get(f"{service.url}/v1/whoami", headers={"Authorization": f"Bearer {token}"}).json()[
+            "id"
+        ]
+        job_id = write_job(service, owner_id, args.points)
+
+        user = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        series_ms, series_cpu_ms = [], []
+        serve = service.process.pid
+        for _ in range(args.repeats):
+            c0 = own_cpu(serve)
+            t0 = time.perf_counter()
+            page = user.get(f"/v1/jobs/{job_id}/metrics/series", params={"points": 2000})
+            page.raise_for_status()
+            series_ms.append((time.perf_counter() - t0) * 1000)
+            series_cpu_ms.append((own_cpu(serve) - c0) * 1000)
+        body = page.json()
+        drawn = sum(len(s["x"]) for s in body["series"].values())
+        stored = sum(s["count"] for s in body["series"].values())
+
+        load_ms, in_page_ms, draw_ms, load_cpu_ms = [], [], [], []
+        with sync_playwright() as pw:
+            extra = ["--no-sandbox"] if os.geteuid() == 0 else []
+            browser = pw.chromium.launch(executable_path=args.chromium, headless=True, args=extra)
+            context = browser.new_context(base_url=service.url, viewport={"width": 1280, "height": 900})
+            tab = context.new_page()
+            tab.goto("/")
+            tab.fill("#token", token)
+            tab.click("#signin-submit")
+            tab.wait_for_selector("#whoami")
+            for _ in range(args.repeats):
+                tab.goto("about:blank")
+                c0 = cpu_seconds(os.getpid())
+                t0 = time.perf_counter()
+                tab.goto(f"/#/jobs/{job_id}")
+                tab.wait_for_selector("#charts[data-ready='true']", timeout=60_000)
+                load_ms.append((time.perf_counter() - t0) * 1000)
+                load_cpu_ms.append((cpu_seconds(os.getpid()) - c0) * 1000)
+                nav = tab.evaluate(
+                    "performance.now() - performance.getEntriesByType('navigation')[0].startTime"
+                )
+                in_page_ms.append(float(nav))
+            full = user.get(f"/v1/jobs/{job_id}/metrics/series", params={"points": 100_000}).json()["series"][
+                "train.loss"
+            ]
+            for _ in range(args.repeats):
+                ms = tab.evaluate(
+                    """async ([xs, ys]) => {
+                        const { LineChart } = await import('/ui/chart.js');
+                        const root = document.createElement('div');
+                        root.style.width = '600px';
+                        document.body.append(root);
+                        const chart = new LineChart(root, {title: 'full', series: [{name: 'a', label: 'a'}]});
+                        chart.setData('a', xs, ys);
+                        chart.draw();
+                        const ms = chart.lastDrawMs;
+                        chart.destroy();
+                        root.remove();
+                        return ms;
+                    }""",
+                    [full["x"], full["y"]],
+                )
+                draw_ms.append(float(ms))
+            browser.close()
+    finally:
+        service.stop()
+
+    load = os.getloadavg()
+    print(f"points stored: {stored:,}; points sent to the page: {drawn:,} (2,000 asked per metric)")
+    print(
+        f"series answer (httpx):       median {statistics.median(series_ms):7.1f} ms  max {max(series_ms):7.1f} ms"
+    )
+    print(f"  API process CPU time:      median {statistics.median(series_cpu_ms):7.1f} ms")
+    print(
+        f"page load → charts drawn:    median {statistics.median(load_ms):7.1f} ms  max {max(load_ms):7.1f} ms"
+    )
+    print(f"  (in-page, from navigation) median {statistics.median(in_page_ms):7.1f} ms")
+    print(f"  API + Chromium CPU time:   median {statistics.median(load_cpu_ms):7.1f} ms")
+    print(
+        f"client draw of {len(full['x']):,} unreduced points: median {statistics.median(draw_ms):.1f} ms"
+        f"  max {max(draw_ms):.1f} ms"
+    )
+    print(f"load average: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Status changes of all of a principal's jobs, for the jobs list's live view.
+
+One short read every interval, for the jobs whose ``updated_at`` moved; nothing is held
+between reads. Per-job detail (metrics, logs) is the per-job events stream's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from service.db.engine import Database
+from service.db.models import Job
+from service.services.tokens import Principal
+
+LIST_POLL_INTERVAL_S = 1.0
+LIST_KEEPALIVE_S = 15.0
+MAX_CHANGES = 200
+
+
+def _owned(principal: Principal) -> Any:
+    stmt = select(Job)
+    return stmt if principal.is_admin else stmt.where(Job.owner_id == principal.id)
+
+
+def latest_update(session: Session, principal: Principal) -> datetime | None:
+    stmt = select(func.max(Job.updated_at))
+    if not principal.is_admin:
+        stmt = stmt.where(Job.owner_id == principal.id)
+    value: datetime | None = session.scalar(stmt)
+    return value
+
+
+def changed_since(session: Session, principal: Principal, since: datetime | None) -> list[dict[str, Any]]:
+    """The principal's jobs updated after ``since``, oldest change first, as list rows."""
+    stmt = _owned(principal)
+    if since is not None:
+        stmt = stmt.where(Job.updated_at > since)
+    rows = session.scalars(stmt.order_by(Job.updated_at).limit(MAX_CHANGES))
+    return [
+        {
+            "id": job.id,
+            "name": job.name,
+            "status": job.status,
+            "reason": job.wait_reason,
+            "progress": job.progress,
+            "created_at": job.created_at.isoformat(),
+            "updated_at": job.updated_at.isoformat(),
+            "started_at": job.started_at.isoformat() if job.started_at else None,
+            "finished_at": job.finished_at.isoformat() if job.finished_at else None,
+        }
+        for job in rows
+    ]
+
+
+def _read(db: Database, fn: Any, *args: Any) -> Any:
+    with db.read_session() as session:
+        return fn(session, *args)
+
+
+async def job_list_events(
+    db: Database,
+    principal: Principal,
+    *,
+    interval: float = LIST_POLL_INTERVAL_S,
+    keepalive: float = LIST_KEEPALIVE_S,
+) -> AsyncIterator[bytes]:
+    """Server-sent ``job`` events, one per changed job, until the client goes away."""
+    since = await run_in_threadpool(_read, db, latest_update, principal)
+    yield b"retry: 2000\n\n"
+    quiet = 0.0
+    while True:
+        await asyncio.sleep(interval)
+        changes: list[dict[str, Any]] = await run_in_threadpool(_read, db, changed_since, principal, since)
+        if changes:
+            quiet = 0.0
+            since = datetime.fromisoformat(changes[-1]["updated_at"])
+            for change in changes:
+                yield f"event: job\ndata: {json.dumps(change, separators=(',', ':'))}\n\n".encode()
+        else:
+            quiet += interval
+            if quiet >= keepalive:
+                quiet = 0.0
+                yield b": keep-alive\n\n"

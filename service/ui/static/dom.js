@@ -1,0 +1,60 @@
+// DOM helpers: elements are built with textContent only (never innerHTML), so nothing a
+// user or a worker wrote can become markup.
+
+export function h(tag, attrs = {}, ...children) {
+  const el = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs || {})) {
+    if (value === undefined || value === null || value === false) continue;
+    if (key === "class") el.className = value;
+    else if (key === "dataset") Object.assign(el.dataset, value);
+    else if (key.startsWith("on")) el.addEventListener(key.slice(2), value);
+    else if (key === "value") el.value = value;
+    else if (value === true) el.setAttribute(key, "");
+    else el.setAttribute(key, String(value));
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined || child === false) continue;
+    el.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return el;
+}
+
+export const FINAL = new Set(["succeeded", "failed", "cancelled"]);
+
+export function badge(status) {
+  return h("span", { class: `badge status-${status}`, dataset: { status } }, status);
+}
+
+export function duration(seconds) {
+  if (seconds === null || seconds === undefined || !Number.isFinite(seconds)) return "";
+  const s = Math.max(0, Math.round(seconds));
+  if (s < 60) return `${s}s`;
+  if (s < 3600) return `${Math.floor(s / 60)}m ${s % 60}s`;
+  if (s < 86400) return `${Math.floor(s / 3600)}h ${Math.floor((s % 3600) / 60)}m`;
+  return `${Math.floor(s / 86400)}d ${Math.floor((s % 86400) / 3600)}h`;
+}
+
+export function secondsSince(iso, until) {
+  if (!iso) return null;
+  const end = until ? Date.parse(until) : Date.now();
+  return (end - Date.parse(iso)) / 1000;
+}
+
+export function bytes(n) {
+  if (n === null || n === undefined) return "";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let v = n, i = 0;
+  while (v >= 1024 && i < units.length - 1) {
+    v /= 1024;
+    i += 1;
+  }
+  return `${v.toFixed(i ? 1 : 0)} ${units[i]}`;
+}
+
+export function when(iso) {
+  return iso ? new Date(iso).toLocaleString() : "";
+}
+
+export function errorBox(err) {
+  return h("div", { class: "error", role: "alert" }, err.code ? `${err.code}: ` : "", err.message || String(err));
+}

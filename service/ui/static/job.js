@@ -1,0 +1,334 @@
+// A job's page: status, waiting reason, failure, progress with ETA, attempts and restarts,
+// live charts (history from /metrics/series, then points from /events), per-rank logs that
+// follow, and the cancel / download / register buttons.
+
+import { api, followText } from "./api.js";
+import { LineChart } from "./chart.js";
+import { h, badge, duration, secondsSince, when, errorBox, FINAL } from "./dom.js";
+
+// The charts of the built-in trainer's metrics; any other metric (a script's) gets its own.
+const CHARTS = [
+  { id: "loss", title: "Loss", series: [{ name: "train.loss", label: "train loss" }, { name: "val.loss", label: "val loss" }] },
+  { id: "accuracy", title: "Accuracy", series: [{ name: "val.top1", label: "top-1" }, { name: "val.top5", label: "top-5" }] },
+  { id: "lr", title: "Learning rate", series: [{ name: "train.lr", label: "learning rate" }] },
+  { id: "throughput", title: "Images / second", series: [{ name: "train.images_per_sec", label: "images/s" }] },
+];
+const MAX_LOG_CHARS = 400_000;
+
+function eta(job) {
+  const p = job.progress;
+  if (!p || !p.total_steps || !job.started_at || FINAL.has(job.status)) return null;
+  const done = p.step / p.total_steps;
+  if (!(done > 0)) return null;
+  const elapsed = secondsSince(job.started_at);
+  return (elapsed * (1 - done)) / done;
+}
+
+function progressBlock(job) {
+  const p = job.progress;
+  if (!p || !p.total_steps) return h("div", { id: "progress", class: "hint" }, FINAL.has(job.status) ? "" : "no progress yet");
+  const fraction = Math.min(1, p.step / p.total_steps);
+  const left = eta(job);
+  return h(
+    "div",
+    { id: "progress" },
+    h("progress", { max: "1", value: String(fraction) }),
+    h(
+      "span",
+      { class: "hint" },
+      ` epoch ${p.epoch}/${p.epochs}, step ${p.step}/${p.total_steps} (${Math.round(fraction * 100)}%)`,
+      left !== null ? `, about ${duration(left)} left` : "",
+    ),
+  );
+}
+
+function failureBlock(job) {
+  const f = job.failure;
+  if (!f) return null;
+  const where = [f.rank !== null && f.rank !== undefined ? `rank ${f.rank}` : null, f.node ? `node ${f.node}` : null]
+    .filter(Boolean)
+    .join(" on ");
+  return h(
+    "section",
+    { id: "failure", class: "card failure" },
+    h("h2", {}, `Failed: ${f.code}`),
+    h("p", { id: "failure-message" }, f.message),
+    where ? h("p", { class: "hint" }, where) : null,
+    f.traceback ? h("details", { open: true }, h("summary", {}, "Traceback"), h("pre", { id: "traceback" }, f.traceback)) : null,
+  );
+}
+
+function attemptsBlock(job) {
+  const attempts = job.attempts || [];
+  if (!attempts.length && job.restarts === undefined) return null;
+  const restarts =
+    job.restarts !== undefined && job.restarts !== null
+      ? h("p", { id: "restarts" }, `Restarts: ${job.restarts} of ${job.resources.max_restarts ?? "?"}`)
+      : null;
+  return h(
+    "section",
+    { id: "attempts", class: "card" },
+    h("h2", {}, "Attempts"),
+    restarts,
+    h(
+      "table",
+      { class: "table" },
+      h("thead", {}, h("tr", {}, ...["#", "Status", "Nodes", "Started", "Finished", "End reason"].map((t) => h("th", {}, t)))),
+      h(
+        "tbody",
+        {},
+        ...attempts.map((a) =>
+          h(
+            "tr",
+            { class: "attempt-row" },
+            h("td", {}, a.number),
+            h("td", {}, badge(a.status)),
+            h("td", {}, (a.placements || []).map((p) => `${p.node} (${p.units})`).join(", ")),
+            h("td", {}, when(a.started_at)),
+            h("td", {}, when(a.finished_at)),
+            h("td", {}, [a.end_reason, a.failure_code, a.failure_message].filter(Boolean).join(": ")),
+          ),
+        ),
+      ),
+    ),
+  );
+}
+
+function specBlock(job) {
+  const spec = {
+    type: job.type,
+    model: job.model,
+    train_dataset: job.train_dataset,
+    validation_dataset: job.validation_dataset,
+    parameters: job.parameters,
+    resources: job.resources,
+    priority: job.priority,
+  };
+  for (const key of ["code", "command", "distribution", "inputs", "environment"]) {
+    if (job[key] !== undefined) spec[key] = job[key];
+  }
+  for (const [k, v] of Object.entries(spec)) if (v === undefined || v === null) delete spec[k];
+  return h("details", { id: "spec", class: "card" }, h("summary", {}, "Spec"), h("pre", {}, JSON.stringify(spec, null, 2)));
+}
+
+function summaryBlock(job) {
+  const rows = [
+    ["Status", badge(job.status)],
+    ["Waiting", job.reason || null],
+    ["Created", when(job.created_at)],
+    ["Started", when(job.started_at)],
+    ["Finished", when(job.finished_at)],
+    ["Duration", job.started_at ? duration(secondsSince(job.started_at, job.finished_at)) : null],
+    ["Nodes", (job.nodes || []).join(", ") || null],
+    ["Best", job.best ? Object.entries(job.best).map(([k, v]) => `${k} ${typeof v === "number" ? +v.toFixed(4) : v}`).join(", ") : null],
+  ].filter(([, v]) => v);
+  return h(
+    "dl",
+    { id: "summary", class: "summary" },
+    ...rows.flatMap(([k, v]) => [h("dt", {}, k), h("dd", { id: k === "Waiting" ? "reason" : undefined }, v)]),
+  );
+}
+
+function registerForm(ctx, job, container) {
+  const name = h("input", { id: "register-name", value: job.name.replace(/[^A-Za-z0-9._-]/g, "-") });
+  const out = h("span", { id: "register-result", class: "hint" });
+  const form = h(
+    "form",
+    {
+      id: "register-form",
+      class: "inline-form",
+      onsubmit: async (e) => {
+        e.preventDefault();
+        try {
+          const v = await api("/v1/models", { method: "POST", json: { name: name.value, job_id: job.id } });
+          out.textContent = `registered ${v.name} version ${v.version}`;
+        } catch (err) {
+          out.textContent = err.message;
+        }
+      },
+    },
+    h("label", { for: "register-name" }, "Model name "),
+    name,
+    h("button", { type: "submit" }, "Register"),
+    out,
+  );
+  container.replaceChildren(form);
+}
+
+function actions(ctx, job, refresh) {
+  const box = h("div", { id: "actions", class: "actions" });
+  const extra = h("div", { id: "action-extra" });
+  if (!FINAL.has(job.status)) {
+    box.append(
+      h(
+        "button",
+        {
+          id: "cancel",
+          class: "danger",
+          disabled: job.status === "cancelling",
+          onclick: async () => {
+            if (!confirm(`Cancel job ${job.name}?`)) return;
+            try {
+              await api(`/v1/jobs/${job.id}/cancel`, { method: "POST" });
+            } catch (err) {
+              extra.replaceChildren(errorBox(err));
+            }
+            refresh();
+          },
+        },
+        "Cancel",
+      ),
+    );
+  }
+  if (job.status === "succeeded" && job.model_sha256) {
+    box.append(h("a", { id: "download-model", class: "button", href: `/v1/jobs/${job.id}/model`, download: "" }, "Download model"));
+  }
+  if (ctx.features.outputs && job.type === "script" && FINAL.has(job.status)) {
+    box.append(h("a", { id: "download-outputs", class: "button", href: `/v1/jobs/${job.id}/outputs`, download: "" }, "Download outputs"));
+  }
+  if (ctx.features.models && job.status === "succeeded" && job.model_sha256) {
+    box.append(h("button", { id: "register", onclick: () => registerForm(ctx, job, extra) }, "Register model"));
+  }
+  return [box, extra];
+}
+
+async function setUpCharts(ctx, job, grid, seriesPromise) {
+  const charts = [];
+  const byMetric = new Map();
+  const add = (def) => {
+    const root = h("div", { id: `chart-${def.id}`, class: "chart-box" });
+    grid.append(root);
+    const chart = new LineChart(root, def);
+    charts.push(chart);
+    for (const s of def.series) byMetric.set(s.name, chart);
+    return chart;
+  };
+  for (const def of CHARTS) add(def);
+  ctx.onLeave(() => charts.forEach((c) => c.destroy()));
+  const ensure = (name) =>
+    byMetric.get(name) || add({ id: name.replace(/[^A-Za-z0-9_-]/g, "-"), title: name, series: [{ name, label: name }] });
+
+  const started = performance.now();
+  const page = await seriesPromise;
+  for (const [name, s] of Object.entries(page.series)) ensure(name).setData(name, s.x, s.y);
+  await new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve)));
+  grid.dataset.loadedMs = String(Math.round(performance.now() - started));
+  grid.dataset.ready = "true";
+  return { ensure, lastSeq: page.last_seq };
+}
+
+function logsBlock(ctx, job) {
+  const select = h("select", { id: "log-stream" });
+  const pre = h("pre", { id: "log", class: "log" });
+  const state = h("span", { id: "log-state", class: "hint" });
+  let controller = null;
+  let chosen = null;
+
+  const follow = (name) => {
+    if (controller) controller.abort();
+    controller = new AbortController();
+    chosen = name;
+    pre.textContent = "";
+    state.textContent = "following…";
+    const signal = controller.signal;
+    const q = new URLSearchParams({ follow: "true" });
+    q.set("stream", name);
+    followText(
+      `/v1/jobs/${job.id}/logs?${q}`,
+      (text) => {
+        const atBottom = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 8;
+        let value = pre.textContent + text;
+        if (value.length > MAX_LOG_CHARS) value = value.slice(value.length - MAX_LOG_CHARS);
+        pre.textContent = value;
+        if (atBottom) pre.scrollTop = pre.scrollHeight;
+      },
+      signal,
+    )
+      .then(() => {
+        if (!signal.aborted) state.textContent = "end of log";
+      })
+      .catch((err) => {
+        if (!signal.aborted) state.textContent = err.message;
+      });
+  };
+
+  const refreshStreams = async () => {
+    let listing;
+    try {
+      listing = await api(`/v1/jobs/${job.id}/logs/streams`);
+    } catch {
+      return false;
+    }
+    const names = (listing.streams || []).map((s) => s.name);
+    const current = Array.from(select.options).map((o) => o.value);
+    if (names.join() !== current.join()) {
+      const keep = chosen || names.find((n) => n === "rank-0") || names[0];
+      select.replaceChildren(...names.map((n) => h("option", { value: n, selected: n === keep }, n)));
+    }
+    if (!chosen && names.length) follow(select.value);
+    return names.length > 0;
+  };
+  select.addEventListener("change", () => follow(select.value));
+  const timer = setInterval(refreshStreams, 2000);
+  ctx.onLeave(() => {
+    clearInterval(timer);
+    if (controller) controller.abort();
+  });
+  refreshStreams();
+  return h(
+    "section",
+    { id: "logs", class: "card" },
+    h("div", { class: "page-head" }, h("h2", {}, "Logs"), h("label", { for: "log-stream", class: "inline" }, "Stream "), select, state),
+    pre,
+  );
+}
+
+export async function renderJob(ctx, jobId) {
+  // The job and its chart series are asked for at once.
+  const seriesPromise = api(`/v1/jobs/${encodeURIComponent(jobId)}/metrics/series?points=2000`);
+  seriesPromise.catch(() => {});
+  let job = await api(`/v1/jobs/${encodeURIComponent(jobId)}`);
+  const head = h("div", { class: "page-head" });
+  const status = h("div", { id: "job-status" });
+  const grid = h("div", { id: "charts", class: "charts" });
+  const refresh = async () => {
+    try {
+      job = await api(`/v1/jobs/${encodeURIComponent(jobId)}`);
+    } catch {
+      return;
+    }
+    draw();
+  };
+  const draw = () => {
+    head.replaceChildren(h("h1", { id: "job-name" }, job.name), badge(job.status), h("span", { class: "spacer" }), ...actions(ctx, job, refresh));
+    status.replaceChildren(summaryBlock(job), progressBlock(job), failureBlock(job) || "", attemptsBlock(job) || "", specBlock(job));
+  };
+  draw();
+  ctx.main.replaceChildren(head, status, h("h2", {}, "Metrics"), grid, logsBlock(ctx, job));
+
+  const { ensure, lastSeq } = await setUpCharts(ctx, job, grid, seriesPromise);
+  const tick = setInterval(() => {
+    if (!FINAL.has(job.status)) status.querySelector("#progress")?.replaceWith(progressBlock(job));
+  }, 5000);
+  ctx.onLeave(() => clearInterval(tick));
+  if (FINAL.has(job.status)) return;
+
+  const q = new URLSearchParams({ logs: "false", resume: `s0.m${lastSeq}.l0` });
+  const events = new EventSource(`/v1/jobs/${job.id}/events?${q}`);
+  ctx.onLeave(() => events.close());
+  events.addEventListener("metric", (e) => {
+    const p = JSON.parse(e.data);
+    ensure(p.name).append(p.name, p.step, p.value);
+  });
+  let pending = null;
+  events.addEventListener("status", (e) => {
+    const s = JSON.parse(e.data);
+    if (s.final) events.close();
+    clearTimeout(pending);
+    pending = setTimeout(refresh, 100);
+  });
+  events.addEventListener("end", () => events.close());
+  // Progress and the waiting reason change without a status event: refresh now and then.
+  const poll = setInterval(() => (FINAL.has(job.status) ? clearInterval(poll) : refresh()), 3000);
+  ctx.onLeave(() => clearInterval(poll));
+}

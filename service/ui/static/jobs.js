@@ -1,0 +1,127 @@
+// The jobs list: filter by status, live status changes from GET /v1/jobs/events, age and duration.
+
+import { api } from "./api.js";
+import { h, badge, duration, secondsSince, FINAL } from "./dom.js";
+
+const STATUSES = ["queued", "scheduled", "running", "cancelling", "succeeded", "failed", "cancelled"];
+
+function progressText(job) {
+  const p = job.progress;
+  if (!p || !p.epochs) return "";
+  return `epoch ${p.epoch}/${p.epochs}`;
+}
+
+function row(job) {
+  const age = h("td", { class: "age" });
+  const took = h("td", { class: "duration" });
+  const tick = () => {
+    age.textContent = duration(secondsSince(job.created_at));
+    took.textContent = job.started_at ? duration(secondsSince(job.started_at, job.finished_at)) : "";
+  };
+  tick();
+  const tr = h(
+    "tr",
+    { class: "job-row", dataset: { jobId: job.id, status: job.status } },
+    h("td", {}, h("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, class: "job-link" }, job.name)),
+    h("td", { class: "status" }, badge(job.status)),
+    h("td", { class: "reason" }, job.reason || progressText(job)),
+    age,
+    took,
+    h("td", { class: "mono small" }, job.id.slice(0, 8)),
+  );
+  tr.tick = tick;
+  return tr;
+}
+
+export async function renderJobs(ctx) {
+  const wanted = ctx.params.getAll("status").filter((s) => STATUSES.includes(s));
+  const select = h(
+    "select",
+    {
+      id: "status-filter",
+      onchange: () => {
+        location.hash = select.value ? `#/jobs?status=${select.value}` : "#/jobs";
+      },
+    },
+    h("option", { value: "" }, "all statuses"),
+    ...STATUSES.map((s) => h("option", { value: s, selected: wanted.length === 1 && wanted[0] === s }, s)),
+  );
+  const body = h("tbody", { id: "jobs-body" });
+  const more = h("button", { id: "jobs-more", hidden: true }, "Load more");
+  const empty = h("p", { id: "jobs-empty", class: "hint", hidden: true }, "No jobs here yet.");
+  const live = h("span", { id: "jobs-live", class: "hint" }, "");
+  ctx.main.replaceChildren(
+    h(
+      "div",
+      { class: "page-head" },
+      h("h1", {}, "Jobs"),
+      h("label", { for: "status-filter", class: "inline" }, "Status "),
+      select,
+      live,
+      h("span", { class: "spacer" }),
+      h("a", { href: "#/jobs/new", class: "button" }, "New job"),
+    ),
+    h(
+      "table",
+      { class: "table", id: "jobs-table" },
+      h("thead", {}, h("tr", {}, ...["Name", "Status", "Detail", "Age", "Duration", "Id"].map((t) => h("th", {}, t)))),
+      body,
+    ),
+    empty,
+    more,
+  );
+
+  const rows = new Map();
+  let cursor = null;
+  const query = () => {
+    const q = new URLSearchParams();
+    for (const s of wanted) q.append("status", s);
+    q.set("limit", "50");
+    if (cursor) q.set("cursor", cursor);
+    return q.toString();
+  };
+  const load = async () => {
+    const page = await api(`/v1/jobs?${query()}`);
+    for (const job of page.items) {
+      if (rows.has(job.id)) continue;
+      const tr = row(job);
+      rows.set(job.id, tr);
+      body.append(tr);
+    }
+    cursor = page.next_cursor;
+    more.hidden = !cursor;
+    empty.hidden = rows.size > 0;
+  };
+  more.addEventListener("click", load);
+  await load();
+
+  const timer = setInterval(() => rows.forEach((tr) => tr.tick()), 1000);
+  ctx.onLeave(() => clearInterval(timer));
+
+  const events = new EventSource("/v1/jobs/events");
+  ctx.onLeave(() => events.close());
+  events.onopen = () => {
+    live.textContent = "live";
+  };
+  events.onerror = () => {
+    live.textContent = "reconnecting…";
+  };
+  events.addEventListener("job", (e) => {
+    const job = JSON.parse(e.data);
+    const old = rows.get(job.id);
+    const matches = !wanted.length || wanted.includes(job.status);
+    if (old && !matches && FINAL.has(job.status)) {
+      old.remove();
+      rows.delete(job.id);
+    } else if (old) {
+      const tr = row(job);
+      old.replaceWith(tr);
+      rows.set(job.id, tr);
+    } else if (matches) {
+      const tr = row(job);
+      rows.set(job.id, tr);
+      body.prepend(tr);
+    }
+    empty.hidden = rows.size > 0;
+  });
+}

@@ -1,0 +1,213 @@
+"""What the web UI relies on, over HTTP on SQLite and PostgreSQL: its page and assets,
+the response headers, the sign-in cookie and its CSRF rule, the owner check behind the
+cookie, chart series reduced on the server, and the jobs list's event stream."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi.testclient import TestClient
+
+from service.api.app import create_app
+from service.api.routes.ui import STATIC_DIR
+from service.api.security import CSRF_HEADER, SESSION_COOKIE
+from service.config import Settings
+from tests.conftest import LiveServer
+from tests.factories import auth, create_token, insert_dataset, job_spec, register_node, token_id
+from tests.report_helpers import point, post_report, start_running_job
+
+
+def _submit(client: Any, settings: Settings, token: str, name: str = "job") -> str:
+    """A queued job of ``token``'s user (on a node registered for it, which never heartbeats)."""
+    register_node(client, create_token(client, "worker"), f"node-{name}", units=1)
+    uid = token_id(client, token)
+    train, val = insert_dataset(settings, uid), insert_dataset(settings, uid)
+    r = client.post(
+        "/v1/jobs", json=job_spec(train, val, name=name, resources={"node_count": 1}), headers=auth(token)
+    )
+    assert r.status_code == 201, r.text
+    job_id: str = r.json()["id"]
+    return job_id
+
+
+def test_every_answer_carries_the_security_headers(client: TestClient) -> None:
+    for path in ("/", "/ui/app.js", "/ui/style.css", "/v1/whoami", "/healthz", "/v1/nope", "/docs"):
+        r = client.get(path)
+        assert r.status_code < 500, path
+        assert r.headers["x-content-type-options"] == "nosniff", path
+        assert "frame-ancestors 'none'" in r.headers["content-security-policy"], path
+        assert r.headers["x-frame-options"] == "DENY", path
+    page = client.get("/")
+    assert page.headers["content-type"].startswith("text/html")
+    csp = page.headers["content-security-policy"]
+    assert "script-src 'self';" in csp and "default-src 'self'" in csp
+    assert "unsafe-inline" not in csp and "unsafe-eval" not in csp and "http" not in csp
+    # Swagger UI starts with an inline script: its page keeps only the framing rule.
+    assert client.get("/docs").headers["content-security-policy"] == "frame-ancestors 'none'"
+
+
+def test_the_ui_is_served_from_the_package_with_nothing_remote_or_inline() -> None:
+    files = sorted(p for p in STATIC_DIR.iterdir() if p.is_file())
+    assert {"index.html", "app.js", "chart.js", "style.css"} <= {p.name for p in files}
+    index = (STATIC_DIR / "index.html").read_text()
+    assert re.findall(r"<script(?![^>]*\bsrc=)[^>]*>", index) == []  # no inline script
+    assert not re.search(r"\son[a-z]+=", index)  # no inline event handlers
+    for path in files:
+        text = path.read_text()
+        remote = [u for u in re.findall(r"https?://[^\s\"')]+", text) if u != "http://www.w3.org/2000/svg"]
+        assert remote == [], (path.name, remote)
+        assert ".innerHTML" not in text and "eval(" not in text, path.name
+
+
+def test_every_asset_is_served_and_a_folder_is_not_listed(client: TestClient) -> None:
+    for path in sorted(STATIC_DIR.iterdir()):
+        r = client.get(f"/ui/{path.name}")
+        assert r.status_code == 200, path.name
+        assert r.content == path.read_bytes()
+    assert client.get("/ui/").status_code == 404
+    assert client.get("/ui/../config.py").status_code == 404
+
+
+def test_sign_in_sets_an_httponly_strict_cookie_and_cookie_writes_need_the_csrf_header(
+    settings: Settings,
+) -> None:
+    with TestClient(create_app(settings)) as anon:
+        admin_token = settings.admin_token_path.read_text().strip()
+        admin = {"Authorization": f"Bearer {admin_token}"}
+        r = anon.post("/v1/tokens", json={"name": "ana", "role": "user"}, headers=admin)
+        user = r.json()["token"]
+        worker = anon.post("/v1/tokens", json={"name": "w", "role": "worker"}, headers=admin).json()["token"]
+
+        assert anon.post("/v1/session", json={"token": "ty_wrong"}).json()["code"] == "AuthenticationError"
+        refused = anon.post("/v1/session", json={"token": worker})
+        assert refused.status_code == 403 and refused.json()["code"] == "PermissionDeniedError"
+        assert anon.post("/v1/session", json={"token": user, "extra": 1}).status_code == 422
+        # A form of another site can post text/plain (no preflight), never JSON: refused.
+        forged = anon.post(
+            "/v1/session", content=json.dumps({"token": user}), headers={"Content-Type": "text/plain"}
+        )
+        assert forged.status_code == 422 and "set-cookie" not in forged.headers
+        assert SESSION_COOKIE not in anon.cookies
+
+        r = anon.post("/v1/session", json={"token": user})
+        assert r.status_code == 200 and r.json()["name"] == "ana"
+        cookie = r.headers["set-cookie"]
+        assert cookie.startswith(f"{SESSION_COOKIE}=")
+        assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/" in cookie
+        assert "Secure" not in cookie  # plain HTTP here
+        assert r.headers["cache-control"] == "no-store"
+        assert user not in json.dumps(r.json())
+
+        assert anon.get("/v1/whoami").json()["name"] == "ana"
+        denied = anon.post("/v1/jobs/anything/cancel")
+        assert denied.status_code == 403 and CSRF_HEADER in denied.json()["message"]
+        assert anon.post("/v1/jobs/anything/cancel", headers={CSRF_HEADER: "1"}).status_code == 404
+        # A bearer token needs no CSRF header: it is never sent by a browser on its own.
+        assert anon.post("/v1/jobs/anything/cancel", headers=auth(user)).status_code == 404
+
+        out = anon.delete("/v1/session")
+        assert out.status_code == 204 and "Max-Age=0" in out.headers["set-cookie"]
+        assert anon.get("/v1/whoami").status_code == 401
+
+    with TestClient(create_app(settings), base_url="https://testserver") as secure:
+        r = secure.post("/v1/session", json={"token": user})
+        assert "Secure" in r.headers["set-cookie"]
+
+
+def test_the_cookie_session_sees_only_its_own_jobs(client: TestClient, settings: Settings) -> None:
+    owner = create_token(client, "user", "olga")
+    other = create_token(client, "user", "pete")
+    job_id = _submit(client, settings, owner, name="olgas")
+    with TestClient(create_app(settings)) as browser:
+        assert browser.post("/v1/session", json={"token": other}).status_code == 200
+        for path in (
+            f"/v1/jobs/{job_id}",
+            f"/v1/jobs/{job_id}/metrics/series",
+            f"/v1/jobs/{job_id}/logs/streams",
+            f"/v1/jobs/{job_id}/events",
+        ):
+            r = browser.get(path)
+            assert r.status_code == 404 and r.json()["code"] == "NotFoundError", path
+        assert browser.get("/v1/jobs").json()["items"] == []
+        r = browser.post(f"/v1/jobs/{job_id}/cancel", headers={CSRF_HEADER: "1"})
+        assert r.status_code == 404
+    assert client.get(f"/v1/jobs/{job_id}").json()["status"] != "cancelled"
+
+
+def test_metric_series_route_reduces_and_says_where_live_points_continue(
+    client: TestClient, settings: Settings
+) -> None:
+    job = start_running_job(settings, client, per_node=1)
+    points = [point("train.loss", 2.0 - i * 0.001, epoch=i // 100, step=i) for i in range(600)]
+    points[250]["value"] = 9.0  # a spike
+    points[400]["value"] = -1.0  # a dip
+    for start in range(0, 600, 200):
+        assert post_report(client, job, metrics=points[start : start + 200]).status_code == 200
+    assert post_report(client, job, metrics=[point("val.top1", 0.5, epoch=0, step=99)]).status_code == 200
+    user = auth(job.user_token)
+    page = client.get(f"/v1/jobs/{job.job_id}/metrics/series", params={"points": 100}, headers=user).json()
+    loss = page["series"]["train.loss"]
+    assert loss["count"] == 600 and 50 <= len(loss["x"]) <= 101
+    assert 9.0 in loss["y"] and -1.0 in loss["y"]
+    assert abs(loss["x"][loss["y"].index(9.0)] - 250) <= 6  # at its stretch's middle step
+    assert loss["x"] == sorted(loss["x"]) and loss["x"][-1] >= 590
+    assert min(loss["y"]) == -1.0 and max(loss["y"]) == 9.0
+    assert page["series"]["val.top1"] == {"x": [99], "y": [0.5], "count": 1}
+    # Under the limit, every point as it was stored.
+    whole = client.get(f"/v1/jobs/{job.job_id}/metrics/series", params={"points": 1000}, headers=user).json()
+    assert whole["series"]["train.loss"]["y"] == [p["value"] for p in points]
+    assert whole["series"]["train.loss"]["x"] == list(range(600))
+    newest = client.get(f"/v1/jobs/{job.job_id}/metrics", params={"limit": 10000}, headers=user).json()
+    assert page["last_seq"] == newest["next_after"]
+    after = client.get(f"/v1/jobs/{job.job_id}/metrics", params={"after": page["last_seq"]}, headers=user)
+    assert after.json()["items"] == []
+    assert (
+        client.get(f"/v1/jobs/{job.job_id}/metrics/series", params={"points": 5}, headers=user).status_code
+        == 422
+    )
+
+
+def test_the_jobs_list_stream_sends_changes_of_ones_own_jobs_only(
+    live_server: LiveServer, tmp_path: Path
+) -> None:
+    settings = live_server.settings
+    with httpx.Client(base_url=live_server.url, headers=auth(live_server.admin_token), timeout=30) as admin:
+        alice = create_token(admin, "user", "alice")
+        bob = create_token(admin, "user", "bob")
+        alices = _submit(admin, settings, alice, name="alices")
+        bobs = _submit(admin, settings, bob, name="bobs")
+    events: list[dict[str, Any]] = []
+    opened = threading.Event()
+
+    def listen() -> None:
+        with (
+            httpx.Client(base_url=live_server.url, headers=auth(bob), timeout=30) as c,
+            c.stream("GET", "/v1/jobs/events") as r,
+        ):
+            assert r.headers["content-type"].startswith("text/event-stream")
+            kind = None
+            for line in r.iter_lines():
+                opened.set()
+                if line.startswith("event: "):
+                    kind = line[7:]
+                elif line.startswith("data: ") and kind == "job":
+                    events.append(json.loads(line[6:]))
+                    if events[-1]["status"] == "cancelled":
+                        return
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    assert opened.wait(20)
+    # Alice's change comes first: were it leaked, it would be the first event Bob gets.
+    assert httpx.post(f"{live_server.url}/v1/jobs/{alices}/cancel", headers=auth(alice)).status_code == 200
+    assert httpx.post(f"{live_server.url}/v1/jobs/{bobs}/cancel", headers=auth(bob)).status_code == 200
+    thread.join(30)
+    assert not thread.is_alive()
+    assert {e["id"] for e in events} == {bobs}
+    assert events[-1]["status"] == "cancelled" and events[-1]["name"] == "bobs"
+    assert events[-1]["finished_at"] is not None

@@ -1,0 +1,366 @@
+"""The web UI in a real Chromium (Debian's package, driven by Playwright) against a live
+uvicorn server: sign-in, the new-job form's 422s, a real job's live chart, logs and
+cancel, the jobs list's live status, dataset upload, and one user not seeing another's job.
+
+One database (SQLite) is enough here: the routes the UI calls run on both elsewhere.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from service.config import Settings
+from tests.conftest import LiveServer
+from tests.factories import auth, create_token, insert_dataset, job_spec, register_node, token_id
+from tests.ui_browser import chromium_fixture, open_ui_fixture  # noqa: F401 - fixtures
+from tests.worker_fixtures import (
+    start_agent,
+    upload_digits,
+    wait_for_job,
+    wait_for_node,
+    worker_token,
+)
+
+
+@pytest.fixture
+def db_url(sqlite_url: str) -> str:
+    return sqlite_url
+
+
+@pytest.fixture
+def settings(make_settings: Any) -> Settings:
+    s: Settings = make_settings(
+        # Nodes registered by hand never heartbeat: a long lease keeps them ready.
+        heartbeat_interval_s=0.5,
+        lease_timeout_s=600,
+        reaper_interval_s=0.2,
+        max_nodes=1,
+    )
+    return s
+
+
+@pytest.fixture
+def admin(live_server: LiveServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=live_server.url, headers=auth(live_server.admin_token), timeout=60) as c:
+        yield c
+
+
+def _user(admin: httpx.Client, name: str) -> tuple[str, str]:
+    token = create_token(admin, "user", name)
+    return token, token_id(admin, token)
+
+
+def _wait(predicate: Any, timeout: float = 30, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout} s")
+        time.sleep(0.1)
+
+
+def test_sign_in_keeps_the_token_out_of_reach_and_sign_out_ends_the_session(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    token, _ = _user(admin, "dora")
+    ui = open_ui(live_server.url)
+    page = ui.page
+    page.goto("/")
+    page.wait_for_selector("#signin-form")
+    page.fill("#token", "ty_not-a-token")
+    page.click("#signin-submit")
+    page.wait_for_selector("#signin-error:has-text('invalid or revoked token')")
+
+    ui.sign_in(token)
+    assert page.text_content("#whoami") == "dora (user)"
+    assert page.is_visible("#jobs-table")
+    # The token lives in an HttpOnly cookie: page scripts cannot read it, and it is in no URL.
+    assert token not in page.evaluate("document.cookie")
+    assert token not in page.url
+    cookie = next(c for c in ui.context.cookies() if c["name"] == "torchyard_session")
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+    assert ui.errors == []
+    # A write without the CSRF header (as a form of another site would send) is refused.
+    status = page.evaluate("fetch('/v1/jobs/x/cancel', {method: 'POST'}).then(r => r.status)")
+    assert status == 403
+
+    page.click("#sign-out")
+    page.wait_for_selector("#signin-form")
+    assert page.evaluate("fetch('/v1/whoami').then(r => r.status)") == 401
+    assert not [c for c in ui.context.cookies() if c["name"] == "torchyard_session"]
+
+
+def test_new_job_form_shows_each_422_next_to_its_field_then_submits(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    token, uid = _user(admin, "erin")
+    register_node(admin, create_token(admin, "worker"), "cpu-1", units=2)
+    train = insert_dataset(live_server.settings, uid, name="birds-train")
+    val = insert_dataset(live_server.settings, uid, name="birds-val")
+    ui = open_ui(live_server.url)
+    ui.sign_in(token)
+    page = ui.page
+    page.click("#nav-new")
+    page.wait_for_selector("#new-job-form")
+    # Every parameter shows its range.
+    assert "16..1024" in page.text_content(".field[data-field='parameters.image_size']")
+    page.fill("#f-name", "birds")
+    assert "birds-train (9 images, 3 classes)" in page.text_content("#f-train_dataset")
+    page.select_option("#f-train_dataset", value=train)
+    page.select_option("#f-validation_dataset", value=val)
+    page.fill("#f-parameters-epochs", "0")
+    page.fill("#f-parameters-image_size", "8")
+    page.click("#submit-job")
+    epochs_error = page.locator("#err-f-parameters-epochs")
+    epochs_error.wait_for()
+    page.wait_for_selector("#err-f-parameters-epochs:not(:empty)")
+    assert "greater than 0" in epochs_error.text_content()
+    assert "16..1024" in page.text_content("#err-f-parameters-image_size")
+    assert page.text_content("#err-f-parameters-batch_size") == ""
+    assert "invalid" in page.get_attribute(".field[data-field='parameters.epochs']", "class")
+
+    # A limit of the cluster (a domain error, not a schema one) lands next to its field too.
+    page.fill("#f-parameters-epochs", "2")
+    page.fill("#f-parameters-image_size", "32")
+    page.fill("#f-resources-node_count", "5")
+    page.click("#submit-job")
+    page.wait_for_selector("#err-f-resources-node_count:not(:empty)")
+    assert "node_count 5 exceeds" in page.text_content("#err-f-resources-node_count")
+    assert page.text_content("#err-f-parameters-epochs") == ""
+
+    page.fill("#f-resources-node_count", "1")
+    page.click("#submit-job")
+    page.wait_for_url(re.compile(r"#/jobs/[0-9a-f-]+$"))
+    assert page.text_content("#job-name") == "birds"
+    job_id = page.url.rsplit("/", 1)[1]
+    job = httpx.get(f"{live_server.url}/v1/jobs/{job_id}", headers=auth(token)).json()
+    assert job["parameters"]["epochs"] == 2 and job["parameters"]["image_size"] == 32
+
+    # The jobs list filters by status.
+    page.click("#nav-jobs")
+    page.wait_for_selector(f"tr[data-job-id='{job_id}']")
+    page.select_option("#status-filter", "succeeded")
+    page.wait_for_selector("#jobs-empty", state="visible")
+    assert page.locator(f"tr[data-job-id='{job_id}']").count() == 0
+    assert page.url.endswith("#/jobs?status=succeeded")
+    # Placed on the node registered above, which never claims it: it stays scheduled.
+    with httpx.Client(base_url=live_server.url, headers=auth(token), timeout=30) as user:
+        wait_for_job(user, job_id, lambda j: j["status"] == "scheduled", timeout=30)
+    page.select_option("#status-filter", "scheduled")
+    page.wait_for_selector(f"tr[data-job-id='{job_id}'][data-status='scheduled']")
+    assert ui.errors == []
+
+
+def test_a_user_never_sees_another_users_job(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    owner, owner_id = _user(admin, "frank")
+    other, _ = _user(admin, "grace")
+    register_node(admin, create_token(admin, "worker"), "cpu-1", units=1)
+    train = insert_dataset(live_server.settings, owner_id)
+    val = insert_dataset(live_server.settings, owner_id)
+    r = httpx.post(
+        f"{live_server.url}/v1/jobs", json=job_spec(train, val, name="franks-secret"), headers=auth(owner)
+    )
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+
+    mine = open_ui(live_server.url)
+    mine.sign_in(owner)
+    mine.page.wait_for_selector(f"tr[data-job-id='{job_id}']")
+
+    ui = open_ui(live_server.url)
+    ui.sign_in(other)
+    page = ui.page
+    page.wait_for_selector("#jobs-empty", state="visible")
+    assert page.locator(f"tr[data-job-id='{job_id}']").count() == 0
+    assert "franks-secret" not in page.content()
+    # Editing the URL does not help: the page gets the API's 404.
+    page.goto(f"/#/jobs/{job_id}")
+    page.wait_for_selector(".error")
+    assert "NotFoundError" in page.text_content(".error")
+    assert "franks-secret" not in page.content()
+    assert page.evaluate(f"fetch('/v1/jobs/{job_id}/metrics/series').then(r => r.status)") == 404
+    # Cancelling it through the cookie session (with the CSRF header) is a 404 as well.
+    status = page.evaluate(
+        f"fetch('/v1/jobs/{job_id}/cancel', {{method: 'POST', headers: {{'X-Torchyard-CSRF': '1'}}}})"
+        ".then(r => r.status)"
+    )
+    assert status == 404
+    still = httpx.get(f"{live_server.url}/v1/jobs/{job_id}", headers=auth(owner)).json()
+    assert still["status"] in ("queued", "scheduled")  # placed on the node, not cancelled
+
+
+def test_dataset_upload_shows_progress_and_class_counts(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any, tmp_path: Path
+) -> None:
+    import tarfile
+
+    from torchyard.sample_data import write_digits
+
+    token, _ = _user(admin, "hana")
+    train_dir, _ = write_digits(tmp_path / "digits", per_class=4, size=16)
+    archive = tmp_path / "digits.tar.gz"
+    with tarfile.open(archive, "w:gz") as tf:
+        tf.add(train_dir, arcname="digits")
+    ui = open_ui(live_server.url)
+    ui.sign_in(token)
+    page = ui.page
+    page.click("#nav-datasets")
+    page.wait_for_selector("#upload-form")
+    # The progress bar shows while the upload runs.
+    page.evaluate(
+        "new MutationObserver(() => { if (!document.querySelector('#upload-progress').hidden)"
+        " window.progressShown = true; }).observe(document.querySelector('#upload-progress'),"
+        " {attributes: true})"
+    )
+    page.fill("#upload-name", "digits-small")
+    page.set_input_files("#upload-file", str(archive))
+    page.click("#upload-submit")
+    page.wait_for_selector("#upload-note:has-text('uploaded digits-small')")
+    assert page.evaluate("window.progressShown === true")
+    row = page.locator("tr.dataset-row", has_text="digits-small")
+    assert row.count() == 1
+    row.locator("summary").click()
+    counts = row.locator(".class-counts tr")
+    assert counts.count() == 10
+    expected = len(list((train_dir / "0").iterdir()))
+    assert counts.first.text_content().replace(" ", "") == f"0{expected}"
+    assert ui.errors == []
+
+
+def test_cluster_page_lists_nodes_and_units(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    register_node(admin, create_token(admin, "worker"), "cpu-7", units=3)
+    ui = open_ui(live_server.url)
+    ui.sign_in(live_server.admin_token)
+    page = ui.page
+    page.click("#nav-cluster")
+    row = page.locator("tr.node-row[data-node='cpu-7']")
+    row.wait_for()
+    cells = row.locator("td").all_text_contents()
+    assert cells[1] == "ready" and cells[3] == "3" and cells[4] == "3"
+    assert "3 of 3 units free" in page.text_content("#cluster-summary")
+    assert ui.errors == []
+
+
+@pytest.mark.slow
+def test_a_running_job_live_status_chart_log_and_cancel(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any, tmp_path: Path
+) -> None:
+    token, _ = _user(admin, "ivan")
+    # The agent starts first: its start-up overlaps the dataset uploads.
+    agent = start_agent(live_server.url, worker_token(admin), "cpu-1", tmp_path / "agent", slots=1)
+    with httpx.Client(base_url=live_server.url, headers=auth(token), timeout=60) as user:
+        try:
+            train, val = upload_digits(user, tmp_path / "digits", per_class=10, size=16)
+            wait_for_node(user, "cpu-1")
+            jobs_tab = open_ui(live_server.url)
+            jobs_tab.sign_in(token)
+            jobs_tab.page.wait_for_selector("#jobs-live:has-text('live')")
+
+            spec = job_spec(
+                train,
+                val,
+                name="live-digits",
+                parameters={
+                    "epochs": 200,
+                    "batch_size": 8,
+                    "image_size": 16,
+                    "augmentation": "none",
+                    "print_frequency": 1,
+                    "patience": 200,
+                },
+            )
+            r = user.post("/v1/jobs", json=spec)
+            assert r.status_code == 201, r.text
+            job_id = r.json()["id"]
+            # The jobs list learns of the job and of its start from the stream, without a reload.
+            row = jobs_tab.page.locator(f"tr[data-job-id='{job_id}']")
+            row.wait_for()
+            jobs_tab.page.wait_for_selector(
+                f"tr[data-job-id='{job_id}'][data-status='running']", timeout=90_000
+            )
+
+            ui = open_ui(live_server.url)
+            ui.sign_in(token)
+            page = ui.page
+            page.goto(f"/#/jobs/{job_id}")
+            page.wait_for_selector("#charts[data-ready='true']")
+            loss = page.locator("#chart-loss")
+
+            def loss_points() -> int:
+                return int(loss.get_attribute("data-points") or 0)
+
+            first = _wait(loss_points, 60, "a first loss point")
+            _wait(lambda: loss_points() > first, 60, "more loss points")
+            assert page.evaluate("performance.getEntriesByType('navigation').length") == 1  # no reload
+
+            # The rank-0 log follows.
+            page.wait_for_selector("#log-stream option[value='rank-0']", state="attached")
+            _wait(lambda: len(page.text_content("#log") or "") > 0, 60, "log text")
+            before = len(page.text_content("#log") or "")
+            _wait(lambda: len(page.text_content("#log") or "") > before, 60, "more log text")
+
+            page.click("#cancel")
+            page.wait_for_selector("#job-status .badge[data-status='cancelled']", timeout=60_000)
+            assert not page.is_visible("#cancel")
+            jobs_tab.page.wait_for_selector(f"tr[data-job-id='{job_id}'][data-status='cancelled']")
+            assert wait_for_job(user, job_id)["status"] == "cancelled"
+            assert ui.errors == [] and jobs_tab.errors == []
+        finally:
+            agent.stop(timeout=30)
+
+
+def test_a_failed_job_shows_its_failure_rank_node_and_traceback(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    from service.db.engine import Database
+    from service.db.models import Job, utcnow
+
+    token, uid = _user(admin, "jana")
+    register_node(admin, create_token(admin, "worker"), "cpu-1", units=1)
+    train = insert_dataset(live_server.settings, uid)
+    r = httpx.post(
+        f"{live_server.url}/v1/jobs", json=job_spec(train, train, name="diverges"), headers=auth(token)
+    )
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    # The failure as the trainer's report leaves it (a real divergence takes minutes to provoke).
+    db = Database(live_server.settings.sqlalchemy_url)
+    try:
+        with db.transaction() as session:
+            job = session.get_one(Job, job_id)
+            job.status, job.finished_at, job.updated_at = "failed", utcnow(), utcnow()
+            job.failure_code = "TrainingDivergedError"
+            job.failure_message = "train.loss became nan at epoch 2: try a lower learning_rate"
+            job.failure_rank, job.failure_node = 1, "cpu-1"
+            job.failure_traceback = (
+                'Traceback (most recent call last):\n  File "engine.py", line 3\n<b>not markup</b>'
+            )
+    finally:
+        db.dispose()
+
+    ui = open_ui(live_server.url)
+    ui.sign_in(token)
+    page = ui.page
+    page.goto(f"/#/jobs/{job_id}")
+    page.wait_for_selector("#failure")
+    assert "TrainingDivergedError" in page.text_content("#failure h2")
+    assert "try a lower learning_rate" in page.text_content("#failure-message")
+    assert "rank 1 on node cpu-1" in page.text_content("#failure")
+    # Text from a worker is shown as text, never as markup.
+    assert "<b>not markup</b>" in page.text_content("#traceback")
+    assert page.locator("#traceback b").count() == 0
+    assert not page.is_visible("#cancel") and not page.is_visible("#download-model")
+    assert ui.errors == []
