@@ -195,6 +195,7 @@ def main() -> int:
             job_id = r.json()["id"]
             poller.job_id = job_id
             results.append(wait_final(api.url, token, job_id, timeout=1800))
+            print(f"job {job_id}: {results[-1]['status']} ({time.monotonic() - started:.0f} s)", flush=True)
         stop.set()
         chaos_thread.join(120)
         api.wait_ready(timeout=120)

@@ -428,6 +428,7 @@ def _routine_requests(server: Serve) -> None:
         r = admin.post("/v1/worker/nodes/n1/claim", params={"wait": 0}, headers=worker)
         assert r.status_code in (200, 204), r.text
         assert admin.get("/healthz").status_code == 200
+        assert admin.get("/readyz").status_code == 200
         assert admin.get("/v1/whoami").status_code == 200
 
 
@@ -440,6 +441,7 @@ def test_serve_log_leaves_out_routine_lines(tmp_path: Path) -> None:
     assert '"GET /v1/whoami HTTP/1.1" 200' in log
     assert '"POST /v1/worker/nodes HTTP/1.1" 200' in log
     assert "/heartbeat" not in log and "/claim" not in log and "/healthz" not in log, log
+    assert "/readyz" not in log, log
     assert "setup plugin" not in log and "Context impl" not in log, log
     assert "Running upgrade" in log  # the migrations that ran are still named
 

@@ -38,7 +38,7 @@ GRACEFUL_SHUTDOWN_S = 5
 _PR_SET_PDEATHSIG = 1
 # Requests every worker (or health check) makes every few seconds: one access line each
 # would be most of the log.
-_ROUTINE_PATHS = re.compile(r"^(/v1/worker/nodes/[^/?]+/(heartbeat|claim)|/healthz)(\?|$)")
+_ROUTINE_PATHS = re.compile(r"^(/v1/worker/nodes/[^/?]+/(heartbeat|claim)|/healthz|/readyz)(\?|$)")
 
 
 class _RoutineAccessFilter(logging.Filter):
