@@ -382,7 +382,7 @@ def test_evaluation_on_the_validation_set_equals_training_figures(
         done = wait_for_job(env.user, job["id"], timeout=300, agents=[agent])
     finally:
         agent.stop()
-    assert done["status"] == "succeeded", done
+    assert done["status"] == "succeeded", (done.get("failure"), done.get("reason"))
     result = env.user.get(f"/v1/jobs/{job['id']}/result").json()
     best = json.loads((trained.model_dir / "metrics.json").read_text())["best"]
     assert result["num_images"] == len(list(trained.val_dir.rglob("*.png")))

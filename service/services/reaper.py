@@ -149,8 +149,9 @@ def sweep(db: Database, settings: Settings, listening: ListeningClock | None = N
                     )
                 )
             )
-        _lose_expired_leases(db, expired, result)
+        # Silent nodes first: a job requeued by a lost lease must not be placed on them again.
         _lose_silent_nodes(db, settings, silent_nodes, silent_cutoff, result)
+        _lose_expired_leases(db, expired, result)
     _settle_cancellations(db, result)
     _time_out_overruns(db, now, result)
     checkpoints.remove_ended_jobs_files(db, checkpoints.CheckpointStore(settings.data_dir))
