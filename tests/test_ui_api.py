@@ -17,6 +17,7 @@ from service.api.app import create_app
 from service.api.routes.ui import STATIC_DIR
 from service.api.security import CSRF_HEADER, SESSION_COOKIE
 from service.config import Settings
+from tests.attempt_history import FIRST, SECOND, restarted_job
 from tests.conftest import LiveServer
 from tests.factories import auth, create_token, insert_dataset, job_spec, register_node, token_id
 from tests.report_helpers import point, post_report, start_running_job
@@ -170,6 +171,31 @@ def test_metric_series_route_reduces_and_says_where_live_points_continue(
         client.get(f"/v1/jobs/{job.job_id}/metrics/series", params={"points": 5}, headers=user).status_code
         == 422
     )
+
+
+def test_metric_series_leaves_out_points_a_later_attempt_redid(
+    client: TestClient, settings: Settings
+) -> None:
+    job = restarted_job(client, settings)
+    user = auth(job.user_token)
+    page = client.get(f"/v1/jobs/{job.job_id}/metrics/series", headers=user).json()
+    # Epochs 6 to 12 of attempt 1 were redone by attempt 2: only attempt 2's points are charted.
+    expected = {**{e: v for e, v in FIRST.items() if e < 6}, **SECOND}
+    loss = page["series"]["val.loss"]
+    assert loss == {"x": [10 * e for e in expected], "y": list(expected.values()), "count": 14}
+    # The same points as the default metrics history.
+    history = client.get(f"/v1/jobs/{job.job_id}/metrics", headers=user).json()["items"]
+    assert [(p["step"], p["value"]) for p in history] == list(zip(loss["x"], loss["y"], strict=True))
+    everything = client.get(
+        f"/v1/jobs/{job.job_id}/metrics", params={"include_superseded": "true"}, headers=user
+    ).json()["items"]
+    assert len(everything) == 21
+    assert page["last_seq"] == everything[-1]["seq"]
+    # Reduced (fewer points asked than stored), the superseded values are still left out.
+    small = client.get(f"/v1/jobs/{job.job_id}/metrics/series", params={"points": 10}, headers=user).json()
+    reduced = small["series"]["val.loss"]
+    assert reduced["count"] == 14 and len(reduced["y"]) < 14
+    assert min(reduced["y"]) > 0 and max(reduced["y"]) == SECOND[14]
 
 
 def test_the_jobs_list_stream_sends_changes_of_ones_own_jobs_only(

@@ -1,6 +1,8 @@
 """The web UI in a real Chromium (Debian's package, driven by Playwright) against a live
 uvicorn server: sign-in, the new-job form's 422s, a real job's live chart, logs and
-cancel, the jobs list's live status, dataset upload, and one user not seeing another's job.
+cancel, the jobs list's live status, dataset upload, one user not seeing another's job,
+drain/undrain, a restarted job's attempts and per-attempt logs, and registering a model
+then predicting with it.
 
 One database (SQLite) is enough here: the routes the UI calls run on both elsewhere.
 """
@@ -17,8 +19,11 @@ import httpx
 import pytest
 
 from service.config import Settings
+from tests.attempt_history import restarted_job
 from tests.conftest import LiveServer
 from tests.factories import auth, create_token, insert_dataset, job_spec, register_node, token_id
+from tests.test_models_api import Trained, succeeded_job
+from tests.trainer_helpers import Digits, run_in_process, single_process_env, write_job
 from tests.ui_browser import chromium_fixture, open_ui_fixture  # noqa: F401 - fixtures
 from tests.worker_fixtures import (
     start_agent,
@@ -238,7 +243,7 @@ def test_dataset_upload_shows_progress_and_class_counts(
     assert ui.errors == []
 
 
-def test_cluster_page_lists_nodes_and_units(
+def test_cluster_page_lists_nodes_and_units_and_admins_drain_and_undrain(
     live_server: LiveServer, admin: httpx.Client, open_ui: Any
 ) -> None:
     register_node(admin, create_token(admin, "worker"), "cpu-7", units=3)
@@ -251,6 +256,133 @@ def test_cluster_page_lists_nodes_and_units(
     cells = row.locator("td").all_text_contents()
     assert cells[1] == "ready" and cells[3] == "3" and cells[4] == "3"
     assert "3 of 3 units free" in page.text_content("#cluster-summary")
+
+    # A user sees the nodes but no drain controls.
+    token, _ = _user(admin, "kai")
+    other = open_ui(live_server.url)
+    other.sign_in(token)
+    other.page.click("#nav-cluster")
+    other.page.locator("tr.node-row[data-node='cpu-7']").wait_for()
+    assert other.page.locator("button.drain, button.undrain").count() == 0
+
+    # The admin drains the node (nothing runs there: drained at once), then undrains it.
+    row.locator("button.drain").click()
+    page.wait_for_selector("tr.node-row[data-node='cpu-7'] .badge[data-status='drained']")
+    nodes = {n["name"]: n for n in admin.get("/v1/cluster").json()["nodes"]}
+    assert nodes["cpu-7"]["status"] == "drained"
+    assert row.locator("button.drain").count() == 0
+    row.locator("button.undrain").click()
+    page.wait_for_selector("tr.node-row[data-node='cpu-7'] .badge[data-status='ready']")
+    nodes = {n["name"]: n for n in admin.get("/v1/cluster").json()["nodes"]}
+    assert nodes["cpu-7"]["status"] == "ready"
+    assert row.locator("button.drain").count() == 1
+    assert ui.errors == [] and other.errors == []
+
+
+def test_a_restarted_job_shows_its_attempts_end_reasons_and_each_attempts_log(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    job = restarted_job(admin, live_server.settings)
+    ui = open_ui(live_server.url)
+    ui.sign_in(job.user_token)
+    page = ui.page
+    page.goto(f"/#/jobs/{job.job_id}")
+    page.wait_for_selector("#attempts")
+    assert page.text_content("#restarts") == "Restarts: 1 of 2"
+    rows = page.locator("tr.attempt-row")
+    assert rows.count() == 2
+    first, second = (rows.nth(i).locator("td").all_text_contents() for i in range(2))
+    assert first[0] == "1" and first[1] == "failed" and first[2] == f"{job.node} (1)"
+    assert first[5] == "RankKilledError: rank 0 was killed by SIGKILL"
+    assert second[0] == "2" and second[5] == "TrainingDivergedError: the loss is NaN"
+
+    # The log shows the latest attempt; the attempt picker shows an earlier one's.
+    page.wait_for_selector("#log-state:has-text('end of log')")
+    assert page.text_content("#log") == "attempt two\n"
+    assert page.is_visible("#log-attempt")
+    page.select_option("#log-attempt", "1")
+    page.wait_for_selector("#log[data-attempt='1']")
+    page.wait_for_selector("#log-state:has-text('end of log')")
+    assert page.text_content("#log") == "attempt one\n"
+    page.select_option("#log-attempt", "")
+    page.wait_for_selector("#log[data-attempt='']")
+    page.wait_for_selector("#log-state:has-text('end of log')")
+    assert page.text_content("#log") == "attempt two\n"
+
+    # The chart has each epoch once: attempt 1's redone epochs are left out.
+    page.wait_for_selector("#charts[data-ready='true']")
+    assert page.get_attribute("#chart-loss", "data-points") == "14"
+    assert ui.errors == []
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    """A resnet18 trained in-process for one epoch on 16 px digits (with its ONNX export)."""
+    from torchyard.contract.model_archive import pack_model_dir
+    from torchyard.sample_data import write_digits
+
+    root = tmp_path_factory.mktemp("tiny-model")
+    train, val = write_digits(root / "digits", per_class=6, size=16)
+    run = write_job(root / "run", Digits(train, val), epochs=1, image_size=16, batch_size=16)
+    with pytest.MonkeyPatch.context() as mp, single_process_env(mp):
+        assert run_in_process(run) == 0
+    sha256, _ = pack_model_dir(root / "run" / "model", root / "model.tar.gz")
+    held_out = sorted(val.rglob("*.png"))[:2]
+    return Trained(root / "run" / "model", root / "model.tar.gz", sha256, held_out, [], val)
+
+
+def test_register_a_succeeded_jobs_model_then_predict_on_the_models_page(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any, tiny_model: Trained
+) -> None:
+    token, _ = _user(admin, "lena")
+    job_id = succeeded_job(live_server.settings, admin, tiny_model, token)
+    ui = open_ui(live_server.url)
+    ui.sign_in(token)
+    page = ui.page
+    page.goto(f"/#/jobs/{job_id}")
+    page.click("#register")
+    page.fill("#register-name", "digits")
+    page.click("#register-form button[type='submit']")
+    page.wait_for_selector("#register-result:has-text('registered digits version 1')")
+    # A second registration is version 2.
+    page.click("#register-form button[type='submit']")
+    page.wait_for_selector("#register-result:has-text('registered digits version 2')")
+    page.click("#register-link")
+    page.wait_for_selector("#version-2")
+    assert page.text_content("#model-name") == "Model digits"
+    assert page.locator("section.model-version").count() == 2
+    assert "(latest)" in page.text_content("#version-2 h2")
+    assert "resnet18 · 16 px · 10 classes" in page.text_content("#version-1")
+
+    # Choosing images predicts their labels with the version's model.
+    page.set_input_files("#predict-file-1", [str(p) for p in tiny_model.held_out])
+    page.wait_for_selector("#predictions-1 .prediction >> nth=1")
+    predictions = page.locator("#predictions-1 .prediction")
+    classes = {str(d) for d in range(10)}
+    for i, path in enumerate(tiny_model.held_out):
+        text = predictions.nth(i).text_content() or ""
+        assert text.startswith(path.name)
+        assert predictions.nth(i).get_attribute("data-label") in classes
+        assert "%" in text
+    # Dropping an image on a version predicts it as well.
+    data = tiny_model.held_out[0].read_bytes()
+    page.evaluate(
+        """([bytes, name]) => {
+            const dt = new DataTransfer();
+            dt.items.add(new File([new Uint8Array(bytes)], name, {type: "image/png"}));
+            document.querySelector("#dropzone-2").dispatchEvent(
+                new DragEvent("drop", {dataTransfer: dt, bubbles: true, cancelable: true}));
+        }""",
+        [list(data), "dropped.png"],
+    )
+    page.wait_for_selector("#predictions-2 .prediction:has-text('dropped.png')")
+    assert page.get_attribute("#predictions-2 .prediction", "data-label") in classes
+
+    # The models list shows it with its latest version.
+    page.click("#nav-models")
+    row = page.locator("tr.model-row[data-model='digits']")
+    row.wait_for()
+    assert row.locator("td").all_text_contents()[1:3] == ["2", "resnet18"]
     assert ui.errors == []
 
 

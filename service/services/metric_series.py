@@ -16,6 +16,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.db.models import Metric
+from service.services.reports import not_superseded
 
 
 @dataclass
@@ -30,11 +31,15 @@ def metric_series(session: Session, job_id: str, points: int) -> tuple[dict[str,
     last metric seq they include (follow on from it with the events stream or
     ``metrics?after=``).
 
+    A point that a later attempt reported again (an epoch redone after a restart) is left
+    out, by the same rule as the default metrics history (``reports.not_superseded``).
+
     No owner check here: callers resolve the job for the principal first.
     """
+    current = not_superseded()
     stats = session.execute(
         select(Metric.name, func.count(), func.min(Metric.seq), func.max(Metric.seq))
-        .where(Metric.job_id == job_id)
+        .where(Metric.job_id == job_id, current)
         .group_by(Metric.name)
         .order_by(Metric.name)
     ).all()
@@ -44,7 +49,7 @@ def metric_series(session: Session, job_id: str, points: int) -> tuple[dict[str,
     out = {name: Series(count=count) for name, count, *_ in stats}
     small = [name for name, count, *_ in stats if count <= points]
     big = [row for row in stats if row[1] > points]
-    in_range = (Metric.job_id == job_id, Metric.seq <= last_seq)
+    in_range = (Metric.job_id == job_id, Metric.seq <= last_seq, current)
     for name in small:  # one indexed read each: a few points
         for step, value in session.execute(
             select(Metric.step, Metric.value).where(*in_range, Metric.name == name).order_by(Metric.seq)

@@ -23,7 +23,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Table, exists, func, select
+from sqlalchemy import ColumnElement, Table, exists, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
@@ -212,6 +212,20 @@ def ingest_report(
 # --- metrics --------------------------------------------------------------------------------
 
 
+def not_superseded() -> ColumnElement[bool]:
+    """A ``Metric`` point that no later attempt reported again (the same name, epoch, step
+    and rank): the rule of the default metrics history and of the chart series."""
+    later = aliased(Metric)
+    return ~exists().where(
+        later.job_id == Metric.job_id,
+        later.name == Metric.name,
+        later.rank == Metric.rank,
+        later.epoch == Metric.epoch,
+        later.step == Metric.step,
+        later.attempt > Metric.attempt,
+    )
+
+
 def metric_points_after(
     session: Session,
     job_id: str,
@@ -245,17 +259,7 @@ def metric_points_after(
     if names:
         stmt = stmt.where(Metric.name.in_(sorted(set(names))))
     if not include_superseded:
-        later = aliased(Metric)
-        stmt = stmt.where(
-            ~exists().where(
-                later.job_id == Metric.job_id,
-                later.name == Metric.name,
-                later.rank == Metric.rank,
-                later.epoch == Metric.epoch,
-                later.step == Metric.step,
-                later.attempt > Metric.attempt,
-            )
-        )
+        stmt = stmt.where(not_superseded())
     rows = session.execute(stmt.order_by(Metric.seq).limit(limit)).all()
     return [
         MetricPoint(

@@ -69,7 +69,8 @@ def get_metric_series(
     """Every metric of the job as x (step) / y arrays for charts. A metric with more than
     ``points`` points is reduced to about that many: the lowest and highest value of each of
     ``points / 2`` equal stretches of steps (spikes stay visible), then its last point.
-    ``last_seq`` says where live points continue."""
+    Points that a later attempt reported again are left out, as in the default metrics
+    history. ``last_seq`` says where live points continue."""
     job = jobs_service.get_job(session, user, job_id)
     series, last_seq = series_service.metric_series(session, job.id, points)
     return MetricSeriesPage(

@@ -11,8 +11,8 @@ export async function renderCluster(ctx) {
   const admin = ctx.me.role === "admin";
   const nodeAction = async (node, template) => {
     try {
-      // The node's id where the service lists one, else its name.
-      await api(template.replace(/\{[^}]+\}/, encodeURIComponent(node.id ?? node.name)), { method: "POST" });
+      problem.replaceChildren();
+      await api(template.replace(/\{[^}]+\}/, encodeURIComponent(node.name)), { method: "POST" });
       await load();
     } catch (err) {
       problem.replaceChildren(errorBox(err));
@@ -28,7 +28,17 @@ export async function renderCluster(ctx) {
         const draining = n.status === "draining" || n.status === "drained";
         let control = "";
         if (admin && !draining && ctx.features.drainPath && n.status === "ready") {
-          control = h("button", { class: "drain", onclick: () => nodeAction(n, ctx.features.drainPath) }, "Drain");
+          control = h(
+            "button",
+            {
+              class: "drain",
+              onclick: () => {
+                if (confirm(`Drain node ${n.name}? It takes no new work, and its running jobs are checkpointed and placed elsewhere.`))
+                  nodeAction(n, ctx.features.drainPath);
+              },
+            },
+            "Drain",
+          );
         } else if (admin && draining && ctx.features.undrainPath) {
           control = h("button", { class: "undrain", onclick: () => nodeAction(n, ctx.features.undrainPath) }, "Undrain");
         }

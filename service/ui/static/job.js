@@ -58,6 +58,14 @@ function failureBlock(job) {
   );
 }
 
+// An ended attempt's reason ({code, message}: a failure code, preempted, succeeded or
+// cancelled); an older service's bare failure code and message otherwise.
+function endReason(a) {
+  const r = a.end_reason;
+  if (r && typeof r === "object") return [r.code, r.message].filter(Boolean).join(": ");
+  return [r, a.failure_code, a.failure_message].filter(Boolean).join(": ");
+}
+
 function attemptsBlock(job) {
   const attempts = job.attempts || [];
   if (!attempts.length && job.restarts === undefined) return null;
@@ -80,13 +88,13 @@ function attemptsBlock(job) {
         ...attempts.map((a) =>
           h(
             "tr",
-            { class: "attempt-row" },
+            { class: "attempt-row", dataset: { attempt: String(a.number), status: a.status } },
             h("td", {}, a.number),
             h("td", {}, badge(a.status)),
-            h("td", {}, (a.placements || []).map((p) => `${p.node} (${p.units})`).join(", ")),
+            h("td", {}, (a.placements || []).length ? a.placements.map((p) => `${p.node} (${p.units})`).join(", ") : (a.nodes || []).join(", ")),
             h("td", {}, when(a.started_at)),
             h("td", {}, when(a.finished_at)),
-            h("td", {}, [a.end_reason, a.failure_code, a.failure_message].filter(Boolean).join(": ")),
+            h("td", { class: "end-reason" }, endReason(a)),
           ),
         ),
       ),
@@ -141,7 +149,7 @@ function registerForm(ctx, job, container) {
         e.preventDefault();
         try {
           const v = await api("/v1/models", { method: "POST", json: { name: name.value, job_id: job.id } });
-          out.textContent = `registered ${v.name} version ${v.version}`;
+          out.replaceChildren(`registered ${v.name} version ${v.version}: `, h("a", { id: "register-link", href: `#/models/${encodeURIComponent(v.name)}` }, "open the model"));
         } catch (err) {
           out.textContent = err.message;
         }
@@ -186,7 +194,7 @@ function actions(ctx, job, refresh) {
   if (ctx.features.outputs && job.type === "script" && FINAL.has(job.status)) {
     box.append(h("a", { id: "download-outputs", class: "button", href: `/v1/jobs/${job.id}/outputs`, download: "" }, "Download outputs"));
   }
-  if (ctx.features.models && job.status === "succeeded" && job.model_sha256) {
+  if (ctx.features.models && job.status === "succeeded" && job.model_sha256 && job.type !== "script") {
     box.append(h("button", { id: "register", onclick: () => registerForm(ctx, job, extra) }, "Register model"));
   }
   return [box, extra];
@@ -217,22 +225,30 @@ async function setUpCharts(ctx, job, grid, seriesPromise) {
   return { ensure, lastSeq: page.last_seq };
 }
 
+// Per-rank and agent logs of the latest attempt, or of an earlier one picked in the attempt
+// list (logs?attempt=N); an ended attempt's log is read to its end, a live one followed.
 function logsBlock(ctx, job) {
   const select = h("select", { id: "log-stream" });
+  const attemptSelect = h("select", { id: "log-attempt" });
+  const attemptLabel = h("label", { for: "log-attempt", class: "inline" }, "Attempt ");
   const pre = h("pre", { id: "log", class: "log" });
   const state = h("span", { id: "log-state", class: "hint" });
   let controller = null;
   let chosen = null;
+  let attempt = ""; // "" is the latest attempt
+  let generation = 0;
 
   const follow = (name) => {
     if (controller) controller.abort();
     controller = new AbortController();
     chosen = name;
     pre.textContent = "";
+    pre.dataset.attempt = attempt;
     state.textContent = "following…";
     const signal = controller.signal;
     const q = new URLSearchParams({ follow: "true" });
     q.set("stream", name);
+    if (attempt) q.set("attempt", attempt);
     followText(
       `/v1/jobs/${job.id}/logs?${q}`,
       (text) => {
@@ -253,34 +269,72 @@ function logsBlock(ctx, job) {
   };
 
   const refreshStreams = async () => {
+    const mine = generation;
     let listing;
     try {
-      listing = await api(`/v1/jobs/${job.id}/logs/streams`);
+      listing = await api(`/v1/jobs/${job.id}/logs/streams${attempt ? `?attempt=${encodeURIComponent(attempt)}` : ""}`);
     } catch {
       return false;
     }
+    if (mine !== generation) return false; // another attempt was picked meanwhile
     const names = (listing.streams || []).map((s) => s.name);
     const current = Array.from(select.options).map((o) => o.value);
     if (names.join() !== current.join()) {
-      const keep = chosen || names.find((n) => n === "rank-0") || names[0];
+      const keep = (chosen && names.includes(chosen) && chosen) || names.find((n) => n === "rank-0") || names[0];
       select.replaceChildren(...names.map((n) => h("option", { value: n, selected: n === keep }, n)));
     }
     if (!chosen && names.length) follow(select.value);
     return names.length > 0;
   };
   select.addEventListener("change", () => follow(select.value));
+  attemptSelect.addEventListener("change", () => {
+    generation += 1;
+    attempt = attemptSelect.value;
+    if (controller) controller.abort();
+    controller = null;
+    chosen = null;
+    pre.textContent = "";
+    state.textContent = "";
+    select.replaceChildren();
+    refreshStreams();
+  });
+  // The attempt list follows the job's attempts; it shows once there is more than one.
+  const setAttempts = (j) => {
+    const attempts = j.attempts || [];
+    const wanted = ["", ...attempts.map((a) => String(a.number))];
+    const labels = ["latest", ...attempts.map((a) => `#${a.number} ${a.status}`)];
+    const current = Array.from(attemptSelect.options).map((o) => `${o.value}=${o.textContent}`);
+    const next = wanted.map((v, i) => `${v}=${labels[i]}`);
+    if (current.join() !== next.join()) {
+      attemptSelect.replaceChildren(...wanted.map((v, i) => h("option", { value: v, selected: v === attempt }, labels[i])));
+    }
+    const many = attempts.length > 1;
+    attemptSelect.hidden = !many;
+    attemptLabel.hidden = !many;
+  };
+  setAttempts(job);
   const timer = setInterval(refreshStreams, 2000);
   ctx.onLeave(() => {
     clearInterval(timer);
     if (controller) controller.abort();
   });
   refreshStreams();
-  return h(
+  const el = h(
     "section",
     { id: "logs", class: "card" },
-    h("div", { class: "page-head" }, h("h2", {}, "Logs"), h("label", { for: "log-stream", class: "inline" }, "Stream "), select, state),
+    h(
+      "div",
+      { class: "page-head" },
+      h("h2", {}, "Logs"),
+      attemptLabel,
+      attemptSelect,
+      h("label", { for: "log-stream", class: "inline" }, "Stream "),
+      select,
+      state,
+    ),
     pre,
   );
+  return { el, setAttempts };
 }
 
 export async function renderJob(ctx, jobId) {
@@ -299,12 +353,14 @@ export async function renderJob(ctx, jobId) {
     }
     draw();
   };
+  const logs = logsBlock(ctx, job);
   const draw = () => {
+    logs.setAttempts(job);
     head.replaceChildren(h("h1", { id: "job-name" }, job.name), badge(job.status), h("span", { class: "spacer" }), ...actions(ctx, job, refresh));
     status.replaceChildren(summaryBlock(job), progressBlock(job), failureBlock(job) || "", attemptsBlock(job) || "", specBlock(job));
   };
   draw();
-  ctx.main.replaceChildren(head, status, h("h2", {}, "Metrics"), grid, logsBlock(ctx, job));
+  ctx.main.replaceChildren(head, status, h("h2", {}, "Metrics"), grid, logs.el);
 
   const { ensure, lastSeq } = await setUpCharts(ctx, job, grid, seriesPromise);
   const tick = setInterval(() => {

@@ -6,8 +6,8 @@ import { h, when, errorBox } from "./dom.js";
 
 function predictZone(name, version) {
   const out = h("div", { class: "predictions", id: `predictions-${version}` });
-  const input = h("input", { type: "file", accept: "image/*", multiple: true, hidden: true });
-  const zone = h("div", { class: "dropzone", tabindex: "0" }, "Drop images here (or click) to predict");
+  const input = h("input", { type: "file", accept: "image/*", multiple: true, hidden: true, id: `predict-file-${version}` });
+  const zone = h("div", { class: "dropzone", id: `dropzone-${version}`, tabindex: "0" }, "Drop images here (or click) to predict");
   const send = async (files) => {
     if (!files.length) return;
     const form = new FormData();
@@ -17,7 +17,7 @@ function predictZone(name, version) {
       const r = await api(`/v1/models/${encodeURIComponent(name)}/versions/${encodeURIComponent(version)}/predict`, { method: "POST", form });
       out.replaceChildren(
         ...(r.predictions || []).map((p) =>
-          h("div", { class: "prediction" }, h("strong", {}, p.file), " ", (p.top || []).map((t) => `${t.label} ${(t.probability * 100).toFixed(1)}%`).join(", ")),
+          h("div", { class: "prediction", dataset: { label: p.top.length ? p.top[0].label : "" } }, h("strong", {}, p.file), " ", p.top.map((t) => `${t.label} ${(t.probability * 100).toFixed(1)}%`).join(", ")),
         ),
       );
     } catch (err) {
@@ -53,16 +53,18 @@ export async function renderModels(ctx, name) {
             h(
               "tbody",
               {},
-              ...items.map((m) =>
-                h(
+              ...items.map((m) => {
+                const versions = m.versions || [];
+                const latest = versions.find((v) => v.version === m.latest_version) || versions[versions.length - 1] || {};
+                return h(
                   "tr",
-                  {},
+                  { class: "model-row", dataset: { model: m.name } },
                   h("td", {}, h("a", { href: `#/models/${encodeURIComponent(m.name)}` }, m.name)),
-                  h("td", {}, m.latest_version ?? m.version ?? (m.versions ? m.versions.length : "")),
-                  h("td", {}, m.architecture || ""),
-                  h("td", {}, when(m.created_at)),
-                ),
-              ),
+                  h("td", {}, m.latest_version ?? ""),
+                  h("td", {}, latest.architecture || ""),
+                  h("td", {}, when(latest.created_at)),
+                );
+              }),
             ),
           )
         : h("p", { class: "hint" }, "No models yet: register one from a succeeded job's page."),
@@ -70,16 +72,29 @@ export async function renderModels(ctx, name) {
     return;
   }
   const model = await api(`/v1/models/${encodeURIComponent(name)}`);
-  const versions = model.versions || model.items || [];
+  // Newest version first.
+  const versions = [...(model.versions || [])].reverse();
   ctx.main.replaceChildren(
-    h("h1", {}, `Model ${name}`),
+    h("h1", { id: "model-name" }, `Model ${name}`),
     ...versions.map((v) =>
       h(
         "section",
-        { class: "card" },
-        h("h2", {}, `Version ${v.version}`),
-        h("p", { class: "hint" }, `${v.architecture || ""} · ${(v.classes || []).length} classes · from job `, h("a", { href: `#/jobs/${v.job_id}` }, String(v.job_id || "").slice(0, 8)), ` · ${when(v.created_at)}`),
-        ctx.features.predict ? predictZone(name, v.version) : null,
+        { class: "card model-version", id: `version-${v.version}` },
+        h("h2", {}, `Version ${v.version}`, v.version === model.latest_version ? " (latest)" : ""),
+        h(
+          "p",
+          { class: "hint" },
+          `${v.architecture} · ${v.image_size} px · ${v.classes.length} classes · from job `,
+          h("a", { href: `#/jobs/${v.job_id}` }, String(v.job_id).slice(0, 8)),
+          v.path ? ` (${v.path})` : "",
+          ` · ${when(v.created_at)}`,
+        ),
+        h("p", { class: "classes small" }, `Classes: ${v.classes.join(", ")}`),
+        !ctx.features.predict
+          ? null
+          : v.onnx
+            ? predictZone(name, v.version)
+            : h("p", { class: "hint" }, "This version has no ONNX export, so it cannot predict here."),
       ),
     ),
   );

@@ -25,11 +25,12 @@ function resolve(schema, node) {
 
 // {section: {field: property schema}} from the JobCreate schema.
 function sections(schema) {
-  // The training job's request schema: JobCreate, or (where jobs of several types are
-  // accepted) whichever request schema has a model, parameters and resources.
+  // The training job's request schema: TrainJobCreate where jobs of several types are
+  // accepted, JobCreate on a service with training jobs only, else whichever request
+  // (…Create) schema has a model, parameters and resources (never JobPublic, an answer).
   const all = (schema && schema.components && schema.components.schemas) || {};
   const fits = (s) => s && s.properties && ["model", "parameters", "resources"].every((k) => k in s.properties);
-  const create = fits(all.JobCreate) ? all.JobCreate : Object.values(all).find(fits);
+  const create = [all.TrainJobCreate, all.JobCreate].find(fits) || Object.entries(all).find(([n, s]) => n.endsWith("Create") && fits(s))?.[1];
   if (!create) return FALLBACK;
   const out = {};
   for (const section of ["model", "parameters", "resources"]) {
