@@ -12,7 +12,11 @@ Rules:
 * node rank 0's ``succeeded`` (after the model upload recorded ``model_sha256``)
   makes them succeeded;
 * any ``failed`` fails the attempt and the job with that failure — the first one
-  wins — and the other nodes are told to stop at their next heartbeat;
+  wins — and the other nodes are told to stop at their next heartbeat; a retryable
+  failure with restarts left puts the job back to ``queued`` instead (a restart);
+* ``preempted`` (or any end of a placement of an attempt asked to preempt, after a
+  drain) ends the attempt ``preempted`` once all its placements are done, and the
+  job goes back to ``queued`` with reason ``preempted`` (no restart counted);
 * a ``cancelling`` job becomes ``cancelled`` once every placement is done.
 """
 

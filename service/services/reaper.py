@@ -2,8 +2,9 @@
 
 Run by every API replica, every ``reaper_interval_s``:
 
-1. placements whose lease expired are done; their live attempt fails and the job
-   fails with ``WorkerLostError`` naming the node ("node X stopped heartbeating");
+1. placements whose lease expired are done; their live attempt fails with
+   ``WorkerLostError`` naming the node ("node X stopped heartbeating"), and the job
+   is restarted (back to ``queued``) or fails, as ``resources.max_restarts`` says;
 2. ready nodes silent for ``lease_timeout_s`` are ``lost``, and their placements go
    the same way;
 3. a cancelling job whose remaining placements were never claimed (no process to
