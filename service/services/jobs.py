@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -70,10 +71,10 @@ def check_model(session: Session, principal: Principal, spec: TrainJobCreate) ->
 def submit_job(
     session: Session, settings: Settings, principal: Principal, spec: TrainJobCreate | ScriptJobCreate
 ) -> Job:
-    """Validate a spec of any job type, then queue it."""
-    if isinstance(spec, ScriptJobCreate):
-        return submit_script_job(session, settings, principal, spec)
-    return submit_train_job(session, settings, principal, spec)
+    """Validate a spec of any job type (its ``type`` picks the checks), then queue it."""
+    submit: Any = SUBMITTERS[spec.type]
+    job: Job = submit(session, settings, principal, spec)
+    return job
 
 
 def _queue(session: Session, job: Job) -> Job:
@@ -154,6 +155,10 @@ def submit_train_job(session: Session, settings: Settings, principal: Principal,
     )
     session.commit()
     return job
+
+
+# Each job type's submission: checks its own fields, stores the job with its ``type``.
+SUBMITTERS: dict[str, Callable[..., Job]] = {"train": submit_train_job, "script": submit_script_job}
 
 
 def transition(
