@@ -8,6 +8,7 @@ import io
 import json
 import os
 import tarfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,11 @@ def test_script_job_is_queued_with_its_spec_normalized(client: TestClient, ready
     assert client.delete(f"/v1/code/{ready['code']}").status_code == 409
     assert client.delete(f"/v1/datasets/{ready['data']}").status_code == 409
     client.post(f"/v1/jobs/{body['id']}/cancel")
+    # The app's scheduler may have placed it (no agent here): the reaper ends the cancel.
+    deadline = time.monotonic() + 60
+    while client.get(f"/v1/jobs/{body['id']}").json()["status"] != "cancelled":
+        assert time.monotonic() < deadline, "the job did not end cancelled"
+        time.sleep(0.1)
     assert client.delete(f"/v1/code/{ready['code']}").status_code == 204
     assert client.get(f"/v1/code/{ready['code']}").status_code == 404
 
