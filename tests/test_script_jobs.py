@@ -3,6 +3,8 @@ sees, metrics, logs, outputs (whole and one file), a failing rank, and cancel.""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 from service.config import Settings
 from tests.script_helpers import PROBE, ScriptEnv, script_env
 from tests.worker_fixtures import processes_mentioning, upload_dataset, wait_until_gone
+from torchyard.client import Client
 
 SCRIPT_SETTINGS = {
     "heartbeat_interval_s": 0.5,
@@ -92,6 +95,12 @@ def test_per_process_1x2_variables_metrics_logs_and_outputs(env: ScriptEnv, tmp_
     assert missing.status_code == 404
     escape = env.user.get(f"/v1/jobs/{job_id}/outputs", params={"path": "../job.json"})
     assert escape.status_code == 422
+    # The Python client (torchyard download --outputs) checks what it gets against the sha256.
+    with Client(env.server.url, env.user.headers["Authorization"].split()[1]) as client:
+        whole = client.download_outputs(job_id, tmp_path / "out.tar.gz")
+        single = client.download_outputs(job_id, tmp_path / "rank-0.json", path="rank-0.json")
+    assert hashlib.sha256(whole.read_bytes()).hexdigest() == job["outputs_sha256"]
+    assert json.loads(single.read_text())["RANK"] == "0"
 
 
 def test_per_node_1x2_runs_torchrun_once(env: ScriptEnv) -> None:

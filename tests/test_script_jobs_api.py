@@ -5,8 +5,10 @@ script specs (each a 4xx naming the field)."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import tarfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,11 @@ def test_script_job_is_queued_with_its_spec_normalized(client: TestClient, ready
     assert client.delete(f"/v1/code/{ready['code']}").status_code == 409
     assert client.delete(f"/v1/datasets/{ready['data']}").status_code == 409
     client.post(f"/v1/jobs/{body['id']}/cancel")
+    # The app's scheduler may have placed it (no agent here): the reaper ends the cancel.
+    deadline = time.monotonic() + 60
+    while client.get(f"/v1/jobs/{body['id']}").json()["status"] != "cancelled":
+        assert time.monotonic() < deadline, "the job did not end cancelled"
+        time.sleep(0.1)
     assert client.delete(f"/v1/code/{ready['code']}").status_code == 204
     assert client.get(f"/v1/code/{ready['code']}").status_code == 404
 
@@ -193,3 +200,28 @@ def test_code_upload_over_the_size_limit_is_413(make_settings: Any, tmp_path: Pa
         client.headers["Authorization"] = f"Bearer {settings.admin_token_path.read_text().strip()}"
         r = upload_code(client, {"big.bin": os.urandom(4000)})
     assert r.status_code == 413, r.text
+
+
+def test_cli_code_upload_warns_and_honours_the_ignore_file(live_server: Any, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    src = tmp_path / "src"
+    (src / "data").mkdir(parents=True)
+    (src / "train.py").write_text("print('hi')\n")
+    (src / "data" / "big.bin").write_bytes(b"x" * 1000)
+    (src / ".torchyardignore").write_text("data/\n")
+    env = {**os.environ, "TORCHYARD_URL": live_server.url, "TORCHYARD_TOKEN": live_server.admin_token}
+    r = subprocess.run(
+        [sys.executable, "-m", "torchyard.cli", "code", "upload", str(src), "--name", "mine"],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "WHOLE folder" in r.stderr and "1 files" in r.stderr and ".torchyardignore" in r.stderr
+    code_id = r.stdout.strip()
+    listed = subprocess.run(
+        [sys.executable, "-m", "torchyard.cli", "code", "list", "--json"],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    [package] = [p for p in json.loads(listed.stdout) if p["id"] == code_id]
+    assert package["name"] == "mine" and package["files"] == 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -342,9 +343,19 @@ def print_job(job: Job) -> None:
         print(f"waiting:     {job.reason}")
     if job.failure is not None:
         _print_failure(job.failure)
-    print(f"model:       {_kv(job.model)}")
-    print(f"datasets:    train {job.train_dataset}, validation {job.validation_dataset}")
-    print(f"parameters:  {_kv(job.parameters)}")
+    if job.type == "script":
+        extra = job.model_extra or {}
+        print(f"type:        script, {(extra.get('distribution') or {}).get('launch', 'per_process')}")
+        print(f"code:        {job.code}")
+        print(f"command:     {shlex.join(job.command or [])}")
+        if extra.get("inputs"):
+            print(f"inputs:      {_kv(extra['inputs'])}")
+        if job.outputs_sha256:
+            print(f"outputs:     sha256 {job.outputs_sha256} ({human_bytes(job.outputs_size or 0)})")
+    else:
+        print(f"model:       {_kv(job.model)}")
+        print(f"datasets:    train {job.train_dataset}, validation {job.validation_dataset}")
+        print(f"parameters:  {_kv(job.parameters)}")
     print(f"resources:   {_kv(job.resources)}")
     _print_outcome(job)
     _print_attempts(job)

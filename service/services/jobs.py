@@ -166,6 +166,7 @@ def submit_train_job(session: Session, settings: Settings, principal: Principal,
     return job
 
 
+# Each job type's submission: checks its own fields, stores the job with its ``type``.
 def transition(
     session: Session,
     job: Job,

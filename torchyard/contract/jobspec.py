@@ -134,8 +134,11 @@ class ResourceFields(BaseModel):
 # A job spec's ``type`` selects what runs: ``train`` (the built-in trainer, the default
 # when ``type`` is left out) or ``script`` (the user's own code, SPEC §9). A new type adds
 # its name here, its request model beside the others in ``service/schemas/jobs.py`` (the
-# discriminated union ``JobCreate``), its checks in ``service/services/jobs.py``
-# (``SUBMITTERS``) and its launch in the agent.
+# discriminated union ``JobCreate`` and ``JOB_CREATE_MODELS``), its checks and the fields
+# it shows in ``service/services/jobs.py`` (``SUBMITTERS``, ``_TYPE_FIELDS``), what a claim
+# carries in ``service/services/attempts.py`` (``claimed_placement``) and its launch in
+# ``worker/agent/placement.py``. ``jobs.type`` has no CHECK constraint: the API refuses
+# unknown types, so a new type needs no migration of its own for that column.
 
 JobType = Literal["train", "script"]
 JOB_TYPES: tuple[str, ...] = ("train", "script", "evaluate")

@@ -371,6 +371,11 @@ def _link_tree(src: Path, dest: Path) -> None:
             shutil.copy2(source, target)
 
     shutil.copytree(src, tmp, copy_function=link)
+    # The links share the cache's files: read-only, so a script does not change the
+    # dataset under another job by writing into its input (it writes to its outputs).
+    for root, _dirs, names in os.walk(tmp):
+        for name in names:
+            os.chmod(os.path.join(root, name), 0o444)
     os.replace(tmp, dest)
 
 

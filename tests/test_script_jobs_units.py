@@ -1,0 +1,170 @@
+"""The pieces of script jobs that need no service: ``.torchyardignore`` rules, what a
+code upload holds, ``$NAME`` expansion, a process's environment, ``torchyard.run`` and
+the agent's reading of the metrics files."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from torchyard import run
+from torchyard.apiclient.code import IgnoreRules, code_files
+from worker.agent.run_files import RunFileReader
+from worker.agent.script_run import ScriptGroup, ScriptLaunch, expand, script_env
+
+
+@pytest.mark.parametrize(
+    ("pattern", "path", "is_dir", "ignored"),
+    [
+        ("*.pt", "outputs/model.pt", False, True),
+        ("*.pt", "model.ptx", False, False),
+        ("data/", "data", True, True),
+        ("data/", "data", False, False),  # a file named data is not the folder
+        ("/build", "build", True, True),
+        ("/build", "src/build", True, False),  # anchored to the top
+        ("docs/*.md", "docs/a.md", False, True),
+        ("docs/*.md", "docs/sub/a.md", False, False),
+        ("**/cache", "a/b/cache", True, True),
+        ("logs/**", "logs/x/y.txt", False, True),
+        ("secret?.txt", "secret1.txt", False, True),
+        ("[ab].py", "b.py", False, True),
+        ("[!ab].py", "b.py", False, False),
+    ],
+)
+def test_ignore_rules_follow_gitignore(pattern: str, path: str, is_dir: bool, ignored: bool) -> None:
+    assert IgnoreRules([pattern]).ignored(path, is_dir) is ignored
+
+
+def test_negation_and_comments() -> None:
+    rules = IgnoreRules(["# results", "*.csv", "!keep.csv", "", r"\#literal"])
+    assert rules.ignored("a.csv", False) and not rules.ignored("keep.csv", False)
+    assert rules.ignored("#literal", False)
+
+
+def test_code_files_apply_the_ignore_file_and_leave_out_hidden_files_and_links(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "data").mkdir()
+    (src / "train.py").write_text("x")
+    (src / "pkg" / "m.py").write_text("x")
+    (src / "data" / "big.bin").write_text("x")
+    (src / "model.pt").write_text("x")
+    (src / ".env").write_text("SECRET=1")
+    (src / ".torchyardignore").write_text("data/\n*.pt\n")
+    (src / "link.py").symlink_to(src / "train.py")
+    files, skipped = code_files(src)
+    assert files == ["pkg/m.py", "train.py"]
+    assert skipped == ["link.py"]
+
+
+def test_expand_replaces_known_variables_only() -> None:
+    v = {"RANK": "3", "WORLD_SIZE": "8"}
+    assert expand("--rank=$RANK/${WORLD_SIZE}", v) == "--rank=3/8"
+    assert expand("$HOME $$RANK ${NOPE}", v) == "$HOME $RANK ${NOPE}"
+
+
+def _launch(tmp_path: Path, **kw: object) -> ScriptLaunch:
+    values: dict[str, object] = {
+        "run_dir": tmp_path / "work" / "runs" / "r1",
+        "node_name": "n1",
+        "node_rank": 1,
+        "node_count": 2,
+        "nproc": 2,
+        "master_addr": "10.0.0.1",
+        "master_port": 29400,
+        "cpus": 4,
+        "command": ("python", "train.py", "--rank", "$RANK"),
+        "variables": {"K": "V"},
+        "inputs": {"data": tmp_path / "in"},
+    }
+    values.update(kw)
+    return ScriptLaunch(**values)  # type: ignore[arg-type]
+
+
+def test_process_environment_has_the_launch_variables_and_no_secrets(tmp_path: Path) -> None:
+    base = {
+        "PATH": "/usr/bin",
+        "TORCHYARD_TOKEN": "secret",
+        "TORCHYARD_DATA_DIR": "/srv/data",
+        "TORCHYARD_DATABASE_URL": "postgresql://x",
+        "RANK": "99",
+        "HOME": "/root",
+    }
+    launch = _launch(tmp_path)
+    env = script_env(launch, base, "marker", 1, 3)
+    assert {k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")} == {
+        "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400", "NODE_RANK": "1", "WORLD_SIZE": "4",
+        "RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+    }  # fmt: skip
+    assert (
+        "TORCHYARD_TOKEN" not in env
+        and "TORCHYARD_DATA_DIR" not in env
+        and "TORCHYARD_DATABASE_URL" not in env
+    )
+    assert env["K"] == "V" and env["HOME"] == "/root"
+    assert env["TORCHYARD_INPUT_DATA"] == str(tmp_path / "in")
+    assert env["TORCHYARD_METRICS_FILE"].endswith("rank-3.jsonl")
+    per_node = script_env(_launch(tmp_path, launch="per_node"), base, "marker", None, 2)
+    assert (per_node["NNODES"], per_node["NPROC_PER_NODE"], per_node["NODE_RANK"]) == ("2", "2", "1")
+    assert "RANK" not in per_node and "WORLD_SIZE" not in per_node
+    group = ScriptGroup(_launch(tmp_path), env=base)
+    assert [p.argv[-1] for p in group.processes] == ["2", "3"]
+    assert group.processes[0].argv[0] == launch.python  # "python" is the worker's interpreter
+
+
+def test_log_metric_appends_lines_and_counts_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "m.jsonl"
+    monkeypatch.setenv("TORCHYARD_METRICS_FILE", str(path))
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setattr(run, "_steps", {})
+    run.log_metric("loss", 0.5)
+    run.log_metric("loss", 0.25)
+    run.log_metric("acc", 1, step=7, epoch=1)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["name"], r["value"], r["step"], r["epoch"], r["rank"]) for r in lines] == [
+        ("loss", 0.5, 0, 0, 2),
+        ("loss", 0.25, 1, 0, 2),
+        ("acc", 1.0, 7, 1, 2),
+    ]
+    for bad in (lambda: run.log_metric("no spaces", 1), lambda: run.log_metric("x", float("nan"))):
+        with pytest.raises(ValueError):
+            bad()
+    monkeypatch.delenv("TORCHYARD_METRICS_FILE")
+    run.log_metric("loss", 1.0)  # outside a job: nothing written, no error
+    assert len(path.read_text().splitlines()) == 3
+
+
+def test_output_and_log_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHYARD_OUTPUT_DIR", str(tmp_path / "o"))
+    monkeypatch.delenv("TORCHYARD_LOG_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert run.output_dir() == tmp_path / "o" and (tmp_path / "o").is_dir()
+    assert run.log_dir() == Path("logs") and (tmp_path / "logs").is_dir()
+
+
+def test_the_agent_reads_script_metrics_with_steps_and_skips_bad_lines(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    f = metrics / "rank-0.jsonl"
+    f.write_text(
+        '{"name": "a", "value": 1}\n{"name": "a", "value": 2}\nnot json\n{"name": "bad name", "value": 1}\n'
+        '{"name": "b", "value": 3, "step": 5, "epoch": 2, "rank": 1}\n{"name": "a", "val'
+    )
+    agent_log = tmp_path / "agent.log"
+    agent_log.write_text("")
+    reader = RunFileReader("j", tmp_path, lambda: [], agent_log, "n", lambda: sorted(metrics.glob("*.jsonl")))
+    batch = reader.collect(final=False)
+    assert [(m["name"], m["value"], m["step"], m["epoch"], m["rank"]) for m in batch.metrics] == [
+        ("a", 1.0, 0, 0, 0),
+        ("a", 2.0, 1, 0, 0),
+        ("b", 3.0, 5, 2, 1),
+    ]
+    with open(f, "a") as fh:
+        fh.write('ue": 4}\n')  # the partial line is read once complete
+    assert [(m["name"], m["value"], m["step"]) for m in reader.collect(final=False).metrics] == [
+        ("a", 4.0, 2)
+    ]
+    assert os.path.getsize(f) > 0
