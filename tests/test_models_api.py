@@ -28,7 +28,7 @@ from sqlalchemy import update
 
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Job
+from service.db.models import Job, Node
 from service.services.artifacts import ModelStore
 from tests.conftest import LiveServer
 from tests.factories import auth, create_token
@@ -98,6 +98,13 @@ def succeeded_job(
     finally:
         db.dispose()
     finish_job(settings, job, "succeeded")
+    # The job's stand-in node must not take later work (evaluations go to real agents).
+    db = Database(settings.sqlalchemy_url)
+    try:
+        with db.transaction() as session:
+            session.execute(update(Node).where(Node.name.in_(job.node_names)).values(status="lost"))
+    finally:
+        db.dispose()
     return job.job_id
 
 
@@ -368,6 +375,10 @@ def test_evaluation_on_the_validation_set_equals_training_figures(
     assert refused.status_code == 422 and refused.json()["code"] == "InvalidDatasetError"
     assert "'3'" in refused.json()["message"] and "'9'" in refused.json()["message"]
 
+    # Submission checks the cluster: the agent is up first. The evaluation then needs
+    # seconds (dataset and model downloads, torchrun): the delete right after finds it live.
+    agent = start_agent(env.server.url, worker_token(env.admin), "evaluator", tmp_path / "agent")
+    wait_for_node(env.admin, "evaluator")
     r = env.user.post("/v1/jobs", json={"type": "evaluate", "model": "digits:1", "dataset": val["id"]})
     assert r.status_code == 201, r.text
     job = r.json()
@@ -376,13 +387,11 @@ def test_evaluation_on_the_validation_set_equals_training_figures(
     assert busy.status_code == 409 and job["id"] in busy.json()["message"]
     assert env.user.get(f"/v1/jobs/{job['id']}/result").status_code == 409
 
-    agent = start_agent(env.server.url, worker_token(env.admin), "evaluator", tmp_path / "agent")
     try:
-        wait_for_node(env.admin, "evaluator")
         done = wait_for_job(env.user, job["id"], timeout=300, agents=[agent])
     finally:
         agent.stop()
-    assert done["status"] == "succeeded", (done.get("failure"), done.get("reason"))
+    assert done["status"] == "succeeded", (done.get("failure"), agent.log_text()[-3000:])
     result = env.user.get(f"/v1/jobs/{job['id']}/result").json()
     best = json.loads((trained.model_dir / "metrics.json").read_text())["best"]
     assert result["num_images"] == len(list(trained.val_dir.rglob("*.png")))

@@ -126,7 +126,10 @@ def _best_from_metrics(session: Session, job: Job, attempt: Attempt) -> dict[str
 
 
 def _result_of(attempt: Attempt, result: ResultIn) -> dict[str, Any]:
-    return {"attempt": attempt.number, **result.model_dump(mode="json")}
+    dumped = result.model_dump(mode="json")
+    if dumped.get("evaluation") is None:
+        dumped.pop("evaluation", None)  # only evaluation jobs report one
+    return {"attempt": attempt.number, **dumped}
 
 
 def ingest_report(
