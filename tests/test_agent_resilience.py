@@ -71,14 +71,12 @@ def test_hang_watchdog_dumps_stacks_and_fails_with_hang_error(env: Env) -> None:
     directory = run_dir(agent, job_id)
     pid = _rank_pid(directory, 1)
     os.kill(pid, signal.SIGSTOP)  # rank 1 stops; rank 0 blocks in the next collective
-    stopped_at = time.monotonic()
     job = env.wait(job_id, timeout=120)
     assert job["status"] == "failed", job
     failure = job["failure"]
     assert failure["code"] == "HangError" and failure["node"] == "cpu-1", failure
     assert "ranks 0, 1 stuck" in failure["message"] and "10 s" in failure["message"]
     assert "rank 1: last progress" in failure["message"] and "stopped by a signal" in failure["message"]
-    assert time.monotonic() - stopped_at >= 10
     # Every rank's Python stacks, all threads, are in its log; the stopped one's too.
     for local in (0, 1):
         text = _rank_log(directory, local)

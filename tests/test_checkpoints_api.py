@@ -5,6 +5,7 @@ file, and nothing left once the job ends."""
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -160,3 +161,46 @@ def test_claim_names_the_checkpoint_and_job_end_deletes_it(
             assert _files(settings, job.job_id) == []
         finally:
             db.dispose()
+
+
+def _write_checkpoint(run_dir: Path, epoch: int) -> dict[str, object]:
+    from worker.trainer import checkpoint as ckpt
+
+    state = {"job_id": "j", "epoch": epoch, "step": 7 * epoch, "weights": bytes([epoch]) * 20_000}
+    return ckpt.save_checkpoint(run_dir / ckpt.CHECKPOINT_FILE, state)
+
+
+def test_agent_uploads_only_the_newest_and_downloads_it_verified(
+    settings: Settings, live_server: LiveServer, admin: httpx.Client, tmp_path: Path
+) -> None:
+    from worker.agent.checkpoints import CheckpointUploader, download_checkpoint
+
+    job = start_running_job(settings, admin)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with httpx.Client(base_url=live_server.url, headers=auth(job.worker_token)) as worker:
+        # Three checkpoints written before the uploader looks: only the newest goes up.
+        newest = [_write_checkpoint(run_dir, epoch) for epoch in (1, 2, 3)][-1]
+        uploader = CheckpointUploader(worker, job.job_id, job.lease, run_dir)
+        uploader.start()
+        assert uploader.flush(60)
+        uploader.stop()
+        assert [(u.epoch, u.sha256) for u in uploader.uploaded] == [(3, newest["sha256"])]
+        assert len(_files(settings, job.job_id)) == 1
+
+        # A new attempt's node fetches it, checked against the API's sha256.
+        fetched = tmp_path / "next-attempt"
+        fetched.mkdir()
+        got = download_checkpoint(worker, job.job_id, job.lease, fetched)
+        assert got["sha256"] == newest["sha256"] and got["epoch"] == 3
+        assert (fetched / "checkpoint.pt").read_bytes() == (run_dir / "checkpoint.pt").read_bytes()
+
+        # An uploader whose lease is gone stops at the first refusal (the run is then stopped).
+        _write_checkpoint(run_dir, 4)
+        stale = CheckpointUploader(worker, job.job_id, "not-a-lease", run_dir)
+        stale.start()
+        deadline = time.monotonic() + 30
+        while not stale.lease_lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stale.stop()
+        assert stale.lease_lost and stale.uploaded == []

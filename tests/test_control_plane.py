@@ -91,13 +91,15 @@ def test_nodes_get_a_full_lease_period_after_start_and_after_a_database_outage(
     assert sweep(db, settings, listening).lost_nodes == []
 
     # A replica that has listened for a full lease period judges silence as before: the node
-    # that never spoke again is lost and the job fails with WorkerLostError.
+    # that never spoke again is lost and the attempt fails with WorkerLostError (retryable:
+    # the job waits in the queue for two nodes again).
     long_listening = ListeningClock(since=utcnow() - timedelta(seconds=2 * settings.lease_timeout_s))
     result = sweep(db, settings, long_listening)
     assert job.node_names[1] in result.lost_nodes and job.node_names[0] not in result.lost_nodes
-    assert _job_status(db, job.job_id) == "failed"
+    assert _job_status(db, job.job_id) == "queued"
     shown = client.get(f"/v1/jobs/{job.job_id}", headers=auth(job.user_token)).json()
-    assert shown["failure"]["code"] == "WorkerLostError"
+    assert shown["attempts"][0]["end_reason"]["code"] == "WorkerLostError"
+    assert shown["reason"].startswith("restarting after WorkerLostError"), shown["reason"]
 
 
 def test_a_submission_while_every_worker_restarts_is_accepted_and_waits(

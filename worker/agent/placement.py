@@ -447,11 +447,14 @@ class PlacementRun:
                     return self._stop_ranks(group)
 
     def _stop_ranks(self, group: RankGroup | ScriptGroup) -> int | None:
+        kind: str | None = self.stop_kind
+        message = self.stop_message
+        if kind is None:
+            kind, message = (
+                ("HangError", "hung") if self.hang is not None else ("preempted", self.preempt_message)
+            )
         self.log.info(
-            "stopping the ranks (%s: %s): SIGTERM, SIGKILL after %.0f s",
-            self.stop_kind,
-            self.stop_message,
-            self.ctx.grace_s,
+            "stopping the ranks (%s: %s): SIGTERM, SIGKILL after %.0f s", kind, message, self.ctx.grace_s
         )
         started = time.monotonic()
         code = group.stop(self.ctx.grace_s)
