@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -11,7 +12,6 @@ from fastapi.testclient import TestClient
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import utcnow
-from service.schemas import reports as report_schemas
 from service.services.leases import LEASE_HEADER
 from service.services.reaper import sweep
 from tests.factories import auth, create_token
@@ -26,14 +26,20 @@ from tests.report_helpers import (
     stored_counts,
 )
 from torchyard.contract import headers, metrics
+from torchyard.contract.reports import MetricIn
 from worker.agent.reporting import LEASE_HEADER as AGENT_LEASE_HEADER
 from worker.trainer import events as trainer_events
 
 
 def test_metric_names_and_header_agree_across_trainer_agent_and_api() -> None:
     # One definition, in the contract, used by all three.
-    assert report_schemas.MetricName is metrics.MetricName
+    # Reports take any safe metric name (a script job's own); the trainer's are the contract's.
+    rules = MetricIn.model_fields["name"].metadata
+    assert [getattr(r, "pattern", None) for r in rules if getattr(r, "pattern", None)] == [
+        metrics.METRIC_NAME_PATTERN
+    ]
     assert trainer_events.METRIC_NAMES is metrics.METRIC_NAMES
+    assert all(re.fullmatch(metrics.METRIC_NAME_PATTERN, n) for n in metrics.METRIC_NAMES)
     assert AGENT_LEASE_HEADER == LEASE_HEADER == headers.LEASE_HEADER
 
 
@@ -143,7 +149,7 @@ def test_routes_check_the_token_role(client: TestClient, settings: Settings) -> 
 @pytest.mark.parametrize(
     "batch",
     [
-        {"metrics": [point("val.accuracy", 1.0, 1, 1)]},
+        {"metrics": [point("val accuracy!", 1.0, 1, 1)]},  # not a safe metric name
         {"metrics": [{**point("val.loss", 1.0, 1, 1), "time": "2030-01-01T00:00:00"}]},
         {"metrics": [{**point("val.loss", 1.0, 1, 1), "extra": 1}]},
         {"metrics": [point("val.loss", 1.0, -1, 1)]},
@@ -237,7 +243,7 @@ def test_metrics_pagination_and_name_filters(client: TestClient, settings: Setti
     end = client.get(url, params={"after": seen[-1]}, headers=user).json()
     assert end == {"items": [], "next_after": seen[-1]}
 
-    for bad in ({"name": "val.accuracy"}, {"limit": 0}, {"limit": 10001}, {"after": -1}):
+    for bad in ({"name": "val accuracy!"}, {"limit": 0}, {"limit": 10001}, {"after": -1}):
         r = client.get(url, params=bad, headers=user)
         assert r.status_code == 422, bad
     assert client.get(url, params={"limit": 10000}, headers=user).status_code == 200
