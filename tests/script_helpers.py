@@ -54,7 +54,11 @@ PROBE = textwrap.dedent(
     run.log_metric("probe.auto", 1.5)
     run.log_metric("probe.auto", 2.5)
     (run.output_dir() / f"rank-{rank}.json").write_text(json.dumps(seen))
-    (run.log_dir() / f"rank-{rank}.txt").write_text("extra log")
+    (run.log_dir() / f"rank-{rank}.txt").write_text(f"extra log of rank {rank}")
+    if rank == 0:
+        (run.log_dir() / "sub").mkdir(exist_ok=True)
+        (run.log_dir() / "sub" / "notes.log").write_text("ünïcode notes", encoding="utf-8")
+        (run.log_dir() / "weights.bin").write_bytes(b"\\x00\\x01binary")  # not text: not shipped
     dist.barrier()
     dist.destroy_process_group()
     """

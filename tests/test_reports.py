@@ -157,6 +157,10 @@ def test_routes_check_the_token_role(client: TestClient, settings: Settings) -> 
         {"logs": [{"stream": "rank-2", "offset": 0, "data": "x"}]},  # not this node's rank
         {"logs": [{"stream": "agent-someone-else", "offset": 0, "data": "x"}]},
         {"logs": [{"stream": "../etc", "offset": 0, "data": "x"}]},
+        {
+            "logs": [{"stream": "file-0/train.log", "offset": 0, "data": "x"}]
+        },  # ./logs files: script jobs only
+        {"logs": [{"stream": "file-0/../job.json", "offset": 0, "data": "x"}]},
         {"logs": [{"stream": "rank-0", "offset": 0, "data": ""}]},
         {"logs": [{"stream": "rank-0", "offset": 0, "data": "a\x00b"}]},
         {"logs": [{"stream": "rank-0", "offset": 0, "data": "é" * (128 * 1024 + 1)}]},

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,6 +92,17 @@ def test_per_process_1x2_variables_metrics_logs_and_outputs(env: ScriptEnv, tmp_
     assert _metrics(env, job_id, "probe.auto") == [(0, 0, 1.5), (0, 1, 2.5), (1, 0, 1.5), (1, 1, 2.5)]
     assert "hello from rank 0" in env.log(job_id, rank=0)
     assert "hello from rank 1" in env.log(job_id, rank=1)
+    # The text files under ./logs are log streams of their own; a binary one is left out.
+    r = env.user.get(f"/v1/jobs/{job_id}/logs/streams")
+    assert r.status_code == 200, r.text
+    files = {s["name"]: s for s in r.json()["streams"] if s["name"].startswith("file-")}
+    assert sorted(files) == ["file-0/rank-0.txt", "file-0/rank-1.txt", "file-0/sub/notes.log"]
+    assert files["file-0/sub/notes.log"]["node"] == "solo"
+    assert files["file-0/sub/notes.log"]["size"] == len("ünïcode notes".encode())
+    assert env.log(job_id, stream="file-0/rank-1.txt") == "extra log of rank 1"
+    assert env.log(job_id, stream="file-0/sub/notes.log") == "ünïcode notes"
+    bad = env.user.get(f"/v1/jobs/{job_id}/logs", params={"stream": "file-0/../job.json"})
+    assert bad.status_code == 422 and "file-<node rank>/<path>" in bad.json()["message"]
     one = env.user.get(f"/v1/jobs/{job_id}/outputs", params={"path": "rank-1.json"})
     assert one.status_code == 200 and one.json()["RANK"] == "1"
     missing = env.user.get(f"/v1/jobs/{job_id}/outputs", params={"path": "nope.txt"})
@@ -101,6 +115,30 @@ def test_per_process_1x2_variables_metrics_logs_and_outputs(env: ScriptEnv, tmp_
         single = client.download_outputs(job_id, tmp_path / "rank-0.json", path="rank-0.json")
     assert hashlib.sha256(whole.read_bytes()).hexdigest() == job["outputs_sha256"]
     assert json.loads(single.read_text())["RANK"] == "0"
+    # The same through the command line: torchyard download JOB --outputs [--path F].
+    cli_dir = tmp_path / "cli"
+    cli_dir.mkdir()
+    cli_env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
+    cli_env.update(TORCHYARD_URL=env.server.url, TORCHYARD_TOKEN=env.user.headers["Authorization"].split()[1])
+    for args, name in (
+        (["--outputs"], f"outputs-{job_id}.tar.gz"),
+        (["--outputs", "--path", "rank-1.json"], "rank-1.json"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "torchyard.cli", "download", job_id, *args],
+            env=cli_env, cwd=cli_dir, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == name
+    got = (cli_dir / f"outputs-{job_id}.tar.gz").read_bytes()
+    assert hashlib.sha256(got).hexdigest() == job["outputs_sha256"]
+    assert json.loads((cli_dir / "rank-1.json").read_text())["RANK"] == "1"
+    missing_cli = subprocess.run(
+        [sys.executable, "-m", "torchyard.cli", "download", job_id, "--outputs", "--path", "nope.txt"],
+        env=cli_env, cwd=cli_dir, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert missing_cli.returncode != 0 and "Traceback" not in missing_cli.stderr
+    assert not (cli_dir / "nope.txt").exists()  # nothing half-written
 
 
 def test_per_node_1x2_runs_torchrun_once(env: ScriptEnv) -> None:

@@ -66,6 +66,11 @@ def test_two_nodes_in_network_namespaces_both_launch_modes(
                 "0",
             )
             assert s["MASTER_ADDR"] in addresses and s["all_reduce"] == 3.0
+        # Each node's ./logs files are streams named by its node rank.
+        streams = env.user.get(f"/v1/jobs/{per_process}/logs/streams").json()["streams"]
+        files_of = {s["name"]: s["node"] for s in streams if s["name"].startswith("file-")}
+        assert files_of["file-0/rank-0.txt"] == names[0] and files_of["file-1/rank-1.txt"] == names[1]
+        assert env.log(per_process, stream="file-1/rank-1.txt") == "extra log of rank 1"
 
         per_node = env.submit(code, TORCHRUN, resources=two_nodes, distribution={"launch": "per_node"})
         job = env.wait(per_node)

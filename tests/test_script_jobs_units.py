@@ -168,3 +168,58 @@ def test_the_agent_reads_script_metrics_with_steps_and_skips_bad_lines(tmp_path:
         ("a", 4.0, 2)
     ]
     assert os.path.getsize(f) > 0
+
+
+def test_logs_folder_files_become_bounded_text_streams(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import worker.agent.script_run as script_run
+
+    launch = _launch(tmp_path)  # node rank 1
+    group = ScriptGroup(launch)
+    logs = launch.logs_dir
+    (logs / "tb").mkdir(parents=True)
+    (logs / "train.log").write_text("epoch 1\n")
+    (logs / "tb" / "events.txt").write_text("x")
+    (logs / "empty.log").write_text("")  # nothing yet: looked at again later
+    (logs / "model.bin").write_bytes(b"PK\x00\x03")  # binary: left out
+    (logs / "bad name.txt").write_text("space")  # no stream name for it: left out
+    (logs / ".hidden").write_text("h")
+    (logs / "link.log").symlink_to(logs / "train.log")  # not a regular file: left out
+    assert sorted(group.log_dir_files()) == [
+        ("file-1/tb/events.txt", logs / "tb" / "events.txt"),
+        ("file-1/train.log", logs / "train.log"),
+    ]
+    (logs / "empty.log").write_text("now text")
+    assert ("file-1/empty.log", logs / "empty.log") in group.log_dir_files()
+    # The rank logs come first, then the folder's files.
+    assert [s for s, _ in group.log_files()][:2] == ["rank-2", "rank-3"]
+    monkeypatch.setattr(script_run, "MAX_LOG_DIR_FILES", 4)
+    for i in range(3):
+        (logs / f"more-{i}.log").write_text("m")
+    assert len(group.log_dir_files()) == 4  # at most MAX_LOG_DIR_FILES, the rest stays on the node
+
+
+def test_a_logs_file_stream_is_cut_at_its_bound_with_a_note(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import worker.agent.run_files as run_files
+
+    monkeypatch.setattr(run_files, "MAX_LOG_FILE_BYTES", 10)
+    big = tmp_path / "big.log"
+    big.write_text("0123456789abcdef")
+    rank_log = tmp_path / "rank.log"
+    rank_log.write_text("0123456789abcdef")  # a rank's own output has no such bound
+    agent_log = tmp_path / "agent.log"
+    agent_log.write_text("")
+    sources = [("file-0/big.log", big), ("rank-0", rank_log)]
+    reader = RunFileReader("j", tmp_path, lambda: sources, agent_log, "n")
+    shipped: dict[str, str] = {}
+    for _ in range(3):
+        for chunk in reader.collect(final=True).logs:
+            shipped[chunk["stream"]] = shipped.get(chunk["stream"], "") + chunk["data"]
+    assert shipped["rank-0"] == "0123456789abcdef"
+    assert shipped["file-0/big.log"].startswith(
+        "0123456789\n[torchyard agent: this file is longer than 10 bytes"
+    )
+    assert shipped["file-0/big.log"].count("[torchyard agent") == 1  # said once

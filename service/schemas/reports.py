@@ -27,7 +27,10 @@ class MetricPage(BaseModel):
 
 
 class LogStream(BaseModel):
-    name: str
+    name: str = Field(
+        description="``rank-<N>``, ``agent-<node>`` or, for a script job's ``./logs`` files, "
+        "``file-<node rank>/<path>``."
+    )
     size: int = Field(description="Bytes received so far.")
     rank: int | None = None
     node: str | None = None

@@ -34,7 +34,15 @@ from service.services.tokens import Principal
 from service.states import LIVE_ATTEMPT_STATUSES, JobStatus
 from torchyard.contract.errors import NotFoundError, RequestValidationError
 from torchyard.contract.metrics import VAL_METRICS
-from torchyard.contract.reports import ProgressIn, ReportAccepted, ReportBatch, ResultIn, is_stream_name
+from torchyard.contract.reports import (
+    FILE_STREAM_PREFIX,
+    ProgressIn,
+    ReportAccepted,
+    ReportBatch,
+    ResultIn,
+    file_stream_node_rank,
+    is_stream_name,
+)
 
 # Rows one log read looks at; chunks are small, a reader continues from X-Next-Offset.
 _LOG_ROWS_PER_READ = 2000
@@ -78,11 +86,16 @@ def _check_batch(session: Session, job: Job, placement: Placement, batch: Report
     ranks, agent_stream = _node_streams(session, job, placement)
     allowed = {f"rank-{r}" for r in ranks} | {agent_stream}
     for i, chunk in enumerate(batch.logs):
-        if chunk.stream not in allowed:
-            raise RequestValidationError(
-                f"logs[{i}]: stream {chunk.stream!r} is not one of this node's streams "
-                f"({', '.join(sorted(allowed))})"
-            )
+        if chunk.stream in allowed:
+            continue
+        if job.type == "script" and file_stream_node_rank(chunk.stream) == placement.node_rank:
+            continue  # a file under the node's ./logs
+        raise RequestValidationError(
+            f"logs[{i}]: stream {chunk.stream!r} is not one of this node's streams "
+            f"({', '.join(sorted(allowed))}"
+            + (f", {FILE_STREAM_PREFIX}{placement.node_rank}/<path>" if job.type == "script" else "")
+            + ")"
+        )
 
 
 def _progress_of(attempt: Attempt, progress: ProgressIn) -> dict[str, Any]:
@@ -356,7 +369,8 @@ def resolve_stream(
         return None if node_name is None else f"agent-{node_name}"
     elif not is_stream_name(stream):
         raise RequestValidationError(
-            f"stream {stream!r} is not a log stream: use rank-<N>, agent or agent-<node name>"
+            f"stream {stream!r} is not a log stream: use rank-<N>, agent, agent-<node name> "
+            "or file-<node rank>/<path>"
         )
     if stream.startswith("rank-") and int(stream.removeprefix("rank-")) >= world_size:
         raise RequestValidationError(
@@ -447,6 +461,9 @@ def read_log(
 def _stream_sort_key(name: str) -> tuple[int, int, str]:
     if name.startswith("rank-"):
         return (1, int(name.removeprefix("rank-")), "")
+    node_rank = file_stream_node_rank(name)
+    if node_rank is not None:
+        return (2, node_rank, name)
     return (0, 0, name)
 
 
@@ -465,16 +482,22 @@ def list_streams(session: Session, job: Job, attempt: Attempt | None) -> LogStre
     }
     for global_rank in range(job.node_count * job.process_count_per_node):
         sizes.setdefault(f"rank-{global_rank}", 0)
-    nodes = session.scalars(
-        select(Node.name)
-        .join(Placement, Placement.node_id == Node.id)
-        .where(Placement.attempt_id == attempt.id)
-    ).all()
-    for node_name in nodes:
+    nodes: dict[int, str] = {
+        node_rank: node_name
+        for node_rank, node_name in session.execute(
+            select(Placement.node_rank, Node.name)
+            .join(Placement, Placement.node_id == Node.id)
+            .where(Placement.attempt_id == attempt.id)
+        ).all()
+    }
+    for node_name in nodes.values():
         sizes.setdefault(f"agent-{node_name}", 0)
     streams = []
     for name in sorted(sizes, key=_stream_sort_key):
         rank = int(name.removeprefix("rank-")) if name.startswith("rank-") else None
         node = name.removeprefix("agent-") if name.startswith("agent-") else None
+        file_node = file_stream_node_rank(name)
+        if file_node is not None:
+            node = nodes.get(file_node)
         streams.append(LogStream(name=name, size=sizes[name], rank=rank, node=node))
     return LogStreams(attempt=attempt.number, complete=_attempt_complete(job, attempt), streams=streams)

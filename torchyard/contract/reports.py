@@ -19,15 +19,43 @@ MAX_LOG_CHUNKS_PER_BATCH = 1000
 # The largest log chunk in UTF-8 bytes. Readers rely on it to find the chunk holding an offset.
 MAX_LOG_CHUNK_BYTES = 256 * 1024
 MAX_REPORT_BODY_BYTES = 16 * 1024 * 1024
-STREAM_PATTERN = r"^(rank-(0|[1-9][0-9]{0,6})|agent-[A-Za-z0-9][A-Za-z0-9._-]{0,199})$"
+# A file a script job wrote under its node's ``./logs`` (``TORCHYARD_LOG_DIR``) is the stream
+# ``file-<node rank>/<path in that folder>``: path segments of letters, digits and ``._-``,
+# none starting with a dot, at most 190 characters in all.
+_SEGMENT = r"[A-Za-z0-9_-][A-Za-z0-9._-]*"
+LOG_FILE_PATH_PATTERN = rf"{_SEGMENT}(/{_SEGMENT})*"
+MAX_LOG_FILE_PATH = 190
+STREAM_PATTERN = (
+    r"^(rank-(0|[1-9][0-9]{0,6})|agent-[A-Za-z0-9][A-Za-z0-9._-]{0,199}"
+    rf"|file-(0|[1-9][0-9]{{0,5}})/{LOG_FILE_PATH_PATTERN})$"
+)
 _STREAM = re.compile(STREAM_PATTERN)
-
-FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
-Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+_LOG_FILE_PATH = re.compile(rf"^{LOG_FILE_PATH_PATTERN}$")
+FILE_STREAM_PREFIX = "file-"
 
 
 def is_stream_name(name: str) -> bool:
-    return _STREAM.match(name) is not None
+    return len(name) <= 210 and _STREAM.match(name) is not None
+
+
+def log_file_stream(node_rank: int, path: str) -> str | None:
+    """The stream name of the file ``path`` (relative, ``/``-separated) of node ``node_rank``'s
+    ``./logs`` folder; None when the path cannot be a stream name."""
+    if len(path) > MAX_LOG_FILE_PATH or _LOG_FILE_PATH.match(path) is None:
+        return None
+    return f"{FILE_STREAM_PREFIX}{node_rank}/{path}"
+
+
+def file_stream_node_rank(name: str) -> int | None:
+    """The node rank of a ``file-<node rank>/<path>`` stream; None for other streams."""
+    if not name.startswith(FILE_STREAM_PREFIX) or "/" not in name:
+        return None
+    head = name[len(FILE_STREAM_PREFIX) :].split("/", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class MetricIn(StrictModel):
@@ -46,7 +74,9 @@ class MetricIn(StrictModel):
 
 class LogChunkIn(StrictModel):
     stream: str = Field(
-        pattern=STREAM_PATTERN, description="``rank-<global rank>`` or ``agent-<node name>``."
+        pattern=STREAM_PATTERN,
+        max_length=210,
+        description="``rank-<global rank>``, ``agent-<node name>`` or ``file-<node rank>/<path>``.",
     )
     offset: int = Field(ge=0, le=2**62, description="Byte offset of ``data`` (UTF-8) in the stream.")
     data: str = Field(min_length=1, max_length=MAX_LOG_CHUNK_BYTES)

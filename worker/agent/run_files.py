@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from torchyard.contract.metrics import METRIC_NAMES, is_metric_name
+from torchyard.contract.reports import FILE_STREAM_PREFIX
 from worker.trainer.events import EVENTS_FILE
 
 log = logging.getLogger("worker.agent.reporting")
@@ -31,6 +32,9 @@ DEFAULT_LOG_BACKLOG_BYTES = 64 << 20
 # One read of one log file. After U+FFFD replacement a chunk stays below the API's 256 KiB.
 LOG_READ_BYTES = 64 * 1024
 EVENTS_READ_BYTES = 256 * 1024
+# The most bytes shipped of one file a script wrote under ./logs (a ``file-...`` stream);
+# the rest stays on the node, with a note at the end of the stream.
+MAX_LOG_FILE_BYTES = 16 << 20
 
 
 def _utf8_complete_prefix(raw: bytes) -> int:
@@ -61,6 +65,7 @@ class LogFile:
     stream: str
     path: Path
     position: int = 0
+    capped: bool = False  # a ./logs file past MAX_LOG_FILE_BYTES, its note sent
 
 
 @dataclass
@@ -391,7 +396,39 @@ class RunFileReader:
         batch.log_bytes += size_bytes
         self._stream_offsets[source.stream] = offset + size_bytes
 
+    def _cap(self, batch: Batch, source: LogFile, limit: int) -> int:
+        """``limit`` within the bound of a ``./logs`` file stream (0 past it, noted once)."""
+        if not source.stream.startswith(FILE_STREAM_PREFIX):
+            return limit
+        left = MAX_LOG_FILE_BYTES - source.position
+        if left > 0:
+            return min(limit, left)
+        if not source.capped:
+            source.capped = True
+            log.warning(
+                "job %s: log file %s is over %d bytes: the rest is not shipped",
+                self.job_id,
+                source.stream,
+                MAX_LOG_FILE_BYTES,
+            )
+            self._append(
+                batch,
+                source,
+                f"\n[torchyard agent: this file is longer than {MAX_LOG_FILE_BYTES} bytes: the rest is not shipped]\n",
+            )
+        return 0
+
+    def _append(self, batch: Batch, source: LogFile, text: str) -> None:
+        offset = self._stream_offsets[source.stream]
+        size_bytes = len(text.encode("utf-8"))
+        batch.logs.append({"stream": source.stream, "offset": offset, "data": text})
+        batch.log_bytes += size_bytes
+        self._stream_offsets[source.stream] = offset + size_bytes
+
     def _read_log(self, batch: Batch, source: LogFile, limit: int, final: bool) -> bool:
+        limit = self._cap(batch, source, limit)
+        if limit <= 0:
+            return False
         try:
             with open(source.path, "rb") as fh:
                 size = fh.seek(0, 2)

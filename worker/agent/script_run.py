@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from torchyard.contract.jobspec import input_variable
+from torchyard.contract.reports import log_file_stream
 from worker.agent import guard
 from worker.agent.api import retrying
 from worker.agent.launcher import (
@@ -64,6 +65,11 @@ log = logging.getLogger(__name__)
 FETCH_DEADLINE_S = 600
 _VARIABLE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*)|(\$))")
 _PYTHON_NAMES = re.compile(r"^python(3(\.\d+)?)?$")
+# The files of a node's ./logs folder shipped as log streams (``file-<node rank>/<path>``):
+# at most this many, text only (a file whose first bytes hold a NUL is left out), and each
+# up to the reader's per-file bound (``run_files.MAX_LOG_FILE_BYTES``).
+MAX_LOG_DIR_FILES = 32
+_TEXT_SNIFF_BYTES = 8192
 
 
 def expand(arg: str, variables: Mapping[str, str]) -> str:
@@ -214,6 +220,9 @@ class ScriptGroup:
             )
         self.command = self.processes[0].argv
         self.failed: ScriptProcess | None = None
+        # ./logs files already judged: their stream name, or None when left out.
+        self._log_dir_files: dict[Path, str | None] = {}
+        self._log_dir_full = False
         self.stopped = False
 
     # --- start --------------------------------------------------------------------------
@@ -331,7 +340,56 @@ class ScriptGroup:
     # --- what it wrote ------------------------------------------------------------------
 
     def log_files(self) -> list[tuple[str, Path]]:
-        return [(f"rank-{p.rank}", p.log_path) for p in self.processes]
+        """Each process's stdout/stderr (``rank-<rank>``) and the text files under the node's
+        ``./logs`` (``file-<node rank>/<path>``)."""
+        own = [(f"rank-{p.rank}", p.log_path) for p in self.processes]
+        return own + self.log_dir_files()
+
+    def log_dir_files(self) -> list[tuple[str, Path]]:
+        """The node's ``./logs`` files shipped as streams: regular, non-empty text files whose
+        path makes a stream name, up to ``MAX_LOG_DIR_FILES``; each judged once."""
+        folder = self.launch.logs_dir
+        for root, dirs, names in os.walk(folder, followlinks=False):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            for name in sorted(names):
+                path = Path(root) / name
+                if path in self._log_dir_files:
+                    continue
+                judged = self._judge_log_file(folder, path)
+                if judged == "":
+                    continue  # empty so far: looked at again next time
+                self._log_dir_files[path] = judged
+        return [(stream, path) for path, stream in self._log_dir_files.items() if stream is not None]
+
+    def _judge_log_file(self, folder: Path, path: Path) -> str | None:
+        """The file's stream name; None when it is left out; "" while it is still empty."""
+        relative = path.relative_to(folder).as_posix()
+        shipped = sum(1 for s in self._log_dir_files.values() if s is not None)
+        if shipped >= MAX_LOG_DIR_FILES:
+            if not self._log_dir_full:
+                self._log_dir_full = True
+                log.warning(
+                    "logs: more than %d files under ./logs: the others are not shipped", MAX_LOG_DIR_FILES
+                )
+            return None
+        try:
+            if path.is_symlink() or not path.is_file():
+                log.warning("logs: leaving out %s (not a regular file)", relative)
+                return None
+            with open(path, "rb") as fh:
+                head = fh.read(_TEXT_SNIFF_BYTES)
+        except OSError:
+            return ""
+        if not head:
+            return ""
+        stream = log_file_stream(self.launch.node_rank, relative)
+        if stream is None:
+            log.warning("logs: leaving out %s (a name of letters, digits and ._- is shipped)", relative)
+            return None
+        if b"\x00" in head:
+            log.warning("logs: leaving out %s (not a text file)", relative)
+            return None
+        return stream
 
     def metric_files(self) -> list[Path]:
         return sorted(self.launch.metrics_dir.glob("*.jsonl"))

@@ -102,7 +102,11 @@ def get_logs(
     user: CurrentUser,
     rank: Annotated[int | None, Query(ge=0, le=MAX_RANK, description="A rank's log (default 0).")] = None,
     stream: Annotated[
-        str | None, Query(max_length=210, description="agent, agent-<node> or rank-<N>, instead of rank.")
+        str | None,
+        Query(
+            max_length=210,
+            description="agent, agent-<node>, rank-<N> or file-<node rank>/<path>, instead of rank.",
+        ),
     ] = None,
     offset: Annotated[int, Query(ge=0, le=2**62, description="Byte offset to read from.")] = 0,
     limit_bytes: Annotated[int, Query(ge=1, le=MAX_LOG_BYTES)] = DEFAULT_LOG_BYTES,
