@@ -77,6 +77,16 @@ class Agent:
             self.process.wait(10)
 
 
+def wait_ready(admin: httpx.Client, names: list[str], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready = {n["name"] for n in admin.get("/v1/cluster").json()["nodes"] if n["status"] == "ready"}
+        if set(names) <= ready:
+            return
+        time.sleep(0.2)
+    raise SystemExit(f"agents {names} did not all register within {timeout:g} s")
+
+
 def _all_pages(client: httpx.Client, path: str, params: dict[str, Any]) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     after = 0
@@ -200,33 +210,38 @@ def main() -> int:
             token = r.json()["token"]
             train, val = upload_digits(admin, tmp / "digits", per_class=10)
             agents = [Agent(url, token, f"chaos-{i}", tmp) for i in range(args.agents)]
-            for agent in agents:
-                agent.start()
-            print(f"database: {settings.sqlalchemy_url.split('@')[-1]}  cpus: {os.cpu_count()}  "
-                  f"agents: {args.agents}  jobs: {args.jobs}  epochs: {args.epochs}  "
-                  f"lease timeout: {args.lease_timeout:g} s  load: {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
-            job_ids = []
-            for n in range(args.jobs):
-                spec = {
-                    "name": f"chaos-{n}",
-                    "model": {"architecture": "resnet18"},
-                    "train_dataset": train,
-                    "validation_dataset": val,
-                    "parameters": {"epochs": args.epochs, "batch_size": 16, "image_size": 16,
-                                   "augmentation": "none", "print_frequency": 2, "random_seed": n},
-                    "resources": {"node_count": 1, "process_count_per_node": 1, "max_restarts": 100},
-                }  # fmt: skip
-                r = admin.post("/v1/jobs", json=spec)
-                r.raise_for_status()
-                job_ids.append(r.json()["id"])
+            try:
+                for agent in agents:
+                    agent.start()
+                wait_ready(admin, [a.name for a in agents])
+                print(f"database: {settings.sqlalchemy_url.split('@')[-1]}  cpus: {os.cpu_count()}  "
+                      f"agents: {args.agents}  jobs: {args.jobs}  epochs: {args.epochs}  "
+                      f"lease timeout: {args.lease_timeout:g} s  load: {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+                job_ids = []
+                for n in range(args.jobs):
+                    spec = {
+                        "name": f"chaos-{n}",
+                        "model": {"architecture": "resnet18"},
+                        "train_dataset": train,
+                        "validation_dataset": val,
+                        "parameters": {"epochs": args.epochs, "batch_size": 16, "image_size": 16,
+                                       "augmentation": "none", "print_frequency": 2, "random_seed": n},
+                        "resources": {"node_count": 1, "process_count_per_node": 1, "max_restarts": 100},
+                    }  # fmt: skip
+                    r = admin.post("/v1/jobs", json=spec)
+                    if r.status_code != 201:
+                        raise SystemExit(f"POST /v1/jobs: {r.status_code} {r.text}")
+                    job_ids.append(r.json()["id"])
 
-            submitted = time.monotonic()
-            sent = chaos(args, rng, agents, admin, job_ids)
-            outcome, totals, took = settle(args, agents, admin, job_ids, submitted)
-            for agent in agents:
-                agent.signal(signal.SIGTERM)
-            for agent in agents:
-                agent.reap(60)
+                submitted = time.monotonic()
+                sent = chaos(args, rng, agents, admin, job_ids)
+                outcome, totals, took = settle(args, agents, admin, job_ids, submitted)
+            finally:
+                # Also when something above failed: no agent outlives the run.
+                for agent in agents:
+                    agent.signal(signal.SIGTERM)
+                for agent in agents:
+                    agent.reap(60)
             admin.close()
     print(
         f"\nsignals sent: SIGKILL {sent['SIGKILL']}, SIGTERM {sent['SIGTERM']} in {args.chaos_seconds:g} s of chaos"

@@ -29,7 +29,7 @@ from tests.worker_fixtures import processes_mentioning, wait_until_gone
 
 pytestmark = pytest.mark.slow
 
-EPOCHS = 4
+EPOCHS = 3
 PARAMETERS = {"epochs": EPOCHS, "image_size": 16, "batch_size": 16, "print_frequency": 2}
 
 
