@@ -69,7 +69,7 @@ def test_a_killed_node_of_a_two_node_job_restarts_on_two_nodes_and_resumes(
             name = f"{host.name}-node"
             by_name[name] = host
             env.agent(name, slots=1, wrap=host.argv([]), env={"NO_PROXY": "*"})
-        env.ready(*by_name)
+        env.ready(*by_name, timeout=300)  # three agents importing torch at once on a busy machine
 
         job_id = env.submit(nodes=2, ppn=1, max_restarts=2, **PARAMETERS)
         job = env.wait(job_id, lambda j: j["status"] in ("running", "failed", "succeeded"))
