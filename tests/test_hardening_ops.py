@@ -245,12 +245,17 @@ def _refused_writing_little(server: LiveServer, archive: Path, most: int) -> dic
     """Upload ``archive``; it must be refused, this process having written at most ``most``
     bytes besides the upload itself (sent once, stored once), and nothing may remain."""
     size = archive.stat().st_size
+    # The counter is the whole test process's: a thread another test left behind may write
+    # meanwhile. The fewest bytes of up to three refused uploads is what the upload cost.
+    tries: list[int] = []
     with httpx.Client(base_url=server.url, headers=auth(server.admin_token), timeout=120) as c:
-        before = bytes_written_by_this_process()
-        r = upload(c, archive)
-        written = bytes_written_by_this_process() - before - 2 * size
-    assert r.status_code == 422, r.text
-    assert written <= most, f"{written} bytes written for a refused {size}-byte archive"
+        while len(tries) < 3 and (not tries or min(tries) > most):
+            before = bytes_written_by_this_process()
+            r = upload(c, archive)
+            tries.append(bytes_written_by_this_process() - before - 2 * size)
+            assert r.status_code == 422, r.text
+    written = min(tries)
+    assert written <= most, f"{tries} bytes written for a refused {size}-byte archive"
     left = staging_of(server.settings.data_dir)
     assert not left.exists() or list(left.iterdir()) == []
     body: dict[str, Any] = r.json()
