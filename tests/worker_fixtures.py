@@ -180,7 +180,14 @@ def wait_for_job(
 ) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
-        r = client.get(f"/v1/jobs/{job_id}")
+        try:
+            r = client.get(f"/v1/jobs/{job_id}")
+        except httpx.TransportError:
+            # A keep-alive connection the server closed as it was reused: poll again.
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+            continue
         assert r.status_code == 200, r.text
         job: dict[str, Any] = r.json()
         if predicate(job):
