@@ -201,10 +201,9 @@ def test_a_lost_node_restarts_the_job_elsewhere_and_fences_the_old_attempt(clust
         (1, "failed", [lost]),
         (2, "failed", [other]),
     ]
-    assert attempts[0]["end_reason"] == {
-        "code": "WorkerLostError",
-        "message": f"node {lost} stopped heartbeating",
-    }
+    # Silence and the lease run out together: either may be the one the reaper saw first.
+    assert attempts[0]["end_reason"]["code"] == "WorkerLostError"
+    assert attempts[0]["end_reason"]["message"].startswith(f"node {lost} "), attempts[0]["end_reason"]
     assert attempts[1]["end_reason"]["code"] == "TrainingDivergedError"
     assert all(a["started_at"] and a["finished_at"] for a in attempts)
     # The list shows the same.
