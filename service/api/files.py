@@ -11,11 +11,34 @@ from urllib.parse import quote
 import anyio
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
-from service.services.artifacts import ModelFile
+from service.services.artifacts import IncomingModel, ModelFile
 from service.services.checkpoints import CheckpointFile
+from torchyard.contract.errors import PayloadTooLargeError
 
 _READ_CHUNK = 256 * 1024
+_WRITE_CHUNK = 1 << 20
+
+
+def refuse_oversized(request: Request, limit: int, what: str) -> None:
+    """413 before reading a body whose declared length is over ``limit``."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise PayloadTooLargeError(f"{what} exceeds the limit of {limit} bytes")
+
+
+async def receive_body(request: Request, incoming: IncomingModel) -> str:
+    """Stream an upload's body into ``incoming`` (1 MiB writes, off the event loop); its sha256."""
+    buffer = bytearray()
+    async for chunk in request.stream():
+        buffer += chunk
+        if len(buffer) >= _WRITE_CHUNK:
+            await run_in_threadpool(incoming.write, bytes(buffer))
+            buffer.clear()
+    await run_in_threadpool(incoming.write, bytes(buffer))
+    actual: str = await run_in_threadpool(incoming.finish)
+    return actual
 
 
 class _Unsatisfiable(Exception):

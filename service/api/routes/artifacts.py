@@ -16,19 +16,16 @@ from fastapi import APIRouter, Header, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import CurrentUser, DatabaseDep, LeaseHeader, SettingsDep, WorkerDep
-from service.api.files import file_response
+from service.api.files import file_response, receive_body, refuse_oversized
 from service.api.routing import SessionScopedRoute
 from service.db.engine import Database
 from service.schemas.reports import ModelUploaded
 from service.services import artifacts
 from service.services.artifacts import IncomingModel, ModelFile, ModelStore
 from service.services.tokens import Principal
-from torchyard.contract.errors import PayloadTooLargeError
 from torchyard.contract.model_archive import SHA256_HEADER
 
 router = APIRouter(route_class=SessionScopedRoute)
-
-_WRITE_CHUNK = 1 << 20
 
 
 def _authorize_upload(db: Database, worker: Principal, job_id: str, lease: str | None) -> None:
@@ -70,20 +67,11 @@ async def upload_model(
     must hold a complete model directory whose files match its manifest."""
     announced = artifacts.check_sha256_header(sha256)
     await run_in_threadpool(_authorize_upload, db, worker, job_id, lease)
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > settings.model_max_bytes:
-        raise PayloadTooLargeError(f"model archive exceeds the limit of {settings.model_max_bytes} bytes")
+    refuse_oversized(request, settings.model_max_bytes, "model archive")
     store = ModelStore(settings.data_dir)
     incoming = await run_in_threadpool(store.start_upload, settings.model_max_bytes)
     try:
-        buffer = bytearray()
-        async for chunk in request.stream():
-            buffer += chunk
-            if len(buffer) >= _WRITE_CHUNK:
-                await run_in_threadpool(incoming.write, bytes(buffer))
-                buffer.clear()
-        await run_in_threadpool(incoming.write, bytes(buffer))
-        actual = await run_in_threadpool(incoming.finish)
+        actual = await receive_body(request, incoming)
         files = await run_in_threadpool(artifacts.check_model_upload, incoming, announced, actual)
         await run_in_threadpool(_publish, db, worker, store, job_id, lease, incoming, actual)
     finally:

@@ -15,20 +15,19 @@ from fastapi import APIRouter, Header, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import DatabaseDep, LeaseHeader, SettingsDep, WorkerDep
-from service.api.files import file_response
+from service.api.files import file_response, receive_body, refuse_oversized
 from service.api.routing import SessionScopedRoute
 from service.db.engine import Database
 from service.services import artifacts, checkpoints
 from service.services.artifacts import IncomingModel
 from service.services.checkpoints import CheckpointFile, CheckpointStore
 from service.services.tokens import Principal
-from torchyard.contract.errors import PayloadTooLargeError, RequestValidationError
+from torchyard.contract.errors import RequestValidationError
 from torchyard.contract.headers import CHECKPOINT_EPOCH_HEADER, CHECKPOINT_STEP_HEADER, SHA256_HEADER
 from torchyard.contract.protocol import CheckpointRef
 
 router = APIRouter(route_class=SessionScopedRoute)
 
-_WRITE_CHUNK = 1 << 20
 _MAX_POSITION = 2**31 - 1
 
 
@@ -106,20 +105,11 @@ async def upload_checkpoint(
     step_value = _position(step, CHECKPOINT_STEP_HEADER, required=False)
     await run_in_threadpool(_authorize, db, worker, job_id, lease)
     limit = settings.checkpoint_max_bytes
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise PayloadTooLargeError(f"checkpoint exceeds the limit of {limit} bytes")
+    refuse_oversized(request, limit, "checkpoint")
     store = CheckpointStore(settings.data_dir)
     incoming = await run_in_threadpool(store.start_upload, limit)
     try:
-        buffer = bytearray()
-        async for chunk in request.stream():
-            buffer += chunk
-            if len(buffer) >= _WRITE_CHUNK:
-                await run_in_threadpool(incoming.write, bytes(buffer))
-                buffer.clear()
-        await run_in_threadpool(incoming.write, bytes(buffer))
-        actual = await run_in_threadpool(incoming.finish)
+        actual = await receive_body(request, incoming)
         if actual != announced:
             raise RequestValidationError(
                 f"sha256 mismatch: the header announced {announced}, the body hashes to {actual}",

@@ -16,19 +16,16 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import CurrentUser, DatabaseDep, LeaseHeader, SettingsDep, WorkerDep
-from service.api.files import file_response
+from service.api.files import file_response, receive_body, refuse_oversized
 from service.api.routing import SessionScopedRoute
 from service.db.engine import Database
 from service.services import outputs
 from service.services.artifacts import IncomingModel, ModelFile, check_sha256_header
 from service.services.outputs import OutputsStore
 from service.services.tokens import Principal
-from torchyard.contract.errors import PayloadTooLargeError
 from torchyard.contract.headers import SHA256_HEADER
 
 router = APIRouter(route_class=SessionScopedRoute)
-
-_WRITE_CHUNK = 1 << 20
 
 
 class OutputsUploaded(BaseModel):
@@ -76,20 +73,11 @@ async def upload_outputs(
     announced = check_sha256_header(sha256)
     await run_in_threadpool(_authorize, db, worker, job_id, lease)
     limit = settings.max_outputs_bytes
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise PayloadTooLargeError(f"outputs archive exceeds the limit of {limit} bytes")
+    refuse_oversized(request, limit, "outputs archive")
     store = OutputsStore(settings.data_dir)
     incoming = await run_in_threadpool(store.start_upload, limit)
     try:
-        buffer = bytearray()
-        async for chunk in request.stream():
-            buffer += chunk
-            if len(buffer) >= _WRITE_CHUNK:
-                await run_in_threadpool(incoming.write, bytes(buffer))
-                buffer.clear()
-        await run_in_threadpool(incoming.write, bytes(buffer))
-        actual = await run_in_threadpool(incoming.finish)
+        actual = await receive_body(request, incoming)
         files = await run_in_threadpool(outputs.check_archive, incoming.path, announced, actual, limit * 4)
         await run_in_threadpool(_publish, db, worker, store, job_id, lease, incoming, actual)
     finally:
