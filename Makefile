@@ -21,5 +21,5 @@ lint: $(BIN)/.installed
 	$(BIN)/lint-imports
 
 test: lint
-	$(BIN)/python -m pytest -q -ra; rc=$$?; \
+	$(BIN)/python -m pytest -q -ra --durations=30; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc

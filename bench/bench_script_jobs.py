@@ -7,8 +7,9 @@ Usage::
     python bench/bench_script_jobs.py                 # 3 rounds, 2 processes, 60 timed steps
     python bench/bench_script_jobs.py --rounds 5 --steps 120 --nproc 2
 
-Each round runs the bare torchrun, then the job (a per_process script job on one
-agent with ``--nproc`` CPU slots, SQLite, uvicorn in this process). images/s is the
+Each round runs the bare torchrun and the job (a per_process script job on one agent
+with ``--nproc`` CPU slots, SQLite, uvicorn in this process), the job first in every
+other round. images/s is the
 script's own figure (all ranks, after a warm-up); "submit -> first line" is the wall
 time from the POST /v1/jobs answer to the time rank 0 printed its first line (before
 it imports torch), read from its log.
@@ -141,8 +142,14 @@ def main() -> int:
                     code = admin.post("/v1/code", files={"file": ("code.tar.gz", fh)}).json()["id"]
                 bare, job, first = [], [], []
                 for i in range(args.rounds):
-                    bare.append(bare_torchrun(args, tmp))
-                    speed, latency = job_run(admin, code, args)
+                    # Alternate which runs first, so a drift of the machine's speed
+                    # (turbo, another tenant) does not favour one side.
+                    if i % 2:
+                        speed, latency = job_run(admin, code, args)
+                        bare.append(bare_torchrun(args, tmp))
+                    else:
+                        bare.append(bare_torchrun(args, tmp))
+                        speed, latency = job_run(admin, code, args)
                     job.append(speed)
                     first.append(latency)
                     print(f"round {i + 1}: bare torchrun {bare[-1]:.1f} img/s, script job {speed:.1f} img/s, "
@@ -151,9 +158,10 @@ def main() -> int:
                 agent.terminate()
                 agent.wait(30)
     ratio = statistics.median(job) / statistics.median(bare)
+    paired = statistics.median(j / b for j, b in zip(job, bare, strict=True))
     print(f"bare torchrun: median {statistics.median(bare):.1f} img/s ({args.nproc} processes)")
     print(f"script job:    median {statistics.median(job):.1f} img/s")
-    print(f"job / bare:    {ratio:.3f}")
+    print(f"job / bare:    {ratio:.3f} (ratio of the medians); {paired:.3f} (median of the rounds' ratios)")
     print(f"submit -> first line of stdout: median {statistics.median(first):.2f} s, max {max(first):.2f} s "
           "(the first round includes fetching the code to the node)")  # fmt: skip
     return 0
