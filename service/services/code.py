@@ -16,10 +16,9 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from datetime import datetime
 from pathlib import Path
 
-from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
@@ -27,7 +26,6 @@ from service.datasets import staging
 from service.datasets.tarstream import DatasetTar
 from service.db.models import CodePackage, Job, Node, Placement, utcnow
 from service.schemas.code import CodePublic
-from service.schemas.common import decode_cursor, encode_cursor
 from service.services import refs
 from service.services.tokens import Principal
 from service.states import ACTIVE_STATUSES, PlacementStatus
@@ -39,7 +37,6 @@ from torchyard.contract.errors import (
     InvalidDatasetError,
     NotFoundError,
     PermissionDeniedError,
-    RequestValidationError,
 )
 
 log = logging.getLogger(__name__)
@@ -138,50 +135,15 @@ def get_code(session: Session, principal: Principal, code_id: str, *, exact: boo
     """The package, if the principal may see it; another user's (or a deleted) one is a 404.
 
     Unless ``exact``, ``code_id`` may also be its name or a unique prefix of its id."""
-
-    def by_id(wanted: str) -> CodePackage | None:
-        return session.scalars(
-            select(CodePackage).where(CodePackage.id == wanted, CodePackage.deleted_at.is_(None))
-        ).first()
-
-    row = by_id(code_id) if refs.comparable(code_id) else None
-    if row is None or (not principal.is_admin and row.owner_id != principal.id):
-        found = None
-        if not exact:
-            visible: list[ColumnElement[bool]] = [CodePackage.deleted_at.is_(None)]
-            if not principal.is_admin:
-                visible.append(CodePackage.owner_id == principal.id)
-            found = refs.resolve(session, CodePackage, visible, code_id, "code package")
-        row = None if found is None else by_id(found)
-        if row is None:
-            raise NotFoundError(f"code package {code_id!r} not found", details={"field": "code"})
-    return row
+    not_found = NotFoundError(f"code package {code_id!r} not found", details={"field": "code"})
+    return refs.find_owned(session, principal, CodePackage, code_id, exact=exact, not_found=not_found)
 
 
 def list_code(
     session: Session, principal: Principal, *, limit: int, cursor: str | None
 ) -> tuple[list[CodePackage], str | None]:
     """Newest first; ``cursor`` continues after the last package of the previous page."""
-    stmt = select(CodePackage).where(CodePackage.deleted_at.is_(None))
-    if not principal.is_admin:
-        stmt = stmt.where(CodePackage.owner_id == principal.id)
-    if cursor:
-        created_iso, last_id = decode_cursor(cursor, 2)
-        try:
-            created = datetime.fromisoformat(created_iso)
-        except (TypeError, ValueError) as exc:
-            raise RequestValidationError("cursor is not one this service issued") from exc
-        stmt = stmt.where(
-            (CodePackage.created_at < created)
-            | ((CodePackage.created_at == created) & (CodePackage.id < last_id))
-        )
-    order = (CodePackage.created_at.desc(), CodePackage.id.desc())
-    rows = list(session.scalars(stmt.order_by(*order).limit(limit + 1)))
-    next_cursor = None
-    if len(rows) > limit:
-        rows = rows[:limit]
-        next_cursor = encode_cursor(rows[-1].created_at.isoformat(), rows[-1].id)
-    return rows, next_cursor
+    return refs.page_owned(session, principal, CodePackage, limit=limit, cursor=cursor)
 
 
 def code_public(row: CodePackage) -> CodePublic:

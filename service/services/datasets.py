@@ -21,11 +21,10 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
-from sqlalchemy import ColumnElement, func, or_, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
@@ -33,7 +32,6 @@ from service.datasets import staging
 from service.datasets.tarstream import DatasetTar
 from service.datasets.validate import ValidatedDataset, validate_image_directory
 from service.db.models import Dataset, Job, JobInput, Node, Placement, utcnow
-from service.schemas.common import decode_cursor, encode_cursor
 from service.schemas.datasets import DatasetPublic, DatasetRegister
 from service.services import refs
 from service.services.tokens import Principal
@@ -243,52 +241,17 @@ def _visible_dataset(
     session: Session, principal: Principal, ref: str, *, exact: bool, lock: Literal["share", "update"] | None
 ) -> Dataset:
     """The dataset ``ref`` names for the principal, its row locked ``"share"`` or ``"update"``."""
-
-    def by_id(wanted: str) -> Dataset | None:
-        stmt = select(Dataset).where(Dataset.id == wanted, Dataset.deleted_at.is_(None))
-        if lock is not None:
-            stmt = stmt.with_for_update(read=lock == "share")
-        return session.scalars(stmt).first()
-
-    row = by_id(ref) if refs.comparable(ref) else None
-    if row is None or (not principal.is_admin and row.owner_id != principal.id):
-        found = None
-        if not exact:
-            visible: list[ColumnElement[bool]] = [Dataset.deleted_at.is_(None)]
-            if not principal.is_admin:
-                visible.append(Dataset.owner_id == principal.id)
-            found = refs.resolve(session, Dataset, visible, ref, "dataset")
-        row = None if found is None else by_id(found)
-        if row is None:
-            raise NotFoundError(
-                f"dataset {ref!r} not found (no dataset you may see has this id, name or id prefix)"
-            )
-    return row
+    not_found = NotFoundError(
+        f"dataset {ref!r} not found (no dataset you may see has this id, name or id prefix)"
+    )
+    return refs.find_owned(session, principal, Dataset, ref, exact=exact, not_found=not_found, lock=lock)
 
 
 def list_datasets(
     session: Session, principal: Principal, *, limit: int, cursor: str | None
 ) -> tuple[list[Dataset], str | None]:
     """Newest first; ``cursor`` continues after the last dataset of the previous page."""
-    stmt = select(Dataset).where(Dataset.deleted_at.is_(None))
-    if not principal.is_admin:
-        stmt = stmt.where(Dataset.owner_id == principal.id)
-    if cursor:
-        created_iso, last_id = decode_cursor(cursor, 2)
-        try:
-            created = datetime.fromisoformat(created_iso)
-        except (TypeError, ValueError) as exc:
-            raise RequestValidationError("cursor is not one this service issued") from exc
-        stmt = stmt.where(
-            (Dataset.created_at < created) | ((Dataset.created_at == created) & (Dataset.id < last_id))
-        )
-    rows = list(session.scalars(stmt.order_by(Dataset.created_at.desc(), Dataset.id.desc()).limit(limit + 1)))
-    next_cursor = None
-    if len(rows) > limit:
-        rows = rows[:limit]
-        last = rows[-1]
-        next_cursor = encode_cursor(last.created_at.isoformat(), last.id)
-    return rows, next_cursor
+    return refs.page_owned(session, principal, Dataset, limit=limit, cursor=cursor)
 
 
 def dataset_public(row: Dataset) -> DatasetPublic:

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from datetime import datetime
+from typing import Any, Literal, TypeVar
 
 from sqlalchemy import ColumnElement, select
 from sqlalchemy.orm import Session
 
 from service.db.models import CodePackage, Dataset, Job
-from torchyard.contract.errors import ConflictError
+from service.schemas.common import decode_cursor, encode_cursor
+from service.services.tokens import Principal
+from torchyard.contract.errors import ConflictError, NotFoundError, RequestValidationError
 
 MIN_PREFIX = 4
 # Ids are 32 lowercase hex digits; a shorter run of hex digits may be the start of one.
@@ -24,6 +27,8 @@ _ID_PREFIX = re.compile(rf"[0-9a-fA-F]{{{MIN_PREFIX},31}}")
 _SHOWN = 10
 
 M = TypeVar("M", Job, Dataset, CodePackage)
+# What a user uploads and may delete: stored with its owner, soft-deleted.
+Owned = TypeVar("Owned", Dataset, CodePackage)
 
 
 class AmbiguousReferenceError(ConflictError):
@@ -98,3 +103,63 @@ def resolve(
     if started:
         raise _ambiguous(kind, ref, False, started)
     return None
+
+
+def _listable(principal: Principal, model: type[Owned]) -> list[ColumnElement[bool]]:
+    visible: list[ColumnElement[bool]] = [model.deleted_at.is_(None)]
+    if not principal.is_admin:
+        visible.append(model.owner_id == principal.id)
+    return visible
+
+
+def find_owned(
+    session: Session,
+    principal: Principal,
+    model: type[Owned],
+    ref: str,
+    *,
+    exact: bool,
+    not_found: NotFoundError,
+    lock: Literal["share", "update"] | None = None,
+) -> Owned:
+    """The upload ``ref`` names for the principal (its id; unless ``exact`` also its
+    name or a unique id prefix), its row locked ``"share"`` or ``"update"`` when asked.
+    Another user's, a deleted or an unknown one raises ``not_found``."""
+
+    def by_id(wanted: str) -> Owned | None:
+        stmt = select(model).where(model.id == wanted, model.deleted_at.is_(None))
+        if lock is not None:
+            stmt = stmt.with_for_update(read=lock == "share")
+        return session.scalars(stmt).first()
+
+    row = by_id(ref) if comparable(ref) else None
+    if row is None or (not principal.is_admin and row.owner_id != principal.id):
+        kind = "dataset" if model is Dataset else "code package"
+        found = None if exact else resolve(session, model, _listable(principal, model), ref, kind)
+        row = None if found is None else by_id(found)
+        if row is None:
+            raise not_found
+    return row
+
+
+def page_owned(
+    session: Session, principal: Principal, model: type[Owned], *, limit: int, cursor: str | None
+) -> tuple[list[Owned], str | None]:
+    """The principal's uploads, newest first; ``cursor`` continues after the last row of
+    the previous page."""
+    stmt = select(model).where(*_listable(principal, model))
+    if cursor:
+        created_iso, last_id = decode_cursor(cursor, 2)
+        try:
+            created = datetime.fromisoformat(created_iso)
+        except (TypeError, ValueError) as exc:
+            raise RequestValidationError("cursor is not one this service issued") from exc
+        stmt = stmt.where(
+            (model.created_at < created) | ((model.created_at == created) & (model.id < last_id))
+        )
+    rows = list(session.scalars(stmt.order_by(model.created_at.desc(), model.id.desc()).limit(limit + 1)))
+    next_cursor = None
+    if len(rows) > limit:
+        rows = rows[:limit]
+        next_cursor = encode_cursor(rows[-1].created_at.isoformat(), rows[-1].id)
+    return rows, next_cursor
