@@ -164,22 +164,28 @@ def test_birds_example_trains_and_registers_from_its_outputs(env: ScriptEnv, tmp
     assert version["architecture"] == "resnet18" and version["classes"] == [str(i) for i in range(10)]
     assert version["image_size"] == 32 and version["onnx"] is True
     assert env.user.get(f"/v1/jobs/{job_id}").json()["model_sha256"] == version["sha256"]
-    again = _register(env.user, job_id, "model")
-    assert again.status_code == 201 and again.json()["version"] == 2
-    assert again.json()["sha256"] == version["sha256"]
+    # Again, from the command line: the same folder gives another version of the same content.
+    token = env.user.headers["Authorization"].split()[1]
+    cli_env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
+    cli_env.update(TORCHYARD_URL=env.server.url, TORCHYARD_TOKEN=token)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "torchyard.cli", *args],
+            env=cli_env, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+
+    again = cli("model", "register", "birds", "--job", job_id, "--path", "model")
+    assert again.returncode == 0 and again.stdout.strip() == "birds:2", again.stderr
+    assert "outputs folder model" in again.stderr
+    assert env.user.get("/v1/models/birds/versions/2").json()["sha256"] == version["sha256"]
     clash = _register(env.user, job_id, "other")
     assert clash.status_code == 409 and clash.json()["details"]["registered"] == "model", clash.text
     shown = env.user.get("/v1/models/birds/versions/1").json()
     assert shown["path"] == "model" and shown["job_id"] == job_id
 
     # The service's predictions are the downloaded model directory's, loaded with torch.
-    token = env.user.headers["Authorization"].split()[1]
-    cli_env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
-    cli_env.update(TORCHYARD_URL=env.server.url, TORCHYARD_TOKEN=token)
-    done = subprocess.run(
-        [sys.executable, "-m", "torchyard.cli", "model", "download", "birds:1", "-o", str(tmp_path / "dl")],
-        env=cli_env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    done = cli("model", "download", "birds:1", "-o", str(tmp_path / "dl"))
     assert done.returncode == 0, done.stderr
     local_dir = modeldir.resolve_model_dir(tmp_path / "dl")
     modeldir.verify_model_dir(local_dir)
