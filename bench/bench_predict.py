@@ -2,7 +2,8 @@
 
 For each image size (32 and 224 px) a resnet18 with 10 classes (random weights: speed
 does not depend on them) is exported to ONNX exactly as the trainer exports it
-(``worker.trainer.onnx_export``), then both engines score the same preprocessed
+(``torchyard.modeldir.export_onnx``) and loaded with the session options the API
+scores with (``torchyard.scoring.session_options``), then both engines score the same preprocessed
 batches of 1 and 32 images, alternating run by run so that load changes on a shared
 machine hit both alike. Both use the same number of threads (``--threads``, default
 every core). Reported per engine and batch: images/s and the p50/p99 latency of one
@@ -29,8 +30,8 @@ import torch
 import torchvision
 from PIL import Image
 
+from torchyard.modeldir import export_onnx
 from torchyard.scoring import OnnxModel
-from worker.trainer.onnx_export import _export
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -54,7 +55,7 @@ def bench_size(size: int, threads: int, repeats: dict[int, int], work: Path) -> 
     folder = work / f"m{size}"
     folder.mkdir()
     example = torch.randn(2, 3, size, size)
-    _export(model, example, folder / "model.onnx")
+    export_onnx(model, example, folder / "model.onnx")
     config = {"classes": [str(i) for i in range(10)], "image_size": size}
     (folder / "config.json").write_text(json.dumps(config))
     onnx_model = OnnxModel.load(folder, threads=threads)

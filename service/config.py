@@ -172,7 +172,10 @@ class Settings(BaseSettings):
         default=1024**3, gt=0, description="Bytes of ONNX files the API keeps loaded for scoring."
     )
     model_max_bytes: int = Field(
-        default=4 * 1024**3, gt=0, description="Largest model directory archive a worker may upload."
+        default=4 * 1024**3,
+        gt=0,
+        description="Largest model directory archive a worker may upload (or a script job's "
+        "outputs folder registered as a model).",
     )
     checkpoint_max_bytes: int = Field(
         default=8 * 1024**3, gt=0, description="Largest training-state checkpoint a worker may upload."

@@ -1,10 +1,8 @@
 """Script jobs across two nodes in network namespaces (2×1, both launch modes, every
-node's outputs kept), and the birds example as a script job on the demo's digits."""
+node's outputs kept). The birds example runs in tests/test_models_script.py."""
 
 from __future__ import annotations
 
-import io
-import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,11 +11,9 @@ import pytest
 
 from service.config import Settings
 from tests.netns import NetnsCluster, require_netns
-from tests.script_helpers import PROBE, ScriptEnv, script_env
+from tests.script_helpers import PROBE, script_env
 from tests.test_script_jobs import SCRIPT_SETTINGS
-from tests.worker_fixtures import upload_digits
 
-ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = ["torchrun", "--nnodes", "$NNODES", "--nproc-per-node", "$NPROC_PER_NODE", "--node-rank",
             "$NODE_RANK", "--master-addr", "$MASTER_ADDR", "--master-port", "$MASTER_PORT", "probe.py"]  # fmt: skip
 
@@ -78,55 +74,3 @@ def test_two_nodes_in_network_namespaces_both_launch_modes(
         seen = env.seen(per_node)  # node 0's outputs only (the default)
         assert list(seen) == [0]
         assert (seen[0]["NNODES"], seen[0]["NPROC_PER_NODE"], seen[0]["all_reduce"]) == ("2", "1", 3.0)
-
-
-@pytest.fixture
-def env(settings: Settings, tmp_path: Path) -> Iterator[ScriptEnv]:
-    with script_env(settings, tmp_path) as e:
-        yield e
-
-
-def test_birds_example_trains_on_the_digits(env: ScriptEnv, tmp_path: Path) -> None:
-    env.agent("solo", slots=2)
-    train, val = upload_digits(env.user, tmp_path / "digits", per_class=8, size=32)
-    folder = ROOT / "examples" / "birds"
-    r = env.user.post(
-        "/v1/code",
-        data={"name": "birds"},
-        files={"file": ("birds.tar.gz", _pack(folder), "application/gzip")},
-    )
-    assert r.status_code == 201, r.text
-    command = [
-        "python",
-        "train.py",
-        "--num_epochs",
-        "1",
-        "--image_size",
-        "32",
-        "--batch_size",
-        "8",
-        "--arch",
-        "resnet18",
-    ]
-    job_id = env.submit(
-        r.json()["id"],
-        command,
-        inputs={"train": train, "val": val},
-        resources={"node_count": 1, "process_count_per_node": 2},
-    )
-    job = env.wait(job_id, timeout=300)
-    assert job["status"] == "succeeded", (job, env.log(job_id, rank=0))
-    names = {p["name"] for p in env.user.get(f"/v1/jobs/{job_id}/metrics").json()["items"]}
-    assert {"train.loss", "val.top1", "val.loss", "train.images_per_sec"} <= names
-    outputs = env.outputs(job_id)
-    assert set(outputs) == {"model.pt", "classes.json"}
-    assert outputs["classes.json"] == b'["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"]'
-
-
-def _pack(folder: Path) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
-        for path in sorted(folder.iterdir()):
-            if path.is_file():
-                tf.add(path, arcname=path.name)
-    return buf.getvalue()

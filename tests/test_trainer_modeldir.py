@@ -191,3 +191,37 @@ def test_image_size_below_the_architecture_minimum(tmp_path: Path, digits: Digit
     job = load_job(write_job(tmp_path, digits, architecture="inception_v3", image_size=64))
     with pytest.raises(InvalidModelDirectoryError, match=r"inception_v3 needs image_size >= 75"):
         build_model(job)
+
+
+def test_save_model_dir_writes_a_checked_onnx_export_and_refuses_wrong_weights(tmp_path: Path) -> None:
+    """A script's own model (a replaced head, as examples/birds does) becomes a model
+    directory the registry accepts: the loader and ONNX Runtime agree on it."""
+    from torchyard.contract.model_archive import check_model_config, pack_model_dir
+    from torchyard.scoring import OnnxModel
+
+    torch.manual_seed(0)
+    model = torchvision.models.get_model("resnet18", weights=None)
+    model.fc = torch.nn.Linear(model.fc.in_features, 3)
+    path = modeldir.save_model_dir(
+        tmp_path / "model", model, architecture="resnet18", classes=["a", "b", "c"], image_size=32
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no temporary folder left
+    modeldir.verify_model_dir(path)
+    config = json.loads((path / "config.json").read_text())
+    check_model_config(config, [p.name for p in path.iterdir()])
+    assert config["onnx"]["file"] == "model.onnx" and config["onnx"]["max_abs_diff"] <= 1e-4
+    pack_model_dir(path, tmp_path / "model.tar.gz")  # the manifest lists model.onnx too
+    loaded, classes, _ = modeldir.load_model(path)
+    inputs = modeldir.normalize_batch(
+        torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8), config["mean"], config["std"]
+    )
+    with torch.inference_mode():
+        want = loaded(inputs).numpy()
+    got = OnnxModel.load(path).logits(inputs.numpy())
+    assert classes == ["a", "b", "c"] and abs(got - want).max() <= 1e-4
+
+    with pytest.raises(ValueError, match="do not load into torchvision's resnet18 with 4 classes"):
+        modeldir.save_model_dir(
+            tmp_path / "bad", model, architecture="resnet18", classes=list("abcd"), image_size=32
+        )
+    assert not (tmp_path / "bad").exists()

@@ -376,7 +376,8 @@ class Client:
     # -- model registry and scoring
 
     def register_model(self, name: str, job_id: str, path: str | None = None) -> ModelVersion:
-        """Register a succeeded training job's model as the next version of ``name``."""
+        """Register a succeeded training job's model (or, with ``path``, the model directory in
+        that folder of a succeeded script job's outputs) as the next version of ``name``."""
         return self.registry.register_model(name, job_id, path)
 
     def list_models(self) -> list[RegisteredModel]:

@@ -890,13 +890,19 @@ _VERSION_HEADER = ["NAME", "VERSION", "ARCHITECTURE", "CLASSES", "ONNX", "JOB", 
 
 
 def _model_register(args: argparse.Namespace) -> int:
+    if args.job and args.job_option and args.job != args.job_option:
+        raise ValueError("give the job once: JOB or --job JOB")
+    job = args.job_option or args.job
+    if not job:
+        raise ValueError("name the job whose model to register: --job JOB")
     with _client(args) as client:
-        version = client.register_model(args.name, args.job)
+        version = client.register_model(args.name, job, args.path)
     if args.json:
         _print_json(version.model_dump(mode="json"))
     else:
         print(f"{version.name}:{version.version}")
-        _note(f"registered from job {version.job_id} (sha256 {version.sha256})")
+        source = f" outputs folder {version.path}" if version.path else ""
+        _note(f"registered from job {version.job_id}{source} (sha256 {version.sha256})")
     return 0
 
 
@@ -961,10 +967,21 @@ def register_model_commands(
     model = sub.add_parser("model", help="the model registry: register, list, show, delete, download")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     reg = model_sub.add_parser(
-        "register", parents=[common], help="register a succeeded job's model as the next version of NAME"
+        "register",
+        parents=[common],
+        help="register a succeeded job's model as the next version of NAME",
+        description="Register a succeeded training job's model directory, or (with --path) the "
+        "model directory a succeeded script job wrote to a folder of its outputs.",
     )
     reg.add_argument("name", metavar="NAME")
-    reg.add_argument("job", metavar="JOB", help="the job's id, name or id prefix")
+    reg.add_argument("job", metavar="JOB", nargs="?", help="the job's id, name or id prefix (or --job)")
+    reg.add_argument("--job", dest="job_option", metavar="JOB", help="the job's id, name or id prefix")
+    reg.add_argument(
+        "--path",
+        default=None,
+        help="script jobs: the folder of the job's outputs holding the model directory, e.g. model "
+        '(node-0/model with "outputs": "all")',
+    )
     reg.set_defaults(handler=_model_register)
     ls = model_sub.add_parser("list", parents=[common], help="your models and their latest versions")
     ls.set_defaults(handler=_model_list)

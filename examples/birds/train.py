@@ -12,8 +12,13 @@ or locally, on one machine, with torchrun:
         torchrun --nproc-per-node 2 train.py --num_epochs 2
 
 The data are two class-folder datasets (inputs ``train`` and ``val``). The model is
-written to ``./outputs/model.pt`` with ``classes.json``; the loss, accuracy and speed go
-to the job's metrics through ``torchyard.run.log_metric``.
+written to ``./outputs/model.pt`` with ``classes.json``, and as a torchyard model
+directory to ``./outputs/model/`` (``torchyard.modeldir.save_model_dir``: weights,
+config, ONNX export), which registers as a model version:
+
+    torchyard model register birds --job <job id> --path model
+
+The loss, accuracy and speed go to the job's metrics through ``torchyard.run.log_metric``.
 """
 
 from __future__ import annotations
@@ -36,6 +41,13 @@ try:
     from torchyard import run
 except ImportError:  # run.py is standard-library only: a copy beside this file works too
     import run  # type: ignore[no-redef]
+
+try:
+    from torchyard.modeldir import save_model_dir
+except ImportError:  # torchyard not installed: only model.pt and classes.json are written
+    save_model_dir = None  # type: ignore[assignment]
+
+MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 
 def parse_args() -> argparse.Namespace:
@@ -70,17 +82,19 @@ def setup() -> tuple[int, int, torch.device]:
 
 def loaders(args: argparse.Namespace, world: int, rank: int) -> tuple[DataLoader, DataLoader, list[str]]:
     size = args.image_size
-    normalize = transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+    normalize = transforms.Normalize(MEAN, STD)
     train_tf = transforms.Compose(
+        [transforms.RandomResizedCrop(size, scale=(0.7, 1.0)), transforms.ToTensor(), normalize]
+    )
+    # Validation as the service preprocesses the images it scores: resize the shorter side
+    # to size / 0.875, centre crop (the model directory's evaluation transform).
+    val_tf = transforms.Compose(
         [
-            transforms.Grayscale(3),
-            transforms.RandomResizedCrop(size, scale=(0.7, 1.0)),
+            transforms.Resize(int(size / 0.875)),
+            transforms.CenterCrop(size),
             transforms.ToTensor(),
             normalize,
         ]
-    )
-    val_tf = transforms.Compose(
-        [transforms.Grayscale(3), transforms.Resize((size, size)), transforms.ToTensor(), normalize]
     )
     train_set = torchvision.datasets.ImageFolder(os.environ["TORCHYARD_INPUT_TRAIN"], train_tf)
     val_set = torchvision.datasets.ImageFolder(os.environ["TORCHYARD_INPUT_VAL"], val_tf)
@@ -113,6 +127,7 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.1)
     loss_fn = nn.CrossEntropyLoss()
     step = 0
+    final: dict[str, float] = {}
     for epoch in range(args.num_epochs):
         train_loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
         ddp.train()
@@ -139,6 +154,7 @@ def main() -> None:
                 correct += (logits.argmax(1) == labels).sum().item()
                 total += len(images)
         correct, total, loss_sum = all_sum([correct, total, loss_sum], device)
+        final = {"val.top1": correct / total, "val.loss": loss_sum / total}
         if rank == 0:
             run.log_metric("val.top1", correct / total, step=step, epoch=epoch)
             run.log_metric("val.loss", loss_sum / total, step=step, epoch=epoch)
@@ -153,6 +169,20 @@ def main() -> None:
         torch.save(model.state_dict(), out / "model.pt")
         (out / "classes.json").write_text(json.dumps(classes))
         print(f"model saved to {out / 'model.pt'}", flush=True)
+        if save_model_dir is not None:
+            example = next(iter(val_loader))[0][:4]  # the ONNX export is checked on these
+            save_model_dir(
+                out / "model",
+                model,
+                architecture=args.arch,
+                classes=classes,
+                image_size=args.image_size,
+                mean=MEAN,
+                std=STD,
+                metrics={"final": final, "epochs_run": args.num_epochs},
+                example=example,
+            )
+            print(f"model directory written to {out / 'model'}", flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -381,7 +381,7 @@ class ModelVersion(Base):
     name: Mapped[str] = mapped_column(String(100))
     version: Mapped[int] = mapped_column(Integer)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
-    # A file in a script job's outputs; None for a training job's model directory.
+    # The folder of a script job's outputs the model directory came from; None for a training job's.
     path: Mapped[str | None] = mapped_column(Text)
     architecture: Mapped[str] = mapped_column(String(100))
     classes: Mapped[list[str]] = mapped_column(JSON)

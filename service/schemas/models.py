@@ -12,18 +12,23 @@ MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 
 
 class ModelRegister(StrictModel):
-    """Register a succeeded training job's model directory under a name."""
+    """Register a succeeded training job's model directory, or the model directory in a
+    folder of a succeeded script job's outputs, under a name."""
 
     name: str = Field(
         pattern=MODEL_NAME_PATTERN,
         description="Letters, digits, '.', '_' and '-', starting with a letter or digit; 100 at most.",
     )
-    job_id: str = Field(min_length=1, max_length=64, description="A succeeded training job (id or name).")
+    job_id: str = Field(
+        min_length=1, max_length=64, description="A succeeded training or script job (id or name)."
+    )
     path: str | None = Field(
         default=None,
         min_length=1,
         max_length=1000,
-        description="A file in a script job's outputs (script jobs only).",
+        description="Script jobs only (and required for them): the folder of the job's outputs that "
+        "holds a model directory, relative to the outputs' root (e.g. 'model'; 'node-0/model' with "
+        '"outputs": "all").',
     )
 
 
@@ -31,7 +36,10 @@ class ModelVersionPublic(BaseModel):
     name: str
     version: int
     job_id: str
-    path: str | None = None
+    path: str | None = Field(
+        default=None,
+        description="The outputs folder of a script job the version came from; null for a training job.",
+    )
     architecture: str
     classes: list[str]
     image_size: int

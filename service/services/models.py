@@ -1,7 +1,9 @@
 """The model registry (SPEC §10): named, numbered versions of trained model directories.
 
-A version points at a succeeded training job; the job's archive in the model store is
-the version's content (its sha256 is the version's). Versions count up per owner and
+A version points at a succeeded training job, or at a succeeded script job and the
+folder of its outputs that holds a model directory (``path``, packed into the model store
+as the job's model archive when first registered); the job's archive in the model store
+is the version's content (its sha256 is the version's). Versions count up per owner and
 name, and a deleted version's number is never given again. Models are private to their
 owner: another user's model is a 404, as for jobs and datasets.
 """
@@ -10,6 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,8 +26,9 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.db.models import Job, ModelVersion, utcnow
 from service.schemas.models import ModelPublic, ModelVersionPublic
-from service.services.artifacts import UNPACK_RATIO, ModelStore
+from service.services.artifacts import UNPACK_RATIO, ModelStore, fsync_dir
 from service.services.jobs import get_job
+from service.services.outputs import OutputsStore, extract_folder, outputs_for_user
 from service.services.tokens import Principal
 from service.states import FINAL_STATUSES, JobStatus
 from torchyard.contract.errors import (
@@ -32,12 +38,22 @@ from torchyard.contract.errors import (
     NotFoundError,
     RequestValidationError,
 )
+from torchyard.contract.model_archive import (
+    CONFIG_FILE,
+    MANIFEST_FILE,
+    MAX_CONFIG_BYTES,
+    MAX_MEMBERS,
+    check_model_config,
+    pack_model_dir,
+    read_manifest,
+)
 from torchyard.scoring import ONNX_FILE
 
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
 EVALUATE = "evaluate"
+SCRIPT = "script"
 
 
 @dataclass(frozen=True)
@@ -87,26 +103,42 @@ def _is_evaluation(job: Job) -> bool:
     return job.type == EVALUATE
 
 
-def register_model(
-    session: Session, settings: Settings, principal: Principal, name: str, job_ref: str, path: str | None
-) -> ModelVersion:
-    """Register the model directory of a succeeded training job as the next version of ``name``."""
-    job = get_job(session, principal, job_ref)
-    if path is not None:
+def _check_kind(job: Job, path: str | None) -> None:
+    """A training job is registered without ``path``, a script job with one; nothing else."""
+    if job.type == "train" and path is not None:
         raise RequestValidationError(
-            "path names a file in a script job's outputs; this job is a training job: register it "
+            "path names a folder in a script job's outputs; this job is a training job: register it "
             "without path",
             details={"field": "path"},
         )
-    if job.type != "train":
+    if job.type == SCRIPT and path is None:
         raise RequestValidationError(
-            f"job {job.id} is a {job.type} job: only a training job's model directory can be registered "
-            "(a script job's output file is not supported yet)"
+            f"job {job.id} is a script job: name the folder of its outputs that holds the model "
+            'directory in path (e.g. "model")',
+            details={"field": "path"},
         )
+    if job.type not in ("train", SCRIPT):
+        raise RequestValidationError(
+            f"job {job.id} is a {job.type} job: only a training job's model directory, or a model "
+            "directory in a script job's outputs, can be registered",
+            details={"field": "job_id"},
+        )
+
+
+def register_model(
+    session: Session, settings: Settings, principal: Principal, name: str, job_ref: str, path: str | None
+) -> ModelVersion:
+    """Register the model directory of a succeeded training job, or the one a succeeded
+    script job wrote to the folder ``path`` of its outputs, as the next version of ``name``."""
+    job = get_job(session, principal, job_ref)
+    _check_kind(job, path)
     if job.status != JobStatus.SUCCEEDED.value:
         raise ModelNotReadyError(
             f"job {job.id} is {job.status}: only a succeeded job's model can be registered"
         )
+    source: str | None = None
+    if path is not None:
+        source = store_script_model(session, settings, principal, job, path)
     folder = unpacked_job_model(settings, job)
     config = _read_config(folder)
     onnx = config.get("onnx") or {}
@@ -121,7 +153,7 @@ def register_model(
         name=name,
         version=(latest or 0) + 1,
         job_id=job.id,
-        path=None,
+        path=source,
         architecture=str(config.get("architecture", job.architecture)),
         classes=[str(c) for c in config["classes"]],
         image_size=int(config.get("image_size", 0)),
@@ -137,8 +169,82 @@ def register_model(
         raise ConflictError(
             f"another version of model {name!r} was registered at the same moment; try again"
         ) from exc
-    log.info("model %s version %d registered from job %s", name, row.version, job.id)
+    shown = f"job {job.id}" + (f" (outputs folder {source})" if source else "")
+    log.info("model %s version %d registered from %s", name, row.version, shown)
     return row
+
+
+def _checked_model_folder(folder: Path, names: list[str], rel: str) -> None:
+    """The files copied out of the outputs are a model directory: a manifest listing
+    every file, ``config.json`` as scoring and evaluation need it."""
+    listed = read_manifest(folder)
+    unlisted = sorted(set(names) - set(listed) - {MANIFEST_FILE})
+    if unlisted:
+        raise InvalidModelDirectoryError(
+            f"holds files its {MANIFEST_FILE} manifest does not list: {', '.join(unlisted)}"
+        )
+    missing = sorted(set(listed) - set(names))
+    if missing:
+        raise InvalidModelDirectoryError(f"{MANIFEST_FILE} lists {', '.join(missing)}, which is missing")
+    config_path = folder / CONFIG_FILE
+    if config_path.stat().st_size > MAX_CONFIG_BYTES:
+        raise InvalidModelDirectoryError(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InvalidModelDirectoryError(f"{CONFIG_FILE} is not valid JSON: {exc}") from None
+    check_model_config(config, listed)
+
+
+def store_script_model(
+    session: Session, settings: Settings, principal: Principal, job: Job, path: str
+) -> str:
+    """Pack the model directory in the folder ``path`` of a script job's outputs into the
+    model store as the job's model archive (as a training job's is); the folder's path.
+
+    A script job holds one model directory: registering another folder whose content
+    differs from the one stored is a 409.
+    """
+    outputs = OutputsStore(settings.data_dir)
+    archive = outputs_for_user(session, principal, outputs, job.id)
+    store = ModelStore(settings.data_dir)
+    store.incoming.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="register-", dir=store.incoming))
+    try:
+        folder = work / "model"
+        folder.mkdir()
+        rel, names = extract_folder(
+            archive.path, path, folder, max_files=MAX_MEMBERS, max_bytes=settings.model_max_bytes
+        )
+        try:
+            _checked_model_folder(folder, names, rel)
+            sha256, size = pack_model_dir(folder, work / "model.tar.gz")
+        except InvalidModelDirectoryError as exc:
+            raise InvalidModelDirectoryError(
+                f"path {rel!r} is not a model directory: {exc.message}",
+                details={"field": "path", "path": rel, **(exc.details or {})},
+            ) from None
+        with outputs.lock(job.id):
+            session.refresh(job)
+            if job.model_sha256 is not None and job.model_sha256 != sha256:
+                earlier = session.scalar(
+                    select(ModelVersion.path).where(ModelVersion.job_id == job.id).limit(1)
+                )
+                raise ConflictError(
+                    f"job {job.id} already holds the model directory registered from {earlier!r}; "
+                    f"a script job holds one model directory, and {rel!r} differs from it",
+                    details={"field": "path", "registered": earlier},
+                )
+            if job.model_sha256 is None:
+                target = store.path(job.id)
+                os.replace(work / "model.tar.gz", target)
+                fsync_dir(target.parent)
+                job.model_sha256, job.model_size = sha256, size
+                job.updated_at = utcnow()
+                session.commit()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return rel
 
 
 def _versions(session: Session, principal: Principal, name: str | None = None) -> list[ModelVersion]:

@@ -240,3 +240,84 @@ def output_file(store: OutputsStore, archive: ModelFile, job_id: str, wanted: st
                     f"the outputs of job {job_id} hold no file {rel!r}", details={"path": rel}
                 )
     return ModelFile(path=dest, sha256=_sha256(dest), size=dest.stat().st_size, filename=parts[-1])
+
+
+def _folder_parts(wanted: str) -> tuple[str, ...]:
+    try:
+        parts = safe_member_parts(wanted)
+    except InvalidDatasetError:
+        raise RequestValidationError(
+            f"path {wanted!r} is not a relative path inside the outputs", details={"field": "path"}
+        ) from None
+    if not parts:
+        raise RequestValidationError(
+            "path is empty: name the folder of the outputs that holds the model directory",
+            details={"field": "path"},
+        )
+    return parts
+
+
+def _copy_out(tf: tarfile.TarFile, member: tarfile.TarInfo, dest: Path) -> bool:
+    """Write a member's bytes to ``dest`` (which must not exist); False if it does."""
+    try:
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as out:
+        shutil.copyfileobj(tf.extractfile(member) or io.BytesIO(), out)
+    return True
+
+
+def _member_problem(member: tarfile.TarInfo, below: tuple[str, ...]) -> str | None:
+    """Why a member inside the model folder is refused (None: a file directly in it)."""
+    if not (member.isreg() or member.isdir()):
+        return f"{'/'.join(below)} is not a regular file (links are refused)"
+    if len(below) > 1 or member.isdir():
+        return f"holds the folder {below[0]!r}; a model directory holds files only"
+    return None
+
+
+def extract_folder(
+    archive: Path, wanted: str, dest: Path, *, max_files: int, max_bytes: int
+) -> tuple[str, list[str]]:
+    """Copy the regular files directly inside the folder ``wanted`` of an outputs archive
+    into the (empty, existing) folder ``dest``; ``(the folder's normalized path, the file names)``.
+
+    ``wanted`` must be a relative path inside the outputs: ``..``, absolute paths and
+    odd names are a 422 naming ``path``; a folder the archive does not hold is a 404, a
+    file where a folder is expected a 422. Anything below it but regular files (links,
+    devices, sub-folders with content) is refused, and so are more than ``max_files``
+    files or ``max_bytes`` bytes.
+    """
+    parts = _folder_parts(wanted)
+    rel = "/".join(parts)
+
+    def refuse(message: str) -> RequestValidationError:
+        return RequestValidationError(f"path {rel!r}: {message}", details={"field": "path", "path": rel})
+
+    found_folder = False
+    names: list[str] = []
+    total = 0
+    with tarfile.open(archive, "r|gz") as tf:
+        for member in tf:
+            inner = safe_member_parts(member.name)
+            if inner[: len(parts)] != parts:
+                continue
+            below = inner[len(parts) :]
+            if not below and not member.isdir():
+                raise refuse("is a file; name the folder that holds the model directory")
+            found_folder = True
+            if not below:
+                continue
+            problem = _member_problem(member, below)
+            if problem:
+                raise refuse(problem)
+            names.append(below[0])
+            total += member.size
+            if len(names) > max_files or total > max_bytes:
+                raise refuse(f"holds more than {max_files} files or {max_bytes} bytes")
+            if not _copy_out(tf, member, dest / below[0]):
+                raise refuse(f"holds {below[0]!r} twice")
+    if not found_folder:
+        raise NotFoundError(f"the outputs hold no folder {rel!r}", details={"field": "path", "path": rel})
+    return rel, sorted(names)

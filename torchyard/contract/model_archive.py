@@ -23,11 +23,12 @@ import shutil
 import tarfile
 import tempfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, BinaryIO
+from typing import IO, Any, BinaryIO
 
+from torchyard.architectures import CLASSIFICATION_ARCHITECTURES
 from torchyard.contract.errors import InvalidModelDirectoryError
 from torchyard.contract.headers import SHA256_HEADER  # noqa: F401 - part of this module's interface
 
@@ -271,3 +272,66 @@ def extract_model_archive(path: str | Path, dest: str | Path, *, max_unpacked_by
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+ONNX_FILE = "model.onnx"
+MAX_CONFIG_BYTES = 1024 * 1024
+
+
+def _config_error(message: str) -> InvalidModelDirectoryError:
+    return InvalidModelDirectoryError(f"{CONFIG_FILE}: {message}", details={"file": CONFIG_FILE})
+
+
+def _check_classes(config: dict[str, Any]) -> None:
+    classes = config.get("classes")
+    if (
+        not isinstance(classes, list)
+        or not classes
+        or not all(isinstance(c, str) and c for c in classes)
+        or len(set(classes)) != len(classes)
+    ):
+        raise _config_error("classes must be a non-empty list of distinct class names")
+    if config.get("num_classes") != len(classes):
+        raise _config_error(f"num_classes must be {len(classes)}, the length of classes")
+
+
+def _check_channel_stats(config: dict[str, Any]) -> None:
+    for key in ("mean", "std"):
+        values = config.get(key)
+        if values is None:
+            continue
+        if (
+            not isinstance(values, list)
+            or len(values) != 3
+            or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+            or (key == "std" and not all(v > 0 for v in values))
+        ):
+            raise _config_error(f"{key} must be a list of 3 numbers (one per RGB channel)")
+
+
+def check_model_config(config: object, files: Iterable[str]) -> dict[str, Any]:
+    """``config.json`` of a model directory, checked for what scoring, evaluation and the
+    registry read from it; ``files`` are the directory's files (its manifest's names).
+
+    Raises ``InvalidModelDirectoryError`` naming the field that is missing or wrong.
+    """
+    if not isinstance(config, dict):
+        raise _config_error("not a JSON object")
+    if config.get("format_version") != FORMAT_VERSION:
+        raise _config_error(f"format_version must be {FORMAT_VERSION}, not {config.get('format_version')!r}")
+    arch = config.get("architecture")
+    if not isinstance(arch, str) or arch not in CLASSIFICATION_ARCHITECTURES:
+        raise _config_error(f"architecture {arch!r} is not a torchvision classification architecture")
+    _check_classes(config)
+    size = config.get("image_size")
+    if not isinstance(size, int) or isinstance(size, bool) or not 8 <= size <= 4096:
+        raise _config_error(f"image_size must be a whole number of pixels from 8 to 4096, not {size!r}")
+    _check_channel_stats(config)
+    onnx = config.get("onnx")
+    if onnx is not None and not isinstance(onnx, dict):
+        raise _config_error("onnx must be an object")
+    if ONNX_FILE in set(files) and (onnx or {}).get("file") != ONNX_FILE:
+        raise _config_error(f'the directory holds {ONNX_FILE} but onnx.file is not "{ONNX_FILE}"')
+    return config

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +25,9 @@ from torchyard.scoring import ONNX_FILE, ONNX_TOLERANCE
 
 log = logging.getLogger(__name__)
 
-OPSET = 17
-INPUT_NAME = "input"
-OUTPUT_NAME = "logits"
+OPSET = modeldir.ONNX_OPSET
+INPUT_NAME = modeldir.ONNX_INPUT
+OUTPUT_NAME = modeldir.ONNX_OUTPUT
 CHECK_BATCH = 8
 
 
@@ -43,34 +42,11 @@ def validation_batch(val_dir: str | Path, classes: list[str], config: dict[str, 
 
 
 def _export(model: torch.nn.Module, example: torch.Tensor, dest: Path) -> None:
-    with warnings.catch_warnings():
-        # The TorchScript-based exporter announces its deprecation; it is several times
-        # faster than the dynamo one for these models and gives the same graph.
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            model,
-            (example,),
-            str(dest),
-            input_names=[INPUT_NAME],
-            output_names=[OUTPUT_NAME],
-            dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
-            opset_version=OPSET,
-            dynamo=False,
-        )
+    modeldir.export_onnx(model, example, dest)
 
 
 def _max_abs_diff(path: Path, model: torch.nn.Module, batch: torch.Tensor) -> float:
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    worst = 0.0
-    # Batch sizes other than the traced one prove the batch dimension is dynamic.
-    for inputs in (batch, batch[:1]):
-        got = session.run(None, {INPUT_NAME: inputs.numpy()})[0]
-        with torch.inference_mode():
-            want = model(inputs).float()
-        worst = max(worst, float((torch.from_numpy(got) - want).abs().max()))
-    return worst
+    return modeldir.onnx_max_abs_diff(path, model, batch)
 
 
 def export_onnx(

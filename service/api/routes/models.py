@@ -1,6 +1,7 @@
 """The model registry and scoring (SPEC §10).
 
-* ``POST /v1/models`` registers a succeeded training job's model as the next version of a name;
+* ``POST /v1/models`` registers a succeeded training job's model (or, with ``path``, the model
+  directory in that folder of a succeeded script job's outputs) as the next version of a name;
 * ``GET /v1/models``, ``GET /v1/models/{name}``, ``GET/DELETE /v1/models/{name}/versions/{version}``
   (``version`` may be ``latest``);
 * ``POST /v1/models/{name}/versions/{version}/predict``: multipart ``files`` and ``top_k``;
@@ -62,7 +63,9 @@ def model_cache(request: Request) -> ModelCache:
 def register_model(
     body: ModelRegister, session: SessionDep, settings: SettingsDep, user: CurrentUser
 ) -> ModelVersionPublic:
-    """Register the model directory of a succeeded training job as the next version of ``name``."""
+    """Register the model directory of a succeeded training job (``{name, job_id}``), or the
+    one in the folder ``path`` of a succeeded script job's outputs (``{name, job_id, path}``),
+    as the next version of ``name``."""
     row = models_service.register_model(session, settings, user, body.name, body.job_id, body.path)
     return models_service.version_public(row)
 
