@@ -53,27 +53,58 @@ FINAL = {"succeeded", "failed", "cancelled"}
 
 
 class Poller:
-    """A user polling: status codes, and the longest time without a 200."""
+    """A user polling jobs and following their metric points: status codes (0: the
+    connection was refused), the longest time without a 200, and the points the follower
+    received twice (the same ``(name, epoch, step, rank, attempt)``: stored twice)."""
 
     def __init__(self, url: str, token: str) -> None:
         self.url = url
         self.token = token
-        self.job_id: str | None = None
+        self.job_ids: list[str] = []
         self.codes: Counter[int] = Counter()
         self.refused = 0
         self.longest_stall = 0.0
+        self.followed: dict[str, Counter[tuple[Any, ...]]] = {}
+        self._after: dict[str, int] = {}
         self.stop = threading.Event()
+
+    @property
+    def followed_points(self) -> int:
+        return sum(sum(c.values()) for c in self.followed.values())
+
+    @property
+    def followed_duplicates(self) -> int:
+        return sum(n - 1 for c in self.followed.values() for n in c.values() if n > 1)
+
+    def _follow(self, job_id: str, body: dict[str, Any]) -> None:
+        seen = self.followed.setdefault(job_id, Counter())
+        for p in body["items"]:
+            seen[(p["name"], p["epoch"], p["step"], p["rank"], p["attempt"])] += 1
+        if body["items"] and body.get("next_after") is not None:
+            self._after[job_id] = body["next_after"]
 
     def run(self) -> None:
         last_ok = time.monotonic()
         with httpx.Client(base_url=self.url, headers=auth(self.token), timeout=30) as http:
             while not self.stop.wait(0.1):
-                paths = ["/v1/cluster", "/v1/jobs"]
-                if self.job_id:
-                    paths += [f"/v1/jobs/{self.job_id}", f"/v1/jobs/{self.job_id}/metrics"]
-                for path in paths:
+                requests: list[tuple[str, dict[str, Any], str | None]] = [
+                    ("/v1/cluster", {}, None),
+                    ("/v1/jobs", {}, None),
+                ]
+                for job_id in list(self.job_ids):
+                    requests.append((f"/v1/jobs/{job_id}", {}, None))
+                    params = {
+                        "after": self._after.get(job_id, 0),
+                        "limit": 1000,
+                        "include_superseded": "true",
+                    }
+                    requests.append((f"/v1/jobs/{job_id}/metrics", params, job_id))
+                for path, params, following in requests:
                     try:
-                        code = http.get(path).status_code
+                        r = http.get(path, params=params)
+                        code = r.status_code
+                        if code == 200 and following is not None:
+                            self._follow(following, r.json())
                     except httpx.TransportError:
                         self.refused += 1
                         code = 0
@@ -85,12 +116,21 @@ class Poller:
 
 
 def chaos(
-    api: ApiProcess, pg: Any, every: float, api_down: float, db_down: float, stop: threading.Event
+    api: ApiProcess,
+    pg: Any,
+    every: float,
+    api_down: float,
+    db_down: float,
+    stop: threading.Event,
+    kinds: tuple[str, ...] = ("api", "db"),
 ) -> list[str]:
+    """Until ``stop``: every ``every`` seconds, the next fault of ``kinds`` in turn: SIGKILL
+    the API and start it again ``api_down`` s later ("api"), or stop PostgreSQL for
+    ``db_down`` s ("db"). Each fault is undone before this returns."""
     done: list[str] = []
     turn = 0
     while not stop.wait(every):
-        if turn % 2 == 0:
+        if kinds[turn % len(kinds)] == "api":
             api.kill()
             stop.wait(api_down)
             api.start()
@@ -193,7 +233,7 @@ def main() -> int:
                         break
                 time.sleep(0.5)
             job_id = r.json()["id"]
-            poller.job_id = job_id
+            poller.job_ids.append(job_id)
             results.append(wait_final(api.url, token, job_id, timeout=1800))
             print(f"job {job_id}: {results[-1]['status']} ({time.monotonic() - started:.0f} s)", flush=True)
         stop.set()
@@ -219,6 +259,7 @@ def main() -> int:
     print(f"5xx: {five}, of which 500: {poller.codes[500]}")
     print(f"longest client-visible stall: {poller.longest_stall:.1f} s")
     print(f"metric points lost: {sum(c[0] for c in checks)}, duplicated: {sum(c[1] for c in checks)}")
+    print(f"points the follower received: {poller.followed_points}, twice: {poller.followed_duplicates}")
     return 0 if succeeded == len(results) and poller.codes[500] == 0 else 1
 
 

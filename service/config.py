@@ -116,6 +116,14 @@ class Settings(BaseSettings):
         "not only the nodes ready now: a job made while every worker restarts (an agent upgrade) "
         "is accepted and waits. Only a job larger than every node seen in this window is a 422.",
     )
+    replica_memory_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="PostgreSQL with several API replicas: an API replica that stopped being seen (killed, "
+        "stopped, cut off from the database) keeps the reaper of every other replica from declaring nodes "
+        "lost (the nodes that talked to it cannot be heard) until a replica starts again, for at most this "
+        "many seconds. 0: a vanished replica is ignored.",
+    )
     database_connect_timeout_s: float = Field(
         default=3.0,
         gt=0,

@@ -411,3 +411,18 @@ class Checkpoint(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ApiReplica(Base):
+    """One running API process, as its reaper last wrote it (PostgreSQL): the cluster's
+    listening clock. ``listening_since`` is when that replica last began hearing the nodes
+    (its start, or the end of a database outage it saw); ``seen_at`` its latest reaper pass."""
+
+    __tablename__ = "api_replicas"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    listening_since: Mapped[datetime] = mapped_column(UTCDateTime)
+    seen_at: Mapped[datetime] = mapped_column(UTCDateTime)

@@ -23,9 +23,12 @@ been able to hear the nodes (its start, and again the end of every database outa
 saw). Until a full ``lease_timeout_s`` has passed on that clock, nothing is declared
 lost: an API that was down (restarted, upgraded, its database unreachable) for longer
 than the lease timeout first gives every node a full lease period to heartbeat again.
-On PostgreSQL, the cluster of replicas is covered too: heartbeats land in the shared
-database whichever replica hears them, and an outage of that database is an outage
-for every replica's clock.
+On PostgreSQL, the clock is the cluster's (:mod:`service.services.replicas`): every
+replica writes since when it has been listening to ``api_replicas`` on each pass, and
+silence is judged from the latest of those moments; a replica that vanished (killed,
+stopped, cut off) and was not replaced yet by a replica started since keeps every
+other replica from declaring anything lost, for at most ``replica_memory_s``: the nodes
+that talked to it could not be heard.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from service.db.engine import Database, is_unavailable
 from service.db.models import Job, Node, Placement, utcnow
 from service.services import checkpoints
 from service.services.attempts import finish_cancellation, lose_placements, overrun_limit_s, time_out
+from service.services.replicas import ClusterHearing, ReplicaRow
 from service.services.scheduler import has_queued_jobs, is_postgres, run_pass
 from service.services.wakeup import Wakeup
 from service.states import JobStatus, NodeStatus, PlacementStatus
@@ -60,6 +64,8 @@ class ListeningClock:
         self._lock = threading.Lock()
         self._since = since or utcnow()
         self._deaf = False
+        # On PostgreSQL, what every replica's row says (see service.services.replicas).
+        self._cluster: ClusterHearing | None = None
 
     @property
     def since(self) -> datetime:
@@ -81,12 +87,27 @@ class ListeningClock:
                     "the database is reachable again: nodes get a full lease period before being lost"
                 )
 
-    def grace_left(self, lease_timeout_s: float, now: datetime) -> float:
-        """Seconds until silence can be judged (0 once a full lease period was heard)."""
+    def cluster_heard(self, hearing: ClusterHearing) -> None:
+        """The cluster of replicas' clock, read on this reaper pass."""
         with self._lock:
-            if self._deaf:
+            if hearing.deaf and (self._cluster is None or not self._cluster.deaf):
+                log.warning(
+                    "an API replica was last seen at %s and has not been replaced: "
+                    "no node is declared lost until one starts",
+                    hearing.vanished,
+                )
+            self._cluster = hearing
+
+    def grace_left(self, lease_timeout_s: float, now: datetime) -> float:
+        """Seconds until silence can be judged (0 once a full lease period was heard, by this
+        replica and, on PostgreSQL, by every replica of the cluster)."""
+        with self._lock:
+            if self._deaf or (self._cluster is not None and self._cluster.deaf):
                 return lease_timeout_s
-            return max(0.0, lease_timeout_s - (now - self._since).total_seconds())
+            since = self._since
+            if self._cluster is not None:
+                since = max(since, self._cluster.since)
+            return max(0.0, lease_timeout_s - (now - since).total_seconds())
 
 
 @dataclass
@@ -253,10 +274,15 @@ async def run_reaper(
 ) -> None:
     """The background loop of one API replica, until ``stop`` is set."""
     listening = listening or ListeningClock()
+    # SQLite serves one replica: its own clock is the cluster's.
+    replica = None if db.is_sqlite else ReplicaRow()
     while not stop.is_set():
         try:
             await run_in_threadpool(db.ping)
             listening.heard()
+            if replica is not None:
+                hearing = await run_in_threadpool(replica.beat, db, settings, listening.since)
+                listening.cluster_heard(hearing)
             result = await run_in_threadpool(sweep, db, settings, listening)
             if result.scheduled or result.cancelled:
                 wakeup.notify()
