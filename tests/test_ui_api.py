@@ -173,6 +173,35 @@ def test_metric_series_route_reduces_and_says_where_live_points_continue(
     )
 
 
+def test_metric_series_answered_again_from_memory_until_a_new_point_arrives(
+    client: TestClient, settings: Settings
+) -> None:
+    job = start_running_job(settings, client, per_node=1)
+    points = [point("train.loss", 1.0 + (i % 7) * 0.01, epoch=0, step=i) for i in range(300)]
+    assert post_report(client, job, metrics=points).status_code == 200
+    user = auth(job.user_token)
+
+    def series() -> dict[str, Any]:
+        r = client.get(f"/v1/jobs/{job.job_id}/metrics/series", params={"points": 50}, headers=user)
+        assert r.status_code == 200, r.text
+        body: dict[str, Any] = r.json()
+        return body
+
+    first = series()
+    assert series() == first  # nothing new: the same answer
+    loss = first["series"]["train.loss"]
+    assert loss["count"] == 300 and max(loss["y"]) < 2
+    # One new point, a spike: the next answer has it, and says where live points go on.
+    assert post_report(client, job, metrics=[point("train.loss", 7.5, epoch=0, step=300)]).status_code == 200
+    after = series()
+    assert after["series"]["train.loss"]["count"] == 301
+    assert max(after["series"]["train.loss"]["y"]) == 7.5
+    assert after["last_seq"] > first["last_seq"]
+    # A new metric shows up too.
+    assert post_report(client, job, metrics=[point("val.top1", 0.25, epoch=0, step=300)]).status_code == 200
+    assert series()["series"]["val.top1"] == {"x": [300], "y": [0.25], "count": 1}
+
+
 def test_metric_series_leaves_out_points_a_later_attempt_redid(
     client: TestClient, settings: Settings
 ) -> None:

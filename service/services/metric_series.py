@@ -6,24 +6,40 @@ length in report order, and each stretch gives its lowest and its highest value 
 stretch's middle step (min/max decimation, done by the database in one GROUP BY): spikes
 and dips survive, so a loss curve drawn from 2,000 points looks like the one drawn from
 100,000. The first statement reads only the ``(job_id, name, seq)`` index.
+
+The rule that leaves out points a later attempt redid costs a correlated look-up per
+stored point; it is applied only to jobs with more than one attempt (a job's only attempt
+supersedes nothing). A reduced answer is kept in memory, keyed by the job, the points
+asked and the job's metric count and last seq: a page opened again while nothing new was
+reported is answered without reading the points (any new point, whichever transaction
+commits first, changes the count).
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, func, select, true
 from sqlalchemy.orm import Session
 
-from service.db.models import Metric
+from service.db.models import Attempt, Metric
 from service.services.reports import not_superseded
 
+CACHED_ANSWERS = 64  # reduced answers kept (a few KB each at 2,000 points per metric)
 
-@dataclass
+
+@dataclass(frozen=True)
 class Series:
     x: list[float] = field(default_factory=list)  # training steps
     y: list[float] = field(default_factory=list)
     count: int = 0  # points stored, before reduction
+
+
+_Key = tuple[str, str, int, int, int]  # database, job, points asked, metric count, last seq
+_cache: OrderedDict[_Key, tuple[dict[str, Series], int]] = OrderedDict()
+_cache_lock = threading.Lock()
 
 
 def metric_series(session: Session, job_id: str, points: int) -> tuple[dict[str, Series], int]:
@@ -33,10 +49,32 @@ def metric_series(session: Session, job_id: str, points: int) -> tuple[dict[str,
 
     A point that a later attempt reported again (an epoch redone after a restart) is left
     out, by the same rule as the default metrics history (``reports.not_superseded``).
+    The answer is shared between callers: do not change it.
 
     No owner check here: callers resolve the job for the principal first.
     """
-    current = not_superseded()
+    stored, newest = session.execute(
+        select(func.count(), func.max(Metric.seq)).where(Metric.job_id == job_id)
+    ).one()
+    if not stored:
+        return {}, 0
+    key = (str(session.get_bind().engine.url), job_id, points, stored, newest)
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            _cache.move_to_end(key)
+            return hit
+    answer = _reduce(session, job_id, points)
+    with _cache_lock:
+        _cache[key] = answer
+        while len(_cache) > CACHED_ANSWERS:
+            _cache.popitem(last=False)
+    return answer
+
+
+def _reduce(session: Session, job_id: str, points: int) -> tuple[dict[str, Series], int]:
+    attempts = session.scalar(select(func.count()).where(Attempt.job_id == job_id)) or 0
+    current: ColumnElement[bool] = not_superseded() if attempts > 1 else true()
     stats = session.execute(
         select(Metric.name, func.count(), func.min(Metric.seq), func.max(Metric.seq))
         .where(Metric.job_id == job_id, current)
