@@ -7,9 +7,14 @@ job's page in headless Chromium (Debian's package, driven by Playwright) and mea
 for ``--repeats`` fresh page loads:
 
 * page: navigation start → every chart drawn (the page's ``#charts[data-ready]``),
-  which covers the HTML, the scripts, the job, the reduced series and the drawing;
+  which covers the HTML, the scripts, the job, the reduced series and the drawing; also
+  read in the page (its ``torchyard:charts-ready`` mark, from navigation start). Each
+  load is done twice: with nothing reported since the last load (the server answers the
+  reduced series from memory) and after one new point was written (the server reduces
+  the 100,000 points again, as for a job that is training);
 * series: the ``GET /v1/jobs/{id}/metrics/series`` answer alone (server-side min/max
-  decimation to 2,000 points per metric), timed with httpx;
+  decimation to 2,000 points per metric), timed with httpx: the first answer, answers
+  from memory, and answers after a new point;
 * CPU time: the API process's (for the page: it, Chromium's and Playwright's driver's)
   user + system time over the same spans, read from /proc: on a machine shared with other work wall time stretches with
   the load, CPU time is about what the work takes on an idle one;
@@ -37,9 +42,10 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import httpx
-from sqlalchemy import insert
+from sqlalchemy import insert, select
 
 from service.config import Settings
 from service.db.engine import Database
@@ -213,6 +219,105 @@ def write_job(service: Service, owner_id: str, points: int) -> str:
         db.dispose()
 
 
+class NewPoints:
+    """Writes one more ``train.loss`` point at a time, as a training job reports them: the
+    next series answer has to reduce the job's points again."""
+
+    def __init__(self, service: Service, job_id: str) -> None:
+        self.database_url = service.database_url
+        self.job_id = job_id
+        self.step = 10_000_000
+
+    def add(self) -> None:
+        self.step += 1
+        db = Database(self.database_url)
+        try:
+            with db.transaction() as session:
+                attempt = session.scalars(select(Attempt).where(Attempt.job_id == self.job_id)).one()
+                row = {"job_id": self.job_id, "attempt_id": attempt.id, "name": "train.loss", "value": 0.5,
+                       "epoch": 0, "step": self.step, "rank": 0, "time": utcnow()}  # fmt: skip
+                session.execute(insert(Metric), [row])
+        finally:
+            db.dispose()
+
+
+MODES = ("cached", "new point")  # nothing new since the last load; one new point first
+
+
+def time_series(
+    service: Service, user: httpx.Client, job_id: str, new_points: NewPoints, repeats: int
+) -> tuple[tuple[float, float], dict[str, tuple[list[float], list[float]]], dict[str, Any]]:
+    """The series answer over httpx: the first one, then ``repeats`` of each mode (wall ms, API CPU ms)."""
+    serve = service.process.pid
+
+    def timed() -> tuple[float, float, httpx.Response]:
+        c0 = own_cpu(serve)
+        t0 = time.perf_counter()
+        answer = user.get(f"/v1/jobs/{job_id}/metrics/series", params={"points": 2000})
+        answer.raise_for_status()
+        return (time.perf_counter() - t0) * 1000, (own_cpu(serve) - c0) * 1000, answer
+
+    first_ms, first_cpu_ms, page = timed()
+    series: dict[str, tuple[list[float], list[float]]] = {mode: ([], []) for mode in MODES}
+    for _ in range(repeats):
+        for mode in MODES:
+            if mode == "new point":
+                new_points.add()
+            ms, cpu, page = timed()
+            series[mode][0].append(ms)
+            series[mode][1].append(cpu)
+    body: dict[str, Any] = page.json()
+    return (first_ms, first_cpu_ms), series, body
+
+
+def time_pages(
+    tab: Any, job_id: str, new_points: NewPoints, repeats: int
+) -> dict[str, tuple[list[float], list[float], list[float]]]:
+    """Fresh loads of the job's page in each mode: wall ms, in-page ms, API + Chromium CPU ms."""
+    loads: dict[str, tuple[list[float], list[float], list[float]]] = {mode: ([], [], []) for mode in MODES}
+    for _ in range(repeats):
+        for mode, (load_ms, in_page_ms, load_cpu_ms) in loads.items():
+            if mode == "new point":
+                new_points.add()
+            tab.goto("about:blank")
+            c0 = cpu_seconds(os.getpid())
+            t0 = time.perf_counter()
+            tab.goto(f"/#/jobs/{job_id}")
+            tab.wait_for_selector("#charts[data-ready='true']", timeout=60_000)
+            load_ms.append((time.perf_counter() - t0) * 1000)
+            load_cpu_ms.append((cpu_seconds(os.getpid()) - c0) * 1000)
+            mark = tab.evaluate(
+                "performance.getEntriesByName('torchyard:charts-ready')[0].startTime"
+                " - performance.getEntriesByType('navigation')[0].startTime"
+            )
+            in_page_ms.append(float(mark))
+    return loads
+
+
+def time_draw(tab: Any, xs: list[float], ys: list[float], repeats: int) -> list[float]:
+    """One ``LineChart`` fed every point unreduced, drawn ``repeats`` times (ms each)."""
+    out = []
+    for _ in range(repeats):
+        ms = tab.evaluate(
+            """async ([xs, ys]) => {
+                const { LineChart } = await import('/ui/chart.js');
+                const root = document.createElement('div');
+                root.style.width = '600px';
+                document.body.append(root);
+                const chart = new LineChart(root, {title: 'full', series: [{name: 'a', label: 'a'}]});
+                chart.setData('a', xs, ys);
+                chart.draw();
+                const ms = chart.lastDrawMs;
+                chart.destroy();
+                root.remove();
+                return ms;
+            }""",
+            [xs, ys],
+        )
+        out.append(float(ms))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -232,22 +337,13 @@ def main() -> None:
             "id"
         ]
         job_id = write_job(service, owner_id, args.points)
+        new_points = NewPoints(service, job_id)
 
         user = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
-        series_ms, series_cpu_ms = [], []
-        serve = service.process.pid
-        for _ in range(args.repeats):
-            c0 = own_cpu(serve)
-            t0 = time.perf_counter()
-            page = user.get(f"/v1/jobs/{job_id}/metrics/series", params={"points": 2000})
-            page.raise_for_status()
-            series_ms.append((time.perf_counter() - t0) * 1000)
-            series_cpu_ms.append((own_cpu(serve) - c0) * 1000)
-        body = page.json()
+        (first_ms, first_cpu_ms), series, body = time_series(service, user, job_id, new_points, args.repeats)
         drawn = sum(len(s["x"]) for s in body["series"].values())
         stored = sum(s["count"] for s in body["series"].values())
 
-        load_ms, in_page_ms, draw_ms, load_cpu_ms = [], [], [], []
         with sync_playwright() as pw:
             extra = ["--no-sandbox"] if os.geteuid() == 0 else []
             browser = pw.chromium.launch(executable_path=args.chromium, headless=True, args=extra)
@@ -257,54 +353,33 @@ def main() -> None:
             tab.fill("#token", token)
             tab.click("#signin-submit")
             tab.wait_for_selector("#whoami")
-            for _ in range(args.repeats):
-                tab.goto("about:blank")
-                c0 = cpu_seconds(os.getpid())
-                t0 = time.perf_counter()
-                tab.goto(f"/#/jobs/{job_id}")
-                tab.wait_for_selector("#charts[data-ready='true']", timeout=60_000)
-                load_ms.append((time.perf_counter() - t0) * 1000)
-                load_cpu_ms.append((cpu_seconds(os.getpid()) - c0) * 1000)
-                nav = tab.evaluate(
-                    "performance.now() - performance.getEntriesByType('navigation')[0].startTime"
-                )
-                in_page_ms.append(float(nav))
+            loads = time_pages(tab, job_id, new_points, args.repeats)
             full = user.get(f"/v1/jobs/{job_id}/metrics/series", params={"points": 100_000}).json()["series"][
                 "train.loss"
             ]
-            for _ in range(args.repeats):
-                ms = tab.evaluate(
-                    """async ([xs, ys]) => {
-                        const { LineChart } = await import('/ui/chart.js');
-                        const root = document.createElement('div');
-                        root.style.width = '600px';
-                        document.body.append(root);
-                        const chart = new LineChart(root, {title: 'full', series: [{name: 'a', label: 'a'}]});
-                        chart.setData('a', xs, ys);
-                        chart.draw();
-                        const ms = chart.lastDrawMs;
-                        chart.destroy();
-                        root.remove();
-                        return ms;
-                    }""",
-                    [full["x"], full["y"]],
-                )
-                draw_ms.append(float(ms))
+            draw_ms = time_draw(tab, full["x"], full["y"], args.repeats)
             browser.close()
     finally:
         service.stop()
 
     load = os.getloadavg()
     print(f"points stored: {stored:,}; points sent to the page: {drawn:,} (2,000 asked per metric)")
-    print(
-        f"series answer (httpx):       median {statistics.median(series_ms):7.1f} ms  max {max(series_ms):7.1f} ms"
-    )
-    print(f"  API process CPU time:      median {statistics.median(series_cpu_ms):7.1f} ms")
-    print(
-        f"page load → charts drawn:    median {statistics.median(load_ms):7.1f} ms  max {max(load_ms):7.1f} ms"
-    )
-    print(f"  (in-page, from navigation) median {statistics.median(in_page_ms):7.1f} ms")
-    print(f"  API + Chromium CPU time:   median {statistics.median(load_cpu_ms):7.1f} ms")
+    print(f"series answer (httpx), first: {first_ms:7.1f} ms; API process CPU time {first_cpu_ms:7.1f} ms")
+    for mode, (ms_list, cpu_list) in series.items():
+        print(
+            f"series answer, {mode + ':':11s}  median {statistics.median(ms_list):7.1f} ms"
+            f"  max {max(ms_list):7.1f} ms; API CPU median {statistics.median(cpu_list):7.1f} ms"
+        )
+    for mode, (load_ms, in_page_ms, load_cpu_ms) in loads.items():
+        print(
+            f"page load → charts drawn, {mode + ':':11s} median {statistics.median(load_ms):7.1f} ms"
+            f"  max {max(load_ms):7.1f} ms"
+        )
+        print(
+            f"  in the page, from navigation: median {statistics.median(in_page_ms):7.1f} ms"
+            f"  max {max(in_page_ms):7.1f} ms"
+        )
+        print(f"  API + Chromium CPU time:      median {statistics.median(load_cpu_ms):7.1f} ms")
     print(
         f"client draw of {len(full['x']):,} unreduced points: median {statistics.median(draw_ms):.1f} ms"
         f"  max {max(draw_ms):.1f} ms"

@@ -17,6 +17,7 @@ from service.api.app import create_app
 from service.api.routes.ui import STATIC_DIR
 from service.api.security import CSRF_HEADER, SESSION_COOKIE
 from service.config import Settings
+from service.services.metric_series import Answer, AnswerCache, Series
 from tests.attempt_history import FIRST, SECOND, restarted_job
 from tests.conftest import LiveServer
 from tests.factories import auth, create_token, insert_dataset, job_spec, register_node, token_id
@@ -171,6 +172,50 @@ def test_metric_series_route_reduces_and_says_where_live_points_continue(
         client.get(f"/v1/jobs/{job.job_id}/metrics/series", params={"points": 5}, headers=user).status_code
         == 422
     )
+
+
+def test_metric_series_answered_again_from_memory_until_a_new_point_arrives(
+    client: TestClient, settings: Settings
+) -> None:
+    job = start_running_job(settings, client, per_node=1)
+    points = [point("train.loss", 1.0 + (i % 7) * 0.01, epoch=0, step=i) for i in range(300)]
+    assert post_report(client, job, metrics=points).status_code == 200
+    user = auth(job.user_token)
+
+    def series() -> dict[str, Any]:
+        r = client.get(f"/v1/jobs/{job.job_id}/metrics/series", params={"points": 50}, headers=user)
+        assert r.status_code == 200, r.text
+        body: dict[str, Any] = r.json()
+        return body
+
+    first = series()
+    assert series() == first  # nothing new: the same answer
+    loss = first["series"]["train.loss"]
+    assert loss["count"] == 300 and max(loss["y"]) < 2
+    # One new point, a spike: the next answer has it, and says where live points go on.
+    assert post_report(client, job, metrics=[point("train.loss", 7.5, epoch=0, step=300)]).status_code == 200
+    after = series()
+    assert after["series"]["train.loss"]["count"] == 301
+    assert max(after["series"]["train.loss"]["y"]) == 7.5
+    assert after["last_seq"] > first["last_seq"]
+    # A new metric shows up too.
+    assert post_report(client, job, metrics=[point("val.top1", 0.25, epoch=0, step=300)]).status_code == 200
+    assert series()["series"]["val.top1"] == {"x": [300], "y": [0.25], "count": 1}
+
+
+def test_kept_series_answers_are_bounded_by_their_points_least_recently_used_dropped() -> None:
+    def answer(n: int) -> Answer:
+        return {"m": Series(x=[float(i) for i in range(n)], y=[0.0] * n, count=n)}, n
+
+    cache = AnswerCache(max_points=100)
+    cache.put(("db", "a", 10, 1, 1), answer(40))
+    cache.put(("db", "b", 10, 1, 1), answer(40))
+    assert cache.get(("db", "a", 10, 1, 1)) is not None  # a is now the most recently used
+    cache.put(("db", "c", 10, 1, 1), answer(40))  # 120 points: b goes
+    assert cache.get(("db", "b", 10, 1, 1)) is None
+    assert cache.get(("db", "a", 10, 1, 1)) == answer(40) and cache.points == 80 and len(cache) == 2
+    cache.put(("db", "huge", 10, 1, 1), answer(101))  # larger than the bound: not kept
+    assert cache.get(("db", "huge", 10, 1, 1)) is None and cache.points == 80
 
 
 def test_metric_series_leaves_out_points_a_later_attempt_redid(

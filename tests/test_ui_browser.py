@@ -315,6 +315,40 @@ def test_a_restarted_job_shows_its_attempts_end_reasons_and_each_attempts_log(
     assert ui.errors == []
 
 
+def test_the_job_page_asks_for_its_series_at_once_and_for_logs_after_the_charts(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    job = restarted_job(admin, live_server.settings)
+    ui = open_ui(live_server.url)
+    ui.sign_in(job.user_token)
+    page = ui.page
+    page.goto(f"/#/jobs/{job.job_id}")
+    page.reload()  # a fresh page: the session check and the schema are asked for again
+    page.wait_for_selector("#charts[data-ready='true']")
+    page.wait_for_selector("#log-state:has-text('end of log')")
+    timing = page.evaluate(
+        """() => ({
+            ready: performance.getEntriesByName('torchyard:charts-ready')[0].startTime,
+            requests: performance.getEntriesByType('resource')
+                .filter((e) => e.initiatorType === 'fetch')
+                .map((e) => [new URL(e.name).pathname, e.startTime]),
+        })"""
+    )
+    started: dict[str, float] = {}
+    for path, start in timing["requests"]:
+        started.setdefault(path, start)
+    base = f"/v1/jobs/{job.job_id}"
+    # The schema is read beside the session check, the series beside the job.
+    assert started["/openapi.json"] <= started["/v1/whoami"]
+    assert started[f"{base}/metrics/series"] <= started[base]
+    # Nothing else is fetched before the charts are drawn: the logs come after.
+    logs = [start for path, start in timing["requests"] if path.startswith(f"{base}/logs")]
+    assert logs and min(logs) >= timing["ready"]
+    assert not any(path == f"{base}/metrics" for path, _ in timing["requests"])
+    assert page.get_attribute("#chart-loss", "data-points") == "14"
+    assert ui.errors == []
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     """A resnet18 trained in-process for one epoch on 16 px digits (with its ONNX export)."""

@@ -86,6 +86,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.db = await asyncio.to_thread(bootstrap, settings)
+        # The OpenAPI schema is built once, now: the web UI reads it on every page load.
+        await asyncio.to_thread(app.openapi)
         # Nodes are judged lost only after a full lease period of this replica listening.
         app.state.listening = ListeningClock()
         # Expired leases, lost nodes, settled cancellations and scheduling passes.

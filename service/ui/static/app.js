@@ -112,6 +112,8 @@ function renderSignIn(root, problem) {
 async function route() {
   cleanup();
   const root = document.getElementById("app");
+  // The schema is public: it is read while the session is checked, not after.
+  const features = state.features ? null : loadFeatures();
   if (!state.me) {
     try {
       state.me = await api("/v1/whoami");
@@ -129,7 +131,7 @@ async function route() {
       return;
     }
   }
-  if (!state.features) state.features = await loadFeatures();
+  if (!state.features) state.features = await features;
   const hash = location.hash || "#/jobs";
   const [path, query] = hash.slice(1).split("?");
   const parts = path.split("/").filter(Boolean).map(decodeURIComponent);

@@ -222,11 +222,13 @@ async function setUpCharts(ctx, job, grid, seriesPromise) {
   await new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve)));
   grid.dataset.loadedMs = String(Math.round(performance.now() - started));
   grid.dataset.ready = "true";
+  performance.mark("torchyard:charts-ready");
   return { ensure, lastSeq: page.last_seq };
 }
 
 // Per-rank and agent logs of the latest attempt, or of an earlier one picked in the attempt
 // list (logs?attempt=N); an ended attempt's log is read to its end, a live one followed.
+// Nothing is fetched before start() (called once the charts are drawn).
 function logsBlock(ctx, job) {
   const select = h("select", { id: "log-stream" });
   const attemptSelect = h("select", { id: "log-attempt" });
@@ -313,12 +315,18 @@ function logsBlock(ctx, job) {
     attemptLabel.hidden = !many;
   };
   setAttempts(job);
-  const timer = setInterval(refreshStreams, 2000);
+  let timer = null;
+  let left = false;
   ctx.onLeave(() => {
+    left = true;
     clearInterval(timer);
     if (controller) controller.abort();
   });
-  refreshStreams();
+  const start = () => {
+    if (left || timer !== null) return;
+    timer = setInterval(refreshStreams, 2000);
+    refreshStreams();
+  };
   const el = h(
     "section",
     { id: "logs", class: "card" },
@@ -334,7 +342,7 @@ function logsBlock(ctx, job) {
     ),
     pre,
   );
-  return { el, setAttempts };
+  return { el, setAttempts, start };
 }
 
 export async function renderJob(ctx, jobId) {
@@ -362,7 +370,14 @@ export async function renderJob(ctx, jobId) {
   draw();
   ctx.main.replaceChildren(head, status, h("h2", {}, "Metrics"), grid, logs.el);
 
-  const { ensure, lastSeq } = await setUpCharts(ctx, job, grid, seriesPromise);
+  // The charts come first: the logs, the progress tick and the live points wait for them.
+  let charted;
+  try {
+    charted = await setUpCharts(ctx, job, grid, seriesPromise);
+  } finally {
+    logs.start();
+  }
+  const { ensure, lastSeq } = charted;
   const tick = setInterval(() => {
     if (!FINAL.has(job.status)) status.querySelector("#progress")?.replaceWith(progressBlock(job));
   }, 5000);
