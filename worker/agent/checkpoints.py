@@ -72,6 +72,7 @@ class Uploaded:
     step: int | None
     size: int
     seconds: float
+    cpu_seconds: float = 0.0  # of the uploading thread
 
 
 class CheckpointUploader:
@@ -144,6 +145,7 @@ class CheckpointUploader:
     def _upload(self, info: dict[str, object]) -> None:
         path = self.run_dir / CHECKPOINT_FILE
         started = time.monotonic()
+        cpu_started = time.thread_time()
         with open(path, "rb") as fh:
             # The open file is the bytes we send, even if the trainer replaces the path meanwhile.
             stat = os.fstat(fh.fileno())
@@ -177,7 +179,14 @@ class CheckpointUploader:
                 return
         if response.status_code >= 400:
             raise error_from_body(response.status_code, _body(response))
-        done = Uploaded(sha256, epoch, step_in_epoch or None, size, time.monotonic() - started)
+        done = Uploaded(
+            sha256,
+            epoch,
+            step_in_epoch or None,
+            size,
+            time.monotonic() - started,
+            time.thread_time() - cpu_started,
+        )
         self.uploaded.append(done)
         self.log.info(
             "checkpoint of epoch %d%s uploaded: %d bytes in %.2f s",

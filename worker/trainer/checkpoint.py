@@ -158,18 +158,21 @@ class CheckpointWriter:
 
     def _write(self, state: dict[str, Any], label: str, before_replace: Callable[[], None] | None) -> None:
         started = time.perf_counter()
+        cpu_started = time.thread_time()
         try:
             info = save_checkpoint(self.path, state, before_replace=before_replace)
         except BaseException as exc:  # reported on the training thread by wait()
             self._error = exc
             return
         seconds = time.perf_counter() - started
-        self.written.append({**info, "write_seconds": seconds})
+        cpu = time.thread_time() - cpu_started
+        self.written.append({**info, "write_seconds": seconds, "write_cpu_seconds": cpu})
         log.info(
-            "checkpoint after %s written in the background: %d bytes in %.2fs",
+            "checkpoint after %s written in the background: %d bytes in %.2fs (%.2fs CPU)",
             label,
             info["size_bytes"],
             seconds,
+            cpu,
         )
 
     @property
