@@ -24,6 +24,7 @@ import pytest
 
 from tests.test_e2e_training import Env, db_url, env, run_dir, settings  # noqa: F401 - fixtures
 from tests.worker_fixtures import AgentProcess, start_agent, wait_for_node
+from worker.trainer.control import PREEMPT_REQUEST_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -107,48 +108,73 @@ def _wait_for_text(path: Path, text: str, timeout: float) -> None:
     raise AssertionError(f"no {text!r} in {path}")
 
 
+def _wait_for_file(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no {path.name} after {timeout} s"
+        time.sleep(0.1)
+
+
 def test_preempted_then_killed_job_resumes_exactly(env: Env) -> None:  # noqa: F811
     """SIGTERM to the agent preempts the job mid-epoch; it resumes on another node from
     the uploaded checkpoint; there a rank is SIGKILLed (RankKilledError, restart 1), and
     the job resumes again from the latest uploaded epoch checkpoint. It ends with the
     validation metrics of the same job run without interruption."""
-    first = _agent(env, "cpu-1", grace_period=5, env={"TORCHYARD_PREEMPT_GRACE_S": "60"})
+    # Rank 0 holds half-way through epoch 2 (the trainer's test hook) until the agent has
+    # asked for the preemption: it lands mid-epoch 2 however fast the epochs run.
+    first = _agent(
+        env,
+        "cpu-1",
+        grace_period=5,
+        env={"TORCHYARD_PREEMPT_GRACE_S": "60", "TORCHYARD_TEST_PAUSE_AT": "train:2"},
+    )
     job = {"model": MODEL, "parameters": {"epochs": 4, "print_frequency": 1}}
     job_id = env.submit(**job)
-    steps_per_epoch = 240 // (2 * 16)
-    env.wait(job_id, lambda j: _stepping(j, steps_per_epoch + 2), timeout=300)
+    env.wait(job_id, _stepping, timeout=300)
+    directory = run_dir(first, job_id)
+    _wait_for_file(directory / "paused-train-2", timeout=300)
     first.process.send_signal(signal.SIGTERM)
+    _wait_for_file(directory / PREEMPT_REQUEST_FILE, timeout=60)
+    (directory / "paused-train-2").unlink()
     assert first.process.wait(120) == 0, first.log_text()[-4000:]
     log = first.log_text()
     assert "SIGTERM: draining node cpu-1" in log and "every placement preempted" in log
-    directory = run_dir(first, job_id)
     assert (directory / "preempted.json").is_file()
     assert "checkpoint of epoch 1 step" in (directory / "agent.log").read_text()
     preempted = env.user.get(f"/v1/jobs/{job_id}").json()
     assert preempted["restarts"] == 0, preempted
     assert preempted["attempts"][0]["status"] == "preempted", preempted
 
-    # Another node resumes it from the mid-epoch checkpoint.
-    second = _agent(env, "cpu-2")
+    # Another node resumes it from the mid-epoch checkpoint. Its rank 0 holds half-way
+    # through epoch 3, after epoch 2's checkpoint, until rank 1 has been killed.
+    second = _agent(env, "cpu-2", env={"TORCHYARD_TEST_PAUSE_AT": "train:3"})
     env.wait(job_id, lambda j: len(j["attempts"]) == 2 and j["status"] == "running", timeout=300)
     runs = sorted((second.work_dir / "runs").glob(f"{job_id}-a2-*"))
     assert len(runs) == 1
-    _wait_for_text(runs[0] / "agent.log", "checkpoint of epoch 2 uploaded", timeout=400)
+    _wait_for_file(runs[0] / "paused-train-3", timeout=400)
+    _wait_for_text(runs[0] / "agent.log", "checkpoint of epoch 2 uploaded", timeout=60)
     assert "resuming from it" in (runs[0] / "agent.log").read_text()
     # A rank is killed from outside: a retryable RankKilledError, restart 1.
     os.kill(_rank_pid(runs[0], 1), signal.SIGKILL)
+    (runs[0] / "paused-train-3").unlink()
+    env.wait(job_id, lambda j: len(j["attempts"]) == 3, timeout=300)
+    third = sorted((second.work_dir / "runs").glob(f"{job_id}-a3-*"))
+    assert len(third) == 1
+    _wait_for_file(third[0] / "paused-train-3", timeout=400)  # the same hook: let it go on
+    (third[0] / "paused-train-3").unlink()
     done = env.wait(job_id, timeout=600)
     assert done["status"] == "succeeded", done
     statuses = [a["status"] for a in done["attempts"]]
     assert done["restarts"] == 1 and statuses == ["preempted", "failed", "succeeded"], done
     assert done["attempts"][1]["end_reason"]["code"] == "RankKilledError", done
-    third = sorted((second.work_dir / "runs").glob(f"{job_id}-a3-*"))
-    assert "resuming after epoch 2" in _rank_log(third[0], 0) or "resuming after epoch 3" in _rank_log(
-        third[0], 0
-    )
+    assert "resuming after epoch 2" in _rank_log(third[0], 0)
 
     # The same job without interruption: the same validation metrics, each epoch once.
     reference_id = env.submit(**job)
+    env.wait(reference_id, _stepping, timeout=300)
+    (reference_run,) = (second.work_dir / "runs").glob(f"{reference_id}-*")
+    _wait_for_file(reference_run / "paused-train-3", timeout=400)  # cpu-2's hook again
+    (reference_run / "paused-train-3").unlink()
     reference = env.wait(reference_id, timeout=600)
     assert reference["status"] == "succeeded", reference
     got, want = _val_history(env.user, job_id), _val_history(env.user, reference_id)
