@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -233,6 +234,7 @@ def main() -> None:
         admin.post(f"/v1/jobs/{job_id}/cancel")
     finally:
         service.stop()
+        shutil.rmtree(root, ignore_errors=True)
     summarize(runs, args)
 
 
