@@ -5,6 +5,7 @@ file, and nothing left once the job ends."""
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -204,3 +205,45 @@ def test_agent_uploads_only_the_newest_and_downloads_it_verified(
             time.sleep(0.05)
         stale.stop()
         assert stale.lease_lost and stale.uploaded == []
+
+
+def test_agent_sends_the_described_sha_and_skips_a_file_changed_in_place(
+    settings: Settings,
+    live_server: LiveServer,
+    admin: httpx.Client,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The uploader does not hash the file again when the opened file is the one
+    ``checkpoint.json`` describes (inode, size, mtime): it sends the trainer's sha256. The
+    API still checks the bytes: a file changed in place behind an unchanged description
+    is refused (422, nothing kept), and the uploader skips it until a newer checkpoint."""
+    from worker.agent.checkpoints import CheckpointUploader
+
+    job = start_running_job(settings, admin)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    info = _write_checkpoint(run_dir, 1)
+    path = run_dir / "checkpoint.pt"
+    stat = os.stat(path)
+    with open(path, "r+b") as fh:  # one byte flipped in place, the modification time put back
+        fh.seek(stat.st_size // 2)
+        byte = fh.read(1)
+        fh.seek(stat.st_size // 2)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert hashlib.sha256(path.read_bytes()).hexdigest() != info["sha256"]
+    with httpx.Client(base_url=live_server.url, headers=auth(job.worker_token)) as worker:
+        uploader = CheckpointUploader(worker, job.job_id, job.lease, run_dir)
+        with caplog.at_level("WARNING", logger="worker.agent.checkpoints"):
+            uploader.start()
+            assert uploader.flush(60)
+        # Sent with the described sha256 (not hashed first), refused by the API, then skipped.
+        assert "does not match the sha256 of checkpoint.json" in caplog.text
+        assert uploader.uploaded == [] and _files(settings, job.job_id) == []
+
+        newer = _write_checkpoint(run_dir, 2)
+        assert uploader.flush(60)
+        uploader.stop()
+        assert [(u.epoch, u.sha256) for u in uploader.uploaded] == [(2, newer["sha256"])]
+        assert len(_files(settings, job.job_id)) == 1

@@ -283,6 +283,15 @@ def test_failures_are_classified_for_the_restart_policy(tmp_path: Path) -> None:
     echo = {"code": "RankFailedError", "message": "gloo: Connection closed by peer", "rank": 0, "time": 1.0}
     (tmp_path / "failure-rank-0.json").write_text(json.dumps({**echo, "secondary": True}))
     assert collect_failure(spec, 1, _launcher_log(tmp_path, -9))["code"] == "RankKilledError"
+    # ... also when torchrun names that peer as its root cause (dated first, to the second).
+    (tmp_path / "agent.log").write_text(
+        "Failures:\n[1]:\n  time      : x\n  host      : h\n  rank      : 1 (local_rank: 1)\n"
+        "  exitcode  : -9 (pid: 4243)  (SIGKILL)\n  error_file: <N/A>\n"
+        "Root Cause (first observed failure):\n[0]:\n  time      : x\n  host      : h\n"
+        "  rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 4242)\n"
+    )
+    peer_first = collect_failure(spec, 1, tmp_path / "agent.log")
+    assert peer_first["code"] == "RankKilledError" and peer_first["rank"] == 1
     # A broken collective with no killed rank on this node: CommunicationError (retryable).
     broken = collect_failure(spec, 1, _launcher_log(tmp_path, 1))
     assert broken["code"] == "CommunicationError" and broken["rank"] == 0

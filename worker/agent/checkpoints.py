@@ -2,9 +2,13 @@
 
 :class:`CheckpointUploader` runs beside the ranks of node rank 0: whenever the
 trainer has written a new ``checkpoint.pt`` (announced by ``checkpoint.json``, which
-carries its sha256), it uploads it in a thread of its own, so training never waits for
-the network. When several checkpoints appear during one upload, only the newest is
-sent next. :func:`download_checkpoint` fetches the checkpoint a claim names into the
+carries its sha256, computed by the trainer as it wrote the bytes), it uploads it in a
+thread of its own, so training never waits for the network. The file is not read
+twice: when the opened file's inode, size and modification time are the ones
+described, its sha256 is the described one (the API checks the bytes against it
+anyway: a mismatch is refused with 422 and nothing is kept); otherwise (or for a
+description without them) it is hashed first. When several checkpoints appear during
+one upload, only the newest is sent next. :func:`download_checkpoint` fetches the checkpoint a claim names into the
 run directory, checking its sha256.
 """
 
@@ -68,6 +72,7 @@ class Uploaded:
     step: int | None
     size: int
     seconds: float
+    cpu_seconds: float = 0.0  # of the uploading thread
 
 
 class CheckpointUploader:
@@ -88,6 +93,8 @@ class CheckpointUploader:
         self.log = logger or log
         self.uploaded: list[Uploaded] = []
         self.lease_lost = False
+        # Descriptions whose file does not hash to their sha256: never sent (a newer one is awaited).
+        self._bad: set[str] = set()
         self._stopping = threading.Event()
         self._idle = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"checkpoints-{job_id[:8]}", daemon=True)
@@ -105,7 +112,7 @@ class CheckpointUploader:
             info = json.loads((self.run_dir / CHECKPOINT_INFO_FILE).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
-        if not isinstance(info, dict) or info.get("sha256") == self.last_sha256:
+        if not isinstance(info, dict) or info.get("sha256") in (self.last_sha256, *self._bad):
             return None
         return info
 
@@ -138,12 +145,15 @@ class CheckpointUploader:
     def _upload(self, info: dict[str, object]) -> None:
         path = self.run_dir / CHECKPOINT_FILE
         started = time.monotonic()
+        cpu_started = time.thread_time()
         with open(path, "rb") as fh:
             # The open file is the bytes we send, even if the trainer replaces the path meanwhile.
-            sha256 = _sha256_of(fh)
+            stat = os.fstat(fh.fileno())
+            size = stat.st_size
+            described = _describes(info, stat)
+            sha256 = str(info.get("sha256")) if described else _sha256_of(fh)
             if sha256 != info.get("sha256"):
                 return  # replaced between the description and the open: the next poll takes the newer
-            size = os.fstat(fh.fileno()).st_size
             epoch = int(str(info.get("epoch", 0)))
             step_in_epoch = int(str(info.get("step_in_epoch", 0)))
             headers = {
@@ -161,9 +171,22 @@ class CheckpointUploader:
                 headers=headers,
                 timeout=httpx.Timeout(300.0, connect=10.0),
             )
+            if response.status_code == 422 and described and _sha256_of(fh) != sha256:
+                # The file is not what its description says (changed in place, or a reused
+                # inode): never send it again; the trainer's next checkpoint is awaited.
+                self._bad.add(sha256)
+                self.log.warning("checkpoint.pt does not match the sha256 of checkpoint.json; skipping it")
+                return
         if response.status_code >= 400:
             raise error_from_body(response.status_code, _body(response))
-        done = Uploaded(sha256, epoch, step_in_epoch or None, size, time.monotonic() - started)
+        done = Uploaded(
+            sha256,
+            epoch,
+            step_in_epoch or None,
+            size,
+            time.monotonic() - started,
+            time.thread_time() - cpu_started,
+        )
         self.uploaded.append(done)
         self.log.info(
             "checkpoint of epoch %d%s uploaded: %d bytes in %.2f s",
@@ -188,6 +211,17 @@ class CheckpointUploader:
             self.flush(timeout)
         self._stopping.set()
         self._thread.join(timeout=max(1.0, timeout))
+
+
+def _describes(info: dict[str, object], stat: os.stat_result) -> bool:
+    """Whether ``info`` (``checkpoint.json``) describes the open file of ``stat``: same
+    inode, size and modification time (a description without them describes nothing)."""
+    expected = (info.get("inode"), info.get("size_bytes"), info.get("mtime_ns"))
+    return all(isinstance(v, int) for v in expected) and expected == (
+        stat.st_ino,
+        stat.st_size,
+        stat.st_mtime_ns,
+    )
 
 
 def _body(response: httpx.Response) -> object:

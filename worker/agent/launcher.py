@@ -305,6 +305,20 @@ def _root_cause(launcher_log: Path) -> tuple[int, int, int] | None:
     return int(last.group(1)), int(last.group(2)), int(last.group(3))
 
 
+_FAILURE_ENTRY = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*exitcode\s*:\s*(-?\d+)")
+
+
+def _killed_rank(launcher_log: Path) -> tuple[int, int, int] | None:
+    """A rank of torchrun's failure report (its "Failures" or its root cause) killed by
+    a signal from outside. torchrun names as root cause the failure it dates first, to
+    the second: a peer whose collective broke under the killed rank may come first."""
+    for match in _FAILURE_ENTRY.finditer(_tail(launcher_log, 400)):
+        entry = int(match.group(1)), int(match.group(2)), int(match.group(3))
+        if _killed_from_outside(entry[2]):
+            return entry
+    return None
+
+
 def _describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -361,6 +375,8 @@ def collect_failure(spec: LaunchSpec, exit_code: int | None, launcher_log: Path)
     """
     record = first_failure(read_failure_files(spec.run_dir))
     cause = _root_cause(launcher_log)
+    if cause is None or not _killed_from_outside(cause[2]):
+        cause = _killed_rank(launcher_log) or cause
     killed = cause is not None and _killed_from_outside(cause[2])
     if record is not None and not (killed and record.get("secondary")):
         return _from_record(record, spec)

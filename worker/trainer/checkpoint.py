@@ -13,7 +13,14 @@ mid-epoch preemption checkpoint; 0 at an epoch end), ``sampler_epoch`` and
 0, indexed by global rank).
 
 Beside it, ``checkpoint.json`` (written after the rename) describes the file the agent
-uploads: ``epoch``, ``step_in_epoch``, ``step``, ``sha256`` and ``size_bytes``.
+uploads: ``epoch``, ``step_in_epoch``, ``step``, ``sha256`` and ``size_bytes`` (the
+sha256 is computed over the bytes as they are written, so nobody reads the file again
+to hash it), and ``inode`` and ``mtime_ns``, which tell the agent that the file it
+opened is the one described.
+
+Rank 0 writes in the background (:class:`CheckpointWriter`): training waits only for a
+copy of the state (tensors cloned to CPU memory, see :func:`detached`), a thread
+serialises it, fsyncs and publishes it while the next epoch trains.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import json
 import logging
 import os
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -68,6 +77,7 @@ def save_checkpoint(
             torch.save({"format_version": FORMAT_VERSION, **state}, writer)  # type: ignore[arg-type]
             fh.flush()
             os.fsync(fh.fileno())
+            written = os.fstat(fh.fileno())
         if before_replace is not None:
             before_replace()
         os.replace(tmp, target)
@@ -82,12 +92,110 @@ def save_checkpoint(
         "step": int(state.get("step", 0)),
         "sha256": writer.digest.hexdigest(),
         "size_bytes": writer.size,
+        # The renamed file keeps its inode and modification time: the agent checks them
+        # on the file it opens instead of hashing it again.
+        "inode": written.st_ino,
+        "mtime_ns": written.st_mtime_ns,
     }
     info_path = target.with_name(CHECKPOINT_INFO_FILE)
     info_tmp = info_path.with_name(f".{info_path.name}.tmp")
     info_tmp.write_text(json.dumps(info), encoding="utf-8")
     os.replace(info_tmp, info_path)
     return info
+
+
+def detached(value: Any) -> Any:
+    """A copy of ``value`` that training cannot change any more: every tensor cloned to
+    CPU memory, every dict, list and tuple rebuilt (scalars and strings are immutable)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: detached(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [detached(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(detached(item) for item in value)
+    return value
+
+
+class CheckpointWriteError(RuntimeError):
+    """Writing a checkpoint in the background failed (raised on the training thread)."""
+
+
+class CheckpointWriter:
+    """Rank 0's checkpoint writer: :func:`save_checkpoint` in a background thread.
+
+    :meth:`submit` waits for the previous write to finish (one write at a time, so
+    checkpoints are published in order and at most one copy of the state is held),
+    then starts writing the new one and returns. :meth:`wait` joins the write and
+    raises :class:`CheckpointWriteError` if it failed; the preemption checkpoint, the
+    end of training and every failure path join it, so the process never exits with a
+    checkpoint half-written. A torn write never replaces ``checkpoint.pt`` (temporary
+    file, fsync, rename), so the previous checkpoint stays whole until the new one is.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.written: list[dict[str, Any]] = []  # the description of each checkpoint written
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._label = ""
+
+    def submit(
+        self, state: dict[str, Any], *, label: str, before_replace: Callable[[], None] | None = None
+    ) -> float:
+        """Write ``state`` in the background; the seconds the caller waited for the previous
+        write. ``state`` is handed over: nothing in it may change afterwards (see :func:`detached`)."""
+        started = time.perf_counter()
+        self.wait()
+        waited = time.perf_counter() - started
+        self._label = label
+        self._thread = threading.Thread(
+            target=self._write, args=(state, label, before_replace), name="checkpoint-writer"
+        )
+        self._thread.start()
+        return waited
+
+    def _write(self, state: dict[str, Any], label: str, before_replace: Callable[[], None] | None) -> None:
+        started = time.perf_counter()
+        cpu_started = time.thread_time()
+        try:
+            info = save_checkpoint(self.path, state, before_replace=before_replace)
+        except BaseException as exc:  # reported on the training thread by wait()
+            self._error = exc
+            return
+        seconds = time.perf_counter() - started
+        cpu = time.thread_time() - cpu_started
+        self.written.append({**info, "write_seconds": seconds, "write_cpu_seconds": cpu})
+        log.info(
+            "checkpoint after %s written in the background: %d bytes in %.2fs (%.2fs CPU)",
+            label,
+            info["size_bytes"],
+            seconds,
+            cpu,
+        )
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Join the write in progress, if any; raise :class:`CheckpointWriteError` if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise CheckpointWriteError(
+                f"writing the checkpoint after {self._label} failed: {error}"
+            ) from error
+
+    def close(self) -> None:
+        """Join the write in progress on a path that is already failing: log an error, never raise."""
+        try:
+            self.wait()
+        except CheckpointWriteError as exc:
+            log.error("%s", exc)
 
 
 def load_checkpoint(

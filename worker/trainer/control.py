@@ -14,7 +14,8 @@
 Test hook: ``TORCHYARD_TEST_PAUSE_AT=<point>:<epoch>`` makes rank 0 write
 ``paused-<point>-<epoch>`` in the run directory and wait while that file exists when it
 reaches ``point`` (``train``: half-way through the epoch, ``validation``, ``checkpoint``:
-the file written, not yet renamed) in that epoch, so a test can kill the processes or
+the file written, not yet renamed; the background writer waits there, not training) in
+that epoch, so a test can kill the processes or
 request a preemption at a known moment. Unset in production.
 """
 

@@ -229,6 +229,8 @@ def run_job(job: JobConfig, env: DistEnv) -> dict[str, Any] | None:
     training = _set_up(job, env, device, built, output_dir)
     try:
         history, best_state, stopped, preempted = _train_epochs(training)
+        if training.writer is not None:
+            training.writer.wait()  # the last checkpoint is whole before the result is announced
         if preempted:
             return {"preempted": True} if env.is_primary else None
         if not env.is_primary:
@@ -248,6 +250,8 @@ def run_job(job: JobConfig, env: DistEnv) -> dict[str, Any] | None:
             stopped,
         )
     finally:
+        if training.writer is not None:
+            training.writer.close()  # a failing run still leaves its last checkpoint whole
         training.events.close()
 
 
@@ -272,6 +276,8 @@ class _Training:
     loop: TrainLoop
     effective_lr: float
     control: RankControl
+    # Rank 0's background checkpoint writer (None on the other ranks).
+    writer: ckpt.CheckpointWriter | None
 
 
 def _set_up(
@@ -365,7 +371,17 @@ def _set_up(
         loop=loop,
         effective_lr=effective_lr,
         control=control,
+        writer=_checkpoint_writer(output_dir) if env.is_primary else None,
     )
+
+
+def _checkpoint_writer(output_dir: Path) -> ckpt.CheckpointWriter | None:
+    """Rank 0's writer; none when ``TORCHYARD_BENCH_NO_CHECKPOINTS=1`` (a benchmark's
+    baseline without checkpoints: such a job cannot resume; never set in production)."""
+    if os.environ.get("TORCHYARD_BENCH_NO_CHECKPOINTS", "") == "1":
+        log.warning("TORCHYARD_BENCH_NO_CHECKPOINTS=1: no checkpoint is written")
+        return None
+    return ckpt.CheckpointWriter(output_dir / ckpt.CHECKPOINT_FILE)
 
 
 def _place_model(model: nn.Module, device: torch.device, learning_rate: float) -> torch.optim.SGD:
@@ -422,16 +438,28 @@ def _train_epochs(
             ", ".join(f"{k} {v:.4f}" for k, v in val.items()),
             " (best so far)" if improved else f" (best: epoch {t.stopper.best_epoch})",
         )
+        checkpoint_started = time.perf_counter()
         rank_states = _gather_rank_states(t)
         if t.env.is_primary:
             best_state = _record_epoch(
-                t, epoch, val, seconds, improved, best_state, history, stopped, rank_states
+                t,
+                epoch,
+                val,
+                seconds,
+                improved,
+                best_state,
+                history,
+                stopped,
+                rank_states,
+                checkpoint_started,
             )
         if stopped and epoch < params.epochs:
             log.info("stopping early: no lower validation loss for %d epochs", params.patience)
         if not stopped and epoch < params.epochs and t.control.stop_agreed():
             # Preempted between epochs: the epoch's checkpoint is the one to resume from.
             if t.env.is_primary:
+                if t.writer is not None:
+                    t.writer.wait()  # written and renamed before preempted.json says so
                 t.control.write_preempted(epoch, 0, t.loop.step)
             log.info("preempted after epoch %d: its checkpoint is written", epoch)
             return history, best_state, stopped, True
@@ -458,6 +486,7 @@ def _preempt(
     """All ranks stopped after the same step of ``epoch``: rank 0 writes the mid-epoch
     checkpoint (every rank's random states gathered to it), then ``preempted.json``."""
     done = t.loop.preempted_at or 0
+    started = time.perf_counter()
     rank_states = _gather_rank_states(t)
     log.info("preempted at step %d of epoch %d (global step %d)", done, epoch, t.loop.step)
     if not t.env.is_primary:
@@ -472,7 +501,10 @@ def _preempt(
         history=history,
         stopped=stopped,
         rank_states=rank_states,
+        started=started,
     )
+    if t.writer is not None:
+        t.writer.wait()  # written and renamed before preempted.json says so
     t.control.write_preempted(epoch - 1, done, t.loop.step)
 
 
@@ -533,9 +565,11 @@ def _record_epoch(
     history: list[dict[str, float]],
     stopped: bool,
     rank_states: list[dict[str, Any]] | None,
+    started: float,
 ) -> dict[str, torch.Tensor] | None:
     """Rank 0: the epoch's metric and progress events and its checkpoint; the best
-    epoch's weights so far."""
+    epoch's weights so far. ``started``: when the ranks began gathering the checkpoint's
+    random states (what training waits for the checkpoint is counted from there)."""
     step = t.loop.step
     for name, value in (*val.items(), ("epoch.seconds", seconds)):
         t.events.metric(name, value, epoch=epoch, step=step)
@@ -552,6 +586,7 @@ def _record_epoch(
         history=history,
         stopped=stopped,
         rank_states=rank_states,
+        started=started,
     )
     return best_state
 
@@ -566,11 +601,16 @@ def _save_checkpoint(
     history: list[dict[str, float]],
     stopped: bool,
     rank_states: list[dict[str, Any]] | None,
+    started: float,
 ) -> None:
-    started = time.perf_counter()
+    """Rank 0: hand the state to the background writer. Training waits only for the
+    previous write to end (normally long done) and for a copy of the optimizer state;
+    ``model_state`` and ``best_model`` are already copies of their own (CPU, never changed)."""
+    if t.writer is None:
+        return
     job = t.job
-    ckpt.save_checkpoint(
-        t.output_dir / ckpt.CHECKPOINT_FILE,
+    where = f"epoch {epoch}" if not step_in_epoch else f"step {step_in_epoch} of epoch {epoch + 1}"
+    waited = t.writer.submit(
         {
             "job_id": job.job_id,
             "architecture": job.model.architecture,
@@ -581,20 +621,25 @@ def _save_checkpoint(
             "step": t.loop.step,
             "sampler_epoch": t.loaders.train_sampler.epoch,
             "model": model_state,
-            "optimizer": t.optimizer.state_dict(),
-            "scheduler": t.scheduler.state_dict(),
-            "early_stopping": t.stopper.state_dict(),
+            "optimizer": ckpt.detached(t.optimizer.state_dict()),
+            "scheduler": ckpt.detached(t.scheduler.state_dict()),
+            "early_stopping": dict(t.stopper.state_dict()),
             "best_metric": t.stopper.best_loss,
             "best_epoch": t.stopper.best_epoch,
             "best_model": best_model,
-            "history": history,
+            "history": ckpt.detached(history),
             "stopped": stopped,
             "rank_states": rank_states or [],
         },
+        label=where,
         before_replace=lambda: t.control.pause_point("checkpoint", epoch),
     )
-    where = f"epoch {epoch}" if not step_in_epoch else f"step {step_in_epoch} of epoch {epoch + 1}"
-    log.info("checkpoint after %s written in %.1fs", where, time.perf_counter() - started)
+    log.info(
+        "checkpoint after %s handed to the writer: training waited %.3fs (%.3fs of it for the previous write)",
+        where,
+        time.perf_counter() - started,
+        waited,
+    )
 
 
 def _publish(
