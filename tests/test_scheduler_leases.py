@@ -407,3 +407,41 @@ def test_submission_wakes_a_waiting_claim_without_polling(make_settings: Any, se
         assert max(latencies) < 1.0, latencies
     finally:
         server.stop()
+
+
+def _node_status(cluster: Cluster, name: str) -> str:
+    db = Database(cluster.server.settings.sqlalchemy_url)
+    try:
+        with db.read_session() as s:
+            return str(s.scalars(select(Node.status).where(Node.name == name)).one())
+    finally:
+        db.dispose()
+
+
+def test_a_parked_long_poll_does_not_revive_its_lost_node(cluster: Cluster) -> None:
+    """An agent that froze (or died) with a claim long-poll parked at the API: when work
+    wakes the poll up, that re-check is the API's, not a sign of life. The node stays lost
+    and gets no work; only a request the agent makes afterwards revives it."""
+    cluster.beating.discard("n1")
+    results: dict[str, httpx.Response] = {}
+
+    def poll() -> None:
+        results["response"] = cluster.worker.post("/v1/worker/nodes/n1/claim", params={"wait": 8})
+
+    poller = threading.Thread(target=poll)
+    poller.start()  # its first check touches n1: the agent has just asked
+    deadline = time.monotonic() + 4 * LEASE_TIMEOUT_S
+    while _node_status(cluster, "n1") != "lost":
+        assert time.monotonic() < deadline, "n1 was never declared lost"
+        time.sleep(0.1)
+    assert poller.is_alive()
+    # Work arrives: the parked poll is woken and checks again.
+    job_id = cluster.submit(node_count=1, process_count_per_node=1)
+    job = cluster.wait_for(job_id, lambda j: j["status"] == "scheduled")
+    assert job["nodes"] == ["n2"], job
+    poller.join(timeout=15)
+    assert results["response"].status_code == 204, results["response"].text
+    assert _node_status(cluster, "n1") == "lost"
+    # The agent's own next request is a sign of life again.
+    assert cluster.worker.post("/v1/worker/nodes/n1/claim", params={"wait": 0}).status_code == 204
+    assert _node_status(cluster, "n1") == "ready"

@@ -62,13 +62,19 @@ def heartbeat(
 
 
 def claim_once(
-    db: Database, settings: Settings, worker: Principal, name: str, agent_key: str | None
+    db: Database,
+    settings: Settings,
+    worker: Principal,
+    name: str,
+    agent_key: str | None,
+    fresh: bool = True,
 ) -> tuple[ClaimedPlacement | None, bool]:
     """One claim check in its own transaction: the node's next placement (if any) and
-    whether the scheduling pass it ran placed work."""
+    whether the scheduling pass it ran placed work. ``fresh``: the agent's request has just
+    arrived, rather than a long-poll re-checked (see :func:`attempts.claim`)."""
     with db.session() as session:
         nodes.check_agent(session, worker, name, agent_key)
-        claimed, placed = attempts.claim(session, settings, worker, name)
+        claimed, placed = attempts.claim(session, settings, worker, name, fresh=fresh)
         session.commit()
         return claimed, placed
 

@@ -299,14 +299,28 @@ def claimed_placement(session: Session, placement: Placement, settings: Settings
 
 
 def claim(
-    session: Session, settings: Settings, principal: Principal, node_name: str, *, run_scheduler: bool = True
+    session: Session,
+    settings: Settings,
+    principal: Principal,
+    node_name: str,
+    *,
+    run_scheduler: bool = True,
+    fresh: bool = True,
 ) -> tuple[ClaimedPlacement | None, bool]:
     """Hand the node its next assigned placement, after a scheduling pass.
+
+    ``fresh``: the agent has just asked (a sign of life: the node is touched, and a lost
+    node is ready again). A re-check of a long-poll the API holds (``fresh=False``) says
+    nothing of the agent, which may have died or frozen since it asked: it neither
+    touches the node nor revives a lost one (nor hands a lost node work).
 
     Returns the placement (or None) and whether the pass placed any job. The caller commits.
     """
     node = get_own_node(session, principal, node_name)
-    touch_node(session, node)
+    if fresh:
+        touch_node(session, node)
+    elif node.status == NodeStatus.LOST.value:
+        return None, False
     placed = bool(schedule(session, settings).scheduled) if run_scheduler else False
     stmt = (
         select(Placement)

@@ -119,6 +119,7 @@ async def claim(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(wait, settings.claim_poll_timeout_s)
     full_check = True
+    fresh = True  # the first check is the agent's own request; later ones are the API's
     newest_seen: datetime | None = None
     while True:
         if await request.is_disconnected():
@@ -132,8 +133,9 @@ async def claim(
             newest_seen = newest if newest is not None else newest_seen
         if full_check:
             claimed, placed = await run_in_threadpool(
-                agents.claim_once, db, settings, worker, name, agent_key
+                agents.claim_once, db, settings, worker, name, agent_key, fresh
             )
+            fresh = False
             if placed:
                 wakeup.notify()  # the pass may have placed work on other waiting nodes
             if claimed is not None:
