@@ -79,8 +79,8 @@ def _cluster_settings(make_settings: Any, **overrides: Any) -> Settings:
         "heartbeat_interval_s": HEARTBEAT_S,
         "lease_timeout_s": LEASE_TIMEOUT_S,
         "reaper_interval_s": 0.2,
-        "master_port_min": 32000,
-        "master_port_max": 32499,
+        "master_port_min": 22000,
+        "master_port_max": 22499,
     }
     values.update(overrides)
     settings: Settings = make_settings(**values)
@@ -247,7 +247,7 @@ def test_two_nodes_on_separate_network_hosts(
     netns_hosts: NetnsCluster, make_settings: Any, tmp_path: Path
 ) -> None:
     # The API listens only on the gateway address: loopback is useless to the hosts.
-    settings = _cluster_settings(make_settings, master_port_min=32500, master_port_max=32999)
+    settings = _cluster_settings(make_settings, master_port_min=22500, master_port_max=22999)
     with open_env(settings, tmp_path, host=netns_hosts.gateway) as env:
         names = []
         for i, host in enumerate(netns_hosts.hosts):

@@ -45,8 +45,8 @@ def settings(make_settings: Any) -> Settings:
         heartbeat_interval_s=0.5,
         lease_timeout_s=3.0,
         reaper_interval_s=0.2,
-        master_port_min=34000,
-        master_port_max=34999,
+        master_port_min=24000,
+        master_port_max=24999,
     )
     return s
 

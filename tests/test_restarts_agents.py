@@ -58,8 +58,8 @@ def settings(make_settings: Any) -> Settings:
         heartbeat_interval_s=0.5,
         lease_timeout_s=LEASE_TIMEOUT_S,
         reaper_interval_s=0.2,
-        master_port_min=32000,
-        master_port_max=32499,
+        master_port_min=23000,
+        master_port_max=23499,
     )
     return s
 

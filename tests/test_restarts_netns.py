@@ -61,7 +61,7 @@ def test_a_killed_node_of_a_two_node_job_restarts_on_two_nodes_and_resumes(
     hosts: NetnsCluster, make_settings: Any, tmp_path: Path
 ) -> None:
     settings = _cluster_settings(
-        make_settings, lease_timeout_s=6.0, master_port_min=33000, master_port_max=33499
+        make_settings, lease_timeout_s=6.0, master_port_min=25000, master_port_max=25499
     )
     with open_env(settings, tmp_path, host=hosts.gateway) as env:
         by_name = {}

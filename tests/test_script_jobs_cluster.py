@@ -25,7 +25,7 @@ def db_url(sqlite_url: str) -> str:
 
 @pytest.fixture
 def settings(make_settings: Any) -> Settings:
-    values = {**SCRIPT_SETTINGS, "master_port_min": 33500, "master_port_max": 33999}
+    values = {**SCRIPT_SETTINGS, "master_port_min": 26500, "master_port_max": 26999}
     settings: Settings = make_settings(**values)
     return settings
 
