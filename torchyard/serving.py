@@ -106,7 +106,10 @@ def default_worker_slots() -> int:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before anything starts so the worker can connect at once."""
+    """The server's socket, bound before anything starts (the port is taken and the local
+    worker knows its URL), but not listening yet: uvicorn listens once start-up is done.
+    A client that connects while the API still waits for its database is refused at once
+    and tries again, instead of hanging on a connection nobody answers."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose ``proto`` says
     # TCP. With proto 0, every keep-alive response whose headers and body go out in two
@@ -114,7 +117,6 @@ def _bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(2048)
     sock.set_inheritable(False)
     return sock
 

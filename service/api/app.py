@@ -72,7 +72,8 @@ def bootstrap(settings: Settings) -> Database:
                 raise
             log.warning("the database is unreachable (%s); retrying in %.1f s", _first_line(exc), delay)
             time.sleep(delay)
-            delay = min(delay * 2, 10.0)
+            # At most a second apart: the API serves again within a second of its database.
+            delay = min(delay * 2, 1.0)
 
 
 def _first_line(exc: BaseException) -> str:
