@@ -170,8 +170,13 @@ def test_per_node_1x2_runs_torchrun_once(env: ScriptEnv) -> None:
 FAILING = """
 import os, sys, time
 rank = int(os.environ["RANK"])
-open(os.path.join(os.environ["TORCHYARD_OUTPUT_DIR"], f"partial-{rank}.txt"), "w").write("half done")
+out = os.environ["TORCHYARD_OUTPUT_DIR"]
+open(os.path.join(out, f"partial-{rank}.txt"), "w").write("half done")
 if rank == 1:
+    # Fail once rank 0 has written its part too, however slowly it started.
+    deadline = time.time() + 120
+    while not os.path.exists(os.path.join(out, "partial-0.txt")) and time.time() < deadline:
+        time.sleep(0.05)
     print("rank 1: the data file is corrupt", file=sys.stderr, flush=True)
     sys.exit(3)
 time.sleep(600)
