@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy import delete, select
@@ -10,7 +9,6 @@ from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.db.models import Attempt, Checkpoint, Job, JobEvent, JobInput, Node, Placement, utcnow
-from service.schemas.common import decode_cursor, encode_cursor
 from service.schemas.jobs import (
     AttemptPublic,
     EndReason,
@@ -33,7 +31,6 @@ from torchyard.contract.errors import (
     IllegalTransitionError,
     InvalidModelDirectoryError,
     NotFoundError,
-    RequestValidationError,
 )
 
 
@@ -245,20 +242,7 @@ def list_jobs(
         stmt = stmt.where(Job.owner_id == principal.id)
     if statuses:
         stmt = stmt.where(Job.status.in_([s.value for s in statuses]))
-    if cursor:
-        created_iso, last_id = decode_cursor(cursor, 2)
-        try:
-            created = datetime.fromisoformat(created_iso)
-        except (TypeError, ValueError) as exc:
-            raise RequestValidationError("cursor is not one this service issued") from exc
-        stmt = stmt.where((Job.created_at < created) | ((Job.created_at == created) & (Job.id < last_id)))
-    rows = list(session.scalars(stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)))
-    next_cursor = None
-    if len(rows) > limit:
-        rows = rows[:limit]
-        last = rows[-1]
-        next_cursor = encode_cursor(last.created_at.isoformat(), last.id)
-    return rows, next_cursor
+    return refs.page_newest_first(session, Job, stmt, limit=limit, cursor=cursor)
 
 
 def cancel_job(session: Session, principal: Principal, job_id: str) -> Job:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, Literal, TypeVar
 
-from sqlalchemy import ColumnElement, select
+from sqlalchemy import ColumnElement, Select, select
 from sqlalchemy.orm import Session
 
 from service.db.models import CodePackage, Dataset, Job
@@ -147,7 +147,16 @@ def page_owned(
 ) -> tuple[list[Owned], str | None]:
     """The principal's uploads, newest first; ``cursor`` continues after the last row of
     the previous page."""
-    stmt = select(model).where(*_listable(principal, model))
+    return page_newest_first(
+        session, model, select(model).where(*_listable(principal, model)), limit=limit, cursor=cursor
+    )
+
+
+def page_newest_first(
+    session: Session, model: type[M], stmt: Select[M], *, limit: int, cursor: str | None
+) -> tuple[list[M], str | None]:
+    """One page of ``stmt``'s rows, newest first (created_at, then id); ``cursor`` continues
+    after the last row of the previous page, and the next page's cursor is returned."""
     if cursor:
         created_iso, last_id = decode_cursor(cursor, 2)
         try:
