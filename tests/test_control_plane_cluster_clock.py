@@ -91,6 +91,15 @@ def _running_job(a: ApiProcess, url: str) -> tuple[httpx.Client, str, FakeAgent,
     return user, job_id, n1, n2
 
 
+def _tear_down(agents: tuple[FakeAgent | None, ...], apis: tuple[ApiProcess, ...], engine: sa.Engine) -> None:
+    for agent in agents:
+        if agent is not None:
+            agent.close()
+    for api in apis:
+        api.terminate()
+    engine.dispose()
+
+
 def test_a_replica_down_longer_than_the_lease_loses_none_of_its_nodes(fresh_pg: str, tmp_path: Path) -> None:
     a, b = _start_pair(fresh_pg, tmp_path, {})
     engine = sa.create_engine(fresh_pg)
@@ -131,12 +140,7 @@ def test_a_replica_down_longer_than_the_lease_loses_none_of_its_nodes(fresh_pg: 
         assert r.json()["status"] == "running"
         assert "has not been replaced" in b.log()
     finally:
-        for agent in (n1, n2):
-            if agent is not None:
-                agent.close()
-        for api in (a, b):
-            api.terminate()
-        engine.dispose()
+        _tear_down((n1, n2), (a, b), engine)
 
 
 def test_with_replica_memory_off_a_vanished_replica_is_ignored(fresh_pg: str, tmp_path: Path) -> None:
@@ -155,12 +159,7 @@ def test_with_replica_memory_off_a_vanished_replica_is_ignored(fresh_pg: str, tm
         job = httpx.get(f"{b.url}/v1/jobs/{job_id}", headers=dict(user.headers), timeout=30).json()
         assert "WorkerLostError" in str(job), job
     finally:
-        for agent in (n1, n2):
-            if agent is not None:
-                agent.close()
-        for api in (a, b):
-            api.terminate()
-        engine.dispose()
+        _tear_down((n1, n2), (a, b), engine)
 
 
 def test_the_rule() -> None:
