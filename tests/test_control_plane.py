@@ -196,3 +196,23 @@ def test_the_agent_bounds_unsent_logs_and_says_what_it_drops(
     # Every metric point is kept, none twice.
     steps = [m["step"] for b in batches for m in b.metrics]
     assert sorted(steps) == list(range(3000))
+
+
+def test_a_placement_never_claimed_is_reported_so_when_its_node_falls_silent_in_the_same_pass(
+    client: TestClient, db: Database, settings: Settings
+) -> None:
+    # A replica paused past both deadlines (the unclaimed placement's lease, then the
+    # node's heartbeat) judges both in one pass: the placement's own, earlier cause is
+    # the one reported, not the node's silence.
+    job = start_running_job(settings, client, node_count=2, per_node=1)
+    for placement_id in job.placement_ids:
+        set_placement(settings, placement_id, status="assigned")
+    _silence(db, settings, job, 2 * settings.lease_timeout_s)
+    result = sweep(db, settings)
+    assert sorted(result.lost_nodes) == sorted(job.node_names)
+    shown = client.get(f"/v1/jobs/{job.job_id}", headers=auth(job.user_token)).json()
+    reason = shown["attempts"][0]["end_reason"]
+    assert reason["code"] == "WorkerLostError"
+    assert reason["message"].endswith(f"did not claim its placement within {settings.lease_timeout_s:g} s"), (
+        reason
+    )

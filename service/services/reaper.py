@@ -172,7 +172,7 @@ def sweep(db: Database, settings: Settings, listening: ListeningClock | None = N
                 )
             )
         # Silent nodes first: a job requeued by a lost lease must not be placed on them again.
-        _lose_silent_nodes(db, settings, silent_nodes, silent_cutoff, result)
+        _lose_silent_nodes(db, settings, silent_nodes, silent_cutoff, expired, result)
         _lose_expired_leases(db, expired, result)
     _settle_cancellations(db, result)
     _time_out_overruns(db, now, result)
@@ -192,8 +192,17 @@ def _lose_expired_leases(
 
 
 def _lose_silent_nodes(
-    db: Database, settings: Settings, node_ids: list[str], cutoff: datetime, result: SweepResult
+    db: Database,
+    settings: Settings,
+    node_ids: list[str],
+    cutoff: datetime,
+    expired: dict[str, tuple[list[str], dict[str, str]]],
+    result: SweepResult,
 ) -> None:
+    # A placement whose lease had already run out is lost for that reason (a placement
+    # never claimed says so), even when its node falls silent in the same pass (a
+    # replica that paused past both deadlines must not blur them).
+    known = {pid: message for _, messages in expired.values() for pid, message in messages.items()}
     for node_id in node_ids:
         with db.transaction() as session:
             name = _mark_lost(session, node_id, cutoff)
@@ -201,7 +210,7 @@ def _lose_silent_nodes(
             continue
         result.lost_nodes.append(name)
         log.warning("node %s is lost: no heartbeat for %.1f s", name, settings.lease_timeout_s)
-        lose_node_placements(db, node_id, f"node {name} stopped heartbeating")
+        lose_node_placements(db, node_id, f"node {name} stopped heartbeating", known)
 
 
 def _settle_cancellations(db: Database, result: SweepResult) -> None:
@@ -230,9 +239,12 @@ def _time_out_overruns(db: Database, now: datetime, result: SweepResult) -> None
                 log.warning("job %s timed out after %s s", job_id, limit)
 
 
-def lose_node_placements(db: Database, node_id: str, message: str) -> int:
+def lose_node_placements(
+    db: Database, node_id: str, message: str, known: dict[str, str] | None = None
+) -> int:
     """Every placement of the node that is not done is lost (its job fails, ``message``
-    naming the node): the node went silent, or its agent restarted without its ranks."""
+    naming the node): the node went silent, or its agent restarted without its ranks.
+    ``known`` gives a placement's own message where it was lost for a reason of its own."""
     with db.read_session() as session:
         rows = session.execute(
             select(Placement.job_id, Placement.id).where(
@@ -244,7 +256,8 @@ def lose_node_placements(db: Database, node_id: str, message: str) -> int:
         by_job.setdefault(job_id, []).append(placement_id)
     for job_id, placement_ids in by_job.items():
         with db.transaction() as session:
-            lose_placements(session, job_id, placement_ids, dict.fromkeys(placement_ids, message))
+            messages = {pid: (known or {}).get(pid, message) for pid in placement_ids}
+            lose_placements(session, job_id, placement_ids, messages)
     return len(rows)
 
 
