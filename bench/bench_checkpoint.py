@@ -20,7 +20,7 @@ Three runs of the same job, each in a fresh run directory:
 
 Measured: the checkpoint's size; what training waits for (rank 0's log: gathering the
 random states, copying the weights and optimizer state, and waiting for the previous
-write); the background write time (serialise + sha256 + fsync + rename); the upload
+write); the background write time (serialise + sha256 + rename; no fsync); the upload
 time; and the epoch time (the trainer's ``epoch.seconds``: training + validation) of
 each run. Epoch 1 (start-up, warm-up) and the last epoch (no upload runs beside it)
 are left out of the epoch medians.
@@ -28,6 +28,13 @@ are left out of the epoch medians.
 Cost per epoch = (time training waits + epoch time of ``write+upload`` - epoch time of
 ``none``) / epoch time of ``none``. With ``--repeats N`` the three runs alternate N
 times and the medians cover all of them (a noisy machine evens out).
+
+Two CPU figures follow, which the noise in epoch times does not blur: the CPU the
+node spends per checkpoint (training's wait, the writer thread, the agent's
+uploader) over the epoch time of ``none`` (the API on other machines, as in
+production), and the same plus the API's CPU for receiving it (the API on the
+training's cores, as here). Where training keeps every core busy, each is an upper
+bound of what the checkpoint costs per epoch.
 """
 
 from __future__ import annotations
@@ -280,6 +287,11 @@ def summarize(runs: list[Run], args: argparse.Namespace) -> None:
     print(
         f"checkpoint cost per epoch: ({waited:.3f} s waited + {extra:+.2f} s epoch time) / "
         f"{epoch['none']:.2f} s = {100 * cost:.1f} % (goal < 5 %)"
+    )
+    node_cost = (waited + write_cpu + upload_cpu) / epoch["none"]
+    print(
+        f"CPU the node spends per epoch (the API elsewhere): ({waited:.3f} waited + {write_cpu:.2f} write + "
+        f"{upload_cpu:.2f} upload) / {epoch['none']:.2f} s = {100 * node_cost:.1f} %"
     )
     print(
         f"CPU taken per epoch (upper bound where training uses every core): ({waited:.3f} waited + "
