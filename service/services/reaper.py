@@ -254,9 +254,10 @@ def lose_node_placements(
     by_job: dict[str, list[str]] = {}
     for job_id, placement_id in rows:
         by_job.setdefault(job_id, []).append(placement_id)
+    own = known or {}
     for job_id, placement_ids in by_job.items():
         with db.transaction() as session:
-            messages = {pid: (known or {}).get(pid, message) for pid in placement_ids}
+            messages = {pid: own.get(pid, message) for pid in placement_ids}
             lose_placements(session, job_id, placement_ids, messages)
     return len(rows)
 
