@@ -173,6 +173,11 @@ class Settings(BaseSettings):
     predict_max_image_pixels: int = Field(
         default=4096 * 4096, gt=0, description="Largest image (width × height) a predict request may send."
     )
+    predict_max_total_pixels: int = Field(
+        default=16 * 4096 * 4096,
+        gt=0,
+        description="Most pixels (width × height, all its images together) one predict request may send.",
+    )
     model_cache_models: int = Field(
         default=4, gt=0, description="Loaded models the API keeps for scoring (least recently used go first)."
     )

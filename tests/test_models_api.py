@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from tests.report_helpers import finish_job, start_running_job
 from tests.trainer_helpers import Digits, run_in_process, single_process_env, subset_classes, write_job
 from tests.worker_fixtures import start_agent, upload_dataset, wait_for_job, wait_for_node, worker_token
 from torchyard import modeldir
-from torchyard.contract.model_archive import pack_model_dir
+from torchyard.contract.model_archive import pack_model_dir, sha256_of
 from torchyard.sample_data import write_digits
 from torchyard.scoring import ONNX_TOLERANCE, OnnxModel
 
@@ -76,6 +76,22 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     sha256, _ = pack_model_dir(model_dir, root / "model.tar.gz")
     labels = [p.parent.name for p in held_out]
     return Trained(model_dir, root / "model.tar.gz", sha256, held_out, labels, val)
+
+
+def without_onnx(trained: Trained, root: Path) -> Trained:
+    """The trained model as a job leaves it when its ONNX export was dropped: no
+    ``model.onnx``, no ``onnx`` entry in ``config.json``, a manifest without it."""
+    folder = shutil.copytree(trained.model_dir, root / "no-onnx")
+    (folder / "model.onnx").unlink()
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("onnx", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    listed = [line.split("  ", 1)[1] for line in (folder / "SHA256SUMS").read_text().splitlines() if line]
+    (folder / "SHA256SUMS").write_text(
+        "".join(f"{sha256_of(folder / name)}  {name}\n" for name in listed if name != "model.onnx")
+    )
+    sha256, _ = pack_model_dir(folder, root / "no-onnx.tar.gz")
+    return replace(trained, model_dir=folder, archive=root / "no-onnx.tar.gz", sha256=sha256)
 
 
 def succeeded_job(
@@ -185,6 +201,9 @@ def test_a_job_that_did_not_succeed_cannot_be_registered(env: Env) -> None:
     running = start_running_job(env.settings, env.admin, per_node=1, user_token=env.user_token)
     r = env.user.post("/v1/models", json={"name": "early", "job_id": running.job_id})
     assert r.status_code == 409 and r.json()["code"] == "ModelNotReadyError"
+    onnx = env.user.get(f"/v1/jobs/{running.job_id}/model/onnx")
+    assert onnx.status_code == 409 and onnx.json()["code"] == "ModelNotReadyError"
+    assert running.job_id in onnx.json()["message"]
 
 
 def test_models_are_private_to_their_owner(env: Env) -> None:
@@ -272,13 +291,30 @@ def test_onnx_downloads_match_torch(env: Env, trained: Trained, tmp_path: Path) 
         expected = torch_model(expected_inputs).numpy()
     assert float(np.abs(onnx_model.logits(inputs) - expected).max()) <= ONNX_TOLERANCE
 
+    # A job whose export was dropped registers (onnx: false), but neither scores nor
+    # serves an ONNX file: 409, not a 5xx.
+    plain = without_onnx(trained, tmp_path)
+    plain_job = succeeded_job(env.settings, env.admin, plain, env.user_token)
+    assert _register(env.user, "plain", plain_job)["onnx"] is False
+    png = trained.held_out[0].read_bytes()
+    for r in (
+        _predict(env.user, "plain:1", [("a.png", png)]),
+        env.user.get("/v1/models/plain/versions/1/onnx"),
+        env.user.get(f"/v1/jobs/{plain_job}/model/onnx"),
+    ):
+        assert r.status_code == 409 and r.json()["code"] == "ModelNotReadyError", r.text
+        assert "ONNX export" in r.json()["message"]
+
 
 @SQLITE_ONLY
 def test_bad_images_and_over_cap_requests_are_4xx(
     make_settings: Any, trained: Trained, tmp_path: Path
 ) -> None:
     settings: Settings = make_settings(
-        predict_max_files=3, predict_max_bytes=200_000, predict_max_image_pixels=300 * 300
+        predict_max_files=3,
+        predict_max_bytes=200_000,
+        predict_max_image_pixels=300 * 300,
+        predict_max_total_pixels=100_000,
     )
     server = LiveServer(settings).start()
     try:
@@ -310,7 +346,18 @@ def _check_refusals(user: httpx.Client, trained: Trained) -> None:
     assert "cut.png" in truncated["message"]
     big = _png(Image.new("RGB", (400, 400)))
     assert "pixels" in refused([("big.png", big)], 422, "ValidationError")["message"]
-    refused([("a.png", good)] * 4, 413, "PayloadTooLargeError")
+    # more images than the cap: the same 413 however many more (the parser stops at the cap)
+    for count in (4, 5, 40):
+        over = refused([(f"{n}.png", good) for n in range(count)], 413, "PayloadTooLargeError")
+        assert "limit of 3 per request" in over["message"] and over["details"]["limit"] == 3
+    # images each within the per-image cap whose pixels add up to more than the request's
+    # cap: 413, read from the headers (these are small on the wire, large decoded)
+    blank = _png(Image.new("RGB", (290, 290)))
+    assert len(blank) < 5_000
+    total = refused([("b1.png", blank), ("b2.png", blank)], 413, "PayloadTooLargeError")
+    assert "100000" in total["message"] and total["details"] == {"pixels": 2 * 290 * 290, "limit": 100_000}
+    # the per-image cap still comes first (400x400 is also over the request's cap)
+    assert "big.png" in refused([("ok.png", good), ("big.png", big)], 422, "ValidationError")["message"]
     noise = Image.fromarray(np.random.default_rng(0).integers(0, 255, (290, 290, 3), dtype=np.uint8))
     heavy = _png(noise)
     assert len(heavy) > 200_000 // 2
@@ -320,8 +367,11 @@ def _check_refusals(user: httpx.Client, trained: Trained) -> None:
     assert user.post("/v1/models/digits/versions/1/predict", data={"top_k": "3"}).status_code == 422
     assert user.post("/v1/models/digits/versions/1/predict", json={"files": []}).status_code == 422
     assert _predict(user, "digits:7", [("a.png", good)]).status_code == 404
-    # after all that, the service still scores
+    # after all that, the service still scores, up to both caps
     assert _predict(user, "digits:1", [("a.png", good)]).status_code == 200
+    within = _predict(user, "digits:1", [("b1.png", blank), ("a.png", good), ("c.png", good)])
+    assert within.status_code == 200, within.text
+    assert [p["file"] for p in within.json()["predictions"]] == ["b1.png", "a.png", "c.png"]
 
 
 @SQLITE_ONLY

@@ -148,10 +148,17 @@ class OnnxModel:
             size_bytes=onnx_path.stat().st_size,
         )
 
+    def geometry(self, image: Image.Image) -> np.ndarray:
+        """One RGB image resized and centre cropped to the model's input: uint8 ``(3, S, S)``.
+
+        A caller scoring many images calls this on each right after decoding it, so only
+        one full-size image is held at a time."""
+        return eval_geometry(image, self.image_size)
+
     def preprocess(self, images: Sequence[Image.Image]) -> np.ndarray:
         import numpy as np
 
-        batch = np.stack([eval_geometry(image, self.image_size) for image in images])
+        batch = np.stack([self.geometry(image) for image in images])
         return normalize(batch, self.mean, self.std)
 
     def logits(self, inputs: np.ndarray) -> np.ndarray:
@@ -161,6 +168,10 @@ class OnnxModel:
     def predict(self, images: Sequence[Image.Image], k: int) -> list[list[tuple[str, float]]]:
         """The ``k`` most probable labels of each RGB image."""
         return top_k(softmax(self.logits(self.preprocess(images))), self.classes, k)
+
+    def predict_cropped(self, batch: np.ndarray, k: int) -> list[list[tuple[str, float]]]:
+        """The ``k`` most probable labels of each uint8 ``(3, S, S)`` row of :meth:`geometry`."""
+        return top_k(softmax(self.logits(normalize(batch, self.mean, self.std))), self.classes, k)
 
 
 class ModelCache:

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response, status
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.types import Message
 
 from service.api.deps import CurrentUser, DatabaseDep, ReadSessionDep, SessionDep, SettingsDep
@@ -137,6 +138,14 @@ def download_job_onnx(
     return file_response(request, _job_onnx(db, settings, user, job_id))
 
 
+def _too_many_images(settings: Settings, count: int | None) -> PayloadTooLargeError:
+    return PayloadTooLargeError(
+        ("more images" if count is None else f"{count} images, more")
+        + f" than the limit of {settings.predict_max_files} per request: send them in several requests",
+        details={"limit": settings.predict_max_files},
+    )
+
+
 async def _read_images(request: Request, settings: Settings) -> tuple[list[scoring.UploadedImage], int]:
     """The multipart body's ``files`` and ``top_k``, within the caps on bytes and count."""
     limit = settings.predict_max_bytes + MULTIPART_OVERHEAD
@@ -158,16 +167,26 @@ async def _read_images(request: Request, settings: Settings) -> tuple[list[scori
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("multipart/form-data"):
         raise RequestValidationError("send the images as multipart/form-data, in fields named 'files'")
-    form = await Request(request.scope, counted).form(max_files=settings.predict_max_files + 1, max_fields=8)
+    # The parser stops at the first file over the cap: a request with more images is the
+    # same 413 whichever part of it shows the count (and nothing past the cap is kept).
+    parser = MultiPartParser(
+        request.headers,
+        Request(request.scope, counted).stream(),
+        max_files=settings.predict_max_files,
+        max_fields=8,
+    )
+    try:
+        form = await parser.parse()
+    except MultiPartException as exc:
+        if exc.message.startswith("Too many files"):
+            raise _too_many_images(settings, None) from None
+        raise RequestValidationError(f"the multipart body cannot be read: {exc.message}") from None
     try:
         uploads = [part for part in form.getlist("files") if isinstance(part, UploadFile)]
         if not uploads:
             raise RequestValidationError("no images: send one or more in multipart fields named 'files'")
         if len(uploads) > settings.predict_max_files:
-            raise PayloadTooLargeError(
-                f"{len(uploads)} images, more than the limit of {settings.predict_max_files} per request",
-                details={"limit": settings.predict_max_files},
-            )
+            raise _too_many_images(settings, len(uploads))
         top_k_raw = form.get("top_k", "3")
         if not isinstance(top_k_raw, str) or not top_k_raw.strip().isdigit():
             raise RequestValidationError(
@@ -216,7 +235,13 @@ async def predict(
     public, files = await run_in_threadpool(_version_files, db, settings, user, name, version)
     uploads, top_k = await _read_images(request, settings)
     results = await run_in_threadpool(
-        scoring.predict, model_cache(request), files, uploads, top_k, settings.predict_max_image_pixels
+        scoring.predict,
+        model_cache(request),
+        files,
+        uploads,
+        top_k,
+        settings.predict_max_image_pixels,
+        settings.predict_max_total_pixels,
     )
     return PredictResponse(
         name=public.name,
