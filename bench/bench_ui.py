@@ -19,7 +19,8 @@ for ``--repeats`` fresh page loads:
   user + system time over the same spans, read from /proc: on a machine shared with other work wall time stretches with
   the load, CPU time is about what the work takes on an idle one;
 * client draw: one ``LineChart`` fed all points of the largest metric unreduced, timed
-  in the page (the per-pixel-column reduction in ``chart.js``).
+  in the page (``chart.js``: uPlot's draw, which keeps each pixel column's lowest and
+  highest value).
 
 Usage::
 
@@ -306,8 +307,7 @@ def time_draw(tab: Any, xs: list[float], ys: list[float], repeats: int) -> list[
                 document.body.append(root);
                 const chart = new LineChart(root, {title: 'full', series: [{name: 'a', label: 'a'}]});
                 chart.setData('a', xs, ys);
-                chart.draw();
-                const ms = chart.lastDrawMs;
+                const ms = await chart.draw();
                 chart.destroy();
                 root.remove();
                 return ms;

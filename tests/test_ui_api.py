@@ -4,6 +4,7 @@ cookie, chart series reduced on the server, and the jobs list's event stream."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import threading
@@ -67,12 +68,32 @@ def test_the_ui_is_served_from_the_package_with_nothing_remote_or_inline() -> No
 
 
 def test_every_asset_is_served_and_a_folder_is_not_listed(client: TestClient) -> None:
-    for path in sorted(STATIC_DIR.iterdir()):
-        r = client.get(f"/ui/{path.name}")
-        assert r.status_code == 200, path.name
+    for path in sorted(p for p in STATIC_DIR.rglob("*") if p.is_file()):
+        name = path.relative_to(STATIC_DIR).as_posix()
+        r = client.get(f"/ui/{name}")
+        assert r.status_code == 200, name
         assert r.content == path.read_bytes()
     assert client.get("/ui/").status_code == 404
+    assert client.get("/ui/vendor/").status_code == 404
     assert client.get("/ui/../config.py").status_code == 404
+
+
+def test_the_vendored_chart_library_is_the_recorded_version_license_and_checksum() -> None:
+    vendor = STATIC_DIR / "vendor"
+    record = json.loads((vendor / "VENDOR.json").read_text())
+    assert set(record["sha256"]) == {p.name for p in vendor.iterdir()} - {"VENDOR.json"}
+    for name, digest in record["sha256"].items():
+        assert hashlib.sha256((vendor / name).read_bytes()).hexdigest() == digest, name
+    script = (vendor / "uPlot.iife.min.js").read_text()
+    assert script.startswith(f"/*! https://github.com/leeoniya/uPlot (v{record['version']}) */")
+    assert record["license"] in (vendor / "uPlot.LICENSE").read_text().split("\n", 1)[0]
+    # The page loads it as a script file of its own, and docs/ui.md records the same.
+    index = (STATIC_DIR / "index.html").read_text()
+    assert '<script defer src="/ui/vendor/uPlot.iife.min.js"></script>' in index
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "ui.md").read_text()
+    assert f"uPlot {record['version']}" in docs and f"license: {record['license']}" in docs
+    for digest in record["sha256"].values():
+        assert digest in docs
 
 
 def test_sign_in_sets_an_httponly_strict_cookie_and_cookie_writes_need_the_csrf_header(

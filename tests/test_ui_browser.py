@@ -73,6 +73,11 @@ def _wait(predicate: Any, timeout: float = 30, what: str = "condition") -> Any:
         time.sleep(0.1)
 
 
+def _points(chart: Any) -> int:
+    """The points a chart holds (its element's data-points)."""
+    return int(chart.get_attribute("data-points") or 0)
+
+
 def test_sign_in_keeps_the_token_out_of_reach_and_sign_out_ends_the_session(
     live_server: LiveServer, admin: httpx.Client, open_ui: Any
 ) -> None:
@@ -122,25 +127,33 @@ def test_new_job_form_shows_each_422_next_to_its_field_then_submits(
     assert "birds-train (9 images, 3 classes)" in page.text_content("#f-train_dataset")
     page.select_option("#f-train_dataset", value=train)
     page.select_option("#f-validation_dataset", value=val)
+    # The job's priority and the model's init_from_job have fields too.
+    assert "-100..100" in page.text_content(".field[data-field='priority']")
+    assert page.input_value("#f-model-init_from_job") == ""
     page.fill("#f-parameters-epochs", "0")
     page.fill("#f-parameters-image_size", "8")
+    page.fill("#f-priority", "101")
     page.click("#submit-job")
     epochs_error = page.locator("#err-f-parameters-epochs")
     epochs_error.wait_for()
     page.wait_for_selector("#err-f-parameters-epochs:not(:empty)")
     assert "greater than 0" in epochs_error.text_content()
     assert "16..1024" in page.text_content("#err-f-parameters-image_size")
+    assert "less than or equal to 100" in page.text_content("#err-f-priority")
+    assert "invalid" in page.get_attribute(".field[data-field='priority']", "class")
     assert page.text_content("#err-f-parameters-batch_size") == ""
     assert "invalid" in page.get_attribute(".field[data-field='parameters.epochs']", "class")
 
     # A limit of the cluster (a domain error, not a schema one) lands next to its field too.
     page.fill("#f-parameters-epochs", "2")
     page.fill("#f-parameters-image_size", "32")
+    page.fill("#f-priority", "7")
     page.fill("#f-resources-node_count", "5")
     page.click("#submit-job")
     page.wait_for_selector("#err-f-resources-node_count:not(:empty)")
     assert "node_count 5 exceeds" in page.text_content("#err-f-resources-node_count")
     assert page.text_content("#err-f-parameters-epochs") == ""
+    assert page.text_content("#err-f-priority") == ""
 
     page.fill("#f-resources-node_count", "1")
     page.click("#submit-job")
@@ -149,6 +162,7 @@ def test_new_job_form_shows_each_422_next_to_its_field_then_submits(
     job_id = page.url.rsplit("/", 1)[1]
     job = httpx.get(f"{live_server.url}/v1/jobs/{job_id}", headers=auth(token)).json()
     assert job["parameters"]["epochs"] == 2 and job["parameters"]["image_size"] == 32
+    assert job["priority"] == 7 and job["model"]["init_from_job"] is None
 
     # The jobs list filters by status.
     page.click("#nav-jobs")
@@ -161,7 +175,21 @@ def test_new_job_form_shows_each_422_next_to_its_field_then_submits(
     with httpx.Client(base_url=live_server.url, headers=auth(token), timeout=30) as user:
         wait_for_job(user, job_id, lambda j: j["status"] == "scheduled", timeout=30)
     page.select_option("#status-filter", "scheduled")
-    page.wait_for_selector(f"tr[data-job-id='{job_id}'][data-status='scheduled']")
+    row = page.locator(f"tr[data-job-id='{job_id}'][data-status='scheduled']")
+    row.wait_for()
+    # Its age shows; it has not started, so it has no duration yet.
+    assert re.fullmatch(r"\d+s|\d+m \d+s", row.locator("td.age").text_content() or "")
+    assert row.locator("td.duration").text_content() == ""
+    # A job that the one free unit left cannot place waits in the queue; its page says why.
+    waiting = job_spec(train, val, name="waits", resources={"node_count": 1, "process_count_per_node": 2})
+    with httpx.Client(base_url=live_server.url, headers=auth(token), timeout=30) as user:
+        r = user.post("/v1/jobs", json=waiting)
+        assert r.status_code == 201, r.text
+        reason = wait_for_job(user, r.json()["id"], lambda j: bool(j["reason"]), timeout=30)["reason"]
+    assert "free units" in reason
+    page.goto(f"/#/jobs/{r.json()['id']}")
+    page.wait_for_selector("#job-status .badge[data-status='queued']")
+    assert page.text_content("#reason") == reason
     assert ui.errors == []
 
 
@@ -374,6 +402,12 @@ def test_register_a_succeeded_jobs_model_then_predict_on_the_models_page(
     ui.sign_in(token)
     page = ui.page
     page.goto(f"/#/jobs/{job_id}")
+    # Download model is offered and its link answers with the model (the session cookie's).
+    download = page.locator("#download-model")
+    download.wait_for()
+    assert download.is_visible()
+    answer = page.request.get(download.get_attribute("href") or "")
+    assert answer.status == 200 and len(answer.body()) > 0, answer.status
     page.click("#register")
     page.fill("#register-name", "digits")
     page.click("#register-form button[type='submit']")
@@ -470,7 +504,20 @@ def test_a_running_job_live_status_chart_log_and_cancel(
 
             first = _wait(loss_points, 60, "a first loss point")
             _wait(lambda: loss_points() > first, 60, "more loss points")
+            # The validation metrics (each epoch), learning rate and throughput charts grow too.
+            for chart in ("accuracy", "lr", "throughput"):
+                box = page.locator(f"#chart-{chart}")
+                seen = _wait(lambda box=box: _points(box), 60, f"a first {chart} point")
+                _wait(lambda box=box, seen=seen: _points(box) > seen, 60, f"more {chart} points")
             assert page.evaluate("performance.getEntriesByType('navigation').length") == 1  # no reload
+            # Progress with the time left.
+            page.wait_for_selector("#progress:has-text('left')", timeout=30_000)
+            assert re.search(
+                r"epoch \d+/200, step \d+/\d+ \(\d+%\), about \d+\S* .*left",
+                page.text_content("#progress") or "",
+            )
+            # The jobs list shows how long it has been running.
+            assert re.fullmatch(r"\d+s|\d+m \d+s", row.locator("td.duration").text_content() or "")
 
             # The rank-0 log follows.
             page.wait_for_selector("#log-stream option[value='rank-0']", state="attached")

@@ -1,26 +1,15 @@
-// A small canvas line chart: several series on one x axis (training steps), auto-scaled
-// axes with round ticks, a legend, and drawing cost bounded by the canvas width rather
-// than the number of points (each pixel column draws its lowest and highest value).
+// Line charts drawn by uPlot (vendor/uPlot.iife.min.js, loaded by the page as a script of
+// its own before the app's modules): several series on one x axis (training steps). Each
+// series keeps its own steps; they are joined into uPlot's one x array when drawn, and a
+// line spans the steps where only another series has a point. The chart's root element
+// carries data-points (points held) and data-draws (draws done). Away from the cursor, the
+// legend shows each series' latest value.
 
 const PALETTE = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2"];
-
-function niceStep(span, count) {
-  const raw = span / Math.max(1, count);
-  const mag = Math.pow(10, Math.floor(Math.log10(raw)));
-  const norm = raw / mag;
-  const nice = norm < 1.5 ? 1 : norm < 3 ? 2 : norm < 7 ? 5 : 10;
-  return nice * mag;
-}
-
-function ticks(lo, hi, count) {
-  if (!(hi > lo)) return [lo];
-  const step = niceStep(hi - lo, count);
-  const out = [];
-  for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) out.push(v);
-  return out;
-}
+const HEIGHT = 200;
 
 export function formatNumber(v) {
+  if (v === null || v === undefined || !Number.isFinite(v)) return "–";
   if (v === 0) return "0";
   const a = Math.abs(v);
   if (a >= 1e6) return (v / 1e6).toFixed(a >= 1e7 ? 0 : 1) + "M";
@@ -31,24 +20,58 @@ export function formatNumber(v) {
   return v.toExponential(1);
 }
 
+const ticks = (u, values) => values.map(formatNumber);
+
 export class LineChart {
-  // series: [{name, label}]; the chart's root element carries data-points (points held).
+  // series: [{name, label}].
   constructor(root, { title, series }) {
     this.root = root;
     this.root.classList.add("chart");
     this.series = series.map((s, i) => ({ ...s, color: PALETTE[i % PALETTE.length], x: [], y: [] }));
-    const head = document.createElement("div");
-    head.className = "chart-title";
-    head.textContent = title;
-    this.canvas = document.createElement("canvas");
-    this.legend = document.createElement("div");
-    this.legend.className = "chart-legend";
-    root.append(head, this.canvas, this.legend);
     this.pending = false;
     this.drawCount = 0;
-    this.observer = new ResizeObserver(() => this.schedule());
+    this.lastDrawMs = 0;
+    this.drawStarted = 0;
+    this.waiting = [];
+    this.width = this.boxWidth();
+    this.plot = new globalThis.uPlot(
+      {
+        title,
+        width: this.width,
+        height: HEIGHT,
+        scales: { x: { time: false } },
+        series: [
+          { label: "step", value: (u, v, i, idx) => formatNumber(idx === null ? this.lastStep() : v) },
+          ...this.series.map((s) => ({
+            label: s.label,
+            stroke: s.color,
+            width: 1.5,
+            spanGaps: true,
+            value: (u, v, i, idx) => formatNumber(idx === null ? s.y[s.y.length - 1] : v),
+          })),
+        ],
+        axes: [{ values: ticks }, { values: ticks, size: 56 }],
+        hooks: { draw: [() => this.drawn()] },
+      },
+      this.data(),
+      root,
+    );
+    this.observer = new ResizeObserver(() => this.resize());
     this.observer.observe(this.root);
-    this.renderLegend();
+    this.root.dataset.points = "0";
+  }
+
+  boxWidth() {
+    const style = getComputedStyle(this.root);
+    const padding = parseFloat(style.paddingLeft) + parseFloat(style.paddingRight) || 0;
+    return Math.max(200, Math.floor(this.root.clientWidth - padding) || 400);
+  }
+
+  resize() {
+    const width = this.boxWidth();
+    if (width === this.width) return;
+    this.width = width;
+    this.plot.setSize({ width, height: HEIGHT });
   }
 
   byName(name) {
@@ -75,8 +98,19 @@ export class LineChart {
     this.schedule();
   }
 
+  lastStep() {
+    return this.series.reduce((m, s) => (s.x.length && !(s.x[s.x.length - 1] <= m) ? s.x[s.x.length - 1] : m), undefined);
+  }
+
   points() {
     return this.series.reduce((n, s) => n + s.x.length, 0);
+  }
+
+  // uPlot's aligned data: one x array and one y array per series (undefined where a
+  // series has no point at that step).
+  data() {
+    if (this.series.length === 1) return [this.series[0].x, this.series[0].y];
+    return globalThis.uPlot.join(this.series.map((s) => [s.x, s.y]));
   }
 
   schedule() {
@@ -89,137 +123,25 @@ export class LineChart {
     });
   }
 
-  renderLegend() {
-    this.legend.replaceChildren(
-      ...this.series.map((s) => {
-        const item = document.createElement("span");
-        item.className = "legend-item";
-        const swatch = document.createElement("span");
-        swatch.className = "swatch";
-        swatch.style.backgroundColor = s.color;
-        const last = s.y.length ? ` ${formatNumber(s.y[s.y.length - 1])}` : "";
-        item.append(swatch, document.createTextNode(`${s.label}${last}`));
-        return item;
-      }),
-    );
+  // Gives uPlot the joined data; resolves once uPlot has drawn it (lastDrawMs: join and draw).
+  draw() {
+    this.drawStarted = performance.now();
+    const done = new Promise((resolve) => this.waiting.push(resolve));
+    this.plot.setData(this.data());
+    return done;
   }
 
-  draw() {
-    const started = performance.now();
-    const rect = this.canvas.getBoundingClientRect();
-    const dpr = window.devicePixelRatio || 1;
-    const width = Math.max(200, Math.round(rect.width || 400));
-    const height = Math.max(120, Math.round(rect.height || 200));
-    this.canvas.width = width * dpr;
-    this.canvas.height = height * dpr;
-    const ctx = this.canvas.getContext("2d");
-    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-    ctx.clearRect(0, 0, width, height);
-    const pad = { left: 52, right: 12, top: 8, bottom: 24 };
-    const plotW = width - pad.left - pad.right;
-    const plotH = height - pad.top - pad.bottom;
-
-    let xmin = Infinity, xmax = -Infinity, ymin = Infinity, ymax = -Infinity;
-    for (const s of this.series) {
-      if (!s.x.length) continue;
-      xmin = Math.min(xmin, s.x[0]);
-      xmax = Math.max(xmax, s.x[s.x.length - 1]);
-      for (const v of s.y) {
-        if (v < ymin) ymin = v;
-        if (v > ymax) ymax = v;
-      }
-    }
-    ctx.font = "11px system-ui, sans-serif";
-    ctx.fillStyle = "#6b7280";
-    if (!Number.isFinite(xmin)) {
-      ctx.fillText("no points yet", pad.left + 8, pad.top + plotH / 2);
-      this.renderLegend();
-      this.lastDrawMs = performance.now() - started;
-      return;
-    }
-    if (xmax === xmin) xmax = xmin + 1;
-    if (ymax === ymin) {
-      ymax += Math.abs(ymax) * 0.05 || 1;
-      ymin -= Math.abs(ymin) * 0.05 || 1;
-    }
-    const margin = (ymax - ymin) * 0.05;
-    ymin -= margin;
-    ymax += margin;
-    const px = (x) => pad.left + ((x - xmin) / (xmax - xmin)) * plotW;
-    const py = (y) => pad.top + (1 - (y - ymin) / (ymax - ymin)) * plotH;
-
-    ctx.strokeStyle = "#e5e7eb";
-    ctx.lineWidth = 1;
-    ctx.textAlign = "right";
-    ctx.textBaseline = "middle";
-    for (const t of ticks(ymin, ymax, 4)) {
-      const y = Math.round(py(t)) + 0.5;
-      ctx.beginPath();
-      ctx.moveTo(pad.left, y);
-      ctx.lineTo(pad.left + plotW, y);
-      ctx.stroke();
-      ctx.fillText(formatNumber(t), pad.left - 6, y);
-    }
-    ctx.textAlign = "center";
-    ctx.textBaseline = "top";
-    for (const t of ticks(xmin, xmax, 6)) {
-      ctx.fillText(formatNumber(t), px(t), pad.top + plotH + 6);
-    }
-
-    ctx.save();
-    ctx.beginPath();
-    ctx.rect(pad.left, pad.top, plotW, plotH);
-    ctx.clip();
-    ctx.lineWidth = 1.5;
-    for (const s of this.series) {
-      const n = s.x.length;
-      if (!n) continue;
-      ctx.strokeStyle = s.color;
-      ctx.fillStyle = s.color;
-      if (n === 1) {
-        ctx.fillRect(px(s.x[0]) - 2, py(s.y[0]) - 2, 4, 4);
-        continue;
-      }
-      ctx.beginPath();
-      // One vertical stroke per pixel column (its min and max) once points outnumber pixels.
-      let col = Math.floor(px(s.x[0]));
-      let lo = s.y[0], hi = s.y[0], first = s.y[0], last = s.y[0];
-      ctx.moveTo(px(s.x[0]), py(first));
-      const flush = () => {
-        ctx.lineTo(col, py(first));
-        if (hi !== lo) {
-          ctx.lineTo(col, py(lo));
-          ctx.lineTo(col, py(hi));
-        }
-        ctx.lineTo(col, py(last));
-      };
-      for (let i = 1; i < n; i++) {
-        const c = Math.floor(px(s.x[i]));
-        const v = s.y[i];
-        if (c === col) {
-          if (v < lo) lo = v;
-          if (v > hi) hi = v;
-          last = v;
-          continue;
-        }
-        flush();
-        col = c;
-        lo = hi = first = last = v;
-      }
-      flush();
-      ctx.stroke();
-      if (n < 60) {
-        for (let i = 0; i < n; i++) ctx.fillRect(px(s.x[i]) - 1.5, py(s.y[i]) - 1.5, 3, 3);
-      }
-    }
-    ctx.restore();
-    this.renderLegend();
+  drawn() {
+    if (this.drawStarted) this.lastDrawMs = performance.now() - this.drawStarted;
     this.drawCount += 1;
     this.root.dataset.draws = String(this.drawCount);
-    this.lastDrawMs = performance.now() - started;
+    const waiting = this.waiting;
+    this.waiting = [];
+    waiting.forEach((resolve) => resolve(this.lastDrawMs));
   }
 
   destroy() {
     this.observer.disconnect();
+    this.plot.destroy();
   }
 }

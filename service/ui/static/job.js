@@ -15,20 +15,38 @@ const CHARTS = [
 ];
 const MAX_LOG_CHARS = 400_000;
 
-function eta(job) {
-  const p = job.progress;
-  if (!p || !p.total_steps || !job.started_at || FINAL.has(job.status)) return null;
-  const done = p.step / p.total_steps;
-  if (!(done > 0)) return null;
-  const elapsed = secondsSince(job.started_at);
-  return (elapsed * (1 - done)) / done;
+// The attempt now running (or last run): the one with the highest number.
+function currentAttempt(job) {
+  return (job.attempts || []).reduce((last, a) => (!last || a.number > last.number ? a : last), null);
 }
 
-function progressBlock(job) {
+// The time left, at the current attempt's own pace. A first attempt's pace is its steps
+// over the time since it started. A later attempt resumes from a checkpoint's step, so
+// neither the job's start nor its step count says its pace: that is measured on the page,
+// from the first step seen in the attempt to the latest (pace keeps that first sighting).
+function eta(job, pace) {
+  const p = job.progress;
+  if (!p || !p.total_steps || FINAL.has(job.status)) return null;
+  const attempt = currentAttempt(job);
+  const first = (job.attempts || []).length <= 1;
+  const started = (attempt && attempt.started_at) || (first ? job.started_at : null);
+  if (!started) return null;
+  const left = Math.max(0, p.total_steps - p.step);
+  if (first) {
+    return p.step > 0 ? (secondsSince(started) * left) / p.step : null;
+  }
+  if (pace.attempt !== attempt.number || p.step < pace.step) {
+    Object.assign(pace, { attempt: attempt.number, step: p.step, at: Date.now() });
+  }
+  const steps = p.step - pace.step;
+  return steps > 0 ? (((Date.now() - pace.at) / 1000) * left) / steps : null;
+}
+
+function progressBlock(job, pace) {
   const p = job.progress;
   if (!p || !p.total_steps) return h("div", { id: "progress", class: "hint" }, FINAL.has(job.status) ? "" : "no progress yet");
   const fraction = Math.min(1, p.step / p.total_steps);
-  const left = eta(job);
+  const left = eta(job, pace);
   return h(
     "div",
     { id: "progress" },
@@ -353,6 +371,7 @@ export async function renderJob(ctx, jobId) {
   const head = h("div", { class: "page-head" });
   const status = h("div", { id: "job-status" });
   const grid = h("div", { id: "charts", class: "charts" });
+  const pace = {};
   const refresh = async () => {
     try {
       job = await api(`/v1/jobs/${encodeURIComponent(jobId)}`);
@@ -365,7 +384,7 @@ export async function renderJob(ctx, jobId) {
   const draw = () => {
     logs.setAttempts(job);
     head.replaceChildren(h("h1", { id: "job-name" }, job.name), badge(job.status), h("span", { class: "spacer" }), ...actions(ctx, job, refresh));
-    status.replaceChildren(summaryBlock(job), progressBlock(job), failureBlock(job) || "", attemptsBlock(job) || "", specBlock(job));
+    status.replaceChildren(summaryBlock(job), progressBlock(job, pace), failureBlock(job) || "", attemptsBlock(job) || "", specBlock(job));
   };
   draw();
   ctx.main.replaceChildren(head, status, h("h2", {}, "Metrics"), grid, logs.el);
@@ -379,7 +398,7 @@ export async function renderJob(ctx, jobId) {
   }
   const { ensure, lastSeq } = charted;
   const tick = setInterval(() => {
-    if (!FINAL.has(job.status)) status.querySelector("#progress")?.replaceWith(progressBlock(job));
+    if (!FINAL.has(job.status)) status.querySelector("#progress")?.replaceWith(progressBlock(job, pace));
   }, 5000);
   ctx.onLeave(() => clearInterval(tick));
   if (FINAL.has(job.status)) return;

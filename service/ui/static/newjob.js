@@ -1,5 +1,6 @@
 // The new-job form: one input per field of the service's own JobCreate schema (so every
-// parameter shows its range and default), dataset pickers, and each 422 next to its field.
+// parameter shows its range and default; the model's init_from_job and the job's priority
+// too), dataset pickers, and each 422 next to its field.
 
 import { api, ApiError, jsonWithIntegers } from "./api.js";
 import { h, errorBox } from "./dom.js";
@@ -15,6 +16,7 @@ const FALLBACK = {
   },
   resources: { node_count: { type: "integer", default: 1 }, process_count_per_node: { type: "integer", default: 1 } },
 };
+const FALLBACK_PRIORITY = { type: "integer", default: 0, minimum: -100, maximum: 100 };
 
 function resolve(schema, node) {
   let cur = node || {};
@@ -23,14 +25,24 @@ function resolve(schema, node) {
   return cur;
 }
 
-// {section: {field: property schema}} from the JobCreate schema.
-function sections(schema) {
-  // The training job's request schema: TrainJobCreate where jobs of several types are
-  // accepted, JobCreate on a service with training jobs only, else whichever request
-  // (…Create) schema has a model, parameters and resources (never JobPublic, an answer).
+// The training job's request schema: TrainJobCreate where jobs of several types are
+// accepted, JobCreate on a service with training jobs only, else whichever request
+// (…Create) schema has a model, parameters and resources (never JobPublic, an answer).
+function createSchema(schema) {
   const all = (schema && schema.components && schema.components.schemas) || {};
   const fits = (s) => s && s.properties && ["model", "parameters", "resources"].every((k) => k in s.properties);
-  const create = [all.TrainJobCreate, all.JobCreate].find(fits) || Object.entries(all).find(([n, s]) => n.endsWith("Create") && fits(s))?.[1];
+  return [all.TrainJobCreate, all.JobCreate].find(fits) || Object.entries(all).find(([n, s]) => n.endsWith("Create") && fits(s))?.[1];
+}
+
+// The job's top-level priority (its range and default).
+function priorityProp(schema) {
+  const prop = createSchema(schema)?.properties?.priority;
+  return prop ? { ...resolve(schema, prop), ...prop } : FALLBACK_PRIORITY;
+}
+
+// {section: {field: property schema}} from the JobCreate schema.
+function sections(schema) {
+  const create = createSchema(schema);
   if (!create) return FALLBACK;
   const out = {};
   for (const section of ["model", "parameters", "resources"]) {
@@ -38,7 +50,6 @@ function sections(schema) {
     if (s.properties) {
       out[section] = {};
       for (const [name, prop] of Object.entries(s.properties)) {
-        if (section === "model" && name === "init_from_job") continue;
         out[section][name] = { ...resolve(schema, prop), ...prop };
         if (name === "architecture" && out[section][name].default === undefined) out[section][name].default = "resnet18";
       }
@@ -129,6 +140,7 @@ export async function renderNewJob(ctx) {
   const datasets = (await api("/v1/datasets?limit=200")).items;
   const spec = sections(ctx.schema);
   const summary = h("div", { id: "form-error" });
+  const priority = fieldRow("priority", priorityProp(ctx.schema));
   const groups = Object.entries(spec).map(([section, fields]) =>
     h("fieldset", { class: "card" }, h("legend", {}, section), ...Object.entries(fields).map(([name, prop]) => fieldRow(`${section}.${name}`, prop))),
   );
@@ -142,6 +154,7 @@ export async function renderNewJob(ctx) {
       h("div", { class: "field", dataset: { field: "name" } }, h("label", { for: "f-name" }, "name"), h("input", { id: "f-name", name: "name", value: "" }), h("div", { class: "field-error", id: "err-f-name" })),
       datasetPicker("train_dataset", "training dataset", datasets),
       datasetPicker("validation_dataset", "validation dataset", datasets),
+      priority,
     ),
     ...groups,
     summary,
@@ -157,6 +170,7 @@ export async function renderNewJob(ctx) {
     if (name) body.name = name;
     body.train_dataset = form.querySelector("#f-train_dataset").value;
     body.validation_dataset = form.querySelector("#f-validation_dataset").value;
+    body.priority = readValue(form.querySelector("#f-priority"));
     for (const input of form.querySelectorAll("fieldset [name*='.']")) {
       const [section, field] = input.name.split(".");
       body[section][field] = readValue(input);
