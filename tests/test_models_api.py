@@ -235,9 +235,12 @@ def _png(image: Image.Image) -> bytes:
 
 
 @SQLITE_ONLY
-def test_predict_held_out_digits_agrees_with_the_local_loader(env: Env, trained: Trained) -> None:
+def test_predict_held_out_digits_agrees_with_the_local_loader(
+    env: Env, trained: Trained, tmp_path: Path
+) -> None:
     """Every held-out digit: the API's top label is the local torch loader's, the
-    probabilities agree within 1e-4, and the accuracy is far above chance."""
+    probabilities agree within 1e-4, and the accuracy is far above chance. Non-square
+    RGBA and palette images at 224 px agree as well (resize, crop and RGB conversion)."""
     _register(env.user, "digits", env.job_id)
     local = modeldir.predict(trained.model_dir, trained.held_out, topk=3)
     served: list[dict[str, Any]] = []
@@ -256,6 +259,23 @@ def test_predict_held_out_digits_agrees_with_the_local_loader(env: Env, trained:
             assert abs(got["probability"] - want) <= 1e-4
     correct = sum(p["top"][0]["label"] == label for p, label in zip(served, trained.labels, strict=True))
     assert correct / len(served) >= 0.5, f"held-out accuracy {correct}/{len(served)}"
+
+    # non-square, other modes, larger than the model's input: the same preprocessing
+    digit = Image.open(trained.held_out[0]).convert("RGB")
+    rgba = digit.resize((224, 150), Image.Resampling.BICUBIC).convert("RGBA")
+    rgba.putalpha(Image.linear_gradient("L").resize((224, 150)))
+    palette = digit.resize((150, 224), Image.Resampling.NEAREST).convert("P", palette=Image.Palette.ADAPTIVE)
+    odd = [tmp_path / "rgba.png", tmp_path / "palette.png"]
+    rgba.save(odd[0])
+    palette.save(odd[1])
+    assert [Image.open(path).mode for path in odd] == ["RGBA", "P"]
+    local_odd = modeldir.predict(trained.model_dir, odd, topk=10)
+    r = _predict(env.user, "digits", [(path.name, path.read_bytes()) for path in odd], top_k=10)
+    assert r.status_code == 200, r.text
+    for mine, theirs in zip(r.json()["predictions"], local_odd, strict=True):
+        assert mine["top"][0]["label"] == theirs[0][0]
+        for got, (label, want) in zip(mine["top"], theirs, strict=True):
+            assert abs(got["probability"] - want) <= 1e-4, (mine["file"], label)
 
     # top_k is capped by the class count; one image alone works too
     one = _predict(env.user, "digits", files[:1], top_k=20).json()["predictions"]
@@ -414,7 +434,8 @@ def test_evaluation_on_the_validation_set_equals_training_figures(
     """An evaluate job runs on a real worker agent; on the training job's validation set
     its top-1, top-5 and loss are the saved epoch's validation figures; per-class scores
     and the confusion matrix are consistent; a dataset with other labels is refused at
-    submission naming them; a version in use by a queued evaluation cannot be deleted."""
+    submission naming them; a version in use by a queued evaluation cannot be deleted;
+    ``torchyard evaluate MODEL DATASET`` prints the figures as a table."""
     _register(env.user, "digits", env.job_id)
     val = upload_dataset(env.user, shutil.copytree(trained.val_dir, tmp_path / "val"), "digits-val")
     fewer = subset_classes(trained.val_dir, tmp_path / "fewer", ["0", "1", "2"])
@@ -424,6 +445,16 @@ def test_evaluation_on_the_validation_set_equals_training_figures(
     )
     assert refused.status_code == 422 and refused.json()["code"] == "InvalidDatasetError"
     assert "'3'" in refused.json()["message"] and "'9'" in refused.json()["message"]
+    # and a dataset with a label the model does not know is refused naming that label
+    extra = shutil.copytree(trained.val_dir, tmp_path / "extra")
+    shutil.copytree(extra / "0", extra / "zebra")
+    unknown = upload_dataset(env.user, extra, "digits-zebra")
+    refused = env.user.post(
+        "/v1/jobs", json={"type": "evaluate", "model": "digits:1", "dataset": unknown["id"]}
+    )
+    assert refused.status_code == 422 and refused.json()["code"] == "InvalidDatasetError"
+    assert "'zebra'" in refused.json()["message"] and refused.json()["details"]["unexpected"] == ["zebra"]
+    assert refused.json()["details"]["missing"] == []
 
     # Submission checks the cluster: the agent is up first. The evaluation then needs
     # seconds (dataset and model downloads, torchrun): the delete right after finds it live.
@@ -439,10 +470,30 @@ def test_evaluation_on_the_validation_set_equals_training_figures(
 
     try:
         done = wait_for_job(env.user, job["id"], timeout=300, agents=[agent])
+        assert done["status"] == "succeeded", (done.get("failure"), agent.log_text()[-3000:])
+        result = env.user.get(f"/v1/jobs/{job['id']}/result").json()
+        # `torchyard evaluate MODEL DATASET` submits another evaluation, follows it and
+        # prints the same figures as a table
+        printed = subprocess.run(
+            [sys.executable, "-m", "torchyard.cli", "evaluate", "digits:1", "digits-val", "--timeout", "300"],
+            env={**os.environ, "TORCHYARD_URL": env.server.url, "TORCHYARD_TOKEN": env.user_token},
+            capture_output=True, text=True, timeout=360, check=False,
+        )  # fmt: skip
     finally:
         agent.stop()
-    assert done["status"] == "succeeded", (done.get("failure"), agent.log_text()[-3000:])
-    result = env.user.get(f"/v1/jobs/{job['id']}/result").json()
+    assert printed.returncode == 0, (printed.stdout, printed.stderr, agent.log_text()[-3000:])
+    lines = printed.stdout.splitlines()
+    assert f"top-1 {result['top1']:.2%}" in lines[0] and f"top-5 {result['top5']:.2%}" in lines[0]
+    assert lines[1].split() == ["CLASS", "PRECISION", "RECALL", "F1", "IMAGES"]
+    for scores, line in zip(result["per_class"], lines[2 : 2 + len(result["per_class"])], strict=True):
+        assert line.split() == [
+            scores["label"],
+            f"{scores['precision']:.3f}",
+            f"{scores['recall']:.3f}",
+            f"{scores['f1']:.3f}",
+            str(scores["support"]),
+        ]
+    assert "confusion matrix" in printed.stdout
     best = json.loads((trained.model_dir / "metrics.json").read_text())["best"]
     assert result["num_images"] == len(list(trained.val_dir.rglob("*.png")))
     assert result["top1"] == pytest.approx(best["val.top1"], abs=1e-9)
@@ -457,5 +508,7 @@ def test_evaluation_on_the_validation_set_equals_training_figures(
         if matrix[:, index].sum():
             assert scores["precision"] == pytest.approx(matrix[index, index] / matrix[:, index].sum())
         assert scores["recall"] == pytest.approx(matrix[index, index] / matrix[index].sum())
+        p, r = scores["precision"], scores["recall"]
+        assert scores["f1"] == pytest.approx(0.0 if p + r == 0 else 2 * p * r / (p + r))
     # once it has ended, the version may go
     assert env.user.delete("/v1/models/digits/versions/1").status_code == 200
