@@ -29,18 +29,35 @@ from tests.worker_fixtures import (
 )
 
 # What every process of a probe job reports: its launch variables, whether it sees the
-# worker token, its input, and a gloo all-reduce over the world (proof the variables work).
+# worker token, the variable names in the environment of each of its ancestors it can
+# read (``/proc/<pid>/environ``: pid -> names, None where refused), its input, and a gloo
+# all-reduce over the world (proof the variables work). With PROBE_LATE_RANK set, that
+# rank writes ``late.txt`` to its outputs PROBE_LATE_S seconds after the others ended.
 PROBE = textwrap.dedent(
     """
-    import json, os, sys
+    import json, os, sys, time
     import torch.distributed as dist
     from torchyard import run
+
+    def ancestors():
+        found, pid = {}, os.getppid()
+        while pid > 1:
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    entries = f.read().split(b"\\0")
+                found[str(pid)] = [e.split(b"=", 1)[0].decode(errors="replace") for e in entries if e]
+            except OSError:
+                found[str(pid)] = None
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        return found
 
     keys = ["MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "RANK", "LOCAL_RANK",
             "LOCAL_WORLD_SIZE", "NNODES", "NPROC_PER_NODE", "TORCHYARD_OUTPUT_DIR",
             "TORCHYARD_LOG_DIR", "TORCHYARD_METRICS_FILE", "TORCHYARD_INPUT_DATA", "GREETING"]
     seen = {k: os.environ.get(k) for k in keys}
     seen["token_visible"] = any("TOKEN" in k for k in os.environ)
+    seen["ancestors"] = ancestors()
     seen["argv"] = sys.argv[1:]
     seen["cwd"] = os.getcwd()
     rank = int(os.environ["RANK"])
@@ -61,8 +78,24 @@ PROBE = textwrap.dedent(
         (run.log_dir() / "weights.bin").write_bytes(b"\\x00\\x01binary")  # not text: not shipped
     dist.barrier()
     dist.destroy_process_group()
+    if os.environ.get("PROBE_LATE_RANK") == str(rank):
+        time.sleep(float(os.environ.get("PROBE_LATE_S", "5")))
+        (run.output_dir() / "late.txt").write_text(f"rank {rank}, after the others ended")
     """
 )
+
+
+SECRET_NAMES = ("TORCHYARD_TOKEN", "TORCHYARD_DATABASE_URL")
+
+
+def secrets_up_to_agent(seen: dict[str, Any], agent_pid: int) -> list[str]:
+    """``pid:NAME`` for each secret variable a probe process found in the environment of one
+    of its ancestors, up to and including the agent (which must be one of them)."""
+    chain = [(int(pid), names) for pid, names in seen["ancestors"].items()]
+    pids = [pid for pid, _ in chain]
+    assert agent_pid in pids, (agent_pid, chain)
+    below_agent = chain[: pids.index(agent_pid) + 1]
+    return [f"{pid}:{name}" for pid, names in below_agent for name in names or () if name in SECRET_NAMES]
 
 
 def code_archive(files: dict[str, str | bytes]) -> bytes:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from service.config import Settings
-from tests.script_helpers import PROBE, ScriptEnv, script_env
+from tests.script_helpers import PROBE, ScriptEnv, script_env, secrets_up_to_agent
 from tests.worker_fixtures import processes_mentioning, upload_dataset, wait_until_gone
 from torchyard.client import Client
 
@@ -58,7 +58,7 @@ def _metrics(env: ScriptEnv, job_id: str, name: str) -> list[tuple[int, int, flo
 def test_per_process_1x2_variables_metrics_logs_and_outputs(env: ScriptEnv, tmp_path: Path) -> None:
     from torchyard.sample_data import write_digits
 
-    env.agent("solo", slots=2)
+    agent = env.agent("solo", slots=2)
     train_dir, _ = write_digits(tmp_path / "digits", per_class=2, size=16)
     data = upload_dataset(env.user, train_dir, "tiny")
     code = env.upload_code({"probe.py": PROBE})
@@ -85,6 +85,8 @@ def test_per_process_1x2_variables_metrics_logs_and_outputs(env: ScriptEnv, tmp_
         assert s["NNODES"] is None and s["NPROC_PER_NODE"] is None
         assert s["argv"] == ["--rank", str(rank), "--of", "2", "$HOME", "$UNKNOWN"]
         assert s["GREETING"] == "hola" and s["token_visible"] is False
+        # Nor in the environment the agent started with (/proc/<agent pid>/environ).
+        assert secrets_up_to_agent(s, agent.process.pid) == []
         assert s["all_reduce"] == 3.0  # 1 + 2: the two processes met through the variables
         inputs = Path(s["TORCHYARD_INPUT_DATA"])
         assert inputs.is_relative_to(Path(s["TORCHYARD_OUTPUT_DIR"]).parent)  # in the run, not the cache
@@ -144,7 +146,7 @@ def test_per_process_1x2_variables_metrics_logs_and_outputs(env: ScriptEnv, tmp_
 
 
 def test_per_node_1x2_runs_torchrun_once(env: ScriptEnv) -> None:
-    env.agent("solo", slots=2)
+    agent = env.agent("solo", slots=2)
     code = env.upload_code({"probe.py": PROBE})
     job_id = env.submit(
         code,
@@ -162,6 +164,7 @@ def test_per_node_1x2_runs_torchrun_once(env: ScriptEnv) -> None:
         assert (s["NNODES"], s["NPROC_PER_NODE"], s["NODE_RANK"]) == ("1", "2", "0")
         assert s["RANK"] == str(rank) and s["WORLD_SIZE"] == "2" and s["all_reduce"] == 3.0
         assert s["token_visible"] is False
+        assert secrets_up_to_agent(s, agent.process.pid) == []  # torchrun's environment neither
     assert len({s["cwd"] for s in seen.values()}) == 1  # one copy of the code for the node
     assert _metrics(env, job_id, "probe.rank") == [(0, 0, 0.0), (1, 0, 1.0)]
     assert "hello from rank 1" in env.log(job_id, rank=0)  # the node's output is its first rank's stream

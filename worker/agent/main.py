@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import socket
@@ -16,6 +17,58 @@ from worker.agent.runs import DEFAULT_KEEP_RUNS
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "TORCHYARD_TOKEN"
+# Where a re-executed agent reads its token from (a pipe's descriptor; see below).
+TOKEN_FD_ENV = "TORCHYARD_TOKEN_FD"
+# Variables the agent's own environment must not hold while it runs scripts.
+SECRET_ENVS = ("TORCHYARD_TOKEN", "TORCHYARD_DATABASE_URL")
+_MAX_TOKEN_BYTES = 4096
+_PR_SET_DUMPABLE = 4
+
+
+def drop_secrets_from_environment() -> None:
+    """Start the agent again without its secrets in its environment (the token through a pipe).
+
+    ``os.environ.pop`` changes only the interpreter's copy: the kernel keeps the environment
+    a process started with, and ``/proc/<pid>/environ`` shows it to every process of the
+    same user, the scripts the agent runs included. So an agent that finds a secret there
+    ``exec``s itself (same pid, same arguments) with an environment that lacks it, the token
+    written to a pipe it inherits. Returns only when there is nothing to drop.
+    """
+    if not any(name in os.environ for name in SECRET_ENVS) or not sys.orig_argv:
+        return
+    token = os.environ.get(TOKEN_ENV, "").strip().encode()
+    if len(token) > _MAX_TOKEN_BYTES:  # more than a pipe holds unread; no token is that long
+        raise SystemExit(f"error: ${TOKEN_ENV} is longer than {_MAX_TOKEN_BYTES} bytes")
+    read_end, write_end = os.pipe()
+    os.write(write_end, token)
+    os.close(write_end)
+    os.set_inheritable(read_end, True)
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_ENVS}
+    env[TOKEN_FD_ENV] = str(read_end)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, env)
+
+
+def _token_from_pipe() -> str:
+    """The token a re-executed agent was handed (empty when it was not re-executed)."""
+    fd = os.environ.pop(TOKEN_FD_ENV, "")
+    if not fd.isdigit():
+        return ""
+    with os.fdopen(int(fd), "rb") as pipe:
+        return pipe.read(_MAX_TOKEN_BYTES + 1).decode(errors="replace").strip()
+
+
+def refuse_inspection() -> None:
+    """Make the agent non-dumpable: processes of the same user (its scripts) can no longer
+    read its memory or ``/proc/<pid>/environ`` nor attach a debugger (root still can), and
+    it writes no core dump. Children it ``exec``s are not affected."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_DUMPABLE, 0) failed: errno %d", ctypes.get_errno())
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,9 +125,9 @@ def run(args: argparse.Namespace) -> int:
 
     # One line per heartbeat and claim would drown the agent's own messages.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    token = args.token or os.environ.get(TOKEN_ENV, "").strip()
-    # Nothing the agent starts (torchrun, ranks, anything) inherits the worker token.
-    os.environ.pop(TOKEN_ENV, None)
+    drop_secrets_from_environment()
+    refuse_inspection()
+    token = args.token or _token_from_pipe()
     if not token:
         log.error("no worker token: pass --token or set %s", TOKEN_ENV)
         return 2
