@@ -47,11 +47,17 @@ def test_two_nodes_in_network_namespaces_both_launch_modes(
             env.agent(names[-1], slots=1, wrap=host.argv([]), env={"NO_PROXY": "*"})
         code = env.upload_code({"probe.py": PROBE})
         two_nodes = {"node_count": 2, "process_count_per_node": 1}
-        per_process = env.submit(code, ["python", "probe.py"], resources=two_nodes, outputs="all")
+        # Node 1 writes one more output file 5 s after node 0 ended: the job succeeds only
+        # once every node's outputs are in, so its late upload is kept, not refused.
+        late = {"variables": {"PROBE_LATE_RANK": "1", "PROBE_LATE_S": "5"}}
+        per_process = env.submit(
+            code, ["python", "probe.py"], resources=two_nodes, outputs="all", environment=late
+        )
         job = env.wait(per_process)
         assert job["status"] == "succeeded", job
         files = env.outputs(per_process)
         assert {name.split("/")[0] for name in files} == {"node-0", "node-1"}  # every node's outputs
+        assert files["node-1/late.txt"] == b"rank 1, after the others ended"
         seen = env.seen(per_process)
         addresses = {h.address for h in netns_hosts.hosts}
         for rank, s in seen.items():

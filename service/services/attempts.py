@@ -10,7 +10,8 @@ Rules:
   it ``running`` (claimed) and renews its lease;
 * the first ``running`` report of any node makes the attempt and the job running;
 * node rank 0's ``succeeded`` (after the model upload recorded ``model_sha256``)
-  makes them succeeded;
+  makes them succeeded; for a script job with ``"outputs": "all"`` the last node's
+  ``succeeded`` does (every node uploads its outputs before it reports);
 * any ``failed`` fails the attempt and the job with that failure — the first one
   wins — and the other nodes are told to stop at their next heartbeat; a retryable
   failure with restarts left puts the job back to ``queued`` instead (a restart);
@@ -527,11 +528,12 @@ def _report_ended(
     placement.finished_at = now
     placement.exit_code = report.exit_code
     if report.state == "succeeded":
-        if placement.node_rank == 0 and attempt.status in _LIVE_ATTEMPT:
+        if attempt.status in _LIVE_ATTEMPT and _attempt_succeeded(session, job, attempt, placement):
             _end_attempt(attempt, AttemptStatus.SUCCEEDED, now)
             if job.status in _PLACED_JOB:
                 what = {"train": "training", "evaluate": "the evaluation"}.get(job.type, "the script")
-                transition(session, job, JobStatus.SUCCEEDED, f"{what} finished on {node.name}")
+                on = "every node" if _waits_for_every_node(job) else node.name
+                transition(session, job, JobStatus.SUCCEEDED, f"{what} finished on {on}")
     elif report.state == "failed":
         failure = _failure(report, node.name)
         if job.status == JobStatus.CANCELLING.value:
@@ -550,6 +552,31 @@ def _report_ended(
             attempt.preempt_requested_at = now
         finish_preemption(session, job, attempt)
     finish_cancellation(session, job)
+
+
+def _waits_for_every_node(job: Job) -> bool:
+    """A script job keeping every node's outputs succeeds once every node has uploaded them."""
+    return job.type == "script" and (job.spec or {}).get("outputs") == "all"
+
+
+def _attempt_succeeded(session: Session, job: Job, attempt: Attempt, placement: Placement) -> bool:
+    """Whether a success report (``placement`` is already done) ends the attempt succeeded.
+
+    Node rank 0's success does, except for a script job with ``"outputs": "all"``: there
+    every node's outputs are part of the result, so the attempt succeeds when no placement
+    of it is left open (each node reports success after its upload; a failure or a lost
+    node fails the attempt first, a drain preempts it).
+    """
+    if not _waits_for_every_node(job):
+        return placement.node_rank == 0
+    if attempt.preempt_requested_at is not None:
+        return False
+    open_count = session.scalar(
+        select(func.count(Placement.id)).where(
+            Placement.attempt_id == attempt.id, Placement.status != PlacementStatus.DONE
+        )
+    )
+    return not open_count
 
 
 def _failure(report: PlacementStatusReport, node_name: str) -> Failure:
