@@ -115,6 +115,29 @@ def test_process_environment_has_the_launch_variables_and_no_secrets(tmp_path: P
     assert group.processes[0].argv[0] == launch.python  # "python" is the worker's interpreter
 
 
+def test_command_expands_the_launch_variables_and_paths_only(tmp_path: Path) -> None:
+    """``$NAME`` in the command names the launch variables and the agent's TORCHYARD_* paths;
+    the rest of the environment (the worker's HOME, PATH, the job's own variables) stays as
+    written."""
+    base = {"PATH": "/usr/bin", "HOME": "/root", "USER": "worker"}
+    command = ("python", "t.py", "$RANK", "${LOCAL_RANK}", "$TORCHYARD_INPUT_DATA",
+               "${TORCHYARD_OUTPUT_DIR}/m.pt", "$HOME", "${PATH}", "$K", "$USER", "$$RANK")  # fmt: skip
+    launch = _launch(tmp_path, command=command)
+    first = ScriptGroup(launch, env=base).processes[0]
+    assert first.argv[2:] == ["2", "0", str(tmp_path / "in"), f"{launch.outputs_dir}/m.pt",
+                              "$HOME", "${PATH}", "$K", "$USER", "$RANK"]  # fmt: skip
+    assert first.env["HOME"] == "/root" and first.env["K"] == "V"  # still in the environment
+    per_node = _launch(
+        tmp_path, launch="per_node", command=("torchrun", "$NNODES", "$RANK", "$TORCHYARD_LOG_DIR")
+    )
+    assert ScriptGroup(per_node, env=base).processes[0].argv == [
+        "torchrun",
+        "2",
+        "$RANK",
+        str(launch.logs_dir),
+    ]
+
+
 def test_log_metric_appends_lines_and_counts_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "m.jsonl"
     monkeypatch.setenv("TORCHYARD_METRICS_FILE", str(path))

@@ -1,7 +1,7 @@
 """A script job's share of one node (SPEC §9): its inputs, environment and processes.
 
 Every process runs the job's ``command`` (no shell; ``$NAME``/``${NAME}`` expanded from
-the launch variables) in a fresh copy of the code, with the variables of SPEC §9:
+the launch variables and the ``TORCHYARD_*`` paths below only) in a fresh copy of the code, with the variables of SPEC §9:
 ``per_process`` starts ``process_count_per_node`` processes each with ``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``; ``per_node`` starts one with ``NNODES``, ``NPROC_PER_NODE``,
@@ -191,6 +191,16 @@ def script_env(
     return env
 
 
+def command_variables(
+    launch: ScriptLaunch, process_env: Mapping[str, str], local_rank: int | None
+) -> dict[str, str]:
+    """What ``$NAME`` in the command may name: the launch variables of SPEC §9 and the
+    ``TORCHYARD_*`` paths the agent gives the process, nothing else of its environment."""
+    paths = ["TORCHYARD_OUTPUT_DIR", "TORCHYARD_LOG_DIR", "TORCHYARD_METRICS_FILE"]
+    paths += [input_variable(name) for name in launch.inputs]
+    return {**launch.launch_variables(local_rank), **{k: process_env[k] for k in paths}}
+
+
 class ScriptGroup:
     """The script processes of one placement on this node."""
 
@@ -203,7 +213,7 @@ class ScriptGroup:
         for local in locals_:
             rank = launch.node_rank * launch.nproc + (local or 0)
             process_env = script_env(launch, base, self.marker, local, rank)
-            argv = [expand(arg, process_env) for arg in launch.command]
+            argv = [expand(arg, command_variables(launch, process_env, local)) for arg in launch.command]
             if _PYTHON_NAMES.match(argv[0]):
                 argv[0] = launch.python  # the worker's interpreter (or the job's environment's)
             name = f"rank-{rank}" if local is not None else f"node-{launch.node_rank}"
