@@ -225,3 +225,76 @@ def test_cli_code_upload_warns_and_honours_the_ignore_file(live_server: Any, tmp
     )  # fmt: skip
     [package] = [p for p in json.loads(listed.stdout) if p["id"] == code_id]
     assert package["name"] == "mine" and package["files"] == 1
+
+
+def _wait_for_a_lock_wait(db: Any) -> None:
+    """Until a session of the test's database waits on a row lock (PostgreSQL)."""
+    from sqlalchemy import text
+
+    deadline = time.monotonic() + 30
+    while True:
+        with db.read_session() as s:
+            waiting = s.scalar(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+                )
+            )
+        if waiting:
+            return
+        assert time.monotonic() < deadline, "no request waited for the code package's row lock"
+        time.sleep(0.05)
+
+
+def test_code_deletion_and_a_submission_using_it_are_serialised(
+    client: TestClient, settings: Settings, ready: dict[str, str]
+) -> None:
+    """A submission waits for a deletion of its code package in progress (then 404 naming
+    ``code``); a deletion waits for a submission in progress (then 409 naming the job)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sqlalchemy import select
+
+    from service.db.engine import Database
+    from service.db.models import CodePackage, Job, utcnow
+
+    if not settings.sqlalchemy_url.startswith("postgresql"):
+        pytest.skip("row locks: SQLite serialises writers as a whole")
+    me = token_id(client, client.headers["Authorization"].split()[1])
+    db = Database(settings.sqlalchemy_url)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            # A deletion holds the row (FOR UPDATE) and marks it deleted: the submission waits.
+            with db.transaction() as holder:
+                row = holder.scalars(
+                    select(CodePackage).where(CodePackage.id == ready["code"]).with_for_update()
+                ).one()
+                submitted = pool.submit(client.post, "/v1/jobs", json=script_spec(ready["code"]))
+                _wait_for_a_lock_wait(db)
+                row.deleted_at = utcnow()
+            r = submitted.result(timeout=60)
+            assert r.status_code == 404 and r.json()["details"]["field"] == "code", r.text
+            assert client.get("/v1/jobs").json()["items"] == []
+
+            # A submission holds the row (FOR SHARE) and adds its job: the deletion waits.
+            code = upload_code(client, {"other.py": b"print(2)\n"}).json()["id"]
+            with db.transaction() as holder:
+                holder.scalars(
+                    select(CodePackage).where(CodePackage.id == code).with_for_update(read=True)
+                ).one()
+                deleted = pool.submit(client.delete, f"/v1/code/{code}")
+                _wait_for_a_lock_wait(db)
+                now = utcnow()
+                job = Job(
+                    owner_id=me, type="script", name="racing", status="queued", spec=script_spec(code),
+                    code_id=code, node_count=1, process_count_per_node=1, priority=0,
+                    created_at=now, updated_at=now,
+                )  # fmt: skip
+                holder.add(job)
+                holder.flush()
+                job_id = job.id
+            r = deleted.result(timeout=60)
+            assert r.status_code == 409 and r.json()["details"]["jobs"] == [job_id], r.text
+            assert client.get(f"/v1/code/{code}").status_code == 200
+    finally:
+        db.dispose()

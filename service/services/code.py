@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Literal
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -131,12 +132,25 @@ def _drop_ignored(root: Path) -> None:
         dirs[:] = [d for d in dirs if not is_ignored_name(d)]
 
 
-def get_code(session: Session, principal: Principal, code_id: str, *, exact: bool = False) -> CodePackage:
+def get_code(
+    session: Session,
+    principal: Principal,
+    code_id: str,
+    *,
+    exact: bool = False,
+    lock: Literal["share", "update"] | None = None,
+) -> CodePackage:
     """The package, if the principal may see it; another user's (or a deleted) one is a 404.
 
-    Unless ``exact``, ``code_id`` may also be its name or a unique prefix of its id."""
+    Unless ``exact``, ``code_id`` may also be its name or a unique prefix of its id. ``lock``
+    holds its row until the transaction ends (``"share"`` for a job submission, ``"update"``
+    for a deletion on PostgreSQL), so that the two cannot interleave: a submission waits for
+    a deletion in progress (and then finds no package), a deletion for a submission (and then
+    finds the job using it)."""
     not_found = NotFoundError(f"code package {code_id!r} not found", details={"field": "code"})
-    return refs.find_owned(session, principal, CodePackage, code_id, exact=exact, not_found=not_found)
+    return refs.find_owned(
+        session, principal, CodePackage, code_id, exact=exact, not_found=not_found, lock=lock
+    )
 
 
 def list_code(
@@ -160,7 +174,7 @@ def code_public(row: CodePackage) -> CodePublic:
 
 def delete_code(session: Session, settings: Settings, principal: Principal, code_id: str) -> None:
     """Delete a package no queued or running job uses (409 otherwise)."""
-    row = get_code(session, principal, code_id)
+    row = get_code(session, principal, code_id, lock="update")
     users = session.execute(
         select(Job.id, Job.status)
         .where(Job.code_id == row.id, Job.status.in_([s.value for s in ACTIVE_STATUSES]))

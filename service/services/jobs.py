@@ -97,7 +97,7 @@ def submit_script_job(
 ) -> Job:
     """A script job (SPEC §9): the code package and every input dataset must be the
     submitter's (another user's is a 404 naming the field), and the resources fit the cluster."""
-    code = get_code(session, principal, spec.code, exact=True)
+    code = get_code(session, principal, spec.code, exact=True, lock="share")
     inputs = {}
     for name, dataset_id in spec.inputs.items():
         try:
