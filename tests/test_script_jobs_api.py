@@ -225,6 +225,27 @@ def test_cli_code_upload_warns_and_honours_the_ignore_file(live_server: Any, tmp
     )  # fmt: skip
     [package] = [p for p in json.loads(listed.stdout) if p["id"] == code_id]
     assert package["name"] == "mine" and package["files"] == 1
+    # torchyard code show: by id (or name), as text or JSON; an unknown one fails cleanly.
+    shown = subprocess.run(
+        [sys.executable, "-m", "torchyard.cli", "code", "show", "mine"],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    lines = dict(line.split(":", 1) for line in shown.stdout.splitlines())
+    assert {k: v.strip() for k, v in lines.items() if k in ("id", "name", "sha256")} == {
+        "id": code_id, "name": "mine", "sha256": package["sha256"],
+    }  # fmt: skip
+    assert lines["files"].strip() == f"1 ({package['size_bytes']} B)"
+    as_json = subprocess.run(
+        [sys.executable, "-m", "torchyard.cli", "code", "show", code_id, "--json"],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert as_json.returncode == 0 and json.loads(as_json.stdout) == package, as_json.stderr
+    unknown = subprocess.run(
+        [sys.executable, "-m", "torchyard.cli", "code", "show", "nope"],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert unknown.returncode != 0 and "not found" in unknown.stderr and "Traceback" not in unknown.stderr
 
 
 def _wait_for_a_lock_wait(db: Any) -> None:

@@ -637,6 +637,20 @@ def _code_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _code_show(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        package = client.get_code(args.id)
+    if args.json:
+        _print_json(package)
+        return 0
+    print(f"id:       {package.id}")
+    print(f"name:     {package.name}")
+    print(f"files:    {package.files} ({human_bytes(package.size_bytes)})")
+    print(f"sha256:   {package.sha256}")
+    print(f"created:  {format_time(package.created_at)}")
+    return 0
+
+
 def _code_delete(args: argparse.Namespace) -> int:
     with _client(args) as client:
         client.delete_code(args.id)
@@ -1120,7 +1134,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     download.add_argument("--path", help="with --outputs: only this file of the outputs")
     download.set_defaults(handler=_download)
 
-    code = sub.add_parser("code", help="upload, list and delete code packages for script jobs")
+    code = sub.add_parser("code", help="upload, list, show and delete code packages for script jobs")
     code_sub = code.add_subparsers(dest="code_command", required=True)
     code_up = code_sub.add_parser(
         "upload",
@@ -1133,6 +1147,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     code_ls = code_sub.add_parser("list", parents=[common], help="list code packages, newest first")
     code_ls.add_argument("--limit", type=int, default=50)
     code_ls.set_defaults(handler=_code_list)
+    code_show = code_sub.add_parser("show", parents=[common], help="show a code package")
+    code_show.add_argument("id", help="code id, name or id prefix")
+    code_show.set_defaults(handler=_code_show)
     code_rm = code_sub.add_parser("delete", parents=[common], help="delete a code package")
     code_rm.add_argument("id")
     code_rm.set_defaults(handler=_code_delete)
