@@ -55,8 +55,11 @@ def _token_from_pipe() -> str:
     fd = os.environ.pop(TOKEN_FD_ENV, "")
     if not fd.isdigit():
         return ""
-    with os.fdopen(int(fd), "rb") as pipe:
-        return pipe.read(_MAX_TOKEN_BYTES + 1).decode(errors="replace").strip()
+    try:
+        with os.fdopen(int(fd), "rb") as pipe:
+            return pipe.read(_MAX_TOKEN_BYTES + 1).decode(errors="replace").strip()
+    except OSError:  # not a descriptor this process was handed
+        return ""
 
 
 def refuse_inspection() -> None:
@@ -127,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     drop_secrets_from_environment()
     refuse_inspection()
-    token = args.token or _token_from_pipe()
+    piped = _token_from_pipe()
+    token = args.token or piped
     if not token:
         log.error("no worker token: pass --token or set %s", TOKEN_ENV)
         return 2
