@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import update
@@ -23,9 +25,11 @@ from service.db.engine import Database
 from service.db.models import Job, Node, utcnow
 from service.services.reaper import ListeningClock, sweep
 from service.services.scheduler import run_pass
+from tests.conftest import free_port
 from tests.factories import auth, create_token, insert_dataset, job_spec, register_node, token_id
 from tests.report_helpers import point, set_placement, start_running_job
 from torchyard.contract.headers import LEASE_HEADER
+from worker.agent.reporting import RunReporter
 from worker.agent.run_files import RunFileReader
 
 
@@ -151,6 +155,27 @@ def test_a_submission_while_every_worker_restarts_is_accepted_and_waits(
     register_node(client, worker, "n2", units=2)
     assert job_id in run_pass(db, settings).scheduled or _job_status(db, job_id) == "scheduled"
 
+    # A node last heard from longer ago than TORCHYARD_NODE_MEMORY_S no longer counts: n1,
+    # seen just within it, still lets a one-node job wait; two nodes are more than that.
+    now = utcnow()
+    for name, ago in (("n1", settings.node_memory_s - 60), ("n2", settings.node_memory_s + 60)):
+        with db.transaction() as s:
+            s.execute(
+                update(Node)
+                .where(Node.name == name)
+                .values(status="lost", last_heartbeat_at=now - timedelta(seconds=ago))
+            )
+    r = client.post(
+        "/v1/jobs", json=job_spec(data, data, resources={"node_count": 1, "process_count_per_node": 2})
+    )
+    assert r.status_code == 201, r.text
+    r = client.post(
+        "/v1/jobs", json=job_spec(data, data, resources={"node_count": 2, "process_count_per_node": 1})
+    )
+    assert r.status_code == 422, r.text
+    assert r.json()["code"] == "ResourceLimitError"
+    assert [(d["field"], d["limit"]) for d in r.json()["details"]] == [("resources.node_count", 1)]
+
 
 def test_readyz_reports_the_database_and_healthz_never_touches_it(client: TestClient) -> None:
     r = client.get("/readyz")
@@ -196,6 +221,53 @@ def test_the_agent_bounds_unsent_logs_and_says_what_it_drops(
     # Every metric point is kept, none twice.
     steps = [m["step"] for b in batches for m in b.metrics]
     assert sorted(steps) == list(range(3000))
+
+
+def test_the_agent_says_in_its_log_when_the_report_buffer_is_full_and_what_it_drops(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An API that refuses connections (nothing listens on the port): the first batch stays
+    # in flight while the rank keeps writing, past the bound.
+    rank_log = tmp_path / "stdout.log"
+    rank_log.write_text("first line\n")
+    agent_log = tmp_path / "agent.log"
+    agent_log.write_text("")
+    with httpx.Client(base_url=f"http://127.0.0.1:{free_port()}") as unreachable:
+        reporter = RunReporter(
+            unreachable,
+            "job-1",
+            "lease",
+            tmp_path,
+            lambda: [("rank-0", rank_log)],
+            agent_log,
+            "n1",
+            interval=0.05,
+            max_backoff=0.1,
+            max_log_backlog=1000,
+        )
+        with caplog.at_level(logging.WARNING, logger="worker.agent.reporting"):
+            reporter.start()
+            deadline = time.monotonic() + 30
+            while reporter.stats["retries"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert reporter.stats["retries"] >= 1, caplog.text
+            assert "report failed" in caplog.text and "will retry" in caplog.text
+            assert "report buffer full" not in caplog.text  # nothing over the bound yet
+            with rank_log.open("a") as fh:
+                fh.write("y" * 4999 + "\n")
+            while "report buffer full" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.02)
+            retries = reporter.stats["retries"]
+            while reporter.stats["retries"] < retries + 3 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert not reporter.stop(timeout=0.2)  # the API never came back
+    full = [r.getMessage() for r in caplog.records if "report buffer full" in r.getMessage()]
+    # Said once, with what waits, the bound, and what goes: the oldest log bytes, never a point.
+    assert full == [
+        "job job-1: report buffer full: 5000 log bytes wait for the API (bound 1000 per stream); the "
+        "oldest unsent log bytes of a stream over the bound are dropped when it is back, with a "
+        "note in that stream; metric points are all kept"
+    ], caplog.text
 
 
 def test_a_placement_never_claimed_is_reported_so_when_its_node_falls_silent_in_the_same_pass(

@@ -6,21 +6,27 @@ unsupervised; the new agent sweeps whatever its predecessor left, registers agai
 the API ends the attempt with ``WorkerLostError`` ("the worker agent on node n1
 restarted"), a retryable failure: with restarts enabled the job goes back to the queue
 and resumes from its latest checkpoint. Re-attaching the new agent to running ranks is
-not done.
+not done. The test shows both halves: the old ranks stop, and the job succeeds on the same
+node from the checkpoint its first attempt stored.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import func, select
 
 from service.config import Settings
+from service.db.engine import Database
+from service.db.models import Checkpoint
 from tests.conftest import LiveServer
 from tests.factories import auth, job_spec
 from tests.worker_fixtures import (
+    FINAL,
     start_agent,
     upload_digits,
     user_client,
@@ -32,6 +38,8 @@ from tests.worker_fixtures import (
 from torchyard.contract.errors import is_retryable
 
 pytestmark = pytest.mark.slow
+
+EPOCHS = 4
 
 
 @pytest.fixture
@@ -51,8 +59,19 @@ def settings(make_settings: Any) -> Settings:
     return s
 
 
-def test_a_restarted_agent_stops_its_predecessors_ranks_and_the_attempt_is_lost(
-    live_server: LiveServer, tmp_path: Path
+def _checkpoint_epoch(settings: Settings, job_id: str) -> int:
+    """The newest checkpoint of the job the API has stored (0 when there is none)."""
+    db = Database(settings.sqlalchemy_url)
+    try:
+        with db.read_session() as s:
+            epoch = s.scalar(select(func.max(Checkpoint.epoch)).where(Checkpoint.job_id == job_id))
+    finally:
+        db.dispose()
+    return int(epoch or 0)
+
+
+def test_a_restarted_agent_stops_its_predecessors_ranks_and_the_job_resumes_from_its_checkpoint(
+    live_server: LiveServer, settings: Settings, tmp_path: Path
 ) -> None:
     admin = httpx.Client(base_url=live_server.url, headers=auth(live_server.admin_token), timeout=60)
     user = user_client(admin, live_server.url)
@@ -61,38 +80,77 @@ def test_a_restarted_agent_stops_its_predecessors_ranks_and_the_attempt_is_lost(
     agent = start_agent(live_server.url, token, "n1", tmp_path / "n1", slots=1)
     restarted = None
     try:
-        wait_for_node(user, "n1")
+        wait_for_node(user, "n1", timeout=300)
         spec = job_spec(
             train,
             val,
-            parameters={"epochs": 50, "patience": 50, "image_size": 16, "augmentation": "none"},
-            resources={"node_count": 1, "process_count_per_node": 1, "max_restarts": 0},
+            parameters={
+                "epochs": EPOCHS,
+                "patience": EPOCHS,
+                "image_size": 16,
+                "batch_size": 16,
+                "augmentation": "none",
+            },
+            resources={"node_count": 1, "process_count_per_node": 1, "max_restarts": 1},
         )
         r = user.post("/v1/jobs", json=spec)
         assert r.status_code == 201, r.text
         job_id = r.json()["id"]
-        wait_for_job(user, job_id, lambda j: (j.get("progress") or {}).get("step", 0) >= 1, agents=[agent])
-        run_dir = next((tmp_path / "n1" / "runs").glob(f"{job_id}-*"))
+        # Epoch 1's checkpoint is stored by the API before the agent goes.
+        wait_for_job(
+            user,
+            job_id,
+            lambda j: j["status"] in FINAL or _checkpoint_epoch(settings, job_id) >= 1,
+            timeout=300,
+            agents=[agent],
+        )
+        assert _checkpoint_epoch(settings, job_id) >= 1, agent.log_text()[-3000:]
+        run_dir = next((tmp_path / "n1" / "runs").glob(f"{job_id}-a1-*"))
 
         agent.kill()  # the agent process only: its machine and its work directory stay
         restarted = start_agent(live_server.url, token, "n1", tmp_path / "n1", slots=1)
-        job = wait_for_job(
-            user, job_id, lambda j: j["attempts"][0]["status"] != "running", agents=[restarted]
-        )
+        # Nothing of the old run trains on unsupervised.
+        assert wait_until_gone(str(run_dir)) == []
+        job = wait_for_job(user, job_id, timeout=300, agents=[restarted])
+        assert job["status"] == "succeeded", job
+        assert job["restarts"] == 1
+        assert [(a["number"], a["status"], a["nodes"]) for a in job["attempts"]] == [
+            (1, "failed", ["n1"]),
+            (2, "succeeded", ["n1"]),
+        ]
         first = job["attempts"][0]
-        assert first["failure_code"] == "WorkerLostError", first
+        assert first["end_reason"]["code"] == "WorkerLostError", first
+        assert is_retryable("WorkerLostError")
         # Whichever the API saw first: the new agent registering, or the lease running out
         # while it started (torch takes seconds to import on a busy machine).
-        assert first["failure_message"] in (
+        assert first["end_reason"]["message"] in (
             "the worker agent on node n1 restarted",
             "node n1 stopped heartbeating",
         ), first
-        assert is_retryable("WorkerLostError")
-        # Nothing of the old run trains on unsupervised.
-        assert wait_until_gone(str(run_dir)) == []
+
+        # Attempt 2, on the same node, resumed from the checkpoint: its rank 0 says so, and
+        # the epochs the checkpoint held were reported by attempt 1 only.
+        r = user.get(f"/v1/jobs/{job_id}/logs", params={"rank": 0})
+        assert r.status_code == 200, r.text
+        resumed = re.search(r"resuming after epoch (\d+)", r.text)
+        assert resumed, r.text[-3000:]
+        done = int(resumed.group(1))
+        assert 1 <= done < EPOCHS
+        r = user.get(
+            f"/v1/jobs/{job_id}/metrics",
+            params={"name": "val.top1", "include_superseded": "true", "limit": 10000},
+        )
+        assert r.status_code == 200, r.text
+        by_attempt: dict[int, list[int]] = {}
+        for p in r.json()["items"]:
+            by_attempt.setdefault(p["attempt"], []).append(p["epoch"])
+        assert sorted(by_attempt[2]) == list(range(done + 1, EPOCHS + 1)), by_attempt
+        assert set(range(1, done + 1)) <= set(by_attempt[1]), by_attempt
         # The node is back and serves again.
         assert wait_for_node(user, "n1")["status"] == "ready"
     finally:
         agent.kill()
         if restarted is not None:
             restarted.stop(timeout=30)
+        user.close()
+        admin.close()
