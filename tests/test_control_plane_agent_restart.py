@@ -8,11 +8,16 @@ restarted"), a retryable failure: with restarts enabled the job goes back to the
 and resumes from its latest checkpoint. Re-attaching the new agent to running ranks is
 not done. The test shows both halves: the old ranks stop, and the job succeeds on the same
 node from the checkpoint its first attempt stored.
+
+Every agent restarted at once (an agent upgrade): a job submitted while their nodes are
+marked lost is accepted when it fits the nodes seen within ``TORCHYARD_NODE_MEMORY_S`` and
+waits, with its reason (a larger one is a 422); it runs once the agents are back.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -152,5 +157,69 @@ def test_a_restarted_agent_stops_its_predecessors_ranks_and_the_job_resumes_from
         agent.kill()
         if restarted is not None:
             restarted.stop(timeout=30)
+        user.close()
+        admin.close()
+
+
+def _wait_for_lost(user: httpx.Client, names: set[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        nodes = {n["name"]: n["status"] for n in user.get("/v1/cluster").json()["nodes"]}
+        if all(nodes.get(name) == "lost" for name in names):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"nodes {sorted(names)} not marked lost within {timeout} s: {nodes}")
+
+
+def test_a_job_submitted_while_every_agent_restarts_waits_for_them_and_succeeds(
+    live_server: LiveServer, tmp_path: Path
+) -> None:
+    admin = httpx.Client(base_url=live_server.url, headers=auth(live_server.admin_token), timeout=60)
+    user = user_client(admin, live_server.url)
+    token = worker_token(admin)
+    train, val = upload_digits(user, tmp_path / "digits", per_class=10, size=16)
+    names = ("n1", "n2")
+    agents = [start_agent(live_server.url, token, name, tmp_path / name, slots=1) for name in names]
+    try:
+        for name in names:
+            wait_for_node(user, name, timeout=300)
+        # An agent upgrade: both agents go at once, and the API marks their nodes lost.
+        for agent in agents:
+            agent.kill()
+        _wait_for_lost(user, set(names))
+        assert user.get("/v1/cluster").json()["ready_nodes"] == 0
+
+        def spec(node_count: int) -> dict[str, Any]:
+            return job_spec(
+                train,
+                val,
+                parameters={"epochs": 1, "image_size": 16, "batch_size": 16, "augmentation": "none"},
+                resources={"node_count": node_count, "process_count_per_node": 1, "max_restarts": 0},
+            )
+
+        # A job the cluster had a moment ago is accepted and waits, saying why.
+        r = user.post("/v1/jobs", json=spec(2))
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        # The next scheduling pass gives the reason.
+        job = wait_for_job(
+            user, job_id, lambda j: j["reason"] is not None or j["status"] != "queued", timeout=30
+        )
+        assert job["status"] == "queued", job
+        assert job["reason"] and "node" in job["reason"], job
+        # One larger than it has ever had is refused, naming the limit.
+        r = user.post("/v1/jobs", json=spec(3))
+        assert r.status_code == 422, r.text
+        assert r.json()["code"] == "ResourceLimitError"
+        assert [d["field"] for d in r.json()["details"]] == ["resources.node_count"]
+
+        # The agents come back (same work directories): the job is placed on both and succeeds.
+        agents += [start_agent(live_server.url, token, name, tmp_path / name, slots=1) for name in names]
+        job = wait_for_job(user, job_id, timeout=300, agents=agents[2:])
+        assert job["status"] == "succeeded", job
+        assert len(job["attempts"]) == 1 and sorted(job["nodes"]) == list(names), job
+    finally:
+        for agent in agents:
+            agent.stop(timeout=30)
         user.close()
         admin.close()

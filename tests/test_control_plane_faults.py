@@ -45,7 +45,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 LEASE_TIMEOUT_S = 3.0
 # Longer than the lease timeout: before, this killed every running job.
 OUTAGE_S = 3 * LEASE_TIMEOUT_S
+# The API's waits on its database (the defaults, named so the bound below follows them): a new
+# connection, and a free pooled connection. A stopped server refuses or drops connections at
+# once, so no statement runs into the statement timeout here.
+CONNECT_TIMEOUT_S = 3.0
+POOL_TIMEOUT_S = 5.0
+# The longest any client request may take, the database down or not: a wait for a pooled
+# connection, then for a new connection, plus time for a loaded 2-core machine.
+LONGEST_REQUEST_S = POOL_TIMEOUT_S + CONNECT_TIMEOUT_S + 2.0
 SETTINGS = {
+    "TORCHYARD_DATABASE_CONNECT_TIMEOUT_S": str(CONNECT_TIMEOUT_S),
+    "TORCHYARD_DATABASE_POOL_TIMEOUT_S": str(POOL_TIMEOUT_S),
     "TORCHYARD_HEARTBEAT_INTERVAL_S": "0.5",
     "TORCHYARD_LEASE_TIMEOUT_S": str(LEASE_TIMEOUT_S),
     "TORCHYARD_REAPER_INTERVAL_S": "0.2",
@@ -57,7 +67,8 @@ SETTINGS = {
 
 @dataclass
 class Poller:
-    """A user polling a job: every answer's status, and any request that hung."""
+    """A user polling a job: every answer's status, how long each request took (answered or
+    not), and any request that hung."""
 
     url: str
     token: str
@@ -66,20 +77,25 @@ class Poller:
     unavailable: list[httpx.Response] = field(default_factory=list)
     refused: int = 0
     hung: int = 0
+    durations: list[tuple[float, str, str]] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
         with httpx.Client(base_url=self.url, headers=auth(self.token), timeout=15) as http:
             while not self.stop.wait(0.1):
                 for path in (f"/v1/jobs/{self.job_id}", f"/v1/jobs/{self.job_id}/metrics", "/v1/cluster"):
+                    started = time.monotonic()
                     try:
                         r = http.get(path)
                     except httpx.TimeoutException:
+                        self.durations.append((time.monotonic() - started, path, "timed out"))
                         self.hung += 1
                         continue
-                    except httpx.TransportError:
+                    except httpx.TransportError as exc:
+                        self.durations.append((time.monotonic() - started, path, type(exc).__name__))
                         self.refused += 1  # the API is down
                         continue
+                    self.durations.append((time.monotonic() - started, path, str(r.status_code)))
                     self.codes[r.status_code] += 1
                     if r.status_code == 503:
                         self.unavailable.append(r)
@@ -191,6 +207,11 @@ def test_a_job_trains_through_a_database_outage_and_an_api_sigkill(
 
     # Clients: 503 with Retry-After and the JSON error body, never a 500 or a hang.
     assert poller.codes[500] == 0 and poller.hung == 0, poller.codes
+    longest = max(poller.durations)
+    assert longest[0] < LONGEST_REQUEST_S, (
+        f"a request took {longest[0]:.1f} s ({longest[1]} -> {longest[2]}), longer than the "
+        f"{LONGEST_REQUEST_S:g} s that the database pool and connect timeouts allow"
+    )
     assert poller.codes[200] > 0 and poller.refused > 0
     for answer in poller.unavailable:
         assert answer.headers["Retry-After"] == "1"
@@ -216,5 +237,6 @@ def test_a_job_trains_through_a_database_outage_and_an_api_sigkill(
     assert len(log_seqs) == len(set(log_seqs))
     print(
         f"\npolls: {dict(poller.codes)}, refused while down: {poller.refused}, "
-        f"SSE reconnects: {follower.reconnects}, metric points: {sum(stored.values())}"
+        f"SSE reconnects: {follower.reconnects}, metric points: {sum(stored.values())}, "
+        f"longest request: {longest[0]:.2f} s"
     )
