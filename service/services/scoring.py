@@ -15,7 +15,6 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 
-import numpy as np
 from PIL import Image
 
 from service.services.models import ModelFiles
@@ -101,6 +100,8 @@ def predict(
         )
     check_total_pixels(uploads, max_pixels, max_total_pixels)
     model = cache.get(files.key, files.folder)
+    import numpy as np  # the scoring extra's; the API imports neither numpy nor torch at start
+
     # Decode one image at a time and keep only its model-sized crop.
     batch = np.stack([model.geometry(decode_image(upload, max_pixels)) for upload in uploads])
     return model.predict_cropped(batch, top_k)
