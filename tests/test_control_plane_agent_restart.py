@@ -23,15 +23,13 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import func, select
 
 from service.config import Settings
-from service.db.engine import Database
-from service.db.models import Checkpoint
 from tests.conftest import LiveServer
 from tests.factories import auth, job_spec
 from tests.worker_fixtures import (
     FINAL,
+    checkpoint_epoch,
     start_agent,
     upload_digits,
     user_client,
@@ -64,17 +62,6 @@ def settings(make_settings: Any) -> Settings:
     return s
 
 
-def _checkpoint_epoch(settings: Settings, job_id: str) -> int:
-    """The newest checkpoint of the job the API has stored (0 when there is none)."""
-    db = Database(settings.sqlalchemy_url)
-    try:
-        with db.read_session() as s:
-            epoch = s.scalar(select(func.max(Checkpoint.epoch)).where(Checkpoint.job_id == job_id))
-    finally:
-        db.dispose()
-    return int(epoch or 0)
-
-
 def test_a_restarted_agent_stops_its_predecessors_ranks_and_the_job_resumes_from_its_checkpoint(
     live_server: LiveServer, settings: Settings, tmp_path: Path
 ) -> None:
@@ -105,11 +92,11 @@ def test_a_restarted_agent_stops_its_predecessors_ranks_and_the_job_resumes_from
         wait_for_job(
             user,
             job_id,
-            lambda j: j["status"] in FINAL or _checkpoint_epoch(settings, job_id) >= 1,
+            lambda j: j["status"] in FINAL or checkpoint_epoch(settings.sqlalchemy_url, job_id) >= 1,
             timeout=300,
             agents=[agent],
         )
-        assert _checkpoint_epoch(settings, job_id) >= 1, agent.log_text()[-3000:]
+        assert checkpoint_epoch(settings.sqlalchemy_url, job_id) >= 1, agent.log_text()[-3000:]
         run_dir = next((tmp_path / "n1" / "runs").glob(f"{job_id}-a1-*"))
 
         agent.kill()  # the agent process only: its machine and its work directory stay

@@ -18,14 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
 
-from service.config import Settings
-from service.db.engine import Database
-from service.db.models import Checkpoint
 from tests.netns import NetnsCluster, _kill_netns_processes, require_netns
 from tests.test_cluster_training import _cluster_settings, _placements, _run_dir, open_env
-from tests.worker_fixtures import processes_mentioning, wait_until_gone
+from tests.worker_fixtures import checkpoint_epoch, processes_mentioning, wait_until_gone
 
 pytestmark = pytest.mark.slow
 
@@ -44,17 +40,6 @@ def hosts() -> Iterator[NetnsCluster]:
     require_netns()
     with NetnsCluster(3) as cluster:
         yield cluster
-
-
-def _checkpoint_epoch(settings: Settings, job_id: str) -> int:
-    """The newest stored checkpoint's epoch of the job (0 when there is none)."""
-    db = Database(settings.sqlalchemy_url)
-    try:
-        with db.read_session() as s:
-            epoch = s.scalar(select(func.max(Checkpoint.epoch)).where(Checkpoint.job_id == job_id))
-    finally:
-        db.dispose()
-    return int(epoch or 0)
 
 
 def test_a_killed_node_of_a_two_node_job_restarts_on_two_nodes_and_resumes(
@@ -78,7 +63,10 @@ def test_a_killed_node_of_a_two_node_job_restarts_on_two_nodes_and_resumes(
         victim, survivor = placed[0], placed[1]
         survivor_dir = _run_dir(next(a for a in env.agents if a.name == survivor), job_id)
         # Wait for epoch 1's checkpoint, then the whole host dies at once.
-        env.wait(job_id, lambda j: j["status"] != "running" or _checkpoint_epoch(settings, job_id) >= 1)
+        env.wait(
+            job_id,
+            lambda j: j["status"] != "running" or checkpoint_epoch(settings.sqlalchemy_url, job_id) >= 1,
+        )
         agent = next(a for a in env.agents if a.name == victim)
         _kill_netns_processes(by_name[victim].netns)
         agent.process.wait(10)

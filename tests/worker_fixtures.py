@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from service.db.engine import Database
-from service.db.models import Attempt, Job, Placement, utcnow
+from service.db.models import Attempt, Checkpoint, Job, Placement, utcnow
 from service.services.jobs import transition
 from service.states import FINAL_STATUSES, JobStatus
 from tests.factories import auth
@@ -248,3 +248,14 @@ def wait_until_gone(text: str, timeout: float = 20) -> list[tuple[int, str]]:
         time.sleep(0.1)
         left = processes_mentioning(text)
     return left
+
+
+def checkpoint_epoch(db_url: str, job_id: str) -> int:
+    """The newest checkpoint of the job the API has stored (0 when there is none)."""
+    db = Database(db_url)
+    try:
+        with db.read_session() as s:
+            epoch = s.scalar(select(func.max(Checkpoint.epoch)).where(Checkpoint.job_id == job_id))
+    finally:
+        db.dispose()
+    return int(epoch or 0)

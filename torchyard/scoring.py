@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -149,13 +149,12 @@ class OnnxModel:
         )
 
     def geometry(self, image: Image.Image) -> np.ndarray:
-        """One RGB image resized and centre cropped to the model's input: uint8 ``(3, S, S)``.
-
-        A caller scoring many images calls this on each right after decoding it, so only
-        one full-size image is held at a time."""
+        """One RGB image resized and centre cropped to the model's input: uint8 ``(3, S, S)``."""
         return eval_geometry(image, self.image_size)
 
-    def preprocess(self, images: Sequence[Image.Image]) -> np.ndarray:
+    def preprocess(self, images: Iterable[Image.Image]) -> np.ndarray:
+        """The model's input batch; ``images`` is read one at a time and each is kept only as
+        its crop, so a generator that decodes lazily holds one full-size image at a time."""
         import numpy as np
 
         batch = np.stack([self.geometry(image) for image in images])
@@ -165,13 +164,9 @@ class OnnxModel:
         result: np.ndarray = self.session.run(None, {self.input_name: inputs})[0]
         return result
 
-    def predict(self, images: Sequence[Image.Image], k: int) -> list[list[tuple[str, float]]]:
-        """The ``k`` most probable labels of each RGB image."""
+    def predict(self, images: Iterable[Image.Image], k: int) -> list[list[tuple[str, float]]]:
+        """The ``k`` most probable labels of each RGB image (read as :meth:`preprocess` does)."""
         return top_k(softmax(self.logits(self.preprocess(images))), self.classes, k)
-
-    def predict_cropped(self, batch: np.ndarray, k: int) -> list[list[tuple[str, float]]]:
-        """The ``k`` most probable labels of each uint8 ``(3, S, S)`` row of :meth:`geometry`."""
-        return top_k(softmax(self.logits(normalize(batch, self.mean, self.std))), self.classes, k)
 
 
 class ModelCache:

@@ -100,8 +100,5 @@ def predict(
         )
     check_total_pixels(uploads, max_pixels, max_total_pixels)
     model = cache.get(files.key, files.folder)
-    import numpy as np  # the scoring extra's; the API imports neither numpy nor torch at start
-
-    # Decode one image at a time and keep only its model-sized crop.
-    batch = np.stack([model.geometry(decode_image(upload, max_pixels)) for upload in uploads])
-    return model.predict_cropped(batch, top_k)
+    # Decoded lazily: the model keeps only each image's crop, one full-size image at a time.
+    return model.predict((decode_image(upload, max_pixels) for upload in uploads), top_k)

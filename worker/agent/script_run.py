@@ -213,7 +213,8 @@ class ScriptGroup:
         for local in locals_:
             rank = launch.node_rank * launch.nproc + (local or 0)
             process_env = script_env(launch, base, self.marker, local, rank)
-            argv = [expand(arg, command_variables(launch, process_env, local)) for arg in launch.command]
+            variables = command_variables(launch, process_env, local)
+            argv = [expand(arg, variables) for arg in launch.command]
             if _PYTHON_NAMES.match(argv[0]):
                 argv[0] = launch.python  # the worker's interpreter (or the job's environment's)
             name = f"rank-{rank}" if local is not None else f"node-{launch.node_rank}"
