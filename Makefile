@@ -1,7 +1,15 @@
 # The two set-up commands: `make demo` runs the main job, `make test` passes the tests.
 PYTHON ?= python3
-VENV := .venv
+# Where the virtual environment lives; CI points it at a cache outside the clone (.ci/run).
+VENV ?= .venv
 BIN := $(VENV)/bin
+# Test processes: one per core (xdist); the tests that start real training processes run in
+# one group on one of them, so their timings are not squeezed by each other (tests/README.md).
+TEST_WORKERS ?= auto
+# The tests' temporary files on tmpfs where there is one (SQLite commits and checkpoints
+# without disk syncs); one folder per checkout, emptied at each run.
+TEST_TMP ?= $(shell if [ -d /dev/shm ] && [ -w /dev/shm ]; then \
+	echo /dev/shm/torchyard-tests-$$(id -u)-$$(printf %s "$(CURDIR)" | cksum | cut -d' ' -f1); fi)
 
 .PHONY: demo test lint
 
@@ -21,5 +29,8 @@ lint: $(BIN)/.installed
 	$(BIN)/lint-imports
 
 test: lint
-	$(BIN)/python -m pytest -q -ra --durations=30; rc=$$?; \
+	@start=$$(date +%s); \
+	$(BIN)/python -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadgroup \
+		$(if $(TEST_TMP),--basetemp=$(TEST_TMP)); rc=$$?; \
+	echo "test suite wall time: $$(( $$(date +%s) - start )) s"; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc

@@ -41,9 +41,9 @@ from typing import Any
 
 import httpx
 
-from tests.api_process import ApiProcess
-from tests.factories import auth
-from tests.worker_fixtures import start_agent, user_client, wait_for_node, worker_token
+from tests.support.api_process import ApiProcess
+from tests.support.factories import auth
+from tests.support.worker_fixtures import start_agent, user_client, wait_for_node, worker_token
 
 TICK = """\
 import sys, time

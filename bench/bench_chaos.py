@@ -195,8 +195,8 @@ def control_plane(args: argparse.Namespace, tmp: Path) -> Iterator[ControlPlane]
     # The test helpers (serve as a subprocess, a private PostgreSQL server) are reused.
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from tests.api_process import ApiProcess
-    from tests.private_pg import start_private_postgres
+    from tests.support.api_process import ApiProcess
+    from tests.support.private_pg import start_private_postgres
 
     pg = start_private_postgres() if args.stop_db else None
     try:

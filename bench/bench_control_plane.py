@@ -37,10 +37,10 @@ import httpx
 
 # Run from the repository root with ``python -m``, which puts it on the path: the test
 # helpers (a private PostgreSQL server, serve as a subprocess, a real agent) are reused.
-from tests.api_process import ApiProcess
-from tests.factories import auth, job_spec
-from tests.private_pg import start_private_postgres
-from tests.worker_fixtures import start_agent, upload_digits, user_client, worker_token
+from tests.support.api_process import ApiProcess
+from tests.support.factories import auth, job_spec
+from tests.support.private_pg import start_private_postgres
+from tests.support.worker_fixtures import start_agent, upload_digits, user_client, worker_token
 
 SETTINGS = {
     "TORCHYARD_HEARTBEAT_INTERVAL_S": "1",

@@ -8,6 +8,7 @@ unless ``TORCHYARD_REQUIRE_POSTGRES=1`` (CI), where that is a failure.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import threading
 import time
@@ -56,6 +57,8 @@ def pg_database() -> Iterator[str]:
     admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        # A test database need not survive a crash of the server: commits do not wait for the disk.
+        conn.execute(sa.text(f'ALTER DATABASE "{name}" SET synchronous_commit = off'))
     url = admin.url.set(database=name).render_as_string(hide_password=False)
     upgrade(url)
     yield url
@@ -64,27 +67,85 @@ def pg_database() -> Iterator[str]:
     admin.dispose()
 
 
-def _truncate_pg(url: str) -> None:
+def _reset_pg(url: str) -> None:
+    """Empty every table and restart the sequences: ``DELETE`` takes milliseconds on these small
+    tables where ``TRUNCATE`` takes 0.2–0.7 s (it rewrites each table's files)."""
     engine = sa.create_engine(url)
-    tables = ", ".join(f'"{t.name}"' for t in Base.metadata.sorted_tables)
     with engine.begin() as conn:
-        conn.execute(sa.text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+        for table in reversed(Base.metadata.sorted_tables):
+            conn.execute(table.delete())
+        for (name,) in conn.execute(
+            sa.text("SELECT sequencename FROM pg_sequences WHERE schemaname = 'public'")
+        ):
+            conn.execute(sa.text(f'ALTER SEQUENCE "{name}" RESTART'))
     engine.dispose()
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite database migrated to head once per session; each test gets a copy (2 ms, not 0.1–0.8 s)."""
+    path = tmp_path_factory.mktemp("sqlite-template") / "torchyard.db"
+    upgrade(f"sqlite:///{path}")
+    return path
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``db_url`` is SQLite; tests marked ``both_databases`` (where the database makes a
+    difference: leases, scheduling, locking, migrations, concurrency, the restart protocol) run
+    once on SQLite and once on PostgreSQL."""
+    if (
+        "db_url" not in metafunc.fixturenames
+        or metafunc.definition.get_closest_marker("both_databases") is None
+    ):
+        return
+    if any("db_url" in m.args[0] for m in metafunc.definition.iter_markers("parametrize")):
+        return  # the test chose its database itself
+    metafunc.parametrize(
+        "db_url", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+    )
+
+
+@pytest.fixture
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """Each test using this runs once on a fresh SQLite file and once on PostgreSQL."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'torchyard.db'}"
+    """A fresh database: a copy of the migrated SQLite template, or the session's PostgreSQL emptied."""
+    if getattr(request, "param", "sqlite") == "sqlite":
+        sqlite: str = request.getfixturevalue("sqlite_url")
+        return sqlite
     url: str = request.getfixturevalue("pg_database")
-    _truncate_pg(url)
+    _reset_pg(url)
     return url
 
 
 @pytest.fixture
-def sqlite_url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'torchyard.db'}"
+def sqlite_url(tmp_path: Path, sqlite_template: Path) -> str:
+    """A fresh SQLite database, already migrated to head (a copy of the session's template)."""
+    path = tmp_path / "torchyard.db"
+    shutil.copyfile(sqlite_template, path)
+    return f"sqlite:///{path}"
+
+
+def fast_leases(
+    *,
+    heartbeat_s: float = 0.5,
+    lease_s: float = 3.0,
+    reaper_s: float = 0.2,
+    ports: tuple[int, int] | None = None,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """Settings for tests where nodes, leases and the reaper act: heartbeats and leases of
+    seconds instead of the production minutes, so a lost node is noticed within the test.
+
+    ``ports`` is the module's own rendezvous port range (below the kernel's ephemeral range,
+    32768+, where an outgoing connection could take one first)."""
+    values: dict[str, Any] = {
+        "heartbeat_interval_s": heartbeat_s,
+        "lease_timeout_s": lease_s,
+        "reaper_interval_s": reaper_s,
+    }
+    if ports is not None:
+        values["master_port_min"], values["master_port_max"] = ports
+    values.update(overrides)
+    return values
 
 
 @pytest.fixture
@@ -157,3 +218,23 @@ def live_server(settings: Settings) -> Iterator[LiveServer]:
     server = LiveServer(settings).start()
     yield server
     server.stop()
+
+
+def _weight(item: pytest.Item) -> int:
+    """Scheduling order: the modules that start real training processes first, so that none
+    of them is left to run alone at the end of a parallel run."""
+    path = Path(str(item.path))
+    if "e2e" in path.parts or item.get_closest_marker("slow") is not None:
+        return 0
+    return 1
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test``: ``-n auto --dist loadgroup``) a module's tests run on
+    one worker, one after another, so its module-scoped servers, agents and trained models are
+    built once; modules run in parallel with each other. A test may name another group with
+    ``@pytest.mark.xdist_group(name)``."""
+    items.sort(key=_weight)  # stable: a module's tests stay together and in order
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))

@@ -32,7 +32,7 @@ def test_gpu_doc_names_every_trainer_gpu_setting_with_its_default() -> None:
     assert f"| `{gpu_decode.ENV_SWITCH}` | `auto` |" in doc
     assert f"| `{gpu_decode.ENV_CPU_SHARE}` | `{gpu_decode.DEFAULT_CPU_SHARE:g}` |" in doc
     readme = (ROOT / "README.md").read_text()
-    assert "pytest -m gpu tests/test_gpu.py tests/test_gpu_decode.py" in readme
+    assert "pytest -m gpu tests/worker/trainer/test_gpu.py tests/worker/trainer/test_gpu_decode.py" in readme
     assert "(docs/gpu.md)" in readme
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -81,6 +84,29 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+_schemas: dict[tuple[tuple[str, str], ...], dict[str, Any]] = {}
+_schemas_lock = threading.Lock()
+
+
+def _build_openapi(app: FastAPI) -> None:
+    """Build the app's OpenAPI schema, or reuse the one an app with the same routes built.
+
+    Every app this factory makes has the same routes, so a process that makes several (a
+    test session, a process serving more than one) builds the schema once (~0.2 s each)."""
+    key = tuple(
+        sorted(
+            (getattr(r, "path", ""), ",".join(sorted(getattr(r, "methods", None) or ())))
+            for r in app.routes
+        )
+    )
+    with _schemas_lock:
+        cached = _schemas.get(key)
+        if cached is None:
+            cached = _schemas[key] = app.openapi()
+    if app.openapi_schema is None:
+        app.openapi_schema = copy.deepcopy(cached)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
 
@@ -88,7 +114,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.db = await asyncio.to_thread(bootstrap, settings)
         # The OpenAPI schema is built once, now: the web UI reads it on every page load.
-        await asyncio.to_thread(app.openapi)
+        await asyncio.to_thread(_build_openapi, app)
         # Nodes are judged lost only after a full lease period of this replica listening.
         app.state.listening = ListeningClock()
         # Expired leases, lost nodes, settled cancellations and scheduling passes.

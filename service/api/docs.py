@@ -34,7 +34,7 @@ def install_docs(app: FastAPI, *, docs_url: str = "/docs", redoc_url: str = "/re
         root: str = request.scope.get("root_path", "")
         return root.rstrip("/")
 
-    # Every route of the app is a SessionScopedRoute (tests/test_concurrency.py checks it).
+    # Every route of the app is a SessionScopedRoute (tests/service/test_concurrency.py checks it).
     router = APIRouter(route_class=SessionScopedRoute)
 
     @router.get(docs_url, include_in_schema=False)

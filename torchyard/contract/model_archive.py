@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any, BinaryIO
 
 from torchyard.architectures import CLASSIFICATION_ARCHITECTURES
+from torchyard.contract.dataset_digest import is_ignored_name
 from torchyard.contract.errors import InvalidModelDirectoryError
 from torchyard.contract.headers import SHA256_HEADER  # noqa: F401 - part of this module's interface
 
@@ -335,3 +336,65 @@ def check_model_config(config: object, files: Iterable[str]) -> dict[str, Any]:
     if ONNX_FILE in set(files) and (onnx or {}).get("file") != ONNX_FILE:
         raise _config_error(f'the directory holds {ONNX_FILE} but onnx.file is not "{ONNX_FILE}"')
     return config
+
+
+# --------------------------------------------------------------------------- a model folder on disk
+
+
+def _visible_dirs(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not is_ignored_name(p.name))
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """The folder holding ``config.json``: ``path`` itself, or its one wrapping sub-folder.
+
+    Extracting a downloaded ``.tar.gz`` may add a top-level folder; both layouts load.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise InvalidModelDirectoryError(f"model directory {folder.name!r} does not exist")
+    if (folder / CONFIG_FILE).is_file():
+        return folder
+    subdirs = _visible_dirs(folder)
+    if len(subdirs) == 1 and (subdirs[0] / CONFIG_FILE).is_file():
+        return subdirs[0]
+    raise InvalidModelDirectoryError(f"model directory {folder.name!r} has no {CONFIG_FILE}")
+
+
+def verify_model_dir(path: str | Path) -> None:
+    """Check the manifest: every required file is listed, present, and matches its sha256.
+
+    Raises ``InvalidModelDirectoryError`` naming the first problem found.
+    """
+    folder = resolve_model_dir(path)
+    manifest = folder / MANIFEST_FILE
+    if not manifest.is_file():
+        raise InvalidModelDirectoryError(f"model directory has no {MANIFEST_FILE} manifest")
+    listed: dict[str, str] = {}
+    for number, line in enumerate(manifest.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        digest, sep, name = line.partition("  ")
+        name = name.strip()
+        if (
+            not sep
+            or len(digest) != 64
+            or not all(c in "0123456789abcdef" for c in digest)
+            or not name
+            or "/" in name
+            or "\\" in name
+            or name in (".", "..")
+        ):
+            raise InvalidModelDirectoryError(f"{MANIFEST_FILE} line {number} is malformed")
+        listed[name] = digest
+    for name in REQUIRED_FILES:
+        if name not in listed:
+            raise InvalidModelDirectoryError(f"{MANIFEST_FILE} does not list {name}")
+    for name, digest in listed.items():
+        file = folder / name
+        if not file.is_file():
+            raise InvalidModelDirectoryError(f"model directory is missing {name}")
+        if sha256_of(file) != digest:
+            raise InvalidModelDirectoryError(
+                f"checksum mismatch for {name}: the file is corrupt or was modified"
+            )

@@ -102,6 +102,8 @@ class Agent:
         self.shutdown = threading.Event()
         # SIGTERM: drain the node, preempt every placement, then exit (a reclaimed spot node).
         self.draining = threading.Event()
+        # Set once the node is registered: a SIGTERM before then has nothing to drain.
+        self.registered = threading.Event()
         # Set when the API answers that this agent must go (token revoked, node taken).
         self.fatal: TorchyardError | None = None
         self.runs: dict[str, PlacementRun] = {}
@@ -169,11 +171,9 @@ class Agent:
             signal.signal(signal.SIGTERM, lambda *_: self._drain_requested())
             signal.signal(signal.SIGINT, lambda *_: self.shutdown.set())
         kill_leftovers(self.options.name, self.ctx.work_dir)
-        # The model loader (torch, torchvision) takes seconds to import: do it now, not
-        # between the end of training and the model upload. Before registering, and not in
-        # a thread: loading torch holds the interpreter for seconds on a busy machine, which
-        # would stall the heartbeat thread long enough for the API to declare the node lost.
-        _warm_imports()
+        # The agent never imports torch (seconds of CPU and ~1 GB): it finds GPUs through the
+        # driver library and checks model folders by their manifest, so it registers well
+        # under a second after it starts; only the ranks it launches load torch.
         try:
             self.register()  # retried while the API is unreachable
         except Exception:
@@ -183,6 +183,7 @@ class Agent:
             raise
         if self.shutdown.is_set():
             return 0
+        self.registered.set()
         threads = [
             threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True),
             threading.Thread(target=self._claim_loop, name="claim", daemon=True),
@@ -213,6 +214,9 @@ class Agent:
     def _drain_requested(self) -> None:
         # A signal handler: the main thread does the work.
         self.draining.set()
+        if not self.registered.is_set():
+            # Still registering (the API unreachable, say): nothing runs here yet, stop now.
+            self.shutdown.set()
 
     def _drain_and_preempt(self) -> None:
         """SIGTERM: the node takes no new work; its placements checkpoint at their next
@@ -349,10 +353,3 @@ class Agent:
         except TorchyardError as exc:
             log.error("registering again failed: %s", exc)
             self.shutdown.wait(5)
-
-
-def _warm_imports() -> None:
-    try:
-        import torchyard.modeldir  # noqa: F401
-    except Exception as exc:  # the upload reports any real problem later
-        log.debug("warming the model loader import failed: %s", exc)

@@ -17,7 +17,9 @@ from torchyard.contract.model_archive import (
     SHA256_HEADER,
     extract_model_archive,
     pack_model_dir,
+    resolve_model_dir,
     sha256_of,
+    verify_model_dir,
 )
 from worker.agent.api import Backoff
 
@@ -42,12 +44,7 @@ def response_body(response: httpx.Response) -> Any:
 
 
 def _verify_model_dir(model_dir: Path) -> Path:
-    """The folder holding the model files, checked against its manifest when the loader is
-    installed (it imports torch); packing checks every checksum in any case."""
-    try:
-        from torchyard.modeldir import resolve_model_dir, verify_model_dir
-    except ImportError:  # pragma: no cover - the worker installs torch
-        return model_dir
+    """The folder holding the model files, checked against its manifest (no torch needed)."""
     folder = resolve_model_dir(model_dir)
     verify_model_dir(folder)
     return folder

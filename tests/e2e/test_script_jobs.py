@@ -1,0 +1,231 @@
+"""Script jobs run by real agents (SPEC §9): both launch modes, the variables each process
+sees, metrics, logs, outputs (whole and one file), a failing rank, and cancel."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.config import Settings
+from tests.conftest import fast_leases
+from tests.support.script_helpers import PROBE, ScriptEnv, script_env, secrets_up_to_agent
+from tests.support.worker_fixtures import processes_mentioning, upload_dataset, wait_until_gone
+from torchyard.client import Client
+
+SCRIPT_SETTINGS = fast_leases(lease_s=15.0, ports=(26000, 26499))
+
+
+@pytest.fixture
+def db_url(sqlite_url: str) -> str:
+    # Real processes are slow: one database is enough here (the API tests run on both).
+    return sqlite_url
+
+
+@pytest.fixture
+def settings(make_settings: Any) -> Settings:
+    settings: Settings = make_settings(**SCRIPT_SETTINGS)
+    return settings
+
+
+@pytest.fixture
+def env(settings: Settings, tmp_path: Path) -> Iterator[ScriptEnv]:
+    with script_env(settings, tmp_path) as e:
+        yield e
+
+
+def _metrics(env: ScriptEnv, job_id: str, name: str) -> list[tuple[int, int, float]]:
+    r = env.user.get(f"/v1/jobs/{job_id}/metrics", params={"name": name})
+    assert r.status_code == 200, r.text
+    return sorted((p["rank"], p["step"], p["value"]) for p in r.json()["items"])
+
+
+def test_per_process_1x2_variables_metrics_logs_and_outputs(env: ScriptEnv, tmp_path: Path) -> None:
+    from torchyard.sample_data import write_digits
+
+    agent = env.agent("solo", slots=2)
+    train_dir, _ = write_digits(tmp_path / "digits", per_class=2, size=16)
+    data = upload_dataset(env.user, train_dir, "tiny")
+    code = env.upload_code({"probe.py": PROBE})
+    job_id = env.submit(
+        code,
+        ["python", "probe.py", "--rank", "$RANK", "--of", "${WORLD_SIZE}", "$$HOME", "$UNKNOWN"],
+        inputs={"data": data["id"]},
+        environment={"variables": {"GREETING": "hola"}},
+        resources={"node_count": 1, "process_count_per_node": 2},
+    )
+    job = env.wait(job_id)
+    assert job["status"] == "succeeded", job
+    seen = env.seen(job_id)
+    assert sorted(seen) == [0, 1]
+    cwds = set()
+    for rank, s in seen.items():
+        assert (s["RANK"], s["LOCAL_RANK"], s["WORLD_SIZE"], s["LOCAL_WORLD_SIZE"]) == (
+            str(rank),
+            str(rank),
+            "2",
+            "2",
+        )
+        assert s["NODE_RANK"] == "0" and s["MASTER_ADDR"] and s["MASTER_PORT"].isdigit()
+        assert s["NNODES"] is None and s["NPROC_PER_NODE"] is None
+        assert s["argv"] == ["--rank", str(rank), "--of", "2", "$HOME", "$UNKNOWN"]
+        assert s["GREETING"] == "hola" and s["token_visible"] is False
+        # Nor in the environment the agent started with (/proc/<agent pid>/environ).
+        assert secrets_up_to_agent(s, agent.process.pid) == []
+        assert s["all_reduce"] == 3.0  # 1 + 2: the two processes met through the variables
+        inputs = Path(s["TORCHYARD_INPUT_DATA"])
+        assert inputs.is_relative_to(Path(s["TORCHYARD_OUTPUT_DIR"]).parent)  # in the run, not the cache
+        cwds.add(s["cwd"])
+    assert len(cwds) == 2  # a fresh copy of the code each
+    assert _metrics(env, job_id, "probe.rank") == [(0, 0, 0.0), (1, 0, 1.0)]
+    assert _metrics(env, job_id, "probe.auto") == [(0, 0, 1.5), (0, 1, 2.5), (1, 0, 1.5), (1, 1, 2.5)]
+    assert "hello from rank 0" in env.log(job_id, rank=0)
+    assert "hello from rank 1" in env.log(job_id, rank=1)
+    # The text files under ./logs are log streams of their own; a binary one is left out.
+    r = env.user.get(f"/v1/jobs/{job_id}/logs/streams")
+    assert r.status_code == 200, r.text
+    files = {s["name"]: s for s in r.json()["streams"] if s["name"].startswith("file-")}
+    assert sorted(files) == ["file-0/rank-0.txt", "file-0/rank-1.txt", "file-0/sub/notes.log"]
+    assert files["file-0/sub/notes.log"]["node"] == "solo"
+    assert files["file-0/sub/notes.log"]["size"] == len("ünïcode notes".encode())
+    assert env.log(job_id, stream="file-0/rank-1.txt") == "extra log of rank 1"
+    assert env.log(job_id, stream="file-0/sub/notes.log") == "ünïcode notes"
+    bad = env.user.get(f"/v1/jobs/{job_id}/logs", params={"stream": "file-0/../job.json"})
+    assert bad.status_code == 422 and "file-<node rank>/<path>" in bad.json()["message"]
+    one = env.user.get(f"/v1/jobs/{job_id}/outputs", params={"path": "rank-1.json"})
+    assert one.status_code == 200 and one.json()["RANK"] == "1"
+    missing = env.user.get(f"/v1/jobs/{job_id}/outputs", params={"path": "nope.txt"})
+    assert missing.status_code == 404
+    escape = env.user.get(f"/v1/jobs/{job_id}/outputs", params={"path": "../job.json"})
+    assert escape.status_code == 422
+    # The Python client (torchyard download --outputs) checks what it gets against the sha256.
+    with Client(env.server.url, env.user.headers["Authorization"].split()[1]) as client:
+        whole = client.download_outputs(job_id, tmp_path / "out.tar.gz")
+        single = client.download_outputs(job_id, tmp_path / "rank-0.json", path="rank-0.json")
+    assert hashlib.sha256(whole.read_bytes()).hexdigest() == job["outputs_sha256"]
+    assert json.loads(single.read_text())["RANK"] == "0"
+    # The same through the command line: torchyard download JOB --outputs [--path F].
+    cli_dir = tmp_path / "cli"
+    cli_dir.mkdir()
+    cli_env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
+    cli_env.update(TORCHYARD_URL=env.server.url, TORCHYARD_TOKEN=env.user.headers["Authorization"].split()[1])
+    for args, name in (
+        (["--outputs"], f"outputs-{job_id}.tar.gz"),
+        (["--outputs", "--path", "rank-1.json"], "rank-1.json"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "torchyard.cli", "download", job_id, *args],
+            env=cli_env, cwd=cli_dir, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == name
+    got = (cli_dir / f"outputs-{job_id}.tar.gz").read_bytes()
+    assert hashlib.sha256(got).hexdigest() == job["outputs_sha256"]
+    assert json.loads((cli_dir / "rank-1.json").read_text())["RANK"] == "1"
+    missing_cli = subprocess.run(
+        [sys.executable, "-m", "torchyard.cli", "download", job_id, "--outputs", "--path", "nope.txt"],
+        env=cli_env, cwd=cli_dir, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert missing_cli.returncode != 0 and "Traceback" not in missing_cli.stderr
+    assert not (cli_dir / "nope.txt").exists()  # nothing half-written
+
+
+def test_per_node_1x2_runs_torchrun_once(env: ScriptEnv) -> None:
+    agent = env.agent("solo", slots=2)
+    code = env.upload_code({"probe.py": PROBE})
+    job_id = env.submit(
+        code,
+        ["torchrun", "--nnodes", "$NNODES", "--nproc-per-node", "$NPROC_PER_NODE", "--node-rank",
+         "$NODE_RANK", "--master-addr", "$MASTER_ADDR", "--master-port", "$MASTER_PORT", "probe.py"],
+        distribution={"launch": "per_node"},
+        resources={"node_count": 1, "process_count_per_node": 2},
+    )  # fmt: skip
+    job = env.wait(job_id)
+    assert job["status"] == "succeeded", job
+    seen = env.seen(job_id)
+    assert sorted(seen) == [0, 1]
+    for rank, s in seen.items():
+        # The command saw the per-node variables; torchrun gave its ranks their own.
+        assert (s["NNODES"], s["NPROC_PER_NODE"], s["NODE_RANK"]) == ("1", "2", "0")
+        assert s["RANK"] == str(rank) and s["WORLD_SIZE"] == "2" and s["all_reduce"] == 3.0
+        assert s["token_visible"] is False
+        assert secrets_up_to_agent(s, agent.process.pid) == []  # torchrun's environment neither
+    assert len({s["cwd"] for s in seen.values()}) == 1  # one copy of the code for the node
+    assert _metrics(env, job_id, "probe.rank") == [(0, 0, 0.0), (1, 0, 1.0)]
+    assert "hello from rank 1" in env.log(job_id, rank=0)  # the node's output is its first rank's stream
+
+
+FAILING = """
+import os, sys, time
+rank = int(os.environ["RANK"])
+out = os.environ["TORCHYARD_OUTPUT_DIR"]
+open(os.path.join(out, f"partial-{rank}.txt"), "w").write("half done")
+if rank == 1:
+    # Fail once rank 0 has written its part too, however slowly it started.
+    deadline = time.time() + 120
+    while not os.path.exists(os.path.join(out, "partial-0.txt")) and time.time() < deadline:
+        time.sleep(0.05)
+    print("rank 1: the data file is corrupt", file=sys.stderr, flush=True)
+    sys.exit(3)
+time.sleep(600)
+"""
+
+
+def test_a_failing_rank_fails_the_job_with_its_rank_node_and_log_tail(env: ScriptEnv) -> None:
+    env.agent("solo", slots=2)
+    code = env.upload_code({"fail.py": FAILING})
+    job_id = env.submit(code, ["python", "fail.py"], resources={"node_count": 1, "process_count_per_node": 2})
+    job = env.wait(job_id, timeout=60)
+    assert job["status"] == "failed", job
+    failure = job["failure"]
+    assert failure["code"] == "RankFailedError" and failure["rank"] == 1 and failure["node"] == "solo"
+    assert "exited with code 3" in failure["message"]
+    assert "the data file is corrupt" in failure["traceback"]
+    # Node 0's outputs are kept on failure too; rank 0 (sleeping) was stopped.
+    assert set(env.outputs(job_id)) == {"partial-0.txt", "partial-1.txt"}
+
+
+SPAWNER = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+# A grandchild in a session of its own, ignoring SIGTERM: only the run marker finds it.
+orphan = subprocess.Popen(
+    [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"],
+    start_new_session=True,
+)
+print(f"children {child.pid} {orphan.pid}", flush=True)
+time.sleep(600)
+"""
+
+
+def test_cancel_stops_the_script_and_its_children(env: ScriptEnv) -> None:
+    env.agent("solo", slots=1, grace_period=2.0)
+    code = env.upload_code({"spawn.py": SPAWNER})
+    job_id = env.submit(code, ["python", "spawn.py", job_id_marker := "spawn-marker-7f3a"])
+    deadline = time.monotonic() + 60
+    pids: list[int] = []
+    while time.monotonic() < deadline and not pids:
+        text = env.log(job_id, rank=0)
+        if "children" in text:
+            pids = [int(p) for p in text.split("children", 1)[1].split()[:2]]
+        time.sleep(0.2)
+    assert pids, env.log(job_id, rank=0)
+    assert processes_mentioning(job_id_marker)
+    r = env.user.post(f"/v1/jobs/{job_id}/cancel")
+    assert r.status_code == 200, r.text
+    job = env.wait(job_id, timeout=60)
+    assert job["status"] == "cancelled"
+    assert wait_until_gone(job_id_marker) == []
+    for pid in pids:
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or "Z" in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]
+        )

@@ -1,0 +1,277 @@
+"""End to end with real processes: uvicorn + ``torchyard worker`` agents + torchrun + the trainer.
+
+Digits (scikit-learn's bundled scans as PNG folders) uploaded through the API, resnet18
+at 32 px on CPU with gloo. Short settings (heartbeat 0.5 s, lease 3 s) keep the failure
+cases quick.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from service.config import Settings
+from tests.conftest import LiveServer, fast_leases
+from tests.support.factories import auth, job_spec
+from tests.support.worker_fixtures import (
+    AgentProcess,
+    processes_mentioning,
+    start_agent,
+    upload_digits,
+    user_client,
+    wait_for_job,
+    wait_for_node,
+    wait_until_gone,
+    worker_token,
+)
+
+pytestmark = pytest.mark.slow
+
+LEASE_TIMEOUT_S = 3.0
+
+
+@pytest.fixture
+def db_url(sqlite_url: str) -> str:
+    # Real training is slow: one database is enough here (the protocol runs on both elsewhere).
+    return sqlite_url
+
+
+@pytest.fixture
+def settings(make_settings: Any) -> Settings:
+    s: Settings = make_settings(**fast_leases(lease_s=LEASE_TIMEOUT_S, ports=(31000, 31999)))
+    return s
+
+
+@dataclass
+class Env:
+    server: LiveServer
+    user: httpx.Client
+    token: str
+    train: str
+    val: str
+    tmp: Path
+    agents: list[AgentProcess]
+
+    def agent(self, name: str, *, slots: int = 2, **kw: Any) -> AgentProcess:
+        agent = start_agent(self.server.url, self.token, name, self.tmp / name, slots=slots, **kw)
+        self.agents.append(agent)
+        wait_for_node(self.user, name)
+        return agent
+
+    def submit(self, **overrides: Any) -> str:
+        parameters = {
+            "epochs": 2,
+            "batch_size": 16,
+            "image_size": 32,
+            "augmentation": "light",
+            "learning_rate": 0.05,
+            "print_frequency": 2,
+        }
+        parameters.update(overrides.pop("parameters", {}))
+        spec = job_spec(
+            self.train,
+            self.val,
+            parameters=parameters,
+            resources=overrides.pop("resources", {"node_count": 1, "process_count_per_node": 2}),
+            **overrides,
+        )
+        r = self.user.post("/v1/jobs", json=spec)
+        assert r.status_code == 201, r.text
+        job_id: str = r.json()["id"]
+        return job_id
+
+    def wait(self, job_id: str, predicate: Any = None, timeout: float = 180) -> dict[str, Any]:
+        if predicate is None:
+            return wait_for_job(self.user, job_id, timeout=timeout, agents=self.agents)
+        return wait_for_job(self.user, job_id, predicate, timeout=timeout, agents=self.agents)
+
+
+@pytest.fixture
+def env(live_server: LiveServer, tmp_path: Path) -> Iterator[Env]:
+    admin = httpx.Client(base_url=live_server.url, headers=auth(live_server.admin_token), timeout=60)
+    user = user_client(admin, live_server.url)
+    token = worker_token(admin)
+    train, val = upload_digits(user, tmp_path / "digits", per_class=30)
+    e = Env(live_server, user, token, train, val, tmp_path, [])
+    try:
+        yield e
+    finally:
+        for agent in e.agents:
+            agent.stop(timeout=30)
+        user.close()
+        admin.close()
+
+
+def run_dir(agent: AgentProcess, job_id: str) -> Path:
+    runs = list((agent.work_dir / "runs").glob(f"{job_id}-*"))
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def test_trains_end_to_end_and_the_model_reproduces_its_validation_top1(env: Env) -> None:
+    agent = env.agent("cpu-1", slots=2)
+    started = time.monotonic()
+    job_id = env.submit()
+    job = env.wait(job_id)
+    assert job["status"] == "succeeded", job
+    took = time.monotonic() - started
+    assert job["model_sha256"] and job["nodes"] == ["cpu-1"]
+    assert [h["status"] for h in job["history"]] == ["queued", "scheduled", "running", "succeeded"]
+    at = {h["status"]: datetime.fromisoformat(h["at"]) for h in job["history"]}
+    # The idle agent was long-polling: the job was placed at once.
+    assert (at["scheduled"] - at["queued"]).total_seconds() < 1.0, job["history"]
+    assert job["progress"]["epoch"] >= 1
+
+    # Every metric of SPEC §4, with sane values.
+    r = env.user.get(f"/v1/jobs/{job_id}/metrics", params={"limit": 1000})
+    assert r.status_code == 200, r.text
+    points = r.json()["items"]
+    names = {p["name"] for p in points}
+    assert names >= {
+        "train.loss",
+        "train.lr",
+        "train.images_per_sec",
+        "val.loss",
+        "val.top1",
+        "val.top5",
+        "epoch.seconds",
+    }
+    top1 = [p["value"] for p in points if p["name"] == "val.top1"]
+    assert len(top1) == 2 and all(0.0 <= v <= 1.0 or 0.0 <= v <= 100.0 for v in top1)
+    assert all(p["value"] > 0 for p in points if p["name"] in ("train.images_per_sec", "epoch.seconds"))
+
+    # Per-rank logs and the agent's launcher log.
+    r = env.user.get(f"/v1/jobs/{job_id}/logs", params={"rank": 1})
+    assert r.status_code == 200 and r.text.strip()
+    # Downloaded model, loaded without the service, reproduces the reported best val.top1.
+    r = env.user.get(f"/v1/jobs/{job_id}/model")
+    assert r.status_code == 200 and r.headers["etag"].strip('"') == job["model_sha256"]
+    dest = env.tmp / "downloaded"
+    with tarfile.open(fileobj=io.BytesIO(r.content), mode="r:gz") as tf:
+        tf.extractall(dest, filter="data")
+    from torchyard.modeldir import evaluate_dir, load_model
+
+    model_dir = next(p.parent for p in dest.rglob("config.json"))
+    model, classes, _config = load_model(model_dir)
+    assert isinstance(model, torch.nn.Module)
+    assert classes == [str(i) for i in range(10)]
+    result = evaluate_dir(model_dir, env.tmp / "digits" / "val")
+    reported = job["best"]["val.top1"]
+    assert result["top1"] == pytest.approx(reported, abs=1e-6), (result, job["best"])
+    # No process of the job is left behind.
+    assert wait_until_gone(str(run_dir(agent, job_id))) == []
+    print(f"\ne2e job took {took:.1f} s")
+
+
+def _running_with_progress(job: dict[str, Any]) -> bool:
+    progress = job.get("progress") or {}
+    return job["status"] == "running" and progress.get("step", 0) >= 1
+
+
+def test_cancel_mid_epoch_stops_every_process(env: Env) -> None:
+    agent = env.agent("cpu-1", slots=2, grace_period=5)
+    job_id = env.submit(parameters={"epochs": 50})
+    env.wait(job_id, _running_with_progress)
+    directory = run_dir(agent, job_id)
+    assert processes_mentioning(str(directory)), "the ranks should be running"
+    asked = time.monotonic()
+    r = env.user.post(f"/v1/jobs/{job_id}/cancel")
+    assert r.status_code == 200 and r.json()["status"] == "cancelling"
+    job = env.wait(job_id, timeout=60)
+    took = time.monotonic() - asked
+    assert job["status"] == "cancelled", job
+    assert job["failure"] is None
+    # Within a heartbeat, the SIGTERM grace period and a report.
+    assert took < 0.5 + 5 + 5, took
+    assert wait_until_gone(str(directory), timeout=5) == []
+    assert "stopping the ranks (cancelled" in (directory / "agent.log").read_text()
+    # The node is free again: the next job runs.
+    nxt = env.submit(parameters={"epochs": 1}, resources={"node_count": 1, "process_count_per_node": 1})
+    env.wait(nxt, lambda j: j["status"] in ("running", "succeeded", "failed"), timeout=60)
+
+
+def test_a_failing_rank_fails_the_job_with_its_rank_node_and_traceback(env: Env) -> None:
+    env.agent("cpu-1", slots=2, env={"TORCHYARD_TEST_FAIL_RANK": "1"})
+    started = time.monotonic()
+    job_id = env.submit()
+    job = env.wait(job_id, timeout=120)
+    assert job["status"] == "failed", job
+    failure = job["failure"]
+    assert failure["code"] == "RankFailedError", failure
+    assert failure["rank"] == 1 and failure["node"] == "cpu-1"
+    assert failure["traceback"] and "Traceback" in failure["traceback"]
+    assert time.monotonic() - started < 90  # rank 0 did not hang in a collective
+    attempt = job["attempts"][0]
+    assert attempt["status"] == "failed" and attempt["failure_code"] == "RankFailedError"
+
+
+def test_nan_loss_fails_with_training_diverged(env: Env) -> None:
+    env.agent("cpu-1", slots=1)
+    job_id = env.submit(
+        parameters={"learning_rate": 1e4, "epochs": 3, "image_size": 16, "batch_size": 8},
+        resources={"node_count": 1, "process_count_per_node": 1},
+    )
+    job = env.wait(job_id, timeout=120)
+    assert job["status"] == "failed", job
+    assert job["failure"]["code"] == "TrainingDivergedError", job["failure"]
+    assert "learning" in job["failure"]["message"].lower()
+
+
+def test_sigkill_of_the_agent_fails_the_job_with_worker_lost(env: Env) -> None:
+    agent = env.agent("cpu-1", slots=1)
+    job_id = env.submit(
+        parameters={"epochs": 50},
+        resources={"node_count": 1, "process_count_per_node": 1, "max_restarts": 0},
+    )
+    env.wait(job_id, lambda j: j["status"] == "running")
+    directory = run_dir(agent, job_id)
+    # torchrun and its rank are up (the rank may still be importing torch).
+    deadline = time.monotonic() + 60
+    while len(processes_mentioning(str(directory))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(processes_mentioning(str(directory))) >= 2
+    killed = time.monotonic()
+    agent.kill()
+    job = env.wait(job_id, timeout=30)
+    took = time.monotonic() - killed
+    assert job["status"] == "failed", job
+    assert job["failure"]["code"] == "WorkerLostError"
+    assert job["failure"]["node"] == "cpu-1"
+    assert "cpu-1" in job["failure"]["message"]
+    assert took < LEASE_TIMEOUT_S + 2, took
+    # torchrun dies with its agent and takes the ranks with it.
+    assert wait_until_gone(str(directory), timeout=40) == []
+
+
+def test_a_job_past_its_max_runtime_fails_with_timeout_and_stops(env: Env) -> None:
+    agent = env.agent("cpu-1", slots=1, grace_period=5)
+    limit = 15
+    job_id = env.submit(
+        parameters={"epochs": 50},
+        resources={"node_count": 1, "process_count_per_node": 1, "max_runtime_s": limit},
+    )
+    running = env.wait(job_id, lambda j: j["status"] == "running")
+    assert running["resources"]["max_runtime_s"] == limit
+    directory = run_dir(agent, job_id)
+    job = env.wait(job_id, timeout=limit + 60)
+    assert job["status"] == "failed", job
+    assert job["failure"]["code"] == "TimeoutError", job["failure"]
+    assert f"limit of {limit} s" in job["failure"]["message"]
+    assert job["attempts"][0]["failure_code"] == "TimeoutError"
+    ran = (
+        datetime.fromisoformat(job["finished_at"]) - datetime.fromisoformat(job["started_at"])
+    ).total_seconds()
+    assert limit <= ran < limit + 5, ran  # one reaper pass (0.2 s here) after the limit
+    # The agent was told at its next heartbeat: every process of the run is gone.
+    assert wait_until_gone(str(directory), timeout=20) == []
+    assert job["history"][-1]["status"] == "failed"

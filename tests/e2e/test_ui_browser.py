@@ -1,0 +1,577 @@
+"""The web UI in a real Chromium (Debian's package, driven by Playwright) against a live
+uvicorn server: sign-in, the new-job form's 422s, a real job's live chart, logs and
+cancel, the jobs list's live status, dataset upload, one user not seeing another's job,
+drain/undrain, a restarted job's attempts and per-attempt logs, and registering a model
+then predicting with it.
+
+One database (SQLite) is enough here: the routes the UI calls run on both elsewhere.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from service.config import Settings
+from tests.conftest import LiveServer, fast_leases
+from tests.service.test_models_api import Trained, succeeded_job
+from tests.support.attempt_history import restarted_job
+from tests.support.factories import auth, create_token, insert_dataset, job_spec, register_node, token_id
+from tests.support.trainer_helpers import Digits, run_in_process, single_process_env, write_job
+from tests.support.ui_browser import chromium_fixture, open_ui_fixture  # noqa: F401 - fixtures
+from tests.support.worker_fixtures import (
+    start_agent,
+    upload_digits,
+    wait_for_job,
+    wait_for_node,
+    worker_token,
+)
+
+
+@pytest.fixture
+def db_url(sqlite_url: str) -> str:
+    return sqlite_url
+
+
+@pytest.fixture
+def settings(make_settings: Any) -> Settings:
+    s: Settings = make_settings(
+        # Nodes registered by hand never heartbeat: a long lease keeps them ready.
+        **fast_leases(lease_s=600),
+        max_nodes=1,
+    )
+    return s
+
+
+@pytest.fixture
+def admin(live_server: LiveServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=live_server.url, headers=auth(live_server.admin_token), timeout=60) as c:
+        yield c
+
+
+def _user(admin: httpx.Client, name: str) -> tuple[str, str]:
+    token = create_token(admin, "user", name)
+    return token, token_id(admin, token)
+
+
+def _wait(predicate: Any, timeout: float = 30, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout} s")
+        time.sleep(0.1)
+
+
+def _points(chart: Any) -> int:
+    """The points a chart holds (its element's data-points)."""
+    return int(chart.get_attribute("data-points") or 0)
+
+
+def test_sign_in_keeps_the_token_out_of_reach_and_sign_out_ends_the_session(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    token, _ = _user(admin, "dora")
+    ui = open_ui(live_server.url)
+    page = ui.page
+    page.goto("/")
+    page.wait_for_selector("#signin-form")
+    page.fill("#token", "ty_not-a-token")
+    page.click("#signin-submit")
+    page.wait_for_selector("#signin-error:has-text('invalid or revoked token')")
+
+    ui.sign_in(token)
+    assert page.text_content("#whoami") == "dora (user)"
+    assert page.is_visible("#jobs-table")
+    # The token lives in an HttpOnly cookie: page scripts cannot read it, and it is in no URL.
+    assert token not in page.evaluate("document.cookie")
+    assert token not in page.url
+    cookie = next(c for c in ui.context.cookies() if c["name"] == "torchyard_session")
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+    assert ui.errors == []
+    # A write without the CSRF header (as a form of another site would send) is refused.
+    status = page.evaluate("fetch('/v1/jobs/x/cancel', {method: 'POST'}).then(r => r.status)")
+    assert status == 403
+
+    page.click("#sign-out")
+    page.wait_for_selector("#signin-form")
+    assert page.evaluate("fetch('/v1/whoami').then(r => r.status)") == 401
+    assert not [c for c in ui.context.cookies() if c["name"] == "torchyard_session"]
+
+
+def test_new_job_form_shows_each_422_next_to_its_field_then_submits(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    token, uid = _user(admin, "erin")
+    register_node(admin, create_token(admin, "worker"), "cpu-1", units=2)
+    train = insert_dataset(live_server.settings, uid, name="birds-train")
+    val = insert_dataset(live_server.settings, uid, name="birds-val")
+    ui = open_ui(live_server.url)
+    ui.sign_in(token)
+    page = ui.page
+    page.click("#nav-new")
+    page.wait_for_selector("#new-job-form")
+    # Every parameter shows its range.
+    assert "16..1024" in page.text_content(".field[data-field='parameters.image_size']")
+    page.fill("#f-name", "birds")
+    assert "birds-train (9 images, 3 classes)" in page.text_content("#f-train_dataset")
+    page.select_option("#f-train_dataset", value=train)
+    page.select_option("#f-validation_dataset", value=val)
+    # The job's priority and the model's init_from_job have fields too.
+    assert "-100..100" in page.text_content(".field[data-field='priority']")
+    assert page.input_value("#f-model-init_from_job") == ""
+    page.fill("#f-parameters-epochs", "0")
+    page.fill("#f-parameters-image_size", "8")
+    page.fill("#f-priority", "101")
+    page.click("#submit-job")
+    epochs_error = page.locator("#err-f-parameters-epochs")
+    epochs_error.wait_for()
+    page.wait_for_selector("#err-f-parameters-epochs:not(:empty)")
+    assert "greater than 0" in epochs_error.text_content()
+    assert "16..1024" in page.text_content("#err-f-parameters-image_size")
+    assert "less than or equal to 100" in page.text_content("#err-f-priority")
+    assert "invalid" in page.get_attribute(".field[data-field='priority']", "class")
+    assert page.text_content("#err-f-parameters-batch_size") == ""
+    assert "invalid" in page.get_attribute(".field[data-field='parameters.epochs']", "class")
+
+    # A limit of the cluster (a domain error, not a schema one) lands next to its field too.
+    page.fill("#f-parameters-epochs", "2")
+    page.fill("#f-parameters-image_size", "32")
+    page.fill("#f-priority", "7")
+    page.fill("#f-resources-node_count", "5")
+    page.click("#submit-job")
+    page.wait_for_selector("#err-f-resources-node_count:not(:empty)")
+    assert "node_count 5 exceeds" in page.text_content("#err-f-resources-node_count")
+    assert page.text_content("#err-f-parameters-epochs") == ""
+    assert page.text_content("#err-f-priority") == ""
+
+    page.fill("#f-resources-node_count", "1")
+    page.click("#submit-job")
+    page.wait_for_url(re.compile(r"#/jobs/[0-9a-f-]+$"))
+    assert page.text_content("#job-name") == "birds"
+    job_id = page.url.rsplit("/", 1)[1]
+    job = httpx.get(f"{live_server.url}/v1/jobs/{job_id}", headers=auth(token)).json()
+    assert job["parameters"]["epochs"] == 2 and job["parameters"]["image_size"] == 32
+    assert job["priority"] == 7 and job["model"]["init_from_job"] is None
+
+    # The jobs list filters by status.
+    page.click("#nav-jobs")
+    page.wait_for_selector(f"tr[data-job-id='{job_id}']")
+    page.select_option("#status-filter", "succeeded")
+    page.wait_for_selector("#jobs-empty", state="visible")
+    assert page.locator(f"tr[data-job-id='{job_id}']").count() == 0
+    assert page.url.endswith("#/jobs?status=succeeded")
+    # Placed on the node registered above, which never claims it: it stays scheduled.
+    with httpx.Client(base_url=live_server.url, headers=auth(token), timeout=30) as user:
+        wait_for_job(user, job_id, lambda j: j["status"] == "scheduled", timeout=30)
+    page.select_option("#status-filter", "scheduled")
+    row = page.locator(f"tr[data-job-id='{job_id}'][data-status='scheduled']")
+    row.wait_for()
+    # Its age shows; it has not started, so it has no duration yet.
+    assert re.fullmatch(r"\d+s|\d+m \d+s", row.locator("td.age").text_content() or "")
+    assert row.locator("td.duration").text_content() == ""
+    # A job that the one free unit left cannot place waits in the queue; its page says why.
+    waiting = job_spec(train, val, name="waits", resources={"node_count": 1, "process_count_per_node": 2})
+    with httpx.Client(base_url=live_server.url, headers=auth(token), timeout=30) as user:
+        r = user.post("/v1/jobs", json=waiting)
+        assert r.status_code == 201, r.text
+        reason = wait_for_job(user, r.json()["id"], lambda j: bool(j["reason"]), timeout=30)["reason"]
+    assert "free units" in reason
+    page.goto(f"/#/jobs/{r.json()['id']}")
+    page.wait_for_selector("#job-status .badge[data-status='queued']")
+    assert page.text_content("#reason") == reason
+    assert ui.errors == []
+
+
+def test_a_user_never_sees_another_users_job(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    owner, owner_id = _user(admin, "frank")
+    other, _ = _user(admin, "grace")
+    register_node(admin, create_token(admin, "worker"), "cpu-1", units=1)
+    train = insert_dataset(live_server.settings, owner_id)
+    val = insert_dataset(live_server.settings, owner_id)
+    r = httpx.post(
+        f"{live_server.url}/v1/jobs", json=job_spec(train, val, name="franks-secret"), headers=auth(owner)
+    )
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+
+    mine = open_ui(live_server.url)
+    mine.sign_in(owner)
+    mine.page.wait_for_selector(f"tr[data-job-id='{job_id}']")
+
+    ui = open_ui(live_server.url)
+    ui.sign_in(other)
+    page = ui.page
+    page.wait_for_selector("#jobs-empty", state="visible")
+    assert page.locator(f"tr[data-job-id='{job_id}']").count() == 0
+    assert "franks-secret" not in page.content()
+    # Editing the URL does not help: the page gets the API's 404.
+    page.goto(f"/#/jobs/{job_id}")
+    page.wait_for_selector(".error")
+    assert "NotFoundError" in page.text_content(".error")
+    assert "franks-secret" not in page.content()
+    assert page.evaluate(f"fetch('/v1/jobs/{job_id}/metrics/series').then(r => r.status)") == 404
+    # Cancelling it through the cookie session (with the CSRF header) is a 404 as well.
+    status = page.evaluate(
+        f"fetch('/v1/jobs/{job_id}/cancel', {{method: 'POST', headers: {{'X-Torchyard-CSRF': '1'}}}})"
+        ".then(r => r.status)"
+    )
+    assert status == 404
+    still = httpx.get(f"{live_server.url}/v1/jobs/{job_id}", headers=auth(owner)).json()
+    assert still["status"] in ("queued", "scheduled")  # placed on the node, not cancelled
+
+
+def test_dataset_upload_shows_progress_and_class_counts(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any, tmp_path: Path
+) -> None:
+    import tarfile
+
+    from torchyard.sample_data import write_digits
+
+    token, _ = _user(admin, "hana")
+    train_dir, _ = write_digits(tmp_path / "digits", per_class=4, size=16)
+    archive = tmp_path / "digits.tar.gz"
+    with tarfile.open(archive, "w:gz") as tf:
+        tf.add(train_dir, arcname="digits")
+    ui = open_ui(live_server.url)
+    ui.sign_in(token)
+    page = ui.page
+    page.click("#nav-datasets")
+    page.wait_for_selector("#upload-form")
+    # The progress bar shows while the upload runs.
+    page.evaluate(
+        "new MutationObserver(() => { if (!document.querySelector('#upload-progress').hidden)"
+        " window.progressShown = true; }).observe(document.querySelector('#upload-progress'),"
+        " {attributes: true})"
+    )
+    page.fill("#upload-name", "digits-small")
+    page.set_input_files("#upload-file", str(archive))
+    page.click("#upload-submit")
+    page.wait_for_selector("#upload-note:has-text('uploaded digits-small')")
+    assert page.evaluate("window.progressShown === true")
+    row = page.locator("tr.dataset-row", has_text="digits-small")
+    assert row.count() == 1
+    row.locator("summary").click()
+    counts = row.locator(".class-counts tr")
+    assert counts.count() == 10
+    expected = len(list((train_dir / "0").iterdir()))
+    assert counts.first.text_content().replace(" ", "") == f"0{expected}"
+    assert ui.errors == []
+
+
+def test_cluster_page_lists_nodes_and_units_and_admins_drain_and_undrain(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    register_node(admin, create_token(admin, "worker"), "cpu-7", units=3)
+    ui = open_ui(live_server.url)
+    ui.sign_in(live_server.admin_token)
+    page = ui.page
+    page.click("#nav-cluster")
+    row = page.locator("tr.node-row[data-node='cpu-7']")
+    row.wait_for()
+    cells = row.locator("td").all_text_contents()
+    assert cells[1] == "ready" and cells[3] == "3" and cells[4] == "3"
+    assert "3 of 3 units free" in page.text_content("#cluster-summary")
+
+    # A user sees the nodes but no drain controls.
+    token, _ = _user(admin, "kai")
+    other = open_ui(live_server.url)
+    other.sign_in(token)
+    other.page.click("#nav-cluster")
+    other.page.locator("tr.node-row[data-node='cpu-7']").wait_for()
+    assert other.page.locator("button.drain, button.undrain").count() == 0
+
+    # The admin drains the node (nothing runs there: drained at once), then undrains it.
+    row.locator("button.drain").click()
+    page.wait_for_selector("tr.node-row[data-node='cpu-7'] .badge[data-status='drained']")
+    nodes = {n["name"]: n for n in admin.get("/v1/cluster").json()["nodes"]}
+    assert nodes["cpu-7"]["status"] == "drained"
+    assert row.locator("button.drain").count() == 0
+    row.locator("button.undrain").click()
+    page.wait_for_selector("tr.node-row[data-node='cpu-7'] .badge[data-status='ready']")
+    nodes = {n["name"]: n for n in admin.get("/v1/cluster").json()["nodes"]}
+    assert nodes["cpu-7"]["status"] == "ready"
+    assert row.locator("button.drain").count() == 1
+    assert ui.errors == [] and other.errors == []
+
+
+def test_a_restarted_job_shows_its_attempts_end_reasons_and_each_attempts_log(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    job = restarted_job(admin, live_server.settings)
+    ui = open_ui(live_server.url)
+    ui.sign_in(job.user_token)
+    page = ui.page
+    page.goto(f"/#/jobs/{job.job_id}")
+    page.wait_for_selector("#attempts")
+    assert page.text_content("#restarts") == "Restarts: 1 of 2"
+    rows = page.locator("tr.attempt-row")
+    assert rows.count() == 2
+    first, second = (rows.nth(i).locator("td").all_text_contents() for i in range(2))
+    assert first[0] == "1" and first[1] == "failed" and first[2] == f"{job.node} (1)"
+    assert first[5] == "RankKilledError: rank 0 was killed by SIGKILL"
+    assert second[0] == "2" and second[5] == "TrainingDivergedError: the loss is NaN"
+
+    # The log shows the latest attempt; the attempt picker shows an earlier one's.
+    page.wait_for_selector("#log-state:has-text('end of log')")
+    assert page.text_content("#log") == "attempt two\n"
+    assert page.is_visible("#log-attempt")
+    page.select_option("#log-attempt", "1")
+    page.wait_for_selector("#log[data-attempt='1']")
+    page.wait_for_selector("#log-state:has-text('end of log')")
+    assert page.text_content("#log") == "attempt one\n"
+    page.select_option("#log-attempt", "")
+    page.wait_for_selector("#log[data-attempt='']")
+    page.wait_for_selector("#log-state:has-text('end of log')")
+    assert page.text_content("#log") == "attempt two\n"
+
+    # The chart has each epoch once: attempt 1's redone epochs are left out.
+    page.wait_for_selector("#charts[data-ready='true']")
+    assert page.get_attribute("#chart-loss", "data-points") == "14"
+    assert ui.errors == []
+
+
+def test_the_job_page_asks_for_its_series_at_once_and_for_logs_after_the_charts(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    job = restarted_job(admin, live_server.settings)
+    ui = open_ui(live_server.url)
+    ui.sign_in(job.user_token)
+    page = ui.page
+    page.goto(f"/#/jobs/{job.job_id}")
+    page.reload()  # a fresh page: the session check and the schema are asked for again
+    page.wait_for_selector("#charts[data-ready='true']")
+    page.wait_for_selector("#log-state:has-text('end of log')")
+    timing = page.evaluate(
+        """() => ({
+            ready: performance.getEntriesByName('torchyard:charts-ready')[0].startTime,
+            requests: performance.getEntriesByType('resource')
+                .filter((e) => e.initiatorType === 'fetch')
+                .map((e) => [new URL(e.name).pathname, e.startTime]),
+        })"""
+    )
+    started: dict[str, float] = {}
+    for path, start in timing["requests"]:
+        started.setdefault(path, start)
+    base = f"/v1/jobs/{job.job_id}"
+    # The schema is read beside the session check, the series beside the job.
+    assert started["/openapi.json"] <= started["/v1/whoami"]
+    assert started[f"{base}/metrics/series"] <= started[base]
+    # Nothing else is fetched before the charts are drawn: the logs come after.
+    logs = [start for path, start in timing["requests"] if path.startswith(f"{base}/logs")]
+    assert logs and min(logs) >= timing["ready"]
+    assert not any(path == f"{base}/metrics" for path, _ in timing["requests"])
+    assert page.get_attribute("#chart-loss", "data-points") == "14"
+    assert ui.errors == []
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    """A resnet18 trained in-process for one epoch on 16 px digits (with its ONNX export)."""
+    from torchyard.contract.model_archive import pack_model_dir
+    from torchyard.sample_data import write_digits
+
+    root = tmp_path_factory.mktemp("tiny-model")
+    train, val = write_digits(root / "digits", per_class=6, size=16)
+    run = write_job(root / "run", Digits(train, val), epochs=1, image_size=16, batch_size=16)
+    with pytest.MonkeyPatch.context() as mp, single_process_env(mp):
+        assert run_in_process(run) == 0
+    sha256, _ = pack_model_dir(root / "run" / "model", root / "model.tar.gz")
+    held_out = sorted(val.rglob("*.png"))[:2]
+    return Trained(root / "run" / "model", root / "model.tar.gz", sha256, held_out, [], val)
+
+
+def test_register_a_succeeded_jobs_model_then_predict_on_the_models_page(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any, tiny_model: Trained
+) -> None:
+    token, _ = _user(admin, "lena")
+    job_id = succeeded_job(live_server.settings, admin, tiny_model, token)
+    ui = open_ui(live_server.url)
+    ui.sign_in(token)
+    page = ui.page
+    page.goto(f"/#/jobs/{job_id}")
+    # Download model is offered and its link answers with the model (the session cookie's).
+    download = page.locator("#download-model")
+    download.wait_for()
+    assert download.is_visible()
+    answer = page.request.get(download.get_attribute("href") or "")
+    assert answer.status == 200 and len(answer.body()) > 0, answer.status
+    page.click("#register")
+    page.fill("#register-name", "digits")
+    page.click("#register-form button[type='submit']")
+    page.wait_for_selector("#register-result:has-text('registered digits version 1')")
+    # A second registration is version 2.
+    page.click("#register-form button[type='submit']")
+    page.wait_for_selector("#register-result:has-text('registered digits version 2')")
+    page.click("#register-link")
+    page.wait_for_selector("#version-2")
+    assert page.text_content("#model-name") == "Model digits"
+    assert page.locator("section.model-version").count() == 2
+    assert "(latest)" in page.text_content("#version-2 h2")
+    assert "resnet18 · 16 px · 10 classes" in page.text_content("#version-1")
+
+    # Choosing images predicts their labels with the version's model.
+    page.set_input_files("#predict-file-1", [str(p) for p in tiny_model.held_out])
+    page.wait_for_selector("#predictions-1 .prediction >> nth=1")
+    predictions = page.locator("#predictions-1 .prediction")
+    classes = {str(d) for d in range(10)}
+    for i, path in enumerate(tiny_model.held_out):
+        text = predictions.nth(i).text_content() or ""
+        assert text.startswith(path.name)
+        assert predictions.nth(i).get_attribute("data-label") in classes
+        assert "%" in text
+    # Dropping an image on a version predicts it as well.
+    data = tiny_model.held_out[0].read_bytes()
+    page.evaluate(
+        """([bytes, name]) => {
+            const dt = new DataTransfer();
+            dt.items.add(new File([new Uint8Array(bytes)], name, {type: "image/png"}));
+            document.querySelector("#dropzone-2").dispatchEvent(
+                new DragEvent("drop", {dataTransfer: dt, bubbles: true, cancelable: true}));
+        }""",
+        [list(data), "dropped.png"],
+    )
+    page.wait_for_selector("#predictions-2 .prediction:has-text('dropped.png')")
+    assert page.get_attribute("#predictions-2 .prediction", "data-label") in classes
+
+    # The models list shows it with its latest version.
+    page.click("#nav-models")
+    row = page.locator("tr.model-row[data-model='digits']")
+    row.wait_for()
+    assert row.locator("td").all_text_contents()[1:3] == ["2", "resnet18"]
+    assert ui.errors == []
+
+
+@pytest.mark.slow
+def test_a_running_job_live_status_chart_log_and_cancel(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any, tmp_path: Path
+) -> None:
+    token, _ = _user(admin, "ivan")
+    # The agent starts first: its start-up overlaps the dataset uploads.
+    agent = start_agent(live_server.url, worker_token(admin), "cpu-1", tmp_path / "agent", slots=1)
+    with httpx.Client(base_url=live_server.url, headers=auth(token), timeout=60) as user:
+        try:
+            train, val = upload_digits(user, tmp_path / "digits", per_class=10, size=16)
+            wait_for_node(user, "cpu-1")
+            jobs_tab = open_ui(live_server.url)
+            jobs_tab.sign_in(token)
+            jobs_tab.page.wait_for_selector("#jobs-live:has-text('live')")
+
+            spec = job_spec(
+                train,
+                val,
+                name="live-digits",
+                parameters={
+                    "epochs": 200,
+                    "batch_size": 8,
+                    "image_size": 16,
+                    "augmentation": "none",
+                    "print_frequency": 1,
+                    "patience": 200,
+                },
+            )
+            r = user.post("/v1/jobs", json=spec)
+            assert r.status_code == 201, r.text
+            job_id = r.json()["id"]
+            # The jobs list learns of the job and of its start from the stream, without a reload.
+            row = jobs_tab.page.locator(f"tr[data-job-id='{job_id}']")
+            row.wait_for()
+            jobs_tab.page.wait_for_selector(
+                f"tr[data-job-id='{job_id}'][data-status='running']", timeout=90_000
+            )
+
+            ui = open_ui(live_server.url)
+            ui.sign_in(token)
+            page = ui.page
+            page.goto(f"/#/jobs/{job_id}")
+            page.wait_for_selector("#charts[data-ready='true']")
+            loss = page.locator("#chart-loss")
+
+            def loss_points() -> int:
+                return int(loss.get_attribute("data-points") or 0)
+
+            first = _wait(loss_points, 60, "a first loss point")
+            _wait(lambda: loss_points() > first, 60, "more loss points")
+            # The validation metrics (each epoch), learning rate and throughput charts grow too.
+            for chart in ("accuracy", "lr", "throughput"):
+                box = page.locator(f"#chart-{chart}")
+                seen = _wait(lambda box=box: _points(box), 60, f"a first {chart} point")
+                _wait(lambda box=box, seen=seen: _points(box) > seen, 60, f"more {chart} points")
+            assert page.evaluate("performance.getEntriesByType('navigation').length") == 1  # no reload
+            # Progress with the time left.
+            page.wait_for_selector("#progress:has-text('left')", timeout=30_000)
+            assert re.search(
+                r"epoch \d+/200, step \d+/\d+ \(\d+%\), about \d+\S* .*left",
+                page.text_content("#progress") or "",
+            )
+            # The jobs list shows how long it has been running.
+            assert re.fullmatch(r"\d+s|\d+m \d+s", row.locator("td.duration").text_content() or "")
+
+            # The rank-0 log follows.
+            page.wait_for_selector("#log-stream option[value='rank-0']", state="attached")
+            _wait(lambda: len(page.text_content("#log") or "") > 0, 60, "log text")
+            before = len(page.text_content("#log") or "")
+            _wait(lambda: len(page.text_content("#log") or "") > before, 60, "more log text")
+
+            page.click("#cancel")
+            page.wait_for_selector("#job-status .badge[data-status='cancelled']", timeout=60_000)
+            assert not page.is_visible("#cancel")
+            jobs_tab.page.wait_for_selector(f"tr[data-job-id='{job_id}'][data-status='cancelled']")
+            assert wait_for_job(user, job_id)["status"] == "cancelled"
+            assert ui.errors == [] and jobs_tab.errors == []
+        finally:
+            agent.stop(timeout=30)
+
+
+def test_a_failed_job_shows_its_failure_rank_node_and_traceback(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    from service.db.engine import Database
+    from service.db.models import Job, utcnow
+
+    token, uid = _user(admin, "jana")
+    register_node(admin, create_token(admin, "worker"), "cpu-1", units=1)
+    train = insert_dataset(live_server.settings, uid)
+    r = httpx.post(
+        f"{live_server.url}/v1/jobs", json=job_spec(train, train, name="diverges"), headers=auth(token)
+    )
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    # The failure as the trainer's report leaves it (a real divergence takes minutes to provoke).
+    db = Database(live_server.settings.sqlalchemy_url)
+    try:
+        with db.transaction() as session:
+            job = session.get_one(Job, job_id)
+            job.status, job.finished_at, job.updated_at = "failed", utcnow(), utcnow()
+            job.failure_code = "TrainingDivergedError"
+            job.failure_message = "train.loss became nan at epoch 2: try a lower learning_rate"
+            job.failure_rank, job.failure_node = 1, "cpu-1"
+            job.failure_traceback = (
+                'Traceback (most recent call last):\n  File "engine.py", line 3\n<b>not markup</b>'
+            )
+    finally:
+        db.dispose()
+
+    ui = open_ui(live_server.url)
+    ui.sign_in(token)
+    page = ui.page
+    page.goto(f"/#/jobs/{job_id}")
+    page.wait_for_selector("#failure")
+    assert "TrainingDivergedError" in page.text_content("#failure h2")
+    assert "try a lower learning_rate" in page.text_content("#failure-message")
+    assert "rank 1 on node cpu-1" in page.text_content("#failure")
+    # Text from a worker is shown as text, never as markup.
+    assert "<b>not markup</b>" in page.text_content("#traceback")
+    assert page.locator("#traceback b").count() == 0
+    assert not page.is_visible("#cancel") and not page.is_visible("#download-model")
+    assert ui.errors == []
