@@ -220,6 +220,14 @@ def live_server(settings: Settings) -> Iterator[LiveServer]:
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A small model trained in-process once per test process (tests/support/trained_model.py)."""
+    from tests.support.trained_model import train_small_model
+
+    return train_small_model(tmp_path_factory.mktemp("trained"))
+
+
 def _weight(item: pytest.Item) -> int:
     """Scheduling order: the modules that start real training processes first, so that none
     of them is left to run alone at the end of a parallel run."""

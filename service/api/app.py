@@ -95,8 +95,7 @@ def _build_openapi(app: FastAPI) -> None:
     test session, a process serving more than one) builds the schema once (~0.2 s each)."""
     key = tuple(
         sorted(
-            (getattr(r, "path", ""), ",".join(sorted(getattr(r, "methods", None) or ())))
-            for r in app.routes
+            (getattr(r, "path", ""), ",".join(sorted(getattr(r, "methods", None) or ()))) for r in app.routes
         )
     )
     with _schemas_lock:

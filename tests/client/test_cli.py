@@ -32,11 +32,6 @@ from torchyard.sample_data import write_digits
 
 
 @pytest.fixture
-def db_url(sqlite_url: str) -> str:
-    return sqlite_url
-
-
-@pytest.fixture
 def settings(make_settings: Any, tmp_path: Path) -> Settings:
     shared = tmp_path / "shared"
     shared.mkdir()

@@ -23,11 +23,6 @@ from torchyard.sample_data import write_digits
 
 
 @pytest.fixture
-def db_url(sqlite_url: str) -> str:
-    return sqlite_url  # the service side runs on both databases in the API tests
-
-
-@pytest.fixture
 def client(live_server: LiveServer) -> Client:
     return Client(live_server.url, live_server.admin_token)
 

@@ -46,11 +46,6 @@ EPOCHS = 4
 
 
 @pytest.fixture
-def db_url(sqlite_url: str) -> str:
-    return sqlite_url
-
-
-@pytest.fixture
 def settings(make_settings: Any) -> Settings:
     s: Settings = make_settings(**fast_leases(ports=(24000, 24999)))
     return s
@@ -137,7 +132,7 @@ def test_a_restarted_agent_stops_its_predecessors_ranks_and_the_job_resumes_from
     finally:
         agent.kill()
         if restarted is not None:
-            restarted.stop(timeout=30)
+            restarted.discard()
         user.close()
         admin.close()
 
@@ -201,6 +196,6 @@ def test_a_job_submitted_while_every_agent_restarts_waits_for_them_and_succeeds(
         assert len(job["attempts"]) == 1 and sorted(job["nodes"]) == list(names), job
     finally:
         for agent in agents:
-            agent.stop(timeout=30)
+            agent.discard()
         user.close()
         admin.close()

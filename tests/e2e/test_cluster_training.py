@@ -68,12 +68,6 @@ PARAMETERS = {
 }
 
 
-@pytest.fixture
-def db_url(sqlite_url: str) -> str:
-    # Real training is slow: one database is enough here (the protocol runs on both elsewhere).
-    return sqlite_url
-
-
 def _cluster_settings(make_settings: Any, **overrides: Any) -> Settings:
     values = fast_leases(heartbeat_s=HEARTBEAT_S, lease_s=LEASE_TIMEOUT_S, ports=(22000, 22499))
     values.update(overrides)
@@ -158,7 +152,7 @@ def open_env(settings: Settings, tmp_path: Path, host: str = "127.0.0.1") -> Ite
         yield env
     finally:
         for agent in env.agents:
-            agent.stop(timeout=30)
+            agent.discard()
         user.close()
         admin.close()
         server.stop()

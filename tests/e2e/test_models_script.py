@@ -64,11 +64,6 @@ MODEL_FILES = {"config.json", "model.safetensors", "metrics.json", "model.onnx",
 
 
 @pytest.fixture
-def db_url(sqlite_url: str) -> str:
-    return sqlite_url
-
-
-@pytest.fixture
 def settings(make_settings: Any) -> Settings:
     settings: Settings = make_settings(**SCRIPT_SETTINGS)
     return settings

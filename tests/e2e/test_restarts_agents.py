@@ -106,7 +106,7 @@ def env(live_server: LiveServer, tmp_path: Path) -> Iterator[Env]:
         for agent in e.agents:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(agent.process.pid, signal.SIGCONT)
-            agent.stop(timeout=30)
+            agent.discard()
         user.close()
         admin.close()
 

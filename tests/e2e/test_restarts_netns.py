@@ -30,12 +30,6 @@ PARAMETERS = {"epochs": EPOCHS, "image_size": 16, "batch_size": 16, "print_frequ
 
 
 @pytest.fixture
-def db_url(sqlite_url: str) -> str:
-    # Real training across namespaces is slow: one database is enough (the protocol runs on both elsewhere).
-    return sqlite_url
-
-
-@pytest.fixture
 def hosts() -> Iterator[NetnsCluster]:
     require_netns()
     with NetnsCluster(3) as cluster:

@@ -25,12 +25,6 @@ SCRIPT_SETTINGS = fast_leases(lease_s=15.0, ports=(26000, 26499))
 
 
 @pytest.fixture
-def db_url(sqlite_url: str) -> str:
-    # Real processes are slow: one database is enough here (the API tests run on both).
-    return sqlite_url
-
-
-@pytest.fixture
 def settings(make_settings: Any) -> Settings:
     settings: Settings = make_settings(**SCRIPT_SETTINGS)
     return settings

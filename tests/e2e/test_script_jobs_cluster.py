@@ -19,11 +19,6 @@ TORCHRUN = ["torchrun", "--nnodes", "$NNODES", "--nproc-per-node", "$NPROC_PER_N
 
 
 @pytest.fixture
-def db_url(sqlite_url: str) -> str:
-    return sqlite_url
-
-
-@pytest.fixture
 def settings(make_settings: Any) -> Settings:
     values = {**SCRIPT_SETTINGS, "master_port_min": 26500, "master_port_max": 26999}
     settings: Settings = make_settings(**values)

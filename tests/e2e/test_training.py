@@ -10,112 +10,19 @@ from __future__ import annotations
 import io
 import tarfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 
-from service.config import Settings
-from tests.conftest import LiveServer, fast_leases
-from tests.support.factories import auth, job_spec
+from tests.e2e.conftest import LEASE_TIMEOUT_S, Env, run_dir
 from tests.support.worker_fixtures import (
-    AgentProcess,
     processes_mentioning,
-    start_agent,
-    upload_digits,
-    user_client,
-    wait_for_job,
-    wait_for_node,
     wait_until_gone,
-    worker_token,
 )
 
 pytestmark = pytest.mark.slow
-
-LEASE_TIMEOUT_S = 3.0
-
-
-@pytest.fixture
-def db_url(sqlite_url: str) -> str:
-    # Real training is slow: one database is enough here (the protocol runs on both elsewhere).
-    return sqlite_url
-
-
-@pytest.fixture
-def settings(make_settings: Any) -> Settings:
-    s: Settings = make_settings(**fast_leases(lease_s=LEASE_TIMEOUT_S, ports=(31000, 31999)))
-    return s
-
-
-@dataclass
-class Env:
-    server: LiveServer
-    user: httpx.Client
-    token: str
-    train: str
-    val: str
-    tmp: Path
-    agents: list[AgentProcess]
-
-    def agent(self, name: str, *, slots: int = 2, **kw: Any) -> AgentProcess:
-        agent = start_agent(self.server.url, self.token, name, self.tmp / name, slots=slots, **kw)
-        self.agents.append(agent)
-        wait_for_node(self.user, name)
-        return agent
-
-    def submit(self, **overrides: Any) -> str:
-        parameters = {
-            "epochs": 2,
-            "batch_size": 16,
-            "image_size": 32,
-            "augmentation": "light",
-            "learning_rate": 0.05,
-            "print_frequency": 2,
-        }
-        parameters.update(overrides.pop("parameters", {}))
-        spec = job_spec(
-            self.train,
-            self.val,
-            parameters=parameters,
-            resources=overrides.pop("resources", {"node_count": 1, "process_count_per_node": 2}),
-            **overrides,
-        )
-        r = self.user.post("/v1/jobs", json=spec)
-        assert r.status_code == 201, r.text
-        job_id: str = r.json()["id"]
-        return job_id
-
-    def wait(self, job_id: str, predicate: Any = None, timeout: float = 180) -> dict[str, Any]:
-        if predicate is None:
-            return wait_for_job(self.user, job_id, timeout=timeout, agents=self.agents)
-        return wait_for_job(self.user, job_id, predicate, timeout=timeout, agents=self.agents)
-
-
-@pytest.fixture
-def env(live_server: LiveServer, tmp_path: Path) -> Iterator[Env]:
-    admin = httpx.Client(base_url=live_server.url, headers=auth(live_server.admin_token), timeout=60)
-    user = user_client(admin, live_server.url)
-    token = worker_token(admin)
-    train, val = upload_digits(user, tmp_path / "digits", per_class=30)
-    e = Env(live_server, user, token, train, val, tmp_path, [])
-    try:
-        yield e
-    finally:
-        for agent in e.agents:
-            agent.stop(timeout=30)
-        user.close()
-        admin.close()
-
-
-def run_dir(agent: AgentProcess, job_id: str) -> Path:
-    runs = list((agent.work_dir / "runs").glob(f"{job_id}-*"))
-    assert len(runs) == 1, runs
-    return runs[0]
 
 
 def test_trains_end_to_end_and_the_model_reproduces_its_validation_top1(env: Env) -> None:

@@ -20,10 +20,10 @@ import pytest
 
 from service.config import Settings
 from tests.conftest import LiveServer, fast_leases
-from tests.service.test_models_api import Trained, succeeded_job
+from tests.service.test_models_api import succeeded_job
 from tests.support.attempt_history import restarted_job
 from tests.support.factories import auth, create_token, insert_dataset, job_spec, register_node, token_id
-from tests.support.trainer_helpers import Digits, run_in_process, single_process_env, write_job
+from tests.support.trained_model import Trained
 from tests.support.ui_browser import chromium_fixture, open_ui_fixture  # noqa: F401 - fixtures
 from tests.support.worker_fixtures import (
     start_agent,
@@ -32,11 +32,6 @@ from tests.support.worker_fixtures import (
     wait_for_node,
     worker_token,
 )
-
-
-@pytest.fixture
-def db_url(sqlite_url: str) -> str:
-    return sqlite_url
 
 
 @pytest.fixture
@@ -375,27 +370,11 @@ def test_the_job_page_asks_for_its_series_at_once_and_for_logs_after_the_charts(
     assert ui.errors == []
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Trained:
-    """A resnet18 trained in-process for one epoch on 16 px digits (with its ONNX export)."""
-    from torchyard.contract.model_archive import pack_model_dir
-    from torchyard.sample_data import write_digits
-
-    root = tmp_path_factory.mktemp("tiny-model")
-    train, val = write_digits(root / "digits", per_class=6, size=16)
-    run = write_job(root / "run", Digits(train, val), epochs=1, image_size=16, batch_size=16)
-    with pytest.MonkeyPatch.context() as mp, single_process_env(mp):
-        assert run_in_process(run) == 0
-    sha256, _ = pack_model_dir(root / "run" / "model", root / "model.tar.gz")
-    held_out = sorted(val.rglob("*.png"))[:2]
-    return Trained(root / "run" / "model", root / "model.tar.gz", sha256, held_out, [], val)
-
-
 def test_register_a_succeeded_jobs_model_then_predict_on_the_models_page(
-    live_server: LiveServer, admin: httpx.Client, open_ui: Any, tiny_model: Trained
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any, trained: Trained
 ) -> None:
     token, _ = _user(admin, "lena")
-    job_id = succeeded_job(live_server.settings, admin, tiny_model, token)
+    job_id = succeeded_job(live_server.settings, admin, trained, token)
     ui = open_ui(live_server.url)
     ui.sign_in(token)
     page = ui.page
@@ -421,17 +400,17 @@ def test_register_a_succeeded_jobs_model_then_predict_on_the_models_page(
     assert "resnet18 · 16 px · 10 classes" in page.text_content("#version-1")
 
     # Choosing images predicts their labels with the version's model.
-    page.set_input_files("#predict-file-1", [str(p) for p in tiny_model.held_out])
+    page.set_input_files("#predict-file-1", [str(p) for p in trained.held_out[:2]])
     page.wait_for_selector("#predictions-1 .prediction >> nth=1")
     predictions = page.locator("#predictions-1 .prediction")
     classes = {str(d) for d in range(10)}
-    for i, path in enumerate(tiny_model.held_out):
+    for i, path in enumerate(trained.held_out[:2]):
         text = predictions.nth(i).text_content() or ""
         assert text.startswith(path.name)
         assert predictions.nth(i).get_attribute("data-label") in classes
         assert "%" in text
     # Dropping an image on a version predicts it as well.
-    data = tiny_model.held_out[0].read_bytes()
+    data = trained.held_out[0].read_bytes()
     page.evaluate(
         """([bytes, name]) => {
             const dt = new DataTransfer();
@@ -530,7 +509,7 @@ def test_a_running_job_live_status_chart_log_and_cancel(
             assert wait_for_job(user, job_id)["status"] == "cancelled"
             assert ui.errors == [] and jobs_tab.errors == []
         finally:
-            agent.stop(timeout=30)
+            agent.discard()
 
 
 def test_a_failed_job_shows_its_failure_rank_node_and_traceback(

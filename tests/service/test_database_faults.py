@@ -200,7 +200,7 @@ def test_a_job_trains_through_a_database_outage_and_an_api_sigkill(
         stored_points = _all_metrics(user, job_id)
         rank0_log = _log_bytes(user, job_id, "rank-0")
     finally:
-        agent.stop(timeout=60)
+        agent.discard()
         api.terminate()
     assert job["status"] == "succeeded", (job, agent.log_text()[-4000:])
     assert len(job["attempts"]) == 1 and job["failure"] is None

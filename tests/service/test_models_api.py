@@ -33,12 +33,9 @@ from service.services.artifacts import ModelStore
 from tests.conftest import LiveServer
 from tests.support.factories import auth, create_token
 from tests.support.report_helpers import finish_job, start_running_job
+from tests.support.trained_model import Trained
 from tests.support.trainer_helpers import (
-    Digits,
-    run_in_process,
-    single_process_env,
     subset_classes,
-    write_job,
 )
 from tests.support.worker_fixtures import (
     start_agent,
@@ -49,7 +46,6 @@ from tests.support.worker_fixtures import (
 )
 from torchyard import modeldir
 from torchyard.contract.model_archive import pack_model_dir, sha256_of
-from torchyard.sample_data import write_digits
 from torchyard.scoring import ONNX_TOLERANCE, OnnxModel
 
 # A model is trained in-process once for the module.
@@ -57,40 +53,6 @@ pytestmark = pytest.mark.slow
 
 # Scoring touches the database for one lookup: the registry tests run on both databases.
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
-
-
-@dataclass(frozen=True)
-class Trained:
-    model_dir: Path
-    archive: Path
-    sha256: str
-    held_out: list[Path]
-    labels: list[str]
-    val_dir: Path
-
-
-def _held_out(root: Path, used: Digits) -> list[Path]:
-    """Digits of the same shuffle that neither training nor validation saw."""
-    seen = {p.name for p in used.train.rglob("*.png")} | {p.name for p in used.val.rglob("*.png")}
-    more_train, more_val = write_digits(root, per_class=45, size=32)
-    files = sorted(more_train.rglob("*.png")) + sorted(more_val.rglob("*.png"))
-    return [p for p in files if p.name not in seen]
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
-    root = tmp_path_factory.mktemp("trained")
-    train, val = write_digits(root / "digits", per_class=30, size=32)
-    data = Digits(train, val)
-    job = write_job(root / "run", data, epochs=2)
-    with pytest.MonkeyPatch.context() as mp, single_process_env(mp):
-        assert run_in_process(job) == 0
-    held_out = _held_out(root / "more", data)
-    assert len(held_out) >= 100
-    model_dir = root / "run" / "model"
-    sha256, _ = pack_model_dir(model_dir, root / "model.tar.gz")
-    labels = [p.parent.name for p in held_out]
-    return Trained(model_dir, root / "model.tar.gz", sha256, held_out, labels, val)
 
 
 def without_onnx(trained: Trained, root: Path) -> Trained:
@@ -497,7 +459,7 @@ def test_evaluation_on_the_validation_set_equals_training_figures(
             capture_output=True, text=True, timeout=360, check=False,
         )  # fmt: skip
     finally:
-        agent.stop()
+        agent.discard()
     assert printed.returncode == 0, (printed.stdout, printed.stderr, agent.log_text()[-3000:])
     lines = printed.stdout.splitlines()
     assert f"top-1 {result['top1']:.2%}" in lines[0] and f"top-5 {result['top5']:.2%}" in lines[0]

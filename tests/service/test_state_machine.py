@@ -64,7 +64,8 @@ def _job(db: Database, status: JobStatus = JobStatus.QUEUED) -> str:
         return job.id
 
 
-LEGAL = [(a, b) for a, targets in TRANSITIONS.items() for b in targets]
+# Sorted: the targets are sets, and every xdist worker must collect the same order.
+LEGAL = [(a, b) for a, targets in TRANSITIONS.items() for b in sorted(targets)]
 ILLEGAL = [(a, b) for a, b in itertools.product(JobStatus, JobStatus) if b not in TRANSITIONS[a]]
 
 

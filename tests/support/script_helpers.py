@@ -181,7 +181,7 @@ def script_env(settings: Settings, tmp_path: Path, host: str = "127.0.0.1") -> I
         yield env
     finally:
         for agent in env.agents:
-            agent.stop(timeout=30)
+            agent.discard()
         user.close()
         admin.close()
         server.stop()

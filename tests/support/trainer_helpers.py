@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from tests.support import REPO_ROOT
-from torchyard.sample_data import write_digits
 from worker.trainer.cli import main as trainer_main
 
 DIGIT_CLASSES = [str(i) for i in range(10)]
@@ -40,20 +39,6 @@ _DIST_VARS = (
 class Digits:
     train: Path
     val: Path
-
-
-@pytest.fixture(scope="session", name="digits")
-def digits_fixture(tmp_path_factory: pytest.TempPathFactory) -> Digits:
-    """Real handwritten digits, 30 per class (24 train / 6 validation), 32 px."""
-    train, val = write_digits(tmp_path_factory.mktemp("digits"), per_class=30, size=32)
-    return Digits(train, val)
-
-
-@pytest.fixture(name="single_process")
-def single_process_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Environment for an in-process run: one rank, no torchrun variables, no injected faults."""
-    with single_process_env(monkeypatch):
-        yield
 
 
 @contextlib.contextmanager

@@ -54,14 +54,23 @@ def _tar_gz(src: Path, out: Path) -> Path:
     return out
 
 
-def upload_dataset(client: httpx.Client, folder: Path, name: str) -> dict[str, Any]:
-    """Upload an image folder (as .tar.gz) through ``POST /v1/datasets``."""
-    archive = _tar_gz(folder, folder.parent / f"{name}.tar.gz")
+def upload_archive(client: httpx.Client, archive: Path, name: str) -> dict[str, Any]:
+    """Upload a dataset archive through ``POST /v1/datasets``."""
     with open(archive, "rb") as fh:
         r = client.post("/v1/datasets", data={"name": name}, files={"file": (archive.name, fh)}, timeout=120)
     assert r.status_code == 201, r.text
     body: dict[str, Any] = r.json()
     return body
+
+
+def upload_dataset(client: httpx.Client, folder: Path, name: str) -> dict[str, Any]:
+    """Upload an image folder (as .tar.gz) through ``POST /v1/datasets``."""
+    return upload_archive(client, _tar_gz(folder, folder.parent / f"{name}.tar.gz"), name)
+
+
+# The digits archives written so far in this test process, by (per_class, size): written
+# once (beside their train/ and val/ folders), uploaded to as many services as tests start.
+_digits_archives: dict[tuple[int, int], tuple[Path, Path]] = {}
 
 
 def upload_digits(
@@ -70,9 +79,18 @@ def upload_digits(
     """The scikit-learn digits as training and validation datasets of the service; their ids."""
     from torchyard.sample_data import write_digits
 
-    train_dir, val_dir = write_digits(root, per_class=per_class, size=size)
-    train = upload_dataset(client, train_dir, "digits-train")
-    val = upload_dataset(client, val_dir, "digits-val")
+    archives = _digits_archives.get((per_class, size))
+    if archives is None or not all(a.is_file() for a in archives):
+        train_dir, val_dir = write_digits(root, per_class=per_class, size=size)
+        archives = (
+            _tar_gz(train_dir, root / "digits-train.tar.gz"),
+            _tar_gz(val_dir, root / "digits-val.tar.gz"),
+        )
+        _digits_archives[(per_class, size)] = archives
+    elif not root.exists():
+        root.symlink_to(archives[0].parent, target_is_directory=True)  # the folders, as if written here
+    train = upload_archive(client, archives[0], "digits-train")
+    val = upload_archive(client, archives[1], "digits-val")
     return train["id"], val["id"]
 
 
@@ -103,6 +121,12 @@ class AgentProcess:
         if self.alive():
             self.process.send_signal(signal.SIGKILL)
         self.process.wait(10)
+
+    def discard(self) -> None:
+        """End of a test: SIGKILL (no drain to wait for; the launch guard stops any ranks)."""
+        self.kill()
+        if self._log is not None:
+            self._log.close()
 
     def stop(self, timeout: float = 60) -> int:
         """SIGTERM and wait (the agent stops its ranks first)."""

@@ -20,11 +20,6 @@ from tests.support.script_helpers import ScriptEnv, script_env
 
 
 @pytest.fixture
-def db_url(sqlite_url: str) -> str:
-    return sqlite_url
-
-
-@pytest.fixture
 def settings(make_settings: Any) -> Settings:
     settings: Settings = make_settings(**SCRIPT_SETTINGS)
     return settings

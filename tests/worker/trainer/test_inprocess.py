@@ -9,16 +9,14 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.trainer_helpers import (  # noqa: F401 - fixtures
+from tests.support.trainer_helpers import (
     Digits,
-    digits_fixture,
     epoch_history,
     metric_values,
     read_events,
     read_failure,
     run_in_process,
     single_process_env,
-    single_process_fixture,
     subset_classes,
     write_job,
 )

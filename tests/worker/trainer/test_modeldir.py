@@ -10,7 +10,7 @@ import pytest
 import torch
 import torchvision
 
-from tests.support.trainer_helpers import DIGIT_CLASSES, Digits, digits_fixture, write_job  # noqa: F401 - fixture
+from tests.support.trainer_helpers import DIGIT_CLASSES, Digits, write_job
 from torchyard import modeldir
 from torchyard.contract.errors import InvalidModelDirectoryError
 from worker.trainer.config import load_job

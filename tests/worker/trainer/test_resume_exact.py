@@ -18,10 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.trainer_helpers import (  # noqa: F401 - fixture
+from tests.support.trainer_helpers import (
     REPO_ROOT,
     Digits,
-    digits_fixture,
     epoch_history,
     run_torchrun,
     write_job,

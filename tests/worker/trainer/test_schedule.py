@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-from tests.support.trainer_helpers import single_process_fixture  # noqa: F401 - fixture
 from worker.trainer import distributed
 from worker.trainer.distributed import read_env
 from worker.trainer.engine import BatchPreparer, FaultInjector, LossMeter, TrainLoop, autocast_factory

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.trainer_helpers import (  # noqa: F401 - fixture
+from tests.support.trainer_helpers import (
     Digits,
-    digits_fixture,
     metric_values,
     read_events,
     read_failure,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.support.trainer_helpers import DIGIT_CLASSES, Digits, digits_fixture, write_job  # noqa: F401 - fixture
+from tests.support.trainer_helpers import DIGIT_CLASSES, Digits
 from torchyard.contract.errors import InvalidDatasetError, RankFailedError, TrainingDivergedError
 from torchyard.modeldir import image_directory_classes, image_directory_samples
 from worker.trainer import checkpoint as ckpt

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.test_training import Env, db_url, env, run_dir, settings  # noqa: F401 - fixtures
+from tests.e2e.conftest import Env, run_dir
 from tests.support.worker_fixtures import AgentProcess, start_agent, wait_for_node
 from worker.trainer.control import PREEMPT_REQUEST_FILE
 
@@ -61,7 +61,7 @@ def _stepping(job: dict[str, Any], step: int = 1) -> bool:
     return job["status"] == "running" and (job.get("progress") or {}).get("step", 0) >= step
 
 
-def test_hang_watchdog_dumps_stacks_and_fails_with_hang_error(env: Env) -> None:  # noqa: F811
+def test_hang_watchdog_dumps_stacks_and_fails_with_hang_error(env: Env) -> None:
     agent = _agent(env, "cpu-1", grace_period=5)
     job_id = env.submit(
         model=MODEL,
@@ -121,7 +121,7 @@ def _release(marker: Path) -> None:
     marker.unlink()
 
 
-def test_preempted_then_killed_job_resumes_exactly(env: Env) -> None:  # noqa: F811
+def test_preempted_then_killed_job_resumes_exactly(env: Env) -> None:
     """SIGTERM to the agent preempts the job mid-epoch; it resumes on another node from
     the uploaded checkpoint; there a rank is SIGKILLed (RankKilledError, restart 1), and
     the job resumes again from the latest uploaded epoch checkpoint. It ends with the
