@@ -21,8 +21,14 @@ def test_ci_runs_the_readme_test_command() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "make test" in readme and "make demo" in readme
     ci = (ROOT / ".ci" / "run").read_text()
-    assert re.search(r"^make test$", ci, re.M)
+    # The same command, with the virtual environment cached outside the clone.
+    assert re.search(r'^make test VENV="\$venv" \|\| rc=\$\?$', ci, re.M)
     assert "TORCHYARD_REQUIRE_POSTGRES=1" in ci
+    # The cache is keyed by pyproject.toml, and a miss installs everything.
+    assert 'key="$(sha256sum pyproject.toml' in ci
+    assert "pip install --quiet -e '.[all,dev]'" in ci
+    makefile = (ROOT / "Makefile").read_text()
+    assert "pip install --quiet -e '.[all,dev]'" in makefile
 
 
 def test_gpu_doc_names_every_trainer_gpu_setting_with_its_default() -> None:

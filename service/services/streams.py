@@ -328,7 +328,11 @@ class JobFeed:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a database outage: subscribers see it and end
-            log.exception("follower poll of job %s failed", self.job_id)
+            if is_unavailable(exc):
+                # An expected event (the database restarting): one line, no traceback.
+                log.warning("follower poll of job %s stopped: the database is unavailable", self.job_id)
+            else:
+                log.exception("follower poll of job %s failed", self.job_id)
             self.error = exc
         finally:
             self.ready.set()

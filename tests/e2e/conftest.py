@@ -13,6 +13,7 @@ import pytest
 
 from tests.conftest import LiveServer, fast_leases
 from tests.support.factories import auth, job_spec
+from tests.support.ui_browser import chromium_fixture, open_ui_fixture  # noqa: F401 - fixtures of the UI tests
 from tests.support.worker_fixtures import (
     AgentProcess,
     start_agent,

@@ -24,7 +24,6 @@ from tests.service.test_models_api import succeeded_job
 from tests.support.attempt_history import restarted_job
 from tests.support.factories import auth, create_token, insert_dataset, job_spec, register_node, token_id
 from tests.support.trained_model import Trained
-from tests.support.ui_browser import chromium_fixture, open_ui_fixture  # noqa: F401 - fixtures
 from tests.support.worker_fixtures import (
     start_agent,
     upload_digits,
@@ -397,7 +396,7 @@ def test_register_a_succeeded_jobs_model_then_predict_on_the_models_page(
     assert page.text_content("#model-name") == "Model digits"
     assert page.locator("section.model-version").count() == 2
     assert "(latest)" in page.text_content("#version-2 h2")
-    assert "resnet18 · 16 px · 10 classes" in page.text_content("#version-1")
+    assert "resnet18 · 32 px · 10 classes" in page.text_content("#version-1")
 
     # Choosing images predicts their labels with the version's model.
     page.set_input_files("#predict-file-1", [str(p) for p in trained.held_out[:2]])

@@ -104,13 +104,19 @@ def remove_stale() -> None:
             _ip("link", "delete", link, check=False)
 
 
-def _kill_netns_processes(netns: str) -> None:
-    """SIGKILL what still runs inside one of our namespaces (it keeps the namespace alive)."""
-    out = _ip("netns", "pids", netns, check=False).stdout
-    for word in out.split():
-        if word.isdigit():
+def _kill_netns_processes(netns: str, timeout: float = 10.0) -> None:
+    """SIGKILL what runs inside one of our namespaces (it keeps the namespace alive), again
+    until none is left: a process forked while the first list was read is killed too, and
+    the call returns once every one of them has exited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = [int(w) for w in _ip("netns", "pids", netns, check=False).stdout.split() if w.isdigit()]
+        if not pids or time.monotonic() > deadline:
+            return
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(int(word), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
 
 
 @functools.lru_cache(maxsize=1)

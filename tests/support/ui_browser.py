@@ -38,9 +38,11 @@ def _unavailable(message: str) -> None:
     pytest.skip(message + "; install Debian's chromium (apt-get install chromium) to run the browser tests")
 
 
-@pytest.fixture(scope="session", name="chromium")
+@pytest.fixture(scope="module", name="chromium")
 def chromium_fixture() -> Iterator[Any]:
-    """A headless Chromium browser for the whole test session."""
+    """A headless Chromium browser for the module's tests. Not for the session: Playwright's
+    sync API keeps an event loop running in the thread while it is open, and later tests of the
+    same process that call ``asyncio.run`` would fail."""
     path = chromium_path()
     if path is None:
         _unavailable("Chromium not found (chromium on PATH or TORCHYARD_CHROMIUM)")
