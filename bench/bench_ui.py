@@ -22,10 +22,16 @@ for ``--repeats`` fresh page loads:
   in the page (``chart.js``: uPlot's draw, which keeps each pixel column's lowest and
   highest value).
 
+With ``--compare N`` it also writes N more such jobs and times the compare page
+(``#/compare?ids=…``, all N jobs): navigation → every chart drawn with a line per job
+(the page's ``#compare-charts[data-ready]``), and the ``GET /v1/jobs/compare`` answer
+alone.
+
 Usage::
 
     python bench/bench_ui.py                      # 100,000 points, 5 page loads
     python bench/bench_ui.py --points 1000000 --repeats 3
+    python bench/bench_ui.py --compare 20         # and 20 jobs x 100,000 points compared
 """
 
 from __future__ import annotations
@@ -295,6 +301,29 @@ def time_pages(
     return loads
 
 
+def time_compare(tab: Any, user: httpx.Client, job_ids: list[str], repeats: int) -> dict[str, list[float]]:
+    """The compare answer (httpx, first and again) and fresh loads of the compare page (ms)."""
+    ids = ",".join(job_ids)
+    out: dict[str, list[float]] = {"answer": [], "page": [], "in page": []}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        r = user.get("/v1/jobs/compare", params={"ids": ids, "points": 2000})
+        r.raise_for_status()
+        out["answer"].append((time.perf_counter() - t0) * 1000)
+    for _ in range(repeats):
+        tab.goto("about:blank")
+        t0 = time.perf_counter()
+        tab.goto(f"/#/compare?ids={ids}")
+        tab.wait_for_selector("#compare-charts[data-ready='true']", timeout=120_000)
+        out["page"].append((time.perf_counter() - t0) * 1000)
+        mark = tab.evaluate(
+            "performance.getEntriesByName('torchyard:compare-ready')[0].startTime"
+            " - performance.getEntriesByType('navigation')[0].startTime"
+        )
+        out["in page"].append(float(mark))
+    return out
+
+
 def time_draw(tab: Any, xs: list[float], ys: list[float], repeats: int) -> list[float]:
     """One ``LineChart`` fed every point unreduced, drawn ``repeats`` times (ms each)."""
     out = []
@@ -324,6 +353,9 @@ def main() -> None:
     )
     parser.add_argument("--points", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--compare", type=int, default=0, help="also compare this many such jobs (at most 20)"
+    )
     parser.add_argument("--chromium", default=shutil.which("chromium") or "/usr/bin/chromium")
     args = parser.parse_args()
 
@@ -337,6 +369,7 @@ def main() -> None:
             "id"
         ]
         job_id = write_job(service, owner_id, args.points)
+        compared = [write_job(service, owner_id, args.points) for _ in range(min(args.compare, 20))]
         new_points = NewPoints(service, job_id)
 
         user = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
@@ -358,6 +391,7 @@ def main() -> None:
                 "train.loss"
             ]
             draw_ms = time_draw(tab, full["x"], full["y"], args.repeats)
+            comparing = time_compare(tab, user, compared, args.repeats) if compared else None
             browser.close()
     finally:
         service.stop()
@@ -384,6 +418,10 @@ def main() -> None:
         f"client draw of {len(full['x']):,} unreduced points: median {statistics.median(draw_ms):.1f} ms"
         f"  max {max(draw_ms):.1f} ms"
     )
+    if comparing is not None:
+        print(f"compare {len(compared)} jobs x {args.points:,} points:")
+        for what, values in comparing.items():
+            print(f"  {what + ':':9s} median {statistics.median(values):7.1f} ms  max {max(values):7.1f} ms")
     print(f"load average: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
 
 

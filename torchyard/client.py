@@ -50,6 +50,7 @@ from torchyard.apiclient.models import (
     Event,
     Failure,
     Job,
+    JobComparison,
     MetricPage,
     MetricPoint,
     Node,
@@ -78,6 +79,7 @@ __all__ = [
     "Event",
     "Failure",
     "Job",
+    "JobComparison",
     "MetricPage",
     "MetricPoint",
     "ModelVersion",
@@ -270,6 +272,14 @@ class Client:
         for _event in self.events(job_id, metrics=False, logs=False, timeout=timeout):
             pass
         return self.get_job(job_id)
+
+    def compare(
+        self, job_ids: Sequence[str], *, metrics: Sequence[str] | None = None, points: int | None = None
+    ) -> JobComparison:
+        """Up to 20 jobs side by side (ids, names or id prefixes): parameters (``differing``
+        names the keys that are not the same in all), and per metric the best and final value
+        with its epoch and the reduced series."""
+        return self.jobs.compare(job_ids, metrics=metrics, points=points)
 
     # -- metrics, logs, events
 

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 from torchyard.apiclient.models import Failure
 from torchyard.apiclient.registry import ModelVersion, parse_model_ref
-from torchyard.client import Client, Event, Job, MetricPoint, missing_token_message
+from torchyard.client import Client, Event, Job, JobComparison, MetricPoint, missing_token_message
 from torchyard.contract.errors import AuthenticationError
 from torchyard.extras import require
 from torchyard.terminal import (
@@ -30,6 +30,7 @@ from torchyard.terminal import (
     LiveProgress,
     ProgressBar,
     describe_status,
+    format_duration,
     format_table,
     format_time,
     human_bytes,
@@ -517,6 +518,55 @@ def _metrics(args: argparse.Namespace) -> int:
             table.add(p.model_dump())
         print(table.render() if table.rows else "no metrics yet")
     return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        comparison = client.compare(args.ids, metrics=args.metric)
+    if args.json:
+        _print_json(comparison)
+    else:
+        print(comparison_text(comparison))
+    return 0
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return "-" if value is None else str(value)
+
+
+def comparison_text(comparison: JobComparison) -> str:
+    """What ``torchyard compare`` prints: the parameters that differ, then one row per job
+    with its status, duration, images/s and each metric's best (epoch) and final value."""
+    jobs = comparison.jobs
+    labels = [j.id[:8] for j in jobs]
+    if comparison.differing:
+        rows = [[key, *(_shown(j.parameters.get(key)) for j in jobs)] for key in comparison.differing]
+        parameters = format_table(["PARAMETER", *labels], rows)
+    else:
+        parameters = "no parameter differs"
+    headers = ["JOB", "NAME", "STATUS", "DURATION", "IMAGES/S"]
+    for name in comparison.metrics:
+        goal = comparison.goals.get(name, "max")
+        headers += [f"{name} BEST ({goal})", f"{name} FINAL"]
+    rows = []
+    for label, job in zip(labels, jobs, strict=True):
+        row: list[Any] = [
+            label,
+            job.name,
+            job.status,
+            format_duration(job.duration_s),
+            "-" if job.images_per_sec is None else f"{job.images_per_sec:.1f}",
+        ]
+        for name in comparison.metrics:
+            metric = job.metrics.get(name)
+            best = metric.best if metric else None
+            final = metric.final if metric else None
+            row.append("-" if best is None else f"{best.value:.4g} (epoch {best.epoch})")
+            row.append("-" if final is None else f"{final.value:.4g}")
+        rows.append(row)
+    return f"{parameters}\n\n{format_table(headers, rows)}"
 
 
 def _watch_metrics(client: Client, args: argparse.Namespace) -> int:
@@ -1121,6 +1171,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     metrics.add_argument("--name", action="append", help="only this metric (repeatable); lists the points")
     metrics.add_argument("--raw", action="store_true", help="list every point instead of the epoch table")
     metrics.set_defaults(handler=_metrics)
+
+    compare = sub.add_parser(
+        "compare",
+        parents=[common],
+        help="several jobs side by side: the parameters that differ and each metric's best and final value",
+    )
+    compare.add_argument("ids", nargs="+", metavar="JOB", help="up to 20 jobs: ids, names or id prefixes")
+    compare.add_argument("--metric", action="append", help="only this metric (repeatable; default: all)")
+    compare.set_defaults(handler=_compare)
 
     download = sub.add_parser(
         "download", parents=[common], help="download, verify and unpack a succeeded job's model directory"

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Discriminator, Field, Tag, TypeAdapter
 
 from service.schemas.common import StrictModel
+from service.schemas.reports import MetricSeries
 from torchyard.contract.jobspec import (
     DEFAULT_JOB_TYPE,
     DistributionFields,
@@ -234,3 +235,41 @@ class JobPublic(BaseModel):
 class JobList(BaseModel):
     items: list[JobPublic]
     next_cursor: str | None = None
+
+
+class ComparedPoint(BaseModel):
+    value: float
+    epoch: int
+    step: int
+
+
+class ComparedMetric(BaseModel):
+    best: ComparedPoint | None = Field(
+        default=None, description="The best value (lowest for a loss, else highest) and where it was."
+    )
+    final: ComparedPoint | None = Field(default=None, description="The last value reported.")
+    series: MetricSeries = Field(description="x (step) / y, reduced as the job page's charts are.")
+
+
+class ComparedJob(BaseModel):
+    id: str
+    name: str
+    type: str
+    status: str
+    parameters: dict[str, Any] = Field(
+        description="The job's spec as dotted keys (``parameters.learning_rate``)."
+    )
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    duration_s: float | None = Field(default=None, description="Started to finished (or to now, if running).")
+    images_per_sec: float | None = Field(default=None, description="Mean training throughput (all ranks).")
+    metrics: dict[str, ComparedMetric]
+
+
+class JobComparison(BaseModel):
+    jobs: list[ComparedJob] = Field(description="In the order asked, each once.")
+    metrics: list[str] = Field(description="The metrics compared: those asked, or every one any job has.")
+    goals: dict[str, Literal["max", "min"]] = Field(description="Which way is better, per metric.")
+    differing: list[str] = Field(description="The parameter keys whose values are not the same in every job.")
+    points: int = Field(description="The most points asked for per series.")

@@ -23,6 +23,7 @@ from tests.conftest import LiveServer, fast_leases
 from tests.service.test_models_api import succeeded_job
 from tests.support.attempt_history import restarted_job
 from tests.support.factories import auth, create_token, insert_dataset, job_spec, register_node, token_id
+from tests.support.report_helpers import point, post_report, start_running_job
 from tests.support.trained_model import Trained
 from tests.support.worker_fixtures import (
     start_agent,
@@ -552,4 +553,67 @@ def test_a_failed_job_shows_its_failure_rank_node_and_traceback(
     assert "<b>not markup</b>" in page.text_content("#traceback")
     assert page.locator("#traceback b").count() == 0
     assert not page.is_visible("#cancel") and not page.is_visible("#download-model")
+    assert ui.errors == []
+
+
+def test_select_jobs_in_the_list_and_compare_them(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    token, _ = _user(admin, "quinn")
+    jobs = []
+    for name, lr, top1 in (
+        ("cmp-a", 0.1, [0.4, 0.8]),
+        ("cmp-b", 0.02, [0.3, 0.5]),
+        ("cmp-c", 0.1, [0.6, 0.6]),
+    ):
+        job = start_running_job(
+            live_server.settings,
+            admin,
+            per_node=1,
+            user_token=token,
+            name=name,
+            parameters={"learning_rate": lr},
+        )
+        points = [point("val.top1", v, epoch=e, step=e * 10) for e, v in enumerate(top1, start=1)]
+        points += [point("train.loss", 2.0 / e, epoch=e, step=e * 10) for e in (1, 2)]
+        assert post_report(admin, job, metrics=points).status_code == 200
+        jobs.append(job)
+    ui = open_ui(live_server.url)
+    ui.sign_in(token)
+    page = ui.page
+    page.wait_for_selector("#jobs-table tr.job-row")
+    assert page.is_disabled("#compare-selected")
+    for job in jobs[:2]:
+        page.check(f"tr[data-job-id='{job.job_id}'] input.select-job")
+    assert page.text_content("#compare-selected") == "Compare 2"
+    page.click("#compare-selected")
+    page.wait_for_selector("#compare-results")
+    # A deep link: the URL names the jobs.
+    assert f"ids={jobs[0].job_id},{jobs[1].job_id}" in page.url
+    # One chart per metric, a line per job, labelled by what differs.
+    page.wait_for_selector(
+        "#compare-charts[data-ready='true'] .chart-box[data-metric='val.top1'][data-points='4']"
+    )
+    assert page.locator("#compare-charts .chart-box").count() == 2
+    legend = page.text_content(".chart-box[data-metric='val.top1'] .u-legend") or ""
+    assert "cmp-a (learning_rate=0.1)" in legend and "cmp-b (learning_rate=0.02)" in legend
+    # The differing parameter first, marked.
+    first = page.locator("#compare-params tbody tr").first
+    assert first.get_attribute("data-key") == "parameters.learning_rate"
+    assert first.get_attribute("class") == "differs"
+    # The results table: best with its epoch, sortable.
+    rows = page.locator("#compare-results tbody tr")
+    assert [rows.nth(i).get_attribute("data-job-id") for i in range(2)] == [j.job_id for j in jobs[:2]]
+    assert "0.80 (epoch 2)" in (rows.nth(0).text_content() or "")
+    best_top1 = page.locator("#compare-results th", has_text="val.top1 best (max)")
+    best_top1.click()  # ascending: cmp-b (0.5) first
+    assert rows.nth(0).get_attribute("data-job-id") == jobs[1].job_id
+    best_top1.click()  # descending: cmp-a (0.8) first
+    assert rows.nth(0).get_attribute("data-job-id") == jobs[0].job_id
+    # Opened directly, with a metric chosen, it shows that metric alone.
+    page.goto(f"/#/compare?ids={jobs[0].job_id},{jobs[2].job_id}&metrics=train.loss")
+    page.wait_for_selector(
+        "#compare-charts[data-ready='true'] .chart-box[data-metric='train.loss'][data-points='4']"
+    )
+    assert page.locator("#compare-charts .chart-box").count() == 1
     assert ui.errors == []

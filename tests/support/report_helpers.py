@@ -63,6 +63,7 @@ def start_running_job(
     user_token: str | None = None,
     worker_token: str | None = None,
     name: str = "digits-resnet18",
+    parameters: dict[str, Any] | None = None,
 ) -> RunningJob:
     """A ``running`` job of a new user on new nodes of a new worker token, attempt 1 live."""
     user_token = user_token or create_token(client, "user")
@@ -77,6 +78,7 @@ def start_running_job(
             "train_dataset": dataset,
             "validation_dataset": dataset,
             "resources": {"node_count": node_count, "process_count_per_node": per_node},
+            "parameters": parameters or {},
         }
     ).model_dump(mode="json")
     db = Database(settings.sqlalchemy_url)

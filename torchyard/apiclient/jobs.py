@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from torchyard.apiclient.models import Job, MetricPage, MetricPoint, Page
+from torchyard.apiclient.models import Job, JobComparison, MetricPage, MetricPoint, Page
 from torchyard.apiclient.transport import Transport, segment
 
 
@@ -52,6 +52,16 @@ class JobCalls:
 
     def cancel_job(self, job_id: str) -> Job:
         return Job.model_validate(self._transport.json("POST", f"/v1/jobs/{segment(job_id)}/cancel"))
+
+    def compare(
+        self, job_ids: Sequence[str], *, metrics: Sequence[str] | None = None, points: int | None = None
+    ) -> JobComparison:
+        params: dict[str, Any] = {"ids": ",".join(job_ids)}
+        if metrics:
+            params["metrics"] = ",".join(metrics)
+        if points is not None:
+            params["points"] = points
+        return JobComparison.model_validate(self._transport.json("GET", "/v1/jobs/compare", params=params))
 
     def metrics(
         self,

@@ -136,6 +136,46 @@ class MetricPage(ApiModel):
     next_after: int | None = None
 
 
+class ComparedPoint(ApiModel):
+    value: float
+    epoch: int
+    step: int
+
+
+class ComparedSeries(ApiModel):
+    x: list[float] = []
+    y: list[float] = []
+    count: int = 0
+
+
+class ComparedMetric(ApiModel):
+    best: ComparedPoint | None = None
+    final: ComparedPoint | None = None
+    series: ComparedSeries = ComparedSeries()
+
+
+class ComparedJob(ApiModel):
+    id: str
+    name: str
+    type: str = "train"
+    status: str
+    parameters: dict[str, Any] = {}
+    duration_s: float | None = None
+    images_per_sec: float | None = None
+    metrics: dict[str, ComparedMetric] = {}
+
+
+class JobComparison(ApiModel):
+    """``GET /v1/jobs/compare``: the jobs in the order asked, the metrics compared, which way
+    each is better, and the parameter keys that differ."""
+
+    jobs: list[ComparedJob]
+    metrics: list[str] = []
+    goals: dict[str, str] = {}
+    differing: list[str] = []
+    points: int = 0
+
+
 class Node(ApiModel):
     name: str
     address: str = ""

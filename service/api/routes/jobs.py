@@ -6,7 +6,17 @@ from fastapi import APIRouter, Query, status
 
 from service.api.deps import CurrentUser, ReadSessionDep, SessionDep, SettingsDep, WakeupDep
 from service.api.routing import SessionScopedRoute
-from service.schemas.jobs import JobCreate, JobList, JobPublic
+from service.schemas.jobs import (
+    ComparedJob,
+    ComparedMetric,
+    ComparedPoint,
+    JobComparison,
+    JobCreate,
+    JobList,
+    JobPublic,
+)
+from service.schemas.reports import MetricSeries
+from service.services import compare as compare_service
 from service.services import jobs as jobs_service
 from service.states import JobStatus
 from torchyard.contract.errors import ConflictError
@@ -40,6 +50,66 @@ def list_jobs(
     return JobList(
         items=[jobs_service.job_public(session, j, detail=False, attempts=attempts[j.id]) for j in rows],
         next_cursor=next_cursor,
+    )
+
+
+@router.get("/compare")
+def compare_jobs(
+    session: ReadSessionDep,
+    user: CurrentUser,
+    ids: Annotated[
+        str,
+        Query(max_length=4000, description="Jobs to compare: ids, names or id prefixes, comma-separated."),
+    ],
+    metrics: Annotated[
+        str | None,
+        Query(
+            max_length=4000, description="Metric names, comma-separated (default: every metric any job has)."
+        ),
+    ] = None,
+    points: Annotated[
+        int, Query(ge=10, le=100_000, description="At most this many points per series (about).")
+    ] = 2000,
+) -> JobComparison:
+    """Up to 20 jobs side by side: each one's parameters (``differing`` names the keys that are
+    not the same in all), status, duration and images/s, and per metric its best and final
+    value with the epoch and its series reduced as on the job page. A job that is unknown or
+    not yours is a 404 naming it; a metric no job has is an empty entry."""
+    refs = compare_service.split_list(ids, "ids", compare_service.MAX_JOBS)
+    names = compare_service.split_list(metrics, "metrics", compare_service.MAX_METRICS)
+    result = compare_service.compare(session, user, refs, names or None, points)
+
+    def point(p: compare_service.Point | None) -> ComparedPoint | None:
+        return None if p is None else ComparedPoint(value=p.value, epoch=p.epoch, step=p.step)
+
+    return JobComparison(
+        jobs=[
+            ComparedJob(
+                id=c.job.id,
+                name=c.job.name,
+                type=c.job.type,
+                status=c.job.status,
+                parameters=c.parameters,
+                created_at=c.job.created_at,
+                started_at=c.job.started_at,
+                finished_at=c.job.finished_at,
+                duration_s=c.duration_s,
+                images_per_sec=c.images_per_sec,
+                metrics={
+                    name: ComparedMetric(
+                        best=point(m.best),
+                        final=point(m.final),
+                        series=MetricSeries(x=m.series.x, y=m.series.y, count=m.series.count),
+                    )
+                    for name, m in c.metrics.items()
+                },
+            )
+            for c in result.jobs
+        ],
+        metrics=result.metrics,
+        goals=result.goals,
+        differing=result.differing,
+        points=result.points,
     )
 
 

@@ -9,6 +9,7 @@ import { renderNewJob } from "./newjob.js";
 import { renderDatasets } from "./datasets.js";
 import { renderModels } from "./models.js";
 import { renderCluster } from "./cluster.js";
+import { renderCompare } from "./compare.js";
 
 const state = { me: null, features: null, cleanups: [] };
 
@@ -161,6 +162,7 @@ async function route() {
     else if (parts[0] === "datasets") await renderDatasets(ctx);
     else if (parts[0] === "models" && state.features.models) await renderModels(ctx, parts[1]);
     else if (parts[0] === "cluster") await renderCluster(ctx);
+    else if (parts[0] === "compare") await renderCompare(ctx);
     else main.replaceChildren(h("h1", {}, "Not found"), h("p", {}, "No such page."));
   } catch (err) {
     if (err instanceof ApiError && err.status === 401) {

@@ -5,7 +5,9 @@
 // carries data-points (points held) and data-draws (draws done). Away from the cursor, the
 // legend shows each series' latest value.
 
-const PALETTE = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2"];
+const PALETTE = [
+  "#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#65a30d", "#475569", "#ea580c",
+];
 const HEIGHT = 200;
 
 export function formatNumber(v) {

@@ -11,7 +11,7 @@ function progressText(job) {
   return `epoch ${p.epoch}/${p.epochs}`;
 }
 
-function row(job) {
+function row(job, selected, onSelect) {
   const age = h("td", { class: "age" });
   const took = h("td", { class: "duration" });
   const tick = () => {
@@ -22,6 +22,17 @@ function row(job) {
   const tr = h(
     "tr",
     { class: "job-row", dataset: { jobId: job.id, status: job.status } },
+    h(
+      "td",
+      {},
+      h("input", {
+        type: "checkbox",
+        class: "select-job",
+        "aria-label": `select ${job.name}`,
+        checked: selected.has(job.id),
+        onchange: (e) => onSelect(job.id, e.target.checked),
+      }),
+    ),
     h("td", {}, h("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, class: "job-link" }, job.name)),
     h("td", { class: "status" }, badge(job.status)),
     h("td", { class: "reason" }, job.reason || progressText(job)),
@@ -50,6 +61,26 @@ export async function renderJobs(ctx) {
   const more = h("button", { id: "jobs-more", hidden: true }, "Load more");
   const empty = h("p", { id: "jobs-empty", class: "hint", hidden: true }, "No jobs here yet.");
   const live = h("span", { id: "jobs-live", class: "hint" }, "");
+  // Jobs picked for comparison (at most 20: what GET /v1/jobs/compare takes).
+  const selected = new Set();
+  const compare = h(
+    "button",
+    {
+      id: "compare-selected",
+      disabled: true,
+      onclick: () => {
+        location.hash = `#/compare?ids=${[...selected].map(encodeURIComponent).join(",")}`;
+      },
+    },
+    "Compare",
+  );
+  const onSelect = (id, on) => {
+    if (on) selected.add(id);
+    else selected.delete(id);
+    compare.disabled = selected.size < 2 || selected.size > 20;
+    compare.textContent = selected.size ? `Compare ${selected.size}` : "Compare";
+  };
+  const makeRow = (job) => row(job, selected, onSelect);
   ctx.main.replaceChildren(
     h(
       "div",
@@ -59,12 +90,13 @@ export async function renderJobs(ctx) {
       select,
       live,
       h("span", { class: "spacer" }),
+      compare,
       h("a", { href: "#/jobs/new", class: "button" }, "New job"),
     ),
     h(
       "table",
       { class: "table", id: "jobs-table" },
-      h("thead", {}, h("tr", {}, ...["Name", "Status", "Detail", "Age", "Duration", "Id"].map((t) => h("th", {}, t)))),
+      h("thead", {}, h("tr", {}, ...["", "Name", "Status", "Detail", "Age", "Duration", "Id"].map((t) => h("th", {}, t)))),
       body,
     ),
     empty,
@@ -84,7 +116,7 @@ export async function renderJobs(ctx) {
     const page = await api(`/v1/jobs?${query()}`);
     for (const job of page.items) {
       if (rows.has(job.id)) continue;
-      const tr = row(job);
+      const tr = makeRow(job);
       rows.set(job.id, tr);
       body.append(tr);
     }
@@ -114,11 +146,11 @@ export async function renderJobs(ctx) {
       old.remove();
       rows.delete(job.id);
     } else if (old) {
-      const tr = row(job);
+      const tr = makeRow(job);
       old.replaceWith(tr);
       rows.set(job.id, tr);
     } else if (matches) {
-      const tr = row(job);
+      const tr = makeRow(job);
       rows.set(job.id, tr);
       body.prepend(tr);
     }
