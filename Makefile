@@ -6,9 +6,11 @@ BIN := $(VENV)/bin
 # Test processes: one per core (xdist); the tests that start real training processes run in
 # one group on one of them, so their timings are not squeezed by each other (tests/README.md).
 TEST_WORKERS ?= auto
-# The tests' temporary files on tmpfs where there is one (SQLite commits and checkpoints
-# without disk syncs); one folder per checkout, emptied at each run.
-TEST_TMP ?= $(shell if [ -d /dev/shm ] && [ -w /dev/shm ]; then \
+# The tests' temporary files on tmpfs where there is one with 6 GiB free (SQLite commits and
+# checkpoints without disk syncs); one folder per checkout, emptied at each run and removed
+# after a run that passed. A passing test's own folder goes as it ends (pyproject.toml).
+TEST_TMP ?= $(shell if [ -d /dev/shm ] && [ -w /dev/shm ] \
+	&& [ "$$(df -Pk /dev/shm | awk 'NR==2 {print $$4}')" -ge 6291456 ]; then \
 	echo /dev/shm/torchyard-tests-$$(id -u)-$$(printf %s "$(CURDIR)" | cksum | cut -d' ' -f1); fi)
 
 .PHONY: demo test lint
@@ -33,4 +35,5 @@ test: lint
 	$(BIN)/python -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadgroup \
 		$(if $(TEST_TMP),--basetemp=$(TEST_TMP)); rc=$$?; \
 	echo "test suite wall time: $$(( $$(date +%s) - start )) s"; \
+	if [ $$rc -eq 0 ] && [ -n "$(TEST_TMP)" ]; then rm -rf "$(TEST_TMP)"; fi; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc

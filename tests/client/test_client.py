@@ -73,7 +73,10 @@ def test_typed_results_and_error_codes(client: Client, live_server: LiveServer, 
     assert time.monotonic() - started < 10
     first = client.cancel_job(job.id).status  # "cancelling" once placed on n1: its agent must stop it
     assert first in ("cancelling", "cancelled")
-    assert client.cancel_job(job.id).status == first  # idempotent
+    # Idempotent: no error, the same job; it may have settled to cancelled in between (the
+    # reaper cancels a placement no agent claimed), never gone back.
+    again = client.cancel_job(job.id)
+    assert again.id == job.id and again.status in ({first, "cancelled"} if first == "cancelling" else {first})
     worker.close()
 
 
