@@ -9,6 +9,8 @@ no job has is an empty entry, not an error.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -147,6 +149,42 @@ def _compared_metric(
     return ComparedMetric(best=_point(best), final=_point(final))
 
 
+# Best/final values per job, keyed by the job's metric count and last seq (any new point
+# changes the key), so comparing finished runs again reads no points. Oldest dropped first.
+_Values = tuple[dict[str, tuple[Point | None, Point | None]], float | None]
+_values: OrderedDict[tuple[str, str, int, int, tuple[str, ...]], _Values] = OrderedDict()
+_values_lock = threading.Lock()
+_CACHED_JOBS = 500
+
+
+def _job_values(session: Session, job_id: str, names: Sequence[str]) -> _Values:
+    stored, newest = session.execute(
+        select(func.count(), func.max(Metric.seq)).where(Metric.job_id == job_id)
+    ).one()
+    key = (str(session.get_bind().engine.url), job_id, int(stored or 0), int(newest or 0), tuple(names))
+    with _values_lock:
+        cached = _values.get(key)
+        if cached is not None:
+            _values.move_to_end(key)
+            return cached
+    current = _current(session, job_id)
+    per_metric = {}
+    for name in names:
+        entry = _compared_metric(session, job_id, name, current)
+        per_metric[name] = (entry.best, entry.final)
+    rate = session.scalar(
+        select(func.avg(Metric.value)).where(
+            Metric.job_id == job_id, Metric.name == THROUGHPUT_METRIC, current
+        )
+    )
+    values: _Values = (per_metric, None if rate is None else float(rate))
+    with _values_lock:
+        _values[key] = values
+        while len(_values) > _CACHED_JOBS:
+            _values.popitem(last=False)
+    return values
+
+
 def _duration(job: Job) -> float | None:
     if job.started_at is None:
         return None
@@ -163,24 +201,20 @@ def compare(
     names = list(metrics) if metrics else _metric_names(session, [j.id for j in jobs])
     compared: list[ComparedJob] = []
     for job in jobs:
-        current = _current(session, job.id)
         reduced, _ = metric_series.metric_series(session, job.id, points)
-        per_metric: dict[str, ComparedMetric] = {}
-        for name in names:
-            entry = _compared_metric(session, job.id, name, current)
-            entry.series = reduced.get(name, metric_series.Series())
-            per_metric[name] = entry
-        rate = session.scalar(
-            select(func.avg(Metric.value)).where(
-                Metric.job_id == job.id, Metric.name == THROUGHPUT_METRIC, current
+        values, rate = _job_values(session, job.id, names)
+        per_metric = {
+            name: ComparedMetric(
+                best=values[name][0], final=values[name][1], series=reduced.get(name, metric_series.Series())
             )
-        )
+            for name in names
+        }
         compared.append(
             ComparedJob(
                 job=job,
                 parameters=flatten(job.spec),
                 duration_s=_duration(job),
-                images_per_sec=None if rate is None else float(rate),
+                images_per_sec=rate,
                 metrics=per_metric,
             )
         )

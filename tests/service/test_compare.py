@@ -192,3 +192,19 @@ def test_cli_compare_and_the_python_client_over_http(live_server: LiveServer, se
     assert [j.name for j in comparison.jobs] == ["cli-b", "cli-a"]
     assert comparison.jobs[1].metrics["val.top1"].best is not None
     assert comparison.jobs[1].metrics["val.top1"].best.value == 0.9
+
+
+def test_a_new_point_changes_the_answer(client: TestClient, three: tuple[str, list[RunningJob]]) -> None:
+    user, (_, b, _) = three
+    params = {"ids": b.job_id, "metrics": "val.top1"}
+    before = client.get("/v1/jobs/compare", params=params, headers=auth(user)).json()["jobs"][0]["metrics"]
+    assert before["val.top1"]["best"]["value"] == 0.6
+    # Asked again with nothing new: the same answer (from memory).
+    assert (
+        client.get("/v1/jobs/compare", params=params, headers=auth(user)).json()["jobs"][0]["metrics"]
+        == before
+    )
+    assert post_report(client, b, metrics=[point("val.top1", 0.95, epoch=4, step=40)]).status_code == 200
+    after = client.get("/v1/jobs/compare", params=params, headers=auth(user)).json()["jobs"][0]["metrics"]
+    assert after["val.top1"]["best"] == {"value": 0.95, "epoch": 4, "step": 40}
+    assert after["val.top1"]["final"]["epoch"] == 4 and after["val.top1"]["series"]["count"] == 4
