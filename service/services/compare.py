@@ -9,19 +9,18 @@ no job has is an empty entry, not an error.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Literal
 
-from sqlalchemy import ColumnElement, func, select, true
+from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session
 
-from service.db.models import Attempt, Job, Metric
+from service.db.models import Job, Metric
+from service.schemas.jobs import ComparedJob, ComparedMetric, ComparedPoint, JobComparison
+from service.schemas.reports import MetricSeries
 from service.services import jobs as jobs_service
 from service.services import metric_series
-from service.services.reports import not_superseded
 from service.services.tokens import Principal
 from torchyard.contract.errors import NotFoundError, RequestValidationError
 
@@ -37,38 +36,6 @@ Goal = Literal["max", "min"]
 def goal_of(metric: str) -> Goal:
     """Which way is better: a loss is minimised, everything else (accuracy, images/s) maximised."""
     return "min" if metric.rsplit(".", 1)[-1].endswith("loss") else "max"
-
-
-@dataclass(frozen=True)
-class Point:
-    value: float
-    epoch: int
-    step: int
-
-
-@dataclass
-class ComparedMetric:
-    best: Point | None = None
-    final: Point | None = None
-    series: metric_series.Series = field(default_factory=metric_series.Series)
-
-
-@dataclass
-class ComparedJob:
-    job: Job
-    parameters: dict[str, Any]
-    duration_s: float | None
-    images_per_sec: float | None
-    metrics: dict[str, ComparedMetric]
-
-
-@dataclass
-class Comparison:
-    jobs: list[ComparedJob]
-    metrics: list[str]
-    goals: dict[str, Goal]
-    differing: list[str]
-    points: int
 
 
 def split_list(raw: str | None, what: str, limit: int) -> list[str]:
@@ -128,97 +95,91 @@ def _metric_names(session: Session, job_ids: list[str]) -> list[str]:
     return sorted(rows)
 
 
-def _current(session: Session, job_id: str) -> ColumnElement[bool]:
-    """Leave out points a later attempt redid (only jobs with more than one attempt have any)."""
-    attempts = session.scalar(select(func.count()).where(Attempt.job_id == job_id)) or 0
-    return not_superseded() if attempts > 1 else true()
+def _point(row: Any) -> ComparedPoint | None:
+    return None if row is None else ComparedPoint(value=row.value, epoch=row.epoch, step=row.step)
 
 
-def _point(row: Any) -> Point | None:
-    return None if row is None else Point(float(row.value), int(row.epoch), int(row.step))
-
-
-def _compared_metric(
+def _best_and_final(
     session: Session, job_id: str, name: str, current: ColumnElement[bool]
-) -> ComparedMetric:
+) -> tuple[ComparedPoint | None, ComparedPoint | None]:
     where = (Metric.job_id == job_id, Metric.name == name, current)
     order = Metric.value.asc() if goal_of(name) == "min" else Metric.value.desc()
     columns = (Metric.value, Metric.epoch, Metric.step)
     best = session.execute(select(*columns).where(*where).order_by(order, Metric.seq).limit(1)).first()
     final = session.execute(select(*columns).where(*where).order_by(Metric.seq.desc()).limit(1)).first()
-    return ComparedMetric(best=_point(best), final=_point(final))
+    return _point(best), _point(final)
 
 
-# Best/final values per job, keyed by the job's metric count and last seq (any new point
-# changes the key), so comparing finished runs again reads no points. Oldest dropped first.
-_Values = tuple[dict[str, tuple[Point | None, Point | None]], float | None]
-_values: OrderedDict[tuple[str, str, int, int, tuple[str, ...]], _Values] = OrderedDict()
-_values_lock = threading.Lock()
-_CACHED_JOBS = 500
+# Best/final values and mean throughput per job version (any new point changes it), so
+# comparing finished runs again reads no points.
+_Values = tuple[dict[str, tuple[ComparedPoint | None, ComparedPoint | None]], float | None]
+_values: metric_series.LruCache[tuple[metric_series.Version, tuple[str, ...]], _Values] = (
+    metric_series.LruCache(500)
+)
 
 
-def _job_values(session: Session, job_id: str, names: Sequence[str]) -> _Values:
-    stored, newest = session.execute(
-        select(func.count(), func.max(Metric.seq)).where(Metric.job_id == job_id)
-    ).one()
-    key = (str(session.get_bind().engine.url), job_id, int(stored or 0), int(newest or 0), tuple(names))
-    with _values_lock:
-        cached = _values.get(key)
-        if cached is not None:
-            _values.move_to_end(key)
-            return cached
-    current = _current(session, job_id)
-    per_metric = {}
-    for name in names:
-        entry = _compared_metric(session, job_id, name, current)
-        per_metric[name] = (entry.best, entry.final)
-    rate = session.scalar(
-        select(func.avg(Metric.value)).where(
-            Metric.job_id == job_id, Metric.name == THROUGHPUT_METRIC, current
+def _job_values(session: Session, version: metric_series.Version, names: Sequence[str]) -> _Values:
+    key = (version, tuple(names))
+    values = _values.get(key)
+    if values is None:
+        job_id = version[1]
+        current = metric_series.current_points(session, job_id)
+        rate = session.scalar(
+            select(func.avg(Metric.value)).where(
+                Metric.job_id == job_id, Metric.name == THROUGHPUT_METRIC, current
+            )
         )
-    )
-    values: _Values = (per_metric, None if rate is None else float(rate))
-    with _values_lock:
-        _values[key] = values
-        while len(_values) > _CACHED_JOBS:
-            _values.popitem(last=False)
+        values = (
+            {name: _best_and_final(session, job_id, name, current) for name in names},
+            None if rate is None else float(rate),
+        )
+        _values.put(key, values)
     return values
 
 
-def _duration(job: Job) -> float | None:
-    if job.started_at is None:
-        return None
-    end = job.finished_at or job.updated_at
-    return max(0.0, (end - job.started_at).total_seconds())
+def _compared(
+    best_and_final: tuple[ComparedPoint | None, ComparedPoint | None], series: metric_series.Series | None
+) -> ComparedMetric:
+    series = series or metric_series.Series()
+    return ComparedMetric(
+        best=best_and_final[0],
+        final=best_and_final[1],
+        series=MetricSeries(x=series.x, y=series.y, count=series.count),
+    )
+
+
+def _duration(started: datetime | None, ended: datetime) -> float | None:
+    return None if started is None else max(0.0, (ended - started).total_seconds())
 
 
 def compare(
     session: Session, principal: Principal, refs: Sequence[str], metrics: Sequence[str] | None, points: int
-) -> Comparison:
+) -> JobComparison:
     if not refs:
         raise RequestValidationError("ids: name at least one job to compare", details={"field": "ids"})
     jobs = resolve_jobs(session, principal, refs)
     names = list(metrics) if metrics else _metric_names(session, [j.id for j in jobs])
     compared: list[ComparedJob] = []
     for job in jobs:
-        reduced, _ = metric_series.metric_series(session, job.id, points)
-        values, rate = _job_values(session, job.id, names)
-        per_metric = {
-            name: ComparedMetric(
-                best=values[name][0], final=values[name][1], series=reduced.get(name, metric_series.Series())
-            )
-            for name in names
-        }
+        version = metric_series.job_version(session, job.id)
+        reduced, _ = metric_series.metric_series(session, job.id, points, version)
+        values, rate = _job_values(session, version, names)
         compared.append(
             ComparedJob(
-                job=job,
+                id=job.id,
+                name=job.name,
+                type=job.type,
+                status=job.status,
                 parameters=flatten(job.spec),
-                duration_s=_duration(job),
+                created_at=job.created_at,
+                started_at=job.started_at,
+                finished_at=job.finished_at,
+                duration_s=_duration(job.started_at, job.finished_at or job.updated_at),
                 images_per_sec=rate,
-                metrics=per_metric,
+                metrics={name: _compared(values[name], reduced.get(name)) for name in names},
             )
         )
-    return Comparison(
+    return JobComparison(
         jobs=compared,
         metrics=names,
         goals={name: goal_of(name) for name in names},

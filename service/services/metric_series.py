@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from sqlalchemy import ColumnElement, func, select, true
 from sqlalchemy.orm import Session
@@ -40,67 +42,96 @@ class Series:
 
 
 Answer = tuple[dict[str, Series], int]  # the series by name, and the last seq they include
-_Key = tuple[str, str, int, int, int]  # database, job, points asked, metric count, last seq
+Version = tuple[str, str, int, int]  # database, job, metric count, last seq: a new point changes it
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 
 
-class AnswerCache:
-    """Reduced answers by key, the least recently used dropped first once they hold more
-    than ``max_points`` points in all (an answer larger than that is not kept)."""
+class LruCache(Generic[K, V]):
+    """Values by key, the least recently used dropped first once their sizes add up to more
+    than ``limit`` (a value larger than that is not kept); each value counts 1 by default."""
 
-    def __init__(self, max_points: int) -> None:
-        self.max_points = max_points
-        self.points = 0
-        self._answers: OrderedDict[_Key, Answer] = OrderedDict()
+    def __init__(self, limit: int, size: Callable[[V], int] = lambda _value: 1) -> None:
+        self.limit = limit
+        self.size = size
+        self.total = 0
+        self._values: OrderedDict[K, V] = OrderedDict()
         self._lock = threading.Lock()
 
-    @staticmethod
-    def size(answer: Answer) -> int:
-        return sum(len(s.x) for s in answer[0].values())
-
-    def get(self, key: _Key) -> Answer | None:
+    def get(self, key: K) -> V | None:
         with self._lock:
-            answer = self._answers.get(key)
-            if answer is not None:
-                self._answers.move_to_end(key)
-            return answer
+            value = self._values.get(key)
+            if value is not None:
+                self._values.move_to_end(key)
+            return value
 
-    def put(self, key: _Key, answer: Answer) -> None:
-        size = self.size(answer)
-        if size > self.max_points:
+    def put(self, key: K, value: V) -> None:
+        size = self.size(value)
+        if size > self.limit:
             return
         with self._lock:
-            if key in self._answers:
+            if key in self._values:
                 return
-            self._answers[key] = answer
-            self.points += size
-            while self.points > self.max_points:
-                _, dropped = self._answers.popitem(last=False)
-                self.points -= self.size(dropped)
+            self._values[key] = value
+            self.total += size
+            while self.total > self.limit:
+                _, dropped = self._values.popitem(last=False)
+                self.total -= self.size(dropped)
 
     def __len__(self) -> int:
-        return len(self._answers)
+        return len(self._values)
+
+
+def _answer_points(answer: Answer) -> int:
+    return sum(len(s.x) for s in answer[0].values())
+
+
+class AnswerCache(LruCache[tuple[Version, int], Answer]):
+    """Reduced answers by job version and points asked, bounded by the points they hold."""
+
+    def __init__(self, max_points: int) -> None:
+        super().__init__(max_points, _answer_points)
+
+    @property
+    def points(self) -> int:
+        return self.total
 
 
 _cache = AnswerCache(CACHED_POINTS)
 
 
-def metric_series(session: Session, job_id: str, points: int) -> Answer:
+def job_version(session: Session, job_id: str) -> Version:
+    """What a cached answer about the job's metrics is valid for (one read of the
+    ``(job_id, seq)`` index): any new point, whichever transaction commits first, changes it."""
+    stored, newest = session.execute(
+        select(func.count(), func.max(Metric.seq)).where(Metric.job_id == job_id)
+    ).one()
+    return str(session.get_bind().engine.url), job_id, int(stored or 0), int(newest or 0)
+
+
+def current_points(session: Session, job_id: str) -> ColumnElement[bool]:
+    """The rule that leaves out points a later attempt redid, for a job that has any: it costs
+    a correlated look-up per point, and a job's only attempt supersedes nothing."""
+    attempts = session.scalar(select(func.count()).where(Attempt.job_id == job_id)) or 0
+    return not_superseded() if attempts > 1 else true()
+
+
+def metric_series(session: Session, job_id: str, points: int, version: Version | None = None) -> Answer:
     """Every metric of the job, reduced to at most about ``points`` points each, and the
     last metric seq they include (follow on from it with the events stream or
     ``metrics?after=``).
 
     A point that a later attempt reported again (an epoch redone after a restart) is left
     out, by the same rule as the default metrics history (``reports.not_superseded``).
-    The answer is shared between callers: do not change it.
+    The answer is shared between callers: do not change it. ``version`` is the job's
+    :func:`job_version`, when the caller has read it already.
 
     No owner check here: callers resolve the job for the principal first.
     """
-    stored, newest = session.execute(
-        select(func.count(), func.max(Metric.seq)).where(Metric.job_id == job_id)
-    ).one()
-    if not stored:
+    version = version or job_version(session, job_id)
+    if not version[2]:
         return {}, 0
-    key = (str(session.get_bind().engine.url), job_id, points, stored, newest)
+    key = (version, points)
     answer = _cache.get(key)
     if answer is None:
         answer = _reduce(session, job_id, points)
@@ -109,8 +140,7 @@ def metric_series(session: Session, job_id: str, points: int) -> Answer:
 
 
 def _reduce(session: Session, job_id: str, points: int) -> Answer:
-    attempts = session.scalar(select(func.count()).where(Attempt.job_id == job_id)) or 0
-    current: ColumnElement[bool] = not_superseded() if attempts > 1 else true()
+    current = current_points(session, job_id)
     stats = session.execute(
         select(Metric.name, func.count(), func.min(Metric.seq), func.max(Metric.seq))
         .where(Metric.job_id == job_id, current)

@@ -6,16 +6,7 @@ from fastapi import APIRouter, Query, status
 
 from service.api.deps import CurrentUser, ReadSessionDep, SessionDep, SettingsDep, WakeupDep
 from service.api.routing import SessionScopedRoute
-from service.schemas.jobs import (
-    ComparedJob,
-    ComparedMetric,
-    ComparedPoint,
-    JobComparison,
-    JobCreate,
-    JobList,
-    JobPublic,
-)
-from service.schemas.reports import MetricSeries
+from service.schemas.jobs import JobComparison, JobCreate, JobList, JobPublic
 from service.services import compare as compare_service
 from service.services import jobs as jobs_service
 from service.states import JobStatus
@@ -77,40 +68,7 @@ def compare_jobs(
     not yours is a 404 naming it; a metric no job has is an empty entry."""
     refs = compare_service.split_list(ids, "ids", compare_service.MAX_JOBS)
     names = compare_service.split_list(metrics, "metrics", compare_service.MAX_METRICS)
-    result = compare_service.compare(session, user, refs, names or None, points)
-
-    def point(p: compare_service.Point | None) -> ComparedPoint | None:
-        return None if p is None else ComparedPoint(value=p.value, epoch=p.epoch, step=p.step)
-
-    return JobComparison(
-        jobs=[
-            ComparedJob(
-                id=c.job.id,
-                name=c.job.name,
-                type=c.job.type,
-                status=c.job.status,
-                parameters=c.parameters,
-                created_at=c.job.created_at,
-                started_at=c.job.started_at,
-                finished_at=c.job.finished_at,
-                duration_s=c.duration_s,
-                images_per_sec=c.images_per_sec,
-                metrics={
-                    name: ComparedMetric(
-                        best=point(m.best),
-                        final=point(m.final),
-                        series=MetricSeries(x=m.series.x, y=m.series.y, count=m.series.count),
-                    )
-                    for name, m in c.metrics.items()
-                },
-            )
-            for c in result.jobs
-        ],
-        metrics=result.metrics,
-        goals=result.goals,
-        differing=result.differing,
-        points=result.points,
-    )
+    return compare_service.compare(session, user, refs, names or None, points)
 
 
 @router.get("/{job_id}")
