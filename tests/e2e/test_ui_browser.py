@@ -255,7 +255,7 @@ def test_dataset_upload_shows_progress_and_class_counts(
     page.wait_for_selector("#upload-note:has-text('uploaded digits-small')")
     assert page.evaluate("window.progressShown === true")
     row = page.locator("tr.dataset-row", has_text="digits-small")
-    assert row.count() == 1
+    assert row.count() == 1  # the note is written once the list is reloaded
     row.locator("summary").click()
     counts = row.locator(".class-counts tr")
     assert counts.count() == 10

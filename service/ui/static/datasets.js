@@ -87,9 +87,10 @@ export async function renderDatasets(ctx) {
             bar.value = loaded / total;
             note.textContent = loaded < total ? `${bytes(loaded)} of ${bytes(total)}` : "checking the images…";
           });
-          note.textContent = `uploaded ${d.name}: ${d.num_images} images in ${d.classes.length} classes`;
           form.reset();
           await reload();
+          // Said once the list shows the new dataset.
+          note.textContent = `uploaded ${d.name}: ${d.num_images} images in ${d.classes.length} classes`;
         } catch (err) {
           note.textContent = "";
           problem.replaceChildren(errorBox(err));
