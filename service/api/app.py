@@ -34,12 +34,13 @@ from service.api.routes import (
 from service.api.routes.ui import install_ui
 from service.api.security import SecurityHeadersMiddleware
 from service.config import Settings, get_settings
-from service.db.engine import Database, is_unavailable
+from service.db.engine import Database, is_unavailable, postgres_connect_args
 from service.db.migrate import upgrade
 from service.services.datasets import sweep_staging_periodically
 from service.services.reaper import ListeningClock, run_reaper
+from service.services.scheduler_loop import SchedulerLoop
 from service.services.tokens import ensure_bootstrap_token
-from service.services.wakeup import Wakeup
+from service.services.wakeup import PlacementListener, Wakeup
 from service.states import Role
 
 log = logging.getLogger(__name__)
@@ -116,10 +117,28 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await asyncio.to_thread(_build_openapi, app)
         # Nodes are judged lost only after a full lease period of this replica listening.
         app.state.listening = ListeningClock()
+        # Scheduling passes, one at a time, out of the request path.
+        app.state.scheduling = SchedulerLoop(app.state.db, settings, app.state.wakeup).start()
+        # PostgreSQL: work placed by any replica wakes the claims parked here.
+        listener = None
+        if not app.state.db.is_sqlite:
+            listener = PlacementListener(
+                settings.sqlalchemy_url,
+                app.state.wakeup,
+                postgres_connect_args(settings.database_connect_timeout_s, 0),
+            )
+            listener.start()
         # Expired leases, lost nodes, settled cancellations and scheduling passes.
         stop_reaper = asyncio.Event()
         reaper = asyncio.create_task(
-            run_reaper(app.state.db, settings, app.state.wakeup, stop_reaper, app.state.listening)
+            run_reaper(
+                app.state.db,
+                settings,
+                app.state.wakeup,
+                stop_reaper,
+                app.state.listening,
+                app.state.scheduling,
+            )
         )
         # What uploads interrupted by a crash left in the staging folder.
         sweeper = asyncio.create_task(sweep_staging_periodically(settings, stop_reaper))
@@ -129,6 +148,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             stop_reaper.set()
             await reaper
             await sweeper
+            await asyncio.to_thread(app.state.scheduling.stop)
+            if listener is not None:
+                await asyncio.to_thread(listener.stop)
             app.state.db.dispose()
 
     app = FastAPI(

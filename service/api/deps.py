@@ -16,6 +16,7 @@ from service.api.security import CSRF_HEADER, SAFE_METHODS, SESSION_COOKIE
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import utcnow
+from service.services.scheduler_loop import SchedulerLoop
 from service.services.tokens import USE_RECORDER, Principal, authenticate, record_use
 from service.services.wakeup import Wakeup
 from service.states import Role
@@ -47,9 +48,16 @@ def get_read_session(request: Request) -> Iterator[Session]:
 
 
 def get_wakeup(request: Request) -> Wakeup:
-    """The replica's wake-up for long-polling claims (notify after queuing work)."""
+    """The replica's wake-up for long-polling claims (notified for the nodes a pass placed on)."""
     wakeup: Wakeup = request.app.state.wakeup
     return wakeup
+
+
+def get_scheduling(request: Request) -> SchedulerLoop:
+    """The replica's scheduling loop: ask it for a pass after committing a change that may
+    let a queued job start."""
+    scheduling: SchedulerLoop = request.app.state.scheduling
+    return scheduling
 
 
 # A security scheme rather than a plain header, so that the OpenAPI schema marks every
@@ -138,5 +146,6 @@ CurrentUser = Annotated[Principal, Depends(require_user)]
 AdminUser = Annotated[Principal, Depends(require_admin)]
 WorkerDep = Annotated[Principal, Depends(require_worker)]
 WakeupDep = Annotated[Wakeup, Depends(get_wakeup)]
+SchedulingDep = Annotated[SchedulerLoop, Depends(get_scheduling)]
 AgentKeyDep = Annotated[str | None, Depends(get_agent_key)]
 LeaseHeader = Annotated[str | None, Header(alias=LEASE_HEADER, description="The placement's lease token.")]

@@ -159,6 +159,10 @@ class Job(Base):
         CheckConstraint("node_count >= 1 AND process_count_per_node >= 1", name="resources"),
         Index("ix_jobs_owner_created", "owner_id", "created_at"),
         Index("ix_jobs_status_priority", "status", "priority", "created_at"),
+        # The job lists' cursors (newest first): everyone's, one owner's, by status.
+        Index("ix_jobs_created_id", "created_at", "id"),
+        Index("ix_jobs_owner_created_id", "owner_id", "created_at", "id"),
+        Index("ix_jobs_status_created_id", "status", "created_at", "id"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
@@ -202,6 +206,18 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     cancel_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+# The queue in the scheduler's order (priority first, then oldest first), queued jobs only:
+# a pass reads its first jobs from here without sorting the queue.
+Index(
+    "ix_jobs_queue",
+    Job.priority.desc(),
+    Job.created_at,
+    Job.id,
+    sqlite_where=text("status = 'queued'"),
+    postgresql_where=text("status = 'queued'"),
+)
 
 
 class JobInput(Base):
@@ -280,7 +296,7 @@ class Attempt(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     number: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16), default=AttemptStatus.SCHEDULED.value)
-    master_addr: Mapped[str] = mapped_column(String(255))
+    master_addr: Mapped[str] = mapped_column(String(255), index=True)
     master_port: Mapped[int] = mapped_column(Integer)
     failure_code: Mapped[str | None] = mapped_column(String(64))
     failure_message: Mapped[str | None] = mapped_column(Text)
@@ -302,6 +318,14 @@ class Placement(Base):
         UniqueConstraint("attempt_id", "node_id", name="uq_placements_attempt_node"),
         UniqueConstraint("lease_token", name="uq_placements_lease_token"),
         Index("ix_placements_node_status", "node_id", "status"),
+        # Placements not done: the units they hold, and the leases the reaper watches.
+        Index(
+            "ix_placements_open",
+            "node_id",
+            "lease_expires_at",
+            sqlite_where=text("status <> 'done'"),
+            postgresql_where=text("status <> 'done'"),
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)

@@ -1,13 +1,13 @@
 """What each call of a worker agent does, each in transactions of its own.
 
 The worker routes parse the request, call one function here and shape the answer;
-these own the commits and the follow-up work (losing a restarted node's placements,
-the scheduling pass that capacity freed by an ended placement allows).
+these own the commits and the follow-up work (losing a restarted node's placements).
+Scheduling passes run out of the request path: the routes ask the replica's
+:class:`~service.services.scheduler_loop.SchedulerLoop` for one after the commit, where
+these functions say that capacity changed.
 """
 
 from __future__ import annotations
-
-from datetime import datetime
 
 from sqlalchemy.orm import Session
 
@@ -15,11 +15,11 @@ from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Node
 from service.schemas.nodes import NodeDrained, NodeRegister
-from service.services import attempts, drain, nodes, scheduler
+from service.services import attempts, drain, nodes
 from service.services.reaper import lose_node_placements
 from service.services.tokens import Principal
+from service.states import NodeStatus
 from torchyard.contract.protocol import (
-    ClaimedPlacement,
     HeartbeatResponse,
     PlacementStatusReport,
     PlacementStatusResponse,
@@ -53,12 +53,14 @@ def heartbeat(
     name: str,
     agent_key: str | None,
     leases: list[str],
-) -> HeartbeatResponse:
-    """Check the agent holds the node, renew its leases, and commit."""
-    nodes.check_agent(session, worker, name, agent_key)
+) -> tuple[HeartbeatResponse, bool]:
+    """Check the agent holds the node, renew its leases, and commit. Returns the answer and
+    whether the node came back from ``lost`` (capacity for a scheduling pass)."""
+    node = nodes.check_agent(session, worker, name, agent_key)
+    was_lost = node.status == NodeStatus.LOST.value
     answer = attempts.heartbeat(session, settings, worker, name, leases)
     session.commit()
-    return answer
+    return answer, was_lost and answer.status == NodeStatus.READY.value
 
 
 def claim_once(
@@ -68,20 +70,21 @@ def claim_once(
     name: str,
     agent_key: str | None,
     fresh: bool = True,
-) -> tuple[ClaimedPlacement | None, bool]:
-    """One claim check in its own transaction: the node's next placement (if any) and
-    whether the scheduling pass it ran placed work. ``fresh``: the agent's request has just
-    arrived, rather than a long-poll re-checked (see :func:`attempts.claim`)."""
+) -> attempts.ClaimCheck:
+    """One claim check in its own transaction: the node's next placement, if a pass put one
+    there. ``fresh``: the agent's request has just arrived, rather than a long-poll
+    re-checked (see :func:`attempts.claim`)."""
     with db.session() as session:
         nodes.check_agent(session, worker, name, agent_key)
-        claimed, placed = attempts.claim(session, settings, worker, name, fresh=fresh)
+        check = attempts.claim(session, settings, worker, name, fresh=fresh)
         session.commit()
-        return claimed, placed
+        return check
 
 
-def work_pending(db: Database, worker: Principal, name: str) -> tuple[bool, datetime | None]:
+def work_pending(db: Database, node_id: str) -> bool:
+    """Whether a pass has assigned the node a placement (its own rows only)."""
     with db.read_session() as session:
-        return attempts.work_pending(session, worker, name)
+        return attempts.work_pending(session, node_id)
 
 
 def report_status(
@@ -92,12 +95,11 @@ def report_status(
     lease: str | None,
     report: PlacementStatusReport,
 ) -> tuple[PlacementStatusResponse, bool]:
-    """Apply a placement's status report and commit; when the placement ended (its units
-    are free), run a scheduling pass. Returns the answer and whether that pass placed work."""
+    """Apply a placement's status report and commit. Returns the answer and whether the
+    placement ended (its units are free: a scheduling pass may place more)."""
     answer, ended = attempts.report_status(session, worker, lease, report)
     session.commit()
-    placed = ended and bool(scheduler.run_pass(db, settings).scheduled)
-    return answer, placed
+    return answer, ended
 
 
 def _drained(result: drain.DrainResult, *, show_jobs: bool) -> NodeDrained:
@@ -112,28 +114,25 @@ def _drained(result: drain.DrainResult, *, show_jobs: bool) -> NodeDrained:
 def drain_own_node(
     session: Session, db: Database, settings: Settings, worker: Principal, name: str, agent_key: str | None
 ) -> NodeDrained:
-    """The agent drains its own node (it got SIGTERM), and commits; a scheduling pass follows,
-    since preempted jobs are queued again."""
+    """The agent drains its own node (it got SIGTERM), and commits; a scheduling pass should
+    follow, since preempted jobs are queued again."""
     node = nodes.check_agent(session, worker, name, agent_key)
     result = drain.drain(session, settings, node, "agent")
     session.commit()
-    scheduler.run_pass(db, settings)
     return _drained(result, show_jobs=False)
 
 
 def drain_by_admin(session: Session, db: Database, settings: Settings, ref: str) -> NodeDrained:
-    """An admin drains a node by id or name, and commits; then a scheduling pass."""
+    """An admin drains a node by id or name, and commits; a scheduling pass should follow."""
     node = drain.find_node(session, ref, for_update=True)
     result = drain.drain(session, settings, node, "admin")
     session.commit()
-    scheduler.run_pass(db, settings)
     return _drained(result, show_jobs=True)
 
 
 def undrain_by_admin(session: Session, db: Database, settings: Settings, ref: str) -> NodeDrained:
-    """An admin makes a drained node ready again, and commits; then a scheduling pass."""
+    """An admin makes a drained node ready again, and commits; a scheduling pass should follow."""
     node = drain.find_node(session, ref, for_update=True)
     result = drain.undrain(session, settings, node)
     session.commit()
-    scheduler.run_pass(db, settings)
     return _drained(result, show_jobs=True)

@@ -24,6 +24,7 @@ Rules:
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -37,7 +38,7 @@ from service.services import checkpoints
 from service.services.jobs import transition
 from service.services.leases import lock_lease
 from service.services.nodes import get_own_node, touch_node
-from service.services.scheduler import is_postgres, schedule
+from service.services.scheduler import is_postgres
 from service.services.tokens import Principal
 from service.states import LIVE_ATTEMPT_STATUSES, AttemptStatus, JobStatus, NodeStatus, PlacementStatus
 from torchyard.contract.errors import (
@@ -299,30 +300,39 @@ def claimed_placement(session: Session, placement: Placement, settings: Settings
     )
 
 
+@dataclass
+class ClaimCheck:
+    """What one claim check found: the placement handed over (or None), the node's id, and
+    whether the check brought a lost node back (capacity for a scheduling pass)."""
+
+    placement: ClaimedPlacement | None
+    node_id: str
+    revived: bool = False
+
+
 def claim(
     session: Session,
     settings: Settings,
     principal: Principal,
     node_name: str,
     *,
-    run_scheduler: bool = True,
     fresh: bool = True,
-) -> tuple[ClaimedPlacement | None, bool]:
-    """Hand the node its next assigned placement, after a scheduling pass.
+) -> ClaimCheck:
+    """Hand the node its next assigned placement, if a scheduling pass put one there.
 
-    ``fresh``: the agent has just asked (a sign of life: the node is touched, and a lost
-    node is ready again). A re-check of a long-poll the API holds (``fresh=False``) says
-    nothing of the agent, which may have died or frozen since it asked: it neither
-    touches the node nor revives a lost one (nor hands a lost node work).
-
-    Returns the placement (or None) and whether the pass placed any job. The caller commits.
+    Only the node's own placements are read: scheduling happens elsewhere (see
+    :mod:`service.services.scheduler_loop`). ``fresh``: the agent has just asked (a sign of
+    life: the node is touched, and a lost node is ready again). A re-check of a long-poll
+    the API holds (``fresh=False``) says nothing of the agent, which may have died or frozen
+    since it asked: it neither touches the node nor revives a lost one (nor hands a lost
+    node work). The caller commits.
     """
     node = get_own_node(session, principal, node_name)
+    revived = False
     if fresh:
-        touch_node(session, node)
+        revived = touch_node(session, node)
     elif node.status == NodeStatus.LOST.value:
-        return None, False
-    placed = bool(schedule(session, settings).scheduled) if run_scheduler else False
+        return ClaimCheck(None, node.id)
     stmt = (
         select(Placement)
         .join(Job, Job.id == Placement.job_id)
@@ -341,25 +351,21 @@ def claim(
         stmt = stmt.with_for_update(skip_locked=True, of=Placement)
     placement = session.scalars(stmt).first()
     if placement is None:
-        return None, placed
+        return ClaimCheck(None, node.id, revived)
     placement.status = PlacementStatus.RUNNING
     placement.lease_expires_at = utcnow() + timedelta(seconds=settings.lease_timeout_s)
     log.info("node %s claimed job %s (node rank %d)", node.name, placement.job_id, placement.node_rank)
-    return claimed_placement(session, placement, settings), placed
+    return ClaimCheck(claimed_placement(session, placement, settings), node.id, revived)
 
 
-def work_pending(session: Session, principal: Principal, node_name: str) -> tuple[bool, datetime | None]:
-    """Read-only: whether the node has an assigned placement, and the newest queued job's time."""
-    node = get_own_node(session, principal, node_name)
+def work_pending(session: Session, node_id: str) -> bool:
+    """Read-only: whether the node has an assigned placement (its own rows only)."""
     assigned = session.scalars(
         select(Placement.id)
-        .where(Placement.node_id == node.id, Placement.status == PlacementStatus.ASSIGNED)
+        .where(Placement.node_id == node_id, Placement.status == PlacementStatus.ASSIGNED)
         .limit(1)
     ).first()
-    newest_queued = session.scalar(
-        select(func.max(Job.created_at)).where(Job.status == JobStatus.QUEUED.value)
-    )
-    return assigned is not None, newest_queued
+    return assigned is not None
 
 
 # --- heartbeat ---------------------------------------------------------------------------

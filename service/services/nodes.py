@@ -126,8 +126,11 @@ def check_agent(session: Session, principal: Principal, name: str, agent_key: st
     return node
 
 
-def touch_node(session: Session, node: Node) -> None:
-    """Record a heartbeat; a lost node that speaks again is ready again (a drained one stays drained)."""
+def touch_node(session: Session, node: Node) -> bool:
+    """Record a heartbeat; a lost node that speaks again is ready again (a drained one stays
+    drained). True when it came back (capacity the scheduler can place onto again)."""
     node.last_heartbeat_at = utcnow()
     if node.status == NodeStatus.LOST.value:
         node.status = NodeStatus.READY.value
+        return True
+    return False

@@ -11,7 +11,8 @@ Run by every API replica, every ``reaper_interval_s``:
    stop) or are all done becomes ``cancelled``;
 4. a running job past its ``resources.max_runtime_s`` fails with ``TimeoutError``;
    its nodes stop their ranks at their next heartbeat;
-5. a scheduling pass runs when jobs are queued.
+5. a scheduling pass runs when jobs are queued (asked of the replica's scheduling loop,
+   :mod:`service.services.scheduler_loop`, when the reaper runs inside the API).
 
 Each job is handled in a transaction of its own under its row lock and re-checked
 there, so replicas doing the same sweep at the same time are harmless: the second
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -51,6 +53,7 @@ from service.services import checkpoints
 from service.services.attempts import finish_cancellation, lose_placements, overrun_limit_s, time_out
 from service.services.replicas import ClusterHearing, ReplicaRow
 from service.services.scheduler import has_queued_jobs, is_postgres, run_pass
+from service.services.scheduler_loop import SchedulerLoop
 from service.services.wakeup import Wakeup
 from service.states import JobStatus, NodeStatus, PlacementStatus
 
@@ -117,6 +120,7 @@ class SweepResult:
     cancelled: list[str] = field(default_factory=list)
     timed_out: list[str] = field(default_factory=list)
     scheduled: list[str] = field(default_factory=list)
+    placed_nodes: list[str] = field(default_factory=list)
 
 
 def _expired_by_job(
@@ -153,11 +157,14 @@ def _mark_lost(session: Session, node_id: str, cutoff: datetime) -> str | None:
     return node.name
 
 
-def sweep(db: Database, settings: Settings, listening: ListeningClock | None = None) -> SweepResult:
+def sweep(
+    db: Database, settings: Settings, listening: ListeningClock | None = None, *, schedule: bool = True
+) -> SweepResult:
     """One reaper pass (synchronous; safe to run on several replicas at once).
 
     With ``listening``, leases and nodes are judged only once this replica has heard
-    the nodes for a full lease period (see the module's docstring)."""
+    the nodes for a full lease period (see the module's docstring). ``schedule``: run the
+    scheduling pass here (else the caller asks its scheduling loop for one)."""
     result = SweepResult()
     now = utcnow()
     if listening is None or listening.grace_left(settings.lease_timeout_s, now) <= 0:
@@ -177,8 +184,9 @@ def sweep(db: Database, settings: Settings, listening: ListeningClock | None = N
     _settle_cancellations(db, result)
     _time_out_overruns(db, now, result)
     checkpoints.remove_ended_jobs_files(db, checkpoints.CheckpointStore(settings.data_dir))
-    if has_queued_jobs(db):
-        result.scheduled = run_pass(db, settings).scheduled
+    if schedule and has_queued_jobs(db):
+        placed = run_pass(db, settings)
+        result.scheduled, result.placed_nodes = placed.scheduled, placed.placed_nodes
     return result
 
 
@@ -285,8 +293,10 @@ async def run_reaper(
     wakeup: Wakeup,
     stop: asyncio.Event,
     listening: ListeningClock | None = None,
+    scheduling: SchedulerLoop | None = None,
 ) -> None:
-    """The background loop of one API replica, until ``stop`` is set."""
+    """The background loop of one API replica, until ``stop`` is set. With ``scheduling``,
+    its scheduling passes are asked of that loop (shared with every other request)."""
     listening = listening or ListeningClock()
     # SQLite serves one replica: its own clock is the cluster's.
     replica = None if db.is_sqlite else ReplicaRow()
@@ -297,9 +307,13 @@ async def run_reaper(
             if replica is not None:
                 hearing = await run_in_threadpool(replica.beat, db, settings, listening.since)
                 listening.cluster_heard(hearing)
-            result = await run_in_threadpool(sweep, db, settings, listening)
-            if result.scheduled or result.cancelled:
-                wakeup.notify()
+            result = await run_in_threadpool(
+                functools.partial(sweep, db, settings, listening, schedule=scheduling is None)
+            )
+            if result.placed_nodes:
+                wakeup.notify(result.placed_nodes)
+            if scheduling is not None and await run_in_threadpool(has_queued_jobs, db):
+                scheduling.request()
         except Exception as exc:  # keep the loop alive across database outages
             if is_unavailable(exc):
                 listening.lost_hearing()

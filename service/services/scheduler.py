@@ -40,6 +40,7 @@ from service.db.engine import Database
 from service.db.models import Attempt, Job, Placement, utcnow
 from service.services.cluster import NodeCapacity, ready_capacity
 from service.services.jobs import transition
+from service.services.wakeup import announce_placed
 from service.states import AttemptStatus, JobStatus, PlacementStatus
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class PassResult:
 
     scheduled: list[str] = field(default_factory=list)
     waiting: dict[str, str] = field(default_factory=dict)
+    # Ids of the nodes that got placements (their parked claims are woken).
+    placed_nodes: list[str] = field(default_factory=list)
 
 
 def _plural(n: int, word: str) -> str:
@@ -189,22 +192,43 @@ def schedule(session: Session, settings: Settings) -> PassResult:
             job.wait_reason = reason
     if result.scheduled:
         log.info("scheduled %s", ", ".join(result.scheduled))
+        placed = session.scalars(
+            select(Placement.node_id).where(
+                Placement.job_id.in_(result.scheduled), Placement.status == PlacementStatus.ASSIGNED
+            )
+        )
+        result.placed_nodes = sorted({*placed})
+        announce_placed(session, result.placed_nodes)
     return result
 
 
+def _queue_order(job: Job) -> tuple[int, datetime, str]:
+    return -job.priority, job.created_at, job.id
+
+
 def _lock_queued(session: Session) -> list[Job]:
-    """The queued jobs in order (first MAX_JOBS_PER_PASS), under the scheduler lock."""
-    if is_postgres(session):
+    """The queued jobs in order (first MAX_JOBS_PER_PASS), under the scheduler lock.
+
+    The ids come first, read in the queue's order from its index (``ix_jobs_queue``: no
+    sort of the whole queue), then those rows are locked; a job cancelled in between is
+    left out (its status is checked again under the lock)."""
+    postgres = is_postgres(session)
+    if postgres:
         session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEDULER_LOCK_KEY})
-    stmt = (
-        select(Job)
-        .where(Job.status == JobStatus.QUEUED.value)
-        .order_by(Job.priority.desc(), Job.created_at, Job.id)
-        .limit(MAX_JOBS_PER_PASS)
+    ids = list(
+        session.scalars(
+            select(Job.id)
+            .where(Job.status == JobStatus.QUEUED.value)
+            .order_by(Job.priority.desc(), Job.created_at, Job.id)
+            .limit(MAX_JOBS_PER_PASS)
+        )
     )
-    if is_postgres(session):
+    if not ids:
+        return []
+    stmt = select(Job).where(Job.id.in_(ids), Job.status == JobStatus.QUEUED.value)
+    if postgres:
         stmt = stmt.with_for_update(skip_locked=True)
-    return list(session.scalars(stmt))
+    return sorted(session.scalars(stmt), key=_queue_order)
 
 
 def _reason_behind(job: Job, nodes: list[NodeCapacity], blocker: Job) -> str:

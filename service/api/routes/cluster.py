@@ -7,9 +7,9 @@ from service.api.deps import (
     CurrentUser,
     DatabaseDep,
     ReadSessionDep,
+    SchedulingDep,
     SessionDep,
     SettingsDep,
-    WakeupDep,
 )
 from service.api.routing import SessionScopedRoute
 from service.schemas.nodes import ClusterPublic, NodeDrained
@@ -32,14 +32,14 @@ def drain_node(
     session: SessionDep,
     db: DatabaseDep,
     settings: SettingsDep,
-    wakeup: WakeupDep,
+    scheduling: SchedulingDep,
     admin: AdminUser,
 ) -> NodeDrained:
     """Admin only: the node (id or name) takes no new work, and the jobs running there checkpoint
     at the next step boundary and go back to ``queued`` (reason ``preempted``, no restart counted).
     ``draining`` while its placements stop, then ``drained``; held until ``undrain``."""
     answer = agents.drain_by_admin(session, db, settings, node)
-    wakeup.notify()
+    scheduling.request()
     return answer
 
 
@@ -49,10 +49,10 @@ def undrain_node(
     session: SessionDep,
     db: DatabaseDep,
     settings: SettingsDep,
-    wakeup: WakeupDep,
+    scheduling: SchedulingDep,
     admin: AdminUser,
 ) -> NodeDrained:
     """Admin only: a drained node (id or name) is ready for new work again."""
     answer = agents.undrain_by_admin(session, db, settings, node)
-    wakeup.notify()
+    scheduling.request()
     return answer

@@ -4,7 +4,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, status
 
-from service.api.deps import CurrentUser, ReadSessionDep, SessionDep, SettingsDep, WakeupDep
+from service.api.deps import CurrentUser, ReadSessionDep, SchedulingDep, SessionDep, SettingsDep
 from service.api.routing import SessionScopedRoute
 from service.schemas.jobs import JobComparison, JobCreate, JobList, JobPublic
 from service.services import compare as compare_service
@@ -17,13 +17,17 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=SessionScopedRo
 
 @router.post("", status_code=status.HTTP_201_CREATED)
 def submit_job(
-    body: JobCreate, session: SessionDep, settings: SettingsDep, wakeup: WakeupDep, user: CurrentUser
+    body: JobCreate,
+    session: SessionDep,
+    settings: SettingsDep,
+    scheduling: SchedulingDep,
+    user: CurrentUser,
 ) -> JobPublic:
     """Submit a job: ``type`` ``train`` (the built-in trainer, the default) or ``script`` (your own
     code, see POST /v1/code); 201 with the normalized spec (every default filled), status ``queued``."""
     job = jobs_service.submit_job(session, settings, user, body)
     public = jobs_service.job_public(session, job)
-    wakeup.notify()  # idle workers' claims run a scheduling pass at once
+    scheduling.request()  # a pass soon, shared with every submission until it starts
     return public
 
 

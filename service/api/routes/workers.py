@@ -10,7 +10,6 @@ gets 409 ``NodeNameInUseError`` (another agent holds the node now).
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response, status
@@ -20,14 +19,18 @@ from service.api.deps import (
     AgentKeyDep,
     DatabaseDep,
     LeaseHeader,
+    SchedulingDep,
     SessionDep,
     SettingsDep,
     WakeupDep,
     WorkerDep,
 )
 from service.api.routing import SessionScopedRoute
+from service.config import Settings
+from service.db.engine import Database
 from service.schemas.nodes import NodeDrained, NodeRegister
 from service.services import agents
+from service.services.tokens import Principal
 from torchyard.contract.protocol import (
     ClaimedPlacement,
     HeartbeatRequest,
@@ -37,12 +40,22 @@ from torchyard.contract.protocol import (
     PlacementStatusResponse,
 )
 
+# A parked claim looks at least this often whether its agent is still connected.
+_DISCONNECT_CHECK_S = 5.0
+# The longest a claim waits for a scheduling pass this replica owes before its first answer.
+_OWED_PASS_WAIT_S = 5.0
+
 router = APIRouter(prefix="/v1/worker", tags=["worker"], route_class=SessionScopedRoute)
 
 
 @router.post("/nodes")
 def register_node(
-    body: NodeRegister, session: SessionDep, db: DatabaseDep, settings: SettingsDep, worker: WorkerDep
+    body: NodeRegister,
+    session: SessionDep,
+    db: DatabaseDep,
+    settings: SettingsDep,
+    scheduling: SchedulingDep,
+    worker: WorkerDep,
 ) -> NodeRegistered:
     """Register (or re-register) this agent's node; the answer carries the timing it must keep.
 
@@ -53,6 +66,7 @@ def register_node(
     gets 409 ``NodeNameInUseError`` and changes nothing.
     """
     node = agents.register(session, db, settings, worker, body)
+    scheduling.request()  # new (or freed) capacity
     return NodeRegistered(
         id=node.id,
         name=node.name,
@@ -69,12 +83,16 @@ def heartbeat(
     body: HeartbeatRequest,
     session: SessionDep,
     settings: SettingsDep,
+    scheduling: SchedulingDep,
     worker: WorkerDep,
     agent_key: AgentKeyDep,
 ) -> HeartbeatResponse:
     """Keep the node ready and renew the leases it lists; ``stop`` names placements whose ranks
     must be stopped now (job cancelling, attempt failed elsewhere, lease stale)."""
-    return agents.heartbeat(session, settings, worker, name, agent_key, body.leases)
+    answer, revived = agents.heartbeat(session, settings, worker, name, agent_key, body.leases)
+    if revived:
+        scheduling.request()
+    return answer
 
 
 @router.post("/nodes/{name}/drain")
@@ -83,7 +101,7 @@ def drain_node(
     session: SessionDep,
     db: DatabaseDep,
     settings: SettingsDep,
-    wakeup: WakeupDep,
+    scheduling: SchedulingDep,
     worker: WorkerDep,
     agent_key: AgentKeyDep,
 ) -> NodeDrained:
@@ -91,7 +109,7 @@ def drain_node(
     node takes no new work, and its placements get ``preempted`` stop orders at the next
     heartbeat. A new agent registering the node makes it ready again."""
     answer = agents.drain_own_node(session, db, settings, worker, name, agent_key)
-    wakeup.notify()
+    scheduling.request()  # preempted jobs are queued again
     return answer
 
 
@@ -106,44 +124,60 @@ async def claim(
     db: DatabaseDep,
     settings: SettingsDep,
     wakeup: WakeupDep,
+    scheduling: SchedulingDep,
     worker: WorkerDep,
     agent_key: AgentKeyDep,
     wait: Annotated[float, Query(ge=0, le=3600, description="Seconds to wait for work (long-poll).")] = 0.0,
 ) -> Any:
     """Long-poll for the node's next placement: 200 with it, or 204 when ``wait`` ran out.
 
-    The wait holds neither a thread nor a database connection: it sleeps on an event that
-    this replica sets when it queues or places work, and re-reads the database every
-    ``claim_recheck_interval_s`` for work placed by other replicas.
+    A claim never schedules: it reads the node's own placements only. The wait holds
+    neither a thread nor a database connection: it sleeps until a scheduling pass (of any
+    replica) places work on this node. A scheduling pass this replica still owes (a
+    submission just made here) is waited for before the first answer. Only while
+    notifications from other replicas may be missed (the listener reconnecting) does the
+    wait re-read the node's placements every ``claim_recheck_interval_s``.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(wait, settings.claim_poll_timeout_s)
-    full_check = True
-    fresh = True  # the first check is the agent's own request; later ones are the API's
-    newest_seen: datetime | None = None
+    check = await run_in_threadpool(agents.claim_once, db, settings, worker, name, agent_key, True)
+    if check.placement is not None:
+        return check.placement
+    node_id = check.node_id
+    if check.revived:
+        scheduling.request()  # the node came back from lost: capacity for a pass
+    owed = scheduling.pending()
+    if owed is not None:
+        # A change this replica took in (a submission just made here) is not scheduled yet:
+        # its pass decides the first answer, even of a claim that does not wait.
+        await scheduling.settled(owed, max(deadline - loop.time(), _OWED_PASS_WAIT_S))
+    notified = True
+    generation = wakeup.generation(node_id)
     while True:
-        if await request.is_disconnected():
-            # The agent went away (or restarted): end the wait instead of holding the request.
-            return Response(status_code=status.HTTP_204_NO_CONTENT)
-        generation = wakeup.generation
-        if not full_check:
-            pending, newest = await run_in_threadpool(agents.work_pending, db, worker, name)
-            if pending or (newest is not None and (newest_seen is None or newest > newest_seen)):
-                full_check = True
-            newest_seen = newest if newest is not None else newest_seen
-        if full_check:
-            claimed, placed = await run_in_threadpool(
-                agents.claim_once, db, settings, worker, name, agent_key, fresh
-            )
-            fresh = False
-            if placed:
-                wakeup.notify()  # the pass may have placed work on other waiting nodes
-            if claimed is not None:
-                return claimed
+        if notified or not wakeup.reliable:
+            generation = wakeup.generation(node_id)
+            if await request.is_disconnected():
+                # The agent went away (or restarted): end the wait, and hand it nothing.
+                return Response(status_code=status.HTTP_204_NO_CONTENT)
+            placement = await _take_assigned(db, settings, worker, name, agent_key, node_id)
+            if placement is not None:
+                return placement
         remaining = deadline - loop.time()
-        if remaining <= 0:
+        if remaining <= 0 or await request.is_disconnected():
             return Response(status_code=status.HTTP_204_NO_CONTENT)
-        full_check = await wakeup.wait(generation, min(remaining, settings.claim_recheck_interval_s))
+        timeout = remaining if wakeup.reliable else min(remaining, settings.claim_recheck_interval_s)
+        notified = await wakeup.wait(node_id, generation, min(timeout, _DISCONNECT_CHECK_S))
+
+
+async def _take_assigned(
+    db: Database, settings: Settings, worker: Principal, name: str, agent_key: str | None, node_id: str
+) -> ClaimedPlacement | None:
+    """The node's next placement if a pass assigned it one (a cheap read first, then the
+    claim's write transaction)."""
+    if not await run_in_threadpool(agents.work_pending, db, node_id):
+        return None
+    check = await run_in_threadpool(agents.claim_once, db, settings, worker, name, agent_key, False)
+    return check.placement
 
 
 @router.post("/placements/status")
@@ -152,14 +186,14 @@ def report_status(
     session: SessionDep,
     db: DatabaseDep,
     settings: SettingsDep,
-    wakeup: WakeupDep,
+    scheduling: SchedulingDep,
     worker: WorkerDep,
     lease: LeaseHeader = None,
 ) -> PlacementStatusResponse:
     """Report a placement's state: ``running`` once its ranks started, then ``succeeded``
     (node rank 0 after uploading the model), ``failed`` (with the failure) or ``cancelled``
     (ranks stopped on request). ``stop`` in the answer tells the agent to stop its ranks."""
-    answer, placed = agents.report_status(session, db, settings, worker, lease, body)
-    if placed:
-        wakeup.notify()
+    answer, ended = agents.report_status(session, db, settings, worker, lease, body)
+    if ended:
+        scheduling.request()  # the placement's units are free
     return answer
