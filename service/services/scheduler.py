@@ -270,5 +270,11 @@ def run_pass(db: Database, settings: Settings) -> PassResult:
 
 def has_queued_jobs(db: Database) -> bool:
     with db.read_session() as session:
-        first = session.scalars(select(Job.id).where(Job.status == JobStatus.QUEUED.value).limit(1)).first()
+        # In the queue's order: read from the head of its index whatever the queue's length.
+        first = session.scalars(
+            select(Job.id)
+            .where(Job.status == JobStatus.QUEUED.value)
+            .order_by(Job.priority.desc(), Job.created_at, Job.id)
+            .limit(1)
+        ).first()
         return first is not None
