@@ -17,6 +17,16 @@ from torchyard.extras import MissingExtraError, extra_providing, require
 Handler = Callable[[argparse.Namespace], int]
 
 
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, not {value!r}")
+    return number
+
+
 def _serve(args: argparse.Namespace) -> int:
     if args.with_worker:
         require("serve --with-worker", "server", "worker")
@@ -37,6 +47,7 @@ def _serve(args: argparse.Namespace) -> int:
         worker_name=args.worker_name,
         worker_slots=args.worker_slots,
         log_level="debug" if args.verbose else args.log_level,
+        workers=args.workers,
     )
 
 
@@ -97,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--worker-name", default=None, help="node name of the local worker (default <host>-local)"
     )
     serve.add_argument("--worker-slots", type=int, default=None, help="CPU slots of the local worker")
+    serve.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        help="API processes serving the address (default 1; above 1 needs PostgreSQL): one "
+        "process answers on one core",
+    )
     serve.add_argument(
         "--log-level",
         choices=("debug", "info", "warning", "error"),

@@ -224,6 +224,42 @@ class _Server(uvicorn.Server):
         threading.Thread(target=stop_then_exit, name="serve-stop", daemon=True).start()
 
 
+def _start_api_processes(settings: Settings, sock: socket.socket, count: int, log_level: str) -> list[int]:
+    """``count`` more API processes serving ``sock`` (forked: they share the listening socket, and
+    the kernel hands each connection to one of them). Each is a replica of its own (its
+    scheduling loop, wake-ups and reaper clock, coordinated through PostgreSQL), and dies
+    with this process."""
+    from service.api.app import create_app
+
+    pids = []
+    for _ in range(count):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child serves until stopped, then exits
+            code = 0
+            try:
+                _die_with_parent()
+                config = uvicorn.Config(
+                    create_app(settings), log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
+                )
+                uvicorn.Server(config).run(sockets=[sock])
+            except BaseException:
+                log.exception("an API process failed")
+                code = 1
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    return pids
+
+
+def _stop_api_processes(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+
 def serve(
     settings: Settings,
     *,
@@ -231,10 +267,24 @@ def serve(
     worker_name: str | None = None,
     worker_slots: int | None = None,
     log_level: str = "info",
+    workers: int = 1,
 ) -> int:
-    """Run the API (and, with ``with_worker``, a local worker agent) until SIGINT/SIGTERM."""
+    """Run the API (and, with ``with_worker``, a local worker agent) until SIGINT/SIGTERM.
+
+    ``workers`` > 1 (PostgreSQL only) serves the address from that many API processes."""
     configure_logging(log_level)
-    from service.api.app import create_app
+    from service.api.app import bootstrap, create_app
+
+    if workers > 1:
+        if settings.sqlalchemy_url.startswith("sqlite"):
+            log.error(
+                "--workers %d needs PostgreSQL (TORCHYARD_DATABASE_URL): on SQLite one API process "
+                "serves the data directory",
+                workers,
+            )
+            return 2
+        # Migrations once, before the processes start (each one's start then finds them done).
+        bootstrap(settings).dispose()
 
     worker: LocalWorker | None = None
     if with_worker:
@@ -249,6 +299,7 @@ def serve(
             settings.data_dir / "logs" / "local-worker.log",
         )
     sock = _bind(settings.host, settings.port)
+    others = _start_api_processes(settings, sock, workers - 1, log_level) if workers > 1 else []
     config = uvicorn.Config(
         create_app(settings),
         log_level=log_level,
@@ -269,6 +320,7 @@ def serve(
     finally:
         if worker is not None:
             worker.stop()
+        _stop_api_processes(others)
         sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

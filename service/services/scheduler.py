@@ -17,9 +17,10 @@ because the cluster shrank after the job was accepted — does not block the que
 it waits with its reason until nodes come back.
 
 Concurrency: on PostgreSQL a pass takes a transaction-scoped advisory lock, so the
-capacity it reads cannot change under it from another API replica's pass, and reads
-queued jobs ``FOR UPDATE SKIP LOCKED`` (a job being cancelled right now is left for
-the next pass). On SQLite the writing session's ``BEGIN IMMEDIATE`` already makes
+capacity it reads cannot change under it from another API replica's pass. It reads the
+head of the queue from the queue's index without locking it, and locks a job ``FOR UPDATE
+SKIP LOCKED`` only to place it (a job being cancelled right now is left for the next
+pass); a job that just keeps waiting costs the pass no write. On SQLite the writing session's ``BEGIN IMMEDIATE`` already makes
 the pass exclusive.
 """
 
@@ -32,8 +33,8 @@ import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import exists, select, text
-from sqlalchemy.orm import Session
+from sqlalchemy import exists, select, text, update
+from sqlalchemy.orm import Session, load_only
 
 from service.config import Settings
 from service.db.engine import Database
@@ -49,6 +50,8 @@ log = logging.getLogger(__name__)
 SCHEDULER_LOCK_KEY = 7345002
 # Queued jobs looked at per pass; the rest wait for the next pass.
 MAX_JOBS_PER_PASS = 500
+# What _try_place answers for a job cancelled since the queue was read.
+_GONE = "gone"
 
 
 @dataclass
@@ -174,14 +177,17 @@ def schedule(session: Session, settings: Settings) -> PassResult:
     nodes = ready_capacity(session, settings, now)
     taken_ports: dict[str, set[int]] = {}
     blocker: Job | None = None
+    behind: dict[tuple[int, int], str] = {}  # reasons behind the blocker, by job shape
     for job in queued:
         if blocker is not None:
-            reason = _reason_behind(job, nodes, blocker)
+            reason = _reason_behind(job, nodes, blocker, behind)
         else:
             placed_or_reason, possible = _try_place(session, settings, job, nodes, taken_ports, now)
             if placed_or_reason is None:
                 result.scheduled.append(job.id)
                 continue
+            if placed_or_reason is _GONE:
+                continue  # cancelled since the queue was read: nothing to place or explain
             reason = placed_or_reason
             if possible:
                 blocker = job
@@ -189,6 +195,13 @@ def schedule(session: Session, settings: Settings) -> PassResult:
             reason = f"{job.requeue_reason}; {reason}"
         result.waiting[job.id] = reason
         if job.wait_reason != reason:
+            # Only while it is still queued (a cancel may have ended it since it was read).
+            session.execute(
+                update(Job)
+                .where(Job.id == job.id, Job.status == JobStatus.QUEUED.value)
+                .values(wait_reason=reason)
+                .execution_options(synchronize_session=False)
+            )
             job.wait_reason = reason
     if result.scheduled:
         log.info("scheduled %s", ", ".join(result.scheduled))
@@ -202,41 +215,65 @@ def schedule(session: Session, settings: Settings) -> PassResult:
     return result
 
 
-def _queue_order(job: Job) -> tuple[int, datetime, str]:
-    return -job.priority, job.created_at, job.id
-
-
 def _lock_queued(session: Session) -> list[Job]:
     """The queued jobs in order (first MAX_JOBS_PER_PASS), under the scheduler lock.
 
-    The ids come first, read in the queue's order from its index (``ix_jobs_queue``: no
-    sort of the whole queue), then those rows are locked; a job cancelled in between is
-    left out (its status is checked again under the lock)."""
-    postgres = is_postgres(session)
-    if postgres:
+    They are read in the queue's order from its index (``ix_jobs_queue``: no sort of the
+    whole queue), with the columns a pass looks at; no row is locked here. A job is locked
+    (and read whole) only when it is placed (:func:`_claim_for_placing`), and a wait reason
+    is written only to a job still queued, so a pass writes nothing for the jobs that just
+    keep waiting."""
+    if is_postgres(session):
         session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEDULER_LOCK_KEY})
-    ids = list(
-        session.scalars(
-            select(Job.id)
-            .where(Job.status == JobStatus.QUEUED.value)
-            .order_by(Job.priority.desc(), Job.created_at, Job.id)
-            .limit(MAX_JOBS_PER_PASS)
+    stmt = (
+        select(Job)
+        .options(
+            load_only(
+                Job.id,
+                Job.name,
+                Job.status,
+                Job.priority,
+                Job.created_at,
+                Job.node_count,
+                Job.process_count_per_node,
+                Job.requeue_reason,
+                Job.wait_reason,
+            )
         )
+        .where(Job.status == JobStatus.QUEUED.value)
+        .order_by(Job.priority.desc(), Job.created_at, Job.id)
+        .limit(MAX_JOBS_PER_PASS)
     )
-    if not ids:
-        return []
-    stmt = select(Job).where(Job.id.in_(ids), Job.status == JobStatus.QUEUED.value)
-    if postgres:
+    return list(session.scalars(stmt))
+
+
+def _claim_for_placing(session: Session, job: Job) -> bool:
+    """Lock ``job`` and read it whole, if it is still queued: a job being cancelled right now
+    (locked) or cancelled since the queue was read is left alone. On SQLite the pass's write
+    transaction is exclusive already."""
+    stmt = (
+        select(Job)
+        .where(Job.id == job.id, Job.status == JobStatus.QUEUED.value)
+        .execution_options(populate_existing=True)
+    )
+    if is_postgres(session):
         stmt = stmt.with_for_update(skip_locked=True)
-    return sorted(session.scalars(stmt), key=_queue_order)
+    return session.scalars(stmt).first() is not None
 
 
-def _reason_behind(job: Job, nodes: list[NodeCapacity], blocker: Job) -> str:
-    """Why ``job`` waits while ``blocker``, first in line, cannot be placed yet."""
-    reason, possible = _wait_reason(job, nodes)
-    if possible:
-        return f"queued behind job {blocker.name!r} ({blocker.id}), which is first in line"
-    return reason
+def _reason_behind(
+    job: Job, nodes: list[NodeCapacity], blocker: Job, known: dict[tuple[int, int], str]
+) -> str:
+    """Why ``job`` waits while ``blocker``, first in line, cannot be placed yet (``known``:
+    the reasons found so far by job shape; nothing is placed behind the blocker, so the
+    capacity, and the reason for each shape, stay the same for the rest of the pass)."""
+    shape = (job.node_count, job.process_count_per_node)
+    if shape not in known:
+        reason, possible = _wait_reason(job, nodes)
+        if possible:
+            reason = f"queued behind job {blocker.name!r} ({blocker.id}), which is first in line"
+        known[shape] = reason
+    return known[shape]
 
 
 def _try_place(
@@ -258,6 +295,8 @@ def _try_place(
             f"waiting for a free rendezvous port on {chosen[0].address} "
             f"(range {settings.master_port_min}-{settings.master_port_max} in use)"
         ), True
+    if not _claim_for_placing(session, job):
+        return _GONE, False
     _place(session, settings, job, chosen, port, now)
     return None, True
 

@@ -1,0 +1,328 @@
+"""The control plane with many nodes and a long queue, on PostgreSQL.
+
+Simulates ``--nodes`` nodes over the real worker protocol (registration, a heartbeat every
+``heartbeat_interval_s`` with the leases held, long-polling claims, status reports) from
+one asyncio process, against ``torchyard serve`` (``--workers`` API processes) on a fresh
+database of the local PostgreSQL server. The queue is blocked the way a busy cluster's is:
+a job asking for every node waits first in line (one node runs a job that never ends), and
+``--queued`` jobs wait behind it (written in bulk with SQL). Then:
+
+- an idle window: heartbeats only; the database's transactions and rows read per second;
+- ``--submit`` submissions at priority 0 (behind the blocker), 4 at a time:
+  ``POST /v1/jobs`` jobs/s and p50/p99, and the scheduling passes they caused (index scans
+  of the queue's index, less the reapers' one look a second per process);
+- ``--probes`` probe jobs one after the other, at a priority above the blocker, that fit a
+  free node: submission → claimed by a simulated node;
+- scheduling passes timed from outside (the same pass function, this process, the live
+  database);
+- heartbeats answered / offered per second over the whole run, their p99, and the nodes
+  declared lost.
+
+Usage (from the repository root)::
+
+    python -m bench.bench_scale --nodes 100 --queued 10000
+    python -m bench.bench_scale --nodes 1000 --queued 100000 --workers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import sqlalchemy as sa
+
+from service.config import Settings
+from service.db.engine import Database
+from service.services.scheduler import run_pass
+from tests.conftest import PG_ADMIN_URL, free_port
+from tests.support.factories import auth, insert_dataset, job_spec
+from tests.support.queue_fill import fill_queue
+
+HEARTBEAT_S = 2.0  # the service's defaults
+CLAIM_WAIT_S = 20.0
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Sim:
+    """The simulated nodes and what they measured."""
+
+    def __init__(self, url: str, token: str, nodes: int) -> None:
+        limits = httpx.Limits(max_connections=2 * nodes + 64, max_keepalive_connections=2 * nodes + 64)
+        self.http = httpx.AsyncClient(base_url=url, headers=auth(token), timeout=120, limits=limits)
+        self.names = [f"sim-{i:04d}" for i in range(nodes)]
+        self.leases: dict[str, list[str]] = {n: [] for n in self.names}
+        self.beats: list[tuple[float, float]] = []  # (time answered, latency)
+        self.beat_errors = 0
+        self.claimed: dict[str, float] = {}  # job name -> time its claim returned
+        self.stop = asyncio.Event()
+
+    async def register(self) -> None:
+        sem = asyncio.Semaphore(32)
+
+        async def one(name: str) -> None:
+            async with sem:
+                body = {"name": name, "address": "127.0.0.1", "units": 1, "accelerator": "cpu"}
+                r = await self.http.post("/v1/worker/nodes", json=body)
+                r.raise_for_status()
+
+        await asyncio.gather(*(one(n) for n in self.names))
+
+    async def heartbeats(self, name: str, offset: float) -> None:
+        await asyncio.sleep(offset)
+        while not self.stop.is_set():
+            start = time.monotonic()
+            try:
+                r = await self.http.post(f"/v1/worker/nodes/{name}/heartbeat", json={"leases": self.leases[name]})
+                if r.status_code == 200:
+                    self.beats.append((time.monotonic(), time.monotonic() - start))
+                else:
+                    self.beat_errors += 1
+            except httpx.HTTPError:
+                self.beat_errors += 1
+            await asyncio.sleep(max(0.0, HEARTBEAT_S - (time.monotonic() - start)))
+
+    async def claims(self, name: str) -> None:
+        while not self.stop.is_set():
+            try:
+                r = await self.http.post(f"/v1/worker/nodes/{name}/claim", params={"wait": CLAIM_WAIT_S})
+            except httpx.HTTPError:
+                await asyncio.sleep(1)
+                continue
+            if r.status_code != 200:
+                continue
+            placement = r.json()
+            self.claimed[placement["job_name"]] = time.monotonic()
+            lease = {"X-Torchyard-Lease": placement["lease_token"]}
+            await self.http.post("/v1/worker/placements/status", json={"state": "running"}, headers=lease)
+            if placement["job_name"] == "holder":
+                self.leases[name].append(placement["lease_token"])  # runs until the end
+                continue
+            await self.http.post(
+                "/v1/worker/placements/status", json={"state": "failed", "exit_code": 1}, headers=lease
+            )
+
+
+def _db_counters(db: Database) -> tuple[int, int, int]:
+    """(transactions, rows read, index scans of the queue's index) so far."""
+    with db.engine.connect() as conn:
+        xact, rows = conn.execute(
+            sa.text(
+                "SELECT xact_commit + xact_rollback, tup_returned + tup_fetched "
+                "FROM pg_stat_database WHERE datname = current_database()"
+            )
+        ).one()
+        scans = conn.execute(
+            sa.text("SELECT coalesce(sum(idx_scan), 0) FROM pg_stat_user_indexes WHERE indexrelname = 'ix_jobs_queue'")
+        ).scalar_one()
+    return int(xact), int(rows), int(scans)
+
+
+async def _wait_for(predicate: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def run(args: argparse.Namespace, url: str, db_url: str, data_dir: Path) -> dict[str, Any]:
+    settings = Settings(data_dir=data_dir, database_url=db_url)
+    admin = httpx.AsyncClient(base_url=url, headers=auth((data_dir / "admin.token").read_text().strip()), timeout=60)
+    worker = (await admin.post("/v1/tokens", json={"name": "sim", "role": "worker"})).json()["token"]
+    user_token = (await admin.post("/v1/tokens", json={"name": "bench", "role": "user"})).json()["token"]
+    owner = (await admin.get("/v1/whoami", headers=auth(user_token))).json()["id"]
+    dataset = insert_dataset(settings, owner)
+    user = httpx.AsyncClient(base_url=url, headers=auth(user_token), timeout=120)
+    db = Database(db_url)
+    sim = Sim(url, worker, args.nodes)
+
+    started = time.monotonic()
+    await sim.register()
+    registered_s = time.monotonic() - started
+    spread = HEARTBEAT_S / max(1, args.nodes)
+    tasks = [asyncio.create_task(sim.heartbeats(n, i * spread)) for i, n in enumerate(sim.names)]
+    tasks += [asyncio.create_task(sim.claims(n)) for n in sim.names]
+    beats_from = time.monotonic()
+
+    def spec(name: str, priority: int, nodes: int = 1) -> dict[str, Any]:
+        resources = {"node_count": nodes, "process_count_per_node": 1, "max_restarts": 0}
+        return job_spec(dataset, dataset, name=name, priority=priority, resources=resources)
+
+    # One node runs a job that never ends; a job asking for every node then waits first in
+    # line (it fits once that node frees up), and the queue waits behind it.
+    assert (await user.post("/v1/jobs", json=spec("holder", 5))).status_code == 201
+    assert await _wait_for(lambda: "holder" in sim.claimed, 60), "the holder job was never claimed"
+    r = await user.post("/v1/jobs", json=spec("blocker", 3, args.nodes))
+    assert r.status_code == 201, r.text
+    fill_queue(db, (owner, dataset), args.queued, prefix=uuid.uuid4().hex[:6])
+    with db.engine.connect() as conn:
+        conn.execute(sa.text("ANALYZE jobs"))
+        conn.commit()
+
+    # Idle: heartbeats and parked claims only.
+    await asyncio.sleep(3)
+    x0, r0, _ = _db_counters(db)
+    await asyncio.sleep(args.idle)
+    x1, r1, _ = _db_counters(db)
+    idle = ((x1 - x0) / args.idle, (r1 - r0) / args.idle)
+
+    # Submissions behind the blocker.
+    latencies: list[float] = []
+    sem = asyncio.Semaphore(4)
+
+    async def submit(i: int) -> None:
+        async with sem:
+            start = time.monotonic()
+            r = await user.post("/v1/jobs", json=spec(f"burst-{i}", 0))
+            latencies.append(time.monotonic() - start)
+            assert r.status_code == 201, r.text
+
+    _, _, s0 = _db_counters(db)
+    t0 = time.monotonic()
+    await asyncio.gather(*(submit(i) for i in range(args.submit)))
+    submit_s = time.monotonic() - t0
+    await asyncio.sleep(1.0)
+    _, _, s1 = _db_counters(db)
+    reaper_looks = (submit_s + 1.0) * args.workers  # has_queued_jobs: one a second per process
+    passes = max(0.0, s1 - s0 - reaper_looks) / args.submit
+
+    # Probes: above the blocker, fit any free node.
+    probes: list[float] = []
+    for i in range(args.probes):
+        name = f"probe-{i}"
+        start = time.monotonic()
+        r = await user.post("/v1/jobs", json=spec(name, 10))
+        assert r.status_code == 201, r.text
+        if await _wait_for(lambda name=name: name in sim.claimed, 60):
+            probes.append(sim.claimed[name] - start)
+        await asyncio.sleep(0.5)
+
+    # Scheduling passes timed from outside: the same function on the live queue.
+    pass_ms = []
+    for _ in range(5):
+        start = time.perf_counter()
+        await asyncio.to_thread(run_pass, db, settings)
+        pass_ms.append((time.perf_counter() - start) * 1000)
+
+    beats_to = time.monotonic()
+    sim.stop.set()
+    with db.engine.connect() as conn:
+        lost = conn.execute(sa.text("SELECT count(*) FROM nodes WHERE status = 'lost'")).scalar_one()
+        lost_events = conn.execute(
+            sa.text("SELECT count(*) FROM job_events WHERE message LIKE '%stopped heartbeating%'")
+        ).scalar_one()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await sim.http.aclose()
+    await user.aclose()
+    await admin.aclose()
+    db.dispose()
+    window = beats_to - beats_from
+    done = [lat for at, lat in sim.beats if beats_from <= at <= beats_to]
+    return {
+        "registered_s": registered_s,
+        "jobs_per_s": args.submit / submit_s,
+        "submit_p50_ms": 1000 * _pct(latencies, 0.5),
+        "submit_p99_ms": 1000 * _pct(latencies, 0.99),
+        "passes_per_submission": passes,
+        "probe_s": probes,
+        "beats_done": len(done) / window,
+        "beats_offered": args.nodes / HEARTBEAT_S,
+        "beat_p99_s": _pct(done, 0.99),
+        "beat_errors": sim.beat_errors,
+        "pass_ms": pass_ms,
+        "lost_nodes": int(lost),
+        "lost_events": int(lost_events),
+        "idle_xact_s": idle[0],
+        "idle_rows_s": idle[1],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=100)
+    parser.add_argument("--queued", type=int, default=10_000)
+    parser.add_argument("--workers", type=int, default=1, help="API processes (torchyard serve --workers)")
+    parser.add_argument("--submit", type=int, default=100, help="submissions timed")
+    parser.add_argument("--probes", type=int, default=5)
+    parser.add_argument("--idle", type=float, default=10.0, help="seconds of the idle window")
+    args = parser.parse_args()
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
+
+    name = f"torchyard_scale_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    db_url = admin.url.set(database=name).render_as_string(hide_password=False)
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+        data_dir = Path(tmp) / "data"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
+        env.update({"TORCHYARD_DATA_DIR": str(data_dir), "TORCHYARD_DATABASE_URL": db_url})
+        log_path = Path(tmp) / "serve.log"
+        with open(log_path, "wb") as out:
+            api = subprocess.Popen(
+                [sys.executable, "-m", "torchyard.cli", "serve", "--port", str(port), "--workers", str(args.workers)],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if httpx.get(f"{url}/readyz", timeout=3).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert api.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+                time.sleep(0.2)
+            result = asyncio.run(run(args, url, db_url, data_dir))
+        finally:
+            api.terminate()
+            api.wait(60)
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+    probes = result["probe_s"]
+    probe = f"{min(probes):.2f}–{max(probes):.2f} s" if probes else "never claimed"
+    passes = result["pass_ms"]
+    print(f"registration of {args.nodes} nodes: {result['registered_s']:.1f} s; API processes: {args.workers}")
+    print(
+        "| nodes | queued | POST /v1/jobs | passes per submission | probe submit→claim "
+        "| heartbeats done/offered | scheduling pass | lost nodes | idle database |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        f"| {args.nodes:,} | {args.queued:,} | {result['jobs_per_s']:.0f} jobs/s, p50 {result['submit_p50_ms']:.0f} ms, "
+        f"p99 {result['submit_p99_ms']:.0f} ms | {result['passes_per_submission']:.2f} | {probe} "
+        f"| {result['beats_done']:.0f}/{result['beats_offered']:.0f} per s (p99 {result['beat_p99_s']:.2f} s, "
+        f"{result['beat_errors']} errors) | p50 {statistics.median(passes):.0f} ms, max {max(passes):.0f} ms "
+        f"| {result['lost_nodes']} ({result['lost_events']} placements lost) "
+        f"| {result['idle_xact_s']:.0f} transactions/s, {result['idle_rows_s']:,.0f} rows read/s |"
+    )
+
+
+if __name__ == "__main__":
+    main()
