@@ -89,7 +89,9 @@ class Sim:
         while not self.stop.is_set():
             start = time.monotonic()
             try:
-                r = await self.http.post(f"/v1/worker/nodes/{name}/heartbeat", json={"leases": self.leases[name]})
+                r = await self.http.post(
+                    f"/v1/worker/nodes/{name}/heartbeat", json={"leases": self.leases[name]}
+                )
                 if r.status_code == 200:
                     self.beats.append((time.monotonic(), time.monotonic() - start))
                 else:
@@ -129,7 +131,9 @@ def _db_counters(db: Database) -> tuple[int, int, int]:
             )
         ).one()
         scans = conn.execute(
-            sa.text("SELECT coalesce(sum(idx_scan), 0) FROM pg_stat_user_indexes WHERE indexrelname = 'ix_jobs_queue'")
+            sa.text(
+                "SELECT coalesce(sum(idx_scan), 0) FROM pg_stat_user_indexes WHERE indexrelname = 'ix_jobs_queue'"
+            )
         ).scalar_one()
     return int(xact), int(rows), int(scans)
 
@@ -145,7 +149,9 @@ async def _wait_for(predicate: Any, timeout: float) -> bool:
 
 async def run(args: argparse.Namespace, url: str, db_url: str, data_dir: Path) -> dict[str, Any]:
     settings = Settings(data_dir=data_dir, database_url=db_url)
-    admin = httpx.AsyncClient(base_url=url, headers=auth((data_dir / "admin.token").read_text().strip()), timeout=60)
+    admin = httpx.AsyncClient(
+        base_url=url, headers=auth((data_dir / "admin.token").read_text().strip()), timeout=60
+    )
     worker = (await admin.post("/v1/tokens", json={"name": "sim", "role": "worker"})).json()["token"]
     user_token = (await admin.post("/v1/tokens", json={"name": "bench", "role": "user"})).json()["token"]
     owner = (await admin.get("/v1/whoami", headers=auth(user_token))).json()["id"]
@@ -281,7 +287,16 @@ def main() -> None:
         log_path = Path(tmp) / "serve.log"
         with open(log_path, "wb") as out:
             api = subprocess.Popen(
-                [sys.executable, "-m", "torchyard.cli", "serve", "--port", str(port), "--workers", str(args.workers)],
+                [
+                    sys.executable,
+                    "-m",
+                    "torchyard.cli",
+                    "serve",
+                    "--port",
+                    str(port),
+                    "--workers",
+                    str(args.workers),
+                ],
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -308,7 +323,9 @@ def main() -> None:
     probes = result["probe_s"]
     probe = f"{min(probes):.2f}–{max(probes):.2f} s" if probes else "never claimed"
     passes = result["pass_ms"]
-    print(f"registration of {args.nodes} nodes: {result['registered_s']:.1f} s; API processes: {args.workers}")
+    print(
+        f"registration of {args.nodes} nodes: {result['registered_s']:.1f} s; API processes: {args.workers}"
+    )
     print(
         "| nodes | queued | POST /v1/jobs | passes per submission | probe submit→claim "
         "| heartbeats done/offered | scheduling pass | lost nodes | idle database |"
