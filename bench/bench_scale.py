@@ -205,9 +205,9 @@ async def run(args: argparse.Namespace, url: str, db_url: str, data_dir: Path) -
     t0 = time.monotonic()
     await asyncio.gather(*(submit(i) for i in range(args.submit)))
     submit_s = time.monotonic() - t0
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(2.5)  # PostgreSQL publishes a backend's counters about once a second
     _, _, s1 = _db_counters(db)
-    reaper_looks = (submit_s + 1.0) * args.workers  # has_queued_jobs: one a second per process
+    reaper_looks = (submit_s + 2.5) * args.workers  # has_queued_jobs: one a second per process
     passes = max(0.0, s1 - s0 - reaper_looks) / args.submit
 
     # Probes: above the blocker, fit any free node.

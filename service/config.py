@@ -99,15 +99,16 @@ class Settings(BaseSettings):
         default=0.25,
         gt=0,
         le=5,
-        description="While a claim long-poll waits, how often it re-reads the database for work "
-        "placed by another API replica (work placed by this replica wakes it at once).",
+        description="While a claim long-poll waits and the replica's PostgreSQL notifications are "
+        "interrupted (the database restarting), how often it re-reads its node's placements; otherwise "
+        "a pass placing work on the node, on any replica, wakes it at once.",
     )
     reaper_interval_s: float = Field(
         default=1.0,
         gt=0,
         le=60,
         description="How often each API replica looks for expired leases, silent nodes and "
-        "finished cancellations, and runs a scheduling pass.",
+        "finished cancellations, and asks for a scheduling pass when jobs are queued.",
     )
     node_memory_s: float = Field(
         default=600.0,
