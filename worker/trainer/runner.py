@@ -593,12 +593,13 @@ def _record_epoch(
     if not write:
         if improved:
             best_state = modeldir.plain_state_dict(t.model)
-        log.info(
-            "no checkpoint after epoch %d: %.1fs since the last one, less than the interval (%.1fs)",
-            epoch,
-            time.monotonic() - (t.schedule.last or 0.0),
-            t.schedule.interval(),
-        )
+        if t.schedule.last is not None:
+            log.info(
+                "no checkpoint after epoch %d: %.1fs since the last one, less than the interval (%.1fs)",
+                epoch,
+                time.monotonic() - t.schedule.last,
+                t.schedule.interval(),
+            )
         return best_state
     current = modeldir.plain_state_dict(t.model)
     if improved:
