@@ -9,14 +9,20 @@ demo's ``--procs``) with OMP_NUM_THREADS = usable CPUs / processes and the train
 default loader workers, as the agent sets them. Each epoch is a real one: data
 loading, training steps, validation.
 
-Three runs of the same job, each in a fresh run directory:
+Four runs of the same job, each in a fresh run directory:
 
 * ``none``: no checkpoints at all (``TORCHYARD_BENCH_NO_CHECKPOINTS=1``): the baseline;
-* ``write``: the checkpoint after every epoch, written by rank 0's background writer;
+* ``write``: the checkpoint after every epoch (``TORCHYARD_CHECKPOINT_INTERVAL_S=0``),
+  written by rank 0's background writer;
 * ``write+upload``: the same, and the agent's own uploader
   (:class:`worker.agent.checkpoints.CheckpointUploader`, in this bench's process, so
   another process than the trainer, as in the agent) uploading each checkpoint to a
-  real API (``torchyard serve`` on loopback, SQLite) while the next epoch trains.
+  real API (``torchyard serve`` on loopback, SQLite) while the next epoch trains;
+* ``scheduled``: as ``write+upload`` with the trainer's default schedule (the first
+  epoch end, then an interval of 40 times the last write, and the last epoch). Its
+  figures: which epochs got a checkpoint, the total time of epochs 2..N against
+  ``none`` and ``write+upload``, and the CPU its checkpoints take per epoch (the
+  per-checkpoint CPU measured on the every-epoch runs).
 
 Measured: the checkpoint's size; what training waits for (rank 0's log: gathering the
 random states, copying the weights and optimizer state, and waiting for the previous
@@ -61,7 +67,9 @@ from worker.agent.checkpoints import CheckpointUploader, Uploaded
 from worker.agent.node import usable_cpus
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("none", "write", "write+upload")
+VARIANTS = ("none", "write", "write+upload", "scheduled")
+# The variants that write after every epoch (TORCHYARD_CHECKPOINT_INTERVAL_S=0).
+EVERY_EPOCH = ("write", "write+upload")
 _WAITED = re.compile(r"checkpoint after epoch (\d+) handed to the writer: training waited ([\d.]+)s")
 _WRITTEN = re.compile(
     r"checkpoint after epoch (\d+) written in the background: (\d+) bytes in ([\d.]+)s \(([\d.]+)s CPU\)"
@@ -141,6 +149,8 @@ def run_trainer(
     )
     if variant == "none":
         env["TORCHYARD_BENCH_NO_CHECKPOINTS"] = "1"
+    elif variant in EVERY_EPOCH:
+        env["TORCHYARD_CHECKPOINT_INTERVAL_S"] = "0"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     command += [str(args.nproc), "-m", "worker.trainer", "--config", str(job)]
     log_path = run_dir / "trainer.log"
@@ -166,7 +176,7 @@ def run_trainer(
     run.waited = {int(m[1]): float(m[2]) for m in _WAITED.finditer(text)}
     run.written = {int(m[1]): (int(m[2]), float(m[3]), float(m[4])) for m in _WRITTEN.finditer(text)}
     run.uploaded = list(uploader.uploaded) if uploader is not None else []
-    if variant != "none" and len(run.written) != args.epochs:
+    if variant in EVERY_EPOCH and len(run.written) != args.epochs:
         raise SystemExit(f"the {variant} run logged {len(run.written)} checkpoint(s), not {args.epochs}")
     return run
 
@@ -221,7 +231,7 @@ def main() -> None:
             for variant in VARIANTS:
                 run_dir = root / f"run-{round_}-{variant.replace('+', '-')}"
                 uploader = None
-                if variant == "write+upload":
+                if variant in ("write+upload", "scheduled"):
                     uploader = CheckpointUploader(worker.http, job_id, lease, run_dir)
                 run = run_trainer(variant, run_dir, (train, val), args, uploader, service.process.pid)
                 runs.append(run)
@@ -247,7 +257,8 @@ def main() -> None:
 
 def summarize(runs: list[Run], args: argparse.Namespace) -> None:
     by = {v: [r for r in runs if r.variant == v] for v in VARIANTS}
-    epoch = {v: statistics.median(s for r in by[v] for s in _middle(r, args.epochs)) for v in VARIANTS}
+    epoch = {v: statistics.median(s for r in by[v] for s in _middle(r, args.epochs)) for v in EVERY_EPOCH}
+    epoch["none"] = statistics.median(s for r in by["none"] for s in _middle(r, args.epochs))
     checkpointed = by["write"] + by["write+upload"]
     waited = statistics.median(w for r in checkpointed for w in r.waited.values())
     writes = [w for r in checkpointed for (_, w, _) in r.written.values()]
@@ -282,7 +293,7 @@ def summarize(runs: list[Run], args: argparse.Namespace) -> None:
     )
     print(
         "epoch (training + validation), median of epochs 2..N-1: "
-        + ", ".join(f"{v} {epoch[v]:.2f} s" for v in VARIANTS)
+        + ", ".join(f"{v} {epoch[v]:.2f} s" for v in ("none", *EVERY_EPOCH))
     )
     print(
         f"checkpoint cost per epoch: ({waited:.3f} s waited + {extra:+.2f} s epoch time) / "
@@ -297,6 +308,38 @@ def summarize(runs: list[Run], args: argparse.Namespace) -> None:
         f"CPU taken per epoch (upper bound where training uses every core): ({waited:.3f} waited + "
         f"{write_cpu:.2f} write + {upload_cpu:.2f} upload + {server_cpu:.2f} API) / "
         f"{epoch['none']:.2f} s = {100 * cpu_cost:.1f} %"
+    )
+
+    _summarize_schedule(by, args, waited + write_cpu + upload_cpu + server_cpu)
+
+
+def _after_first(run: Run) -> float:
+    """Total time of epochs 2..N (each may have the previous epoch's checkpoint beside it)."""
+    return sum(s for e, s in run.epoch_seconds.items() if e > 1)
+
+
+def _summarize_schedule(
+    by: dict[str, list[Run]], args: argparse.Namespace, cpu_per_checkpoint: float
+) -> None:
+    """The default schedule: which epochs got a checkpoint, and what they cost over the run."""
+    scheduled = by["scheduled"]
+    for run in scheduled:
+        print(f"scheduled: checkpoints after epochs {sorted(run.written)} of {args.epochs}")
+    # Checkpoints written beside training: every one but the last epoch's.
+    beside = statistics.median(len([e for e in r.written if e < args.epochs]) for r in scheduled)
+    none = statistics.median(_after_first(r) for r in by["none"])
+    every = statistics.median(_after_first(r) for r in by["write+upload"])
+    spaced = statistics.median(_after_first(r) for r in scheduled)
+    epochs = args.epochs - 1
+    print(
+        f"epochs 2..{args.epochs}, total (median of rounds): none {none:.1f} s, every epoch {every:.1f} s "
+        f"({100 * (every - none) / none:+.1f} %), scheduled {spaced:.1f} s ({100 * (spaced - none) / none:+.1f} %)"
+    )
+    print(
+        f"scheduled, CPU taken per epoch (upper bound, the API on the training's cores): {beside:g} "
+        f"checkpoint(s) beside training x {cpu_per_checkpoint:.2f} s / ({epochs} epochs x "
+        f"{none / epochs:.2f} s) = {100 * beside * cpu_per_checkpoint / none:.1f} % "
+        f"(every epoch: {100 * (args.epochs - 1) * cpu_per_checkpoint / none:.1f} %)"
     )
 
 

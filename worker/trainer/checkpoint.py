@@ -1,4 +1,5 @@
-"""``checkpoint.pt``: the full resumable state, written atomically after every epoch.
+"""``checkpoint.pt``: the full resumable state, written atomically at epoch ends (see
+:class:`CheckpointSchedule`) and on a preemption.
 
 Contents (plain tensors and Python scalars, so ``torch.load(weights_only=True)`` reads it):
 ``format_version``, ``job_id``, ``architecture``, ``classes``, ``world_size``,
@@ -135,6 +136,70 @@ def detached(value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(detached(item) for item in value)
     return value
+
+
+INTERVAL_VAR = "TORCHYARD_CHECKPOINT_INTERVAL_S"
+# Automatic interval: the time between two epoch-end checkpoints is at least this many
+# times the last background write. The write then takes at most 1/40 (2.5 %) of the time,
+# and the agent's upload and the service's receipt, which cost about as much again on the
+# machines measured (bench/RESULTS.md), another 2.5 %.
+AUTO_INTERVAL_FACTOR = 40.0
+
+
+def checkpoint_interval() -> float | None:
+    """``TORCHYARD_CHECKPOINT_INTERVAL_S``: the least seconds between two epoch-end
+    checkpoints (0: every epoch), or None (unset: automatic, see :class:`CheckpointSchedule`)."""
+    raw = os.environ.get(INTERVAL_VAR, "").strip()
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"{INTERVAL_VAR} must be a number of seconds, not {raw!r}") from None
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"{INTERVAL_VAR} must be a finite number of seconds >= 0, not {raw!r}")
+    return seconds
+
+
+class CheckpointSchedule:
+    """Rank 0's rule for which epoch ends get a checkpoint.
+
+    Always: the first epoch end of an attempt (a restarted job always gains at least an
+    epoch; it also measures what a checkpoint costs), the last epoch, an early stop and
+    a preemption (the caller's part). In between, an epoch end gets one when at least
+    ``interval`` seconds passed since the last checkpoint was handed to the writer:
+    ``interval_s`` when set, else :data:`AUTO_INTERVAL_FACTOR` times the last background
+    write. Cheap checkpoints (a small model) are so written after every epoch; one that
+    costs much beside short epochs every few epochs, so that it stays a small part of
+    the training time. A crash then redoes at most the epochs since the last checkpoint,
+    with the same results (their random streams depend on the seed and epoch only).
+    """
+
+    def __init__(self, writer: CheckpointWriter | None, interval_s: float | None) -> None:
+        self.writer = writer
+        self.interval_s = interval_s
+        self.last: float | None = None  # time.monotonic() of the last hand-over
+
+    def interval(self) -> float:
+        if self.interval_s is not None:
+            return self.interval_s
+        if self.writer is None or not self.writer.written:
+            return 0.0
+        return AUTO_INTERVAL_FACTOR * float(self.writer.written[-1]["write_seconds"])
+
+    def due(self, now: float | None = None) -> bool:
+        """Whether an ordinary epoch end gets a checkpoint now."""
+        if self.writer is None:
+            return False
+        if self.last is None:
+            return True
+        if self.interval_s is None and self.writer.busy:
+            return False  # the last write still runs: it costs more than an epoch
+        now = time.monotonic() if now is None else now
+        return now - self.last >= self.interval()
+
+    def handed_over(self, now: float | None = None) -> None:
+        self.last = time.monotonic() if now is None else now
 
 
 class CheckpointWriteError(RuntimeError):

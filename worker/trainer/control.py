@@ -30,6 +30,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,12 +79,28 @@ class RankControl:
             with contextlib.suppress(OSError):
                 os.utime(self.progress_path)
 
+    def start_stop_check(self) -> StopCheck:
+        """Look for a preemption request now and start sharing the answer with the other
+        ranks (one tiny all-reduce, not waited for here): :meth:`StopCheck.agreed` says,
+        on every rank, whether any rank saw one. Every rank starts one at the same step."""
+        flag = torch.tensor([1 if self.request.exists() else 0], dtype=torch.int32)
+        work = None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return StopCheck(flag, work)
+
     def stop_agreed(self) -> bool:
         """True on every rank when any rank saw a preemption request (one tiny all-reduce)."""
-        flag = torch.tensor([1 if self.request.exists() else 0], dtype=torch.int32)
+        return self.start_stop_check().agreed()
+
+    def epoch_end_agreed(self, *, checkpoint_due: bool) -> tuple[bool, bool]:
+        """At an epoch end, on every rank: whether any rank saw a preemption request and
+        whether any rank (rank 0, whose schedule decides) wants a checkpoint. One all-reduce."""
+        flags = torch.tensor([int(self.request.exists()), int(checkpoint_due)], dtype=torch.int32)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        stop, due = (bool(v) for v in flags.tolist())
+        return stop, due
 
     def write_preempted(self, epoch: int, step_in_epoch: int, step: int) -> None:
         target = self.run_dir / PREEMPTED_FILE
@@ -102,6 +119,21 @@ class RankControl:
         log.warning("paused at %s of epoch %d (TORCHYARD_TEST_PAUSE_AT)", point, epoch)
         while marker.exists():
             time.sleep(0.05)
+
+
+class StopCheck:
+    """A preemption check on its way between the ranks (see :meth:`RankControl.start_stop_check`)."""
+
+    def __init__(self, flag: torch.Tensor, work: Any) -> None:
+        self.flag = flag
+        self.work = work
+
+    def agreed(self) -> bool:
+        """Wait for the other ranks' answers: True when any rank saw a preemption request."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return bool(self.flag.item())
 
 
 def _parse_pause(raw: str) -> tuple[str, int] | None:

@@ -9,7 +9,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +23,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from torchyard.contract.errors import TrainingDivergedError
 from torchyard.modeldir import channel_stats, normalize_batch
-from worker.trainer.control import RankControl
+from worker.trainer.control import RankControl, StopCheck
 from worker.trainer.distributed import all_reduce_sum
 from worker.trainer.events import EventWriter
 
@@ -330,7 +330,21 @@ class TrainLoop:
         window_images = epoch_images = 0
         lr = self.current_lr()
         batches = device_batches(self.loader, self.prepare, self.device)
-        for index, (batch, labels) in enumerate(batches, start=start_index):
+        index = start_index
+        check: StopCheck | None = None
+        while True:
+            # The next batch is fetched while the last step boundary's stop check travels
+            # (fetching changes no training state: each sample's augmentation is seeded).
+            item = next(batches, None)
+            if check is not None and check.agreed():
+                self.preempted_at = index
+                log.info("preemption requested: every rank stops after step %d of epoch %d", index, epoch)
+                if isinstance(batches, Generator):
+                    batches.close()
+                return None
+            if item is None:
+                break
+            batch, labels = item
             self.faults.check(self.step)
             with self.autocast():
                 loss = model_loss(self.model(batch), labels)
@@ -348,13 +362,14 @@ class TrainLoop:
                 now = time.perf_counter()
                 self._report_window(epoch, index + 1, lr, window_images, now - window_start)
                 window_start, window_images = now, 0
+            index += 1
+            check = None
             if self.control is not None:
                 self.control.mark_progress()
-                if index + 1 == self.steps_per_epoch // 2:
+                if index == self.steps_per_epoch // 2:
                     self.control.pause_point("train", epoch)
-                if not last and self.control.stop_agreed():
-                    self.preempted_at = index + 1
-                    return None
+                if not last:
+                    check = self.control.start_stop_check()
         elapsed = time.perf_counter() - started
         loss_sum, count = self.meter.take_epoch()
         total_loss, total_count, total_images = all_reduce_sum([loss_sum, count, epoch_images], self.device)

@@ -278,6 +278,8 @@ class _Training:
     control: RankControl
     # Rank 0's background checkpoint writer (None on the other ranks).
     writer: ckpt.CheckpointWriter | None
+    # Which epoch ends get a checkpoint (decided on rank 0).
+    schedule: ckpt.CheckpointSchedule
 
 
 def _set_up(
@@ -287,6 +289,7 @@ def _set_up(
     there is one, and wrap the model in DistributedDataParallel."""
     params = job.parameters
     model = built.module
+    interval = ckpt.checkpoint_interval()  # a bad setting fails every rank before they wait on a peer
     distributed.setup(env, device)
     loaders = build_loaders(job, env, device)
     steps_per_epoch = loaders.steps_per_epoch
@@ -325,6 +328,7 @@ def _set_up(
         train_prepare = DecodeThenPrepare(loaders.gpu_decoder, prepare)
     autocast = autocast_factory(device)
     control = RankControl(output_dir, env.rank, device)
+    writer = _checkpoint_writer(output_dir) if env.is_primary else None
     loop = TrainLoop(
         model=ddp,
         optimizer=optimizer,
@@ -371,7 +375,8 @@ def _set_up(
         loop=loop,
         effective_lr=effective_lr,
         control=control,
-        writer=_checkpoint_writer(output_dir) if env.is_primary else None,
+        writer=writer,
+        schedule=ckpt.CheckpointSchedule(writer, interval),
     )
 
 
@@ -438,8 +443,15 @@ def _train_epochs(
             ", ".join(f"{k} {v:.4f}" for k, v in val.items()),
             " (best so far)" if improved else f" (best: epoch {t.stopper.best_epoch})",
         )
+        preempted = False
+        write = True  # the last epoch and an early stop always get their checkpoint
+        if not stopped and epoch < params.epochs:
+            # One all-reduce: any rank's preemption request, and rank 0's schedule.
+            due = t.schedule.due() if t.env.is_primary else False
+            preempted, due = t.control.epoch_end_agreed(checkpoint_due=due)
+            write = due or preempted
         checkpoint_started = time.perf_counter()
-        rank_states = _gather_rank_states(t)
+        rank_states = _gather_rank_states(t) if write else None
         if t.env.is_primary:
             best_state = _record_epoch(
                 t,
@@ -452,10 +464,11 @@ def _train_epochs(
                 stopped,
                 rank_states,
                 checkpoint_started,
+                write=write,
             )
         if stopped and epoch < params.epochs:
             log.info("stopping early: no lower validation loss for %d epochs", params.patience)
-        if not stopped and epoch < params.epochs and t.control.stop_agreed():
+        if preempted:
             # Preempted between epochs: the epoch's checkpoint is the one to resume from.
             if t.env.is_primary:
                 if t.writer is not None:
@@ -566,14 +579,28 @@ def _record_epoch(
     stopped: bool,
     rank_states: list[dict[str, Any]] | None,
     started: float,
+    *,
+    write: bool = True,
 ) -> dict[str, torch.Tensor] | None:
-    """Rank 0: the epoch's metric and progress events and its checkpoint; the best
-    epoch's weights so far. ``started``: when the ranks began gathering the checkpoint's
-    random states (what training waits for the checkpoint is counted from there)."""
+    """Rank 0: the epoch's metric and progress events and, when ``write``, its
+    checkpoint; the best epoch's weights so far. ``started``: when the ranks began
+    gathering the checkpoint's random states (what training waits for the checkpoint is
+    counted from there)."""
     step = t.loop.step
     for name, value in (*val.items(), ("epoch.seconds", seconds)):
         t.events.metric(name, value, epoch=epoch, step=step)
     t.events.progress(epoch=epoch, epochs=t.job.parameters.epochs, step=step, total_steps=t.loop.total_steps)
+    if not write:
+        if improved:
+            best_state = modeldir.plain_state_dict(t.model)
+        if t.schedule.last is not None:
+            log.info(
+                "no checkpoint after epoch %d: %.1fs since the last one, less than the interval (%.1fs)",
+                epoch,
+                time.monotonic() - t.schedule.last,
+                t.schedule.interval(),
+            )
+        return best_state
     current = modeldir.plain_state_dict(t.model)
     if improved:
         best_state = current
@@ -634,6 +661,7 @@ def _save_checkpoint(
         label=where,
         before_replace=lambda: t.control.pause_point("checkpoint", epoch),
     )
+    t.schedule.handed_over()
     log.info(
         "checkpoint after %s handed to the writer: training waited %.3fs (%.3fs of it for the previous write)",
         where,

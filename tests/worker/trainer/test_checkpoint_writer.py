@@ -117,3 +117,63 @@ def test_detached_copies_containers_and_tensors() -> None:
     value["a"].append(2)  # type: ignore[attr-defined]
     assert torch.equal(copy["a"][0], torch.zeros(3)) and torch.equal(copy["a"][1][0], torch.zeros(3))
     assert len(copy["a"]) == 2 and copy["b"] == "x"
+
+
+def test_the_schedule_writes_the_first_epoch_end_then_waits_for_the_set_interval(tmp_path: Path) -> None:
+    writer = ckpt.CheckpointWriter(tmp_path / ckpt.CHECKPOINT_FILE)
+    schedule = ckpt.CheckpointSchedule(writer, 30.0)
+    assert schedule.due(now=5.0)  # the attempt's first epoch end, however soon
+    schedule.handed_over(now=5.0)
+    assert schedule.interval() == 30.0
+    assert not schedule.due(now=34.9)
+    assert schedule.due(now=35.0)
+    every_epoch = ckpt.CheckpointSchedule(writer, 0.0)
+    every_epoch.handed_over(now=1.0)
+    assert every_epoch.due(now=1.0)
+    # Rank 0 without a writer (a benchmark's baseline) never writes one.
+    assert not ckpt.CheckpointSchedule(None, 0.0).due(now=1.0)
+
+
+def test_the_automatic_interval_is_a_multiple_of_the_last_write(tmp_path: Path) -> None:
+    writer = ckpt.CheckpointWriter(tmp_path / ckpt.CHECKPOINT_FILE)
+    schedule = ckpt.CheckpointSchedule(writer, None)
+    assert schedule.due(now=0.0)
+    writer.submit(_state(torch.zeros(1000), torch.zeros(1000), 1), label="epoch 1")
+    schedule.handed_over(now=0.0)
+    writer.wait()
+    took = writer.written[-1]["write_seconds"]
+    assert took > 0 and schedule.interval() == ckpt.AUTO_INTERVAL_FACTOR * took
+    assert not schedule.due(now=0.99 * schedule.interval())
+    assert schedule.due(now=schedule.interval())
+
+
+def test_the_automatic_schedule_skips_an_epoch_end_while_the_last_write_runs(tmp_path: Path) -> None:
+    writer = ckpt.CheckpointWriter(tmp_path / ckpt.CHECKPOINT_FILE)
+    schedule = ckpt.CheckpointSchedule(writer, None)
+    release = threading.Event()
+    writer.submit(
+        _state(torch.zeros(10), torch.zeros(10), 1), label="epoch 1", before_replace=lambda: release.wait(30)
+    )
+    schedule.handed_over(now=0.0)
+    try:
+        assert writer.busy and not schedule.due(now=1e9)
+        # A fixed interval does not look at the writer: the next submit waits for it.
+        assert ckpt.CheckpointSchedule(writer, 0.0).due(now=1e9) is True
+    finally:
+        release.set()
+        writer.wait()
+
+
+def test_the_interval_setting_is_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ckpt.INTERVAL_VAR, raising=False)
+    assert ckpt.checkpoint_interval() is None
+    monkeypatch.setenv(ckpt.INTERVAL_VAR, " ")
+    assert ckpt.checkpoint_interval() is None
+    monkeypatch.setenv(ckpt.INTERVAL_VAR, "0")
+    assert ckpt.checkpoint_interval() == 0.0
+    monkeypatch.setenv(ckpt.INTERVAL_VAR, "90.5")
+    assert ckpt.checkpoint_interval() == 90.5
+    for bad in ("soon", "-1", "nan", "inf"):
+        monkeypatch.setenv(ckpt.INTERVAL_VAR, bad)
+        with pytest.raises(ValueError, match=ckpt.INTERVAL_VAR):
+            ckpt.checkpoint_interval()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,9 @@ from tests.support.trainer_helpers import (
     write_job,
 )
 from torchyard import modeldir
+from worker.trainer import checkpoint as ckpt
 from worker.trainer import runner
+from worker.trainer.control import PREEMPT_REQUEST_FILE, PREEMPTED_FILE
 
 THREE = ["0", "1", "2"]
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_process")]
@@ -139,3 +143,68 @@ def test_early_stopping_publishes_the_best_epoch(
     published = modeldir.load_state(tmp_path / "model")
     assert all(torch.equal(published[k], checkpoint["best_model"][k]) for k in published)
     assert not torch.equal(published["fc.weight"], checkpoint["model"]["fc.weight"])
+
+
+def _handed_over(caplog: pytest.LogCaptureFixture) -> list[str]:
+    marks = [r.getMessage() for r in caplog.records if "handed to the writer" in r.getMessage()]
+    caplog.clear()
+    return [m.split(" handed")[0].removeprefix("checkpoint after ") for m in marks]
+
+
+def _preempt_when_paused(run_dir: Path, point: str) -> threading.Thread:
+    """Play the agent: once rank 0 waits at ``point``, ask for a preemption and let it go on."""
+
+    def run() -> None:
+        marker = run_dir / f"paused-{point}"
+        deadline = time.monotonic() + 300
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        (run_dir / PREEMPT_REQUEST_FILE).write_text("")
+        marker.unlink()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_checkpoints_spaced_by_the_interval_still_resume_exactly(
+    tmp_path: Path, digits: Digits, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With an interval longer than the run, only the first epoch end of each attempt, a
+    preemption and the last epoch get a checkpoint; a failure then redoes the epochs
+    since the last one, and the job still ends with the uninterrupted run's metrics."""
+    settings = {"architecture": "squeezenet1_1", "epochs": 4, "random_seed": 3}
+    reference = tmp_path / "reference"
+    assert run_in_process(write_job(reference, digits, **settings)) == 0
+    caplog.clear()
+
+    run = tmp_path / "run"
+    job = write_job(run, digits, **settings)
+    monkeypatch.setenv(ckpt.INTERVAL_VAR, "3600")
+    steps_per_epoch = 240 // 16
+    # Attempt 1 fails at the first step of epoch 3: epoch 2 got no checkpoint.
+    monkeypatch.setenv("TORCHYARD_TEST_FAIL_RANK", "0")
+    monkeypatch.setenv("TORCHYARD_TEST_FAIL_STEP", str(2 * steps_per_epoch))
+    assert run_in_process(job) == 1
+    assert _handed_over(caplog) == ["epoch 1"]
+    assert torch.load(run / ckpt.CHECKPOINT_FILE, weights_only=True)["epoch"] == 1
+    monkeypatch.delenv("TORCHYARD_TEST_FAIL_RANK")
+    monkeypatch.delenv("TORCHYARD_TEST_FAIL_STEP")
+    (run / "failure-rank-0.json").unlink()
+
+    # Attempt 2 resumes after epoch 1 and is preempted before epoch 3's validation: epoch 2
+    # (its first) and epoch 3 (the preemption) get one, however short the time between.
+    monkeypatch.setenv("TORCHYARD_TEST_PAUSE_AT", "validation:3")
+    agent = _preempt_when_paused(run, "validation-3")
+    assert run_in_process(job) == 0
+    agent.join(5)
+    assert _handed_over(caplog) == ["epoch 2", "epoch 3"]
+    assert json.loads((run / PREEMPTED_FILE).read_text())["epoch"] == 3
+    assert not (run / "model").exists()
+    monkeypatch.delenv("TORCHYARD_TEST_PAUSE_AT")
+    (run / PREEMPT_REQUEST_FILE).unlink()
+
+    # Attempt 3 trains the last epoch, whose checkpoint is always written.
+    assert run_in_process(job) == 0
+    assert _handed_over(caplog) == ["epoch 4"]
+    assert epoch_history(run) == epoch_history(reference)
