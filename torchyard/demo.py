@@ -345,7 +345,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--per-class", type=int, default=None, help="images per digit (default: all, about 180)"
     )
     demo.add_argument("--batch-size", type=int, default=32, help="images per batch (default 32)")
-    demo.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
+    demo.add_argument(
+        "--lr",
+        type=float,
+        default=0.02,
+        help="learning rate (default 0.02: the validation loss falls every epoch; 0.05 makes it jump)",
+    )
     demo.add_argument("--procs", type=int, default=1, help="training processes (default 1)")
     demo.add_argument("--slots", type=int, default=None, help="CPU slots of the local worker")
     demo.add_argument("--port", type=int, default=None, help="API port (default: a free one)")

@@ -165,13 +165,13 @@ function textField(path, label, attrs = {}, hint = "") {
   );
 }
 
-function selectField(path, label, options, empty) {
+function selectField(path, label, options, [choose, none]) {
   const id = `f-${path.replace(/\./g, "-")}`;
   return h(
     "div",
     { class: "field", dataset: { field: path } },
     h("label", { for: id }, label),
-    h("select", { id, name: path }, h("option", { value: "" }, options.length ? `choose ${empty}` : `no ${empty}s yet`), ...options.map(([value, text]) => h("option", { value }, text))),
+    h("select", { id, name: path }, h("option", { value: "" }, options.length ? choose : none), ...options.map(([value, text]) => h("option", { value }, text))),
     h("div", { class: "hint" }),
     h("div", { class: "field-error", id: `err-${id}` }),
   );
@@ -203,7 +203,7 @@ export async function renderNewJob(ctx) {
   const wanted = ctx.params.get("type");
   const typeSelect = h(
     "select",
-    { id: "f-type", name: "type" },
+    { id: "f-type", name: "job_type" },
     ...TYPES.filter(([t]) => t !== "evaluate" || ctx.features.models).map(([value, text]) => h("option", { value, selected: value === wanted }, text)),
   );
   const priority = fieldRow("priority", priorityProp(ctx.schema));
@@ -241,9 +241,9 @@ export async function renderNewJob(ctx) {
       "fieldset",
       { class: "card" },
       h("legend", {}, "script"),
-      selectField("code", "code package", code.map((c) => [c.id, `${c.name || c.id.slice(0, 8)} (${c.id.slice(0, 8)})`]), "a code package"),
+      selectField("code", "code package", code.map((c) => [c.id, `${c.name || c.id.slice(0, 8)} (${c.id.slice(0, 8)})`]), ["choose a code package", "no code packages: upload one with `torchyard code upload`"]),
       textField("command", "command", { placeholder: "python train.py --epochs 3" }, "as you would type it; quotes group words; no shell"),
-      selectField("inputs.data", "input dataset (optional)", datasets.map((d) => [d.id, d.name]), "a dataset"),
+      selectField("inputs.data", "input dataset (optional)", datasets.map((d) => [d.id, d.name]), ["none", "none (no datasets yet)"]),
       launch ? fieldRow("distribution.launch", launch) : null,
     ),
     h("fieldset", { class: "card" }, h("legend", {}, "resources"), ...Object.entries(scriptResources).map(([name, prop]) => fieldRow(`script.resources.${name}`, prop))),
@@ -261,7 +261,7 @@ export async function renderNewJob(ctx) {
       "fieldset",
       { class: "card" },
       h("legend", {}, "evaluation"),
-      selectField("model", "model version", versions, "a model version"),
+      selectField("model", "model version", versions, ["choose a model version", "no models: register one from a succeeded job's page"]),
       datasetPicker("dataset", "dataset", datasets),
       fieldRow("batch_size", batch),
     ),
@@ -287,7 +287,7 @@ export async function renderNewJob(ctx) {
   );
   const showType = () => {
     for (const [type, el] of Object.entries(parts)) el.hidden = type !== typeSelect.value;
-    form.dataset.type = typeSelect.value;
+    form.setAttribute("data-type", typeSelect.value);
   };
   typeSelect.addEventListener("change", showType);
   showType();
