@@ -511,8 +511,7 @@ def test_register_a_succeeded_jobs_model_then_predict_on_the_models_page(
     # A version is deleted from its page; the other stays.
     page.goto("/#/models/digits")
     page.wait_for_selector("#version-2")
-    page.once("dialog", lambda dialog: dialog.accept())
-    page.click("#delete-version-2")
+    page.click("#delete-version-2")  # the confirmation is accepted (UiPage says yes)
     page.wait_for_selector("#model-note:has-text('Deleted version 2.')")
     assert page.locator("section.model-version").count() == 1
     assert httpx.get(f"{live_server.url}/v1/models/digits/versions/2", headers=auth(token)).status_code == 404
@@ -698,7 +697,7 @@ def test_select_jobs_in_the_list_and_compare_them(
     # The results table: best with its epoch, sortable.
     rows = page.locator("#compare-results tbody tr")
     assert [rows.nth(i).get_attribute("data-job-id") for i in range(2)] == [j.job_id for j in jobs[:2]]
-    assert "0.80 (epoch 2)" in (rows.nth(0).text_content() or "")
+    assert "80.0% (epoch 2)" in (rows.nth(0).text_content() or "")  # accuracies in %
     best_top1 = page.locator("#compare-results th", has_text="val.top1 best (max)")
     best_top1.click()  # ascending: cmp-b (0.5) first
     assert rows.nth(0).get_attribute("data-job-id") == jobs[1].job_id
@@ -875,6 +874,8 @@ def test_each_job_type_shows_what_it_has_in_the_list_and_on_its_page(
     summary = page.text_content("#job-status") or ""
     assert "of ?" not in summary and "epoch 0" not in summary
     assert page.locator("tr.attempt-row").count() == 1
+    spec = page.text_content("#spec pre") or ""
+    assert '"dataset": "' + dataset + '"' in spec and '"batch_size": 64' in spec
 
     # A training job's page: the effective learning rate, the best values in %, the loss on a
     # logarithmic axis and the accuracy in %.
@@ -894,3 +895,19 @@ def test_each_job_type_shows_what_it_has_in_the_list_and_on_its_page(
     assert "python train.py --epochs 3" in (page.text_content("#summary") or "")
     assert page.locator("#effective-lr, #evaluation").count() == 0
     assert ui.errors == []
+
+
+def test_the_api_docs_pages_fetch_nothing_from_another_host(live_server: LiveServer, open_ui: Any) -> None:
+    ui = open_ui(live_server.url)
+    page = ui.page
+    requested: list[str] = []
+    page.on("request", lambda request: requested.append(request.url))
+    page.goto("/redoc")
+    # ReDoc has drawn the schema's operations (and its menu, where its logo would be).
+    page.wait_for_selector("[data-section-id*='operation/']", state="attached")
+    page.goto("/docs")
+    page.wait_for_selector(".swagger-ui .opblock")
+    # This service's own URLs, its blobs (ReDoc's search worker) and inline data: nothing else.
+    own = (live_server.url, f"blob:{live_server.url}", "data:")
+    elsewhere = [url for url in requested if not url.startswith(own)]
+    assert requested and elsewhere == []

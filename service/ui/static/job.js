@@ -149,7 +149,7 @@ function specBlock(job) {
     resources: job.resources,
     priority: job.priority,
   };
-  for (const key of ["code", "command", "distribution", "inputs", "environment"]) {
+  for (const key of ["dataset", "batch_size", "code", "command", "distribution", "inputs", "environment", "outputs"]) {
     if (job[key] !== undefined) spec[key] = job[key];
   }
   for (const [k, v] of Object.entries(spec)) if (v === undefined || v === null) delete spec[k];
