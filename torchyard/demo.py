@@ -163,6 +163,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         try:
             node = client.cluster().nodes[0]
             _say(out, f"worker node {node.name!r} ready: {node.units} {node.accelerator} unit(s)")
+            _say(
+                out,
+                f"web UI: {service.url}/ while the demo runs (sign in with the token in "
+                f"{_rel(data_dir / 'admin.token')}; --keep-running keeps it up afterwards)",
+            )
             train = client.upload_dataset(train_dir, name="digits-train")
             val = client.upload_dataset(val_dir, name="digits-val")
             _say(

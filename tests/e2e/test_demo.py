@@ -76,6 +76,9 @@ def test_demo_trains_downloads_and_explains_how_to_go_on(tmp_path: Path) -> None
     lines = out.splitlines()
     assert lines[0].startswith("torchyard demo: API + local worker on http://127.0.0.1:")
     assert re.search(r"^worker node '.+' ready: \d+ cpu unit\(s\)$", out, re.M)
+    assert re.search(
+        r"^web UI: http://127\.0\.0\.1:\d+/ while the demo runs \(sign in with the token in ", out, re.M
+    )
     assert "uploaded digits-train (100 images) and digits-val (20 images), 10 classes" in out
     # live progress: every status, and one line per epoch with its metrics
     statuses = [line.split()[1] for line in lines if line.startswith("status: ")]
