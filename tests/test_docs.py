@@ -67,3 +67,46 @@ def test_operations_doc_names_its_settings_with_their_defaults() -> None:
     for route in ("GET /healthz", "GET /readyz"):
         assert route in doc
     assert "(docs/operations.md)" in (ROOT / "README.md").read_text()
+
+
+# References a reader of this repository does not have (the material it was first written
+# from): the docs, the examples and the CLI's help speak of torchyard alone.
+_FOREIGN_REFERENCES = re.compile(
+    r"\bseed \d{3}\b|\bthe seed's\b|\bas the seed\b|\bseeds'|\bpytorch_train\.py\b", re.I
+)
+
+
+def _help_texts() -> list[str]:
+    import argparse
+
+    from torchyard.cli import build_parser
+
+    texts: list[str] = []
+    parsers = [build_parser()]
+    while parsers:
+        parser = parsers.pop()
+        texts.append(parser.format_help())
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.extend(action.choices.values())
+    return texts
+
+
+def test_docs_examples_and_help_name_things_for_what_they_are() -> None:
+    files = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").rglob("*.*")]
+    found = [
+        f"{path.relative_to(ROOT)}: {match.group(0)!r}"
+        for path in files
+        if path.suffix in {".md", ".py", ".json", ".yaml", ".yml"}
+        for match in _FOREIGN_REFERENCES.finditer(path.read_text())
+    ]
+    found += [
+        f"CLI help: {m.group(0)!r}" for text in _help_texts() for m in _FOREIGN_REFERENCES.finditer(text)
+    ]
+    assert found == []
+    # The fine-tuning example is named for what it does (it trains on any class folders; the
+    # docs run it on digits), and every reference to it follows.
+    assert not (ROOT / "examples" / "birds").exists()
+    assert (ROOT / "examples" / "finetune-resnet" / "train.py").is_file()
+    for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").rglob("*.md")]:
+        assert "birds" not in path.read_text(), path

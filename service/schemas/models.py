@@ -46,6 +46,11 @@ class ModelVersionPublic(BaseModel):
     sha256: str = Field(description="sha256 of the model directory archive.")
     onnx: bool = Field(description="Whether the version has an ONNX export (needed for scoring).")
     created_at: datetime
+    top1: float | None = Field(
+        default=None,
+        description="The best validation top-1 (0-1) of the job it came from; null where that job "
+        "reported none (or was deleted).",
+    )
 
 
 class ModelPublic(BaseModel):

@@ -38,6 +38,16 @@ def latest_update(session: Session, principal: Principal) -> datetime | None:
     return value
 
 
+def _type_fields(job: Job) -> dict[str, Any]:
+    """What the list shows of a job of each type: an evaluation's model, a script's command."""
+    spec: dict[str, Any] = job.spec or {}
+    if job.type == "evaluate":
+        return {"model": spec.get("model")}
+    if job.type == "script":
+        return {"command": spec.get("command")}
+    return {}
+
+
 def changed_since(session: Session, principal: Principal, since: datetime | None) -> list[dict[str, Any]]:
     """The principal's jobs updated after ``since``, oldest change first, as list rows."""
     stmt = _owned(principal)
@@ -47,10 +57,13 @@ def changed_since(session: Session, principal: Principal, since: datetime | None
     return [
         {
             "id": job.id,
+            "type": job.type,
             "name": job.name,
             "status": job.status,
             "reason": job.wait_reason,
             "progress": job.progress,
+            "best": job.best,
+            **_type_fields(job),
             "created_at": job.created_at.isoformat(),
             "updated_at": job.updated_at.isoformat(),
             "started_at": job.started_at.isoformat() if job.started_at else None,

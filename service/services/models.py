@@ -65,8 +65,9 @@ class ModelFiles:
     sha256: str
 
 
-def version_public(row: ModelVersion) -> ModelVersionPublic:
+def version_public(row: ModelVersion, top1: float | None = None) -> ModelVersionPublic:
     return ModelVersionPublic(
+        top1=top1,
         name=row.name,
         version=row.version,
         job_id=row.job_id,
@@ -256,21 +257,40 @@ def _versions(session: Session, principal: Principal, name: str | None = None) -
     return list(session.scalars(stmt.order_by(ModelVersion.name, ModelVersion.version)))
 
 
+def source_top1(session: Session, rows: list[ModelVersion]) -> dict[str, float]:
+    """The best validation top-1 each version's source job reported, by job id (one query)."""
+    ids = {row.job_id for row in rows}
+    if not ids:
+        return {}
+    found: dict[str, float] = {}
+    for job_id, best in session.execute(select(Job.id, Job.best).where(Job.id.in_(ids))):
+        value = best.get("val.top1") if isinstance(best, dict) else None
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            found[job_id] = float(value)
+    return found
+
+
+def _model_public(session: Session, name: str, rows: list[ModelVersion]) -> ModelPublic:
+    top1 = source_top1(session, rows)
+    return ModelPublic(
+        name=name,
+        latest_version=rows[-1].version,
+        versions=[version_public(r, top1.get(r.job_id)) for r in rows],
+    )
+
+
 def list_models(session: Session, principal: Principal) -> list[ModelPublic]:
     by_name: dict[str, list[ModelVersion]] = {}
     for row in _versions(session, principal):
         by_name.setdefault(row.name, []).append(row)
-    return [
-        ModelPublic(name=name, latest_version=rows[-1].version, versions=[version_public(r) for r in rows])
-        for name, rows in by_name.items()
-    ]
+    return [_model_public(session, name, rows) for name, rows in by_name.items()]
 
 
 def get_model(session: Session, principal: Principal, name: str) -> ModelPublic:
     rows = _versions(session, principal, name)
     if not rows:
         raise NotFoundError(f"model {name!r} not found")
-    return ModelPublic(name=name, latest_version=rows[-1].version, versions=[version_public(r) for r in rows])
+    return _model_public(session, name, rows)
 
 
 def parse_version(version: str) -> int | None:

@@ -519,7 +519,38 @@ def test_demo_next_steps_say_how_to_get_the_command(tmp_path: Path, monkeypatch:
     assert re.search(r"^    source \.venv/bin/activate +# puts `torchyard` on PATH", text, re.M)
     assert "sample data:   torchyard-demo/digits/train and torchyard-demo/digits/val" in text
     assert "`torchyard demo` wrote" in text
-    assert "torchyard metrics digits-resnet18" in text and f"torchyard logs {job.id[:8]}" in text
+    # The job by its id: the demo's job has the same name each run, so a second run would
+    # make the name ambiguous.
+    assert f"torchyard metrics {job.id[:8]} " in text and f"torchyard logs {job.id[:8]}" in text
+    assert "torchyard metrics digits-resnet18" not in text
+    # The service stops with the demo: the web UI is offered through --keep-running, not by a
+    # URL that no longer answers.
+    assert "torchyard demo --keep-running" in text and "8123" not in text
+    assert "http://127.0.0.1:8000/" in text
+
+
+def test_demo_next_steps_with_keep_running_name_the_web_ui(tmp_path: Path) -> None:
+    root = tmp_path / "torchyard-demo"
+    job = JobModel(
+        id="e" * 32, name="digits-resnet18", status="succeeded", best={"val.top1": 0.97, "epoch": 4}
+    )
+    out = io.StringIO()
+    service = DemoService(root / "data", 8123, None, root / "serve.log")
+    args = _demo_defaults()
+    args.keep_running = True
+    _summary(
+        out,
+        job,
+        service,
+        (root / "data").resolve(),
+        root / "models" / job.id,
+        root / "digits" / "val",
+        60.0,
+        args,
+    )
+    text = out.getvalue()
+    assert "web UI:        http://127.0.0.1:8123/ (up until you press Ctrl-C" in text
+    assert "--keep-running" not in text
 
 
 def test_command_hint_when_the_command_is_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.e2e.test_cli_training import processes_mentioning
@@ -15,25 +19,66 @@ from tests.e2e.test_cli_training import processes_mentioning
 pytestmark = pytest.mark.slow
 
 
+KEPT = "the service keeps running: web UI at "
+
+
 def test_demo_trains_downloads_and_explains_how_to_go_on(tmp_path: Path) -> None:
+    """Run with --keep-running: the web UI answers at the URL the demo prints once it is
+    done, and Ctrl-C then stops the service."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
-    result = subprocess.run(
-        [sys.executable, "-m", "torchyard.cli", "demo", "--epochs", "2", "--per-class", "12"],
+    errors = (tmp_path / "stderr.txt").open("w")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torchyard.cli",
+            "demo",
+            "--epochs",
+            "2",
+            "--per-class",
+            "12",
+            "--keep-running",
+        ],
         cwd=tmp_path,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=errors,
         text=True,
-        timeout=900,
-        check=False,
     )
-    out = result.stdout
+    printed: list[str] = []
+    reader = threading.Thread(target=lambda: printed.extend(process.stdout or []), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 900
+    while not any(line.startswith(KEPT) for line in printed) and process.poll() is None:
+        assert time.monotonic() < deadline, "".join(printed)
+        time.sleep(0.5)
+    kept = next((line for line in printed if line.startswith(KEPT)), None)
+    if kept is not None:
+        ui_url = kept[len(KEPT) :].split(",")[0]
+        page = httpx.get(ui_url, timeout=30)
+        assert page.status_code == 200 and "torchyard" in page.text
+        process.send_signal(signal.SIGINT)
+    try:
+        process.wait(120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    reader.join(30)
+    out = "".join(printed)
     demo = tmp_path / "torchyard-demo"
     serve_log = (demo / "serve.log").read_text(errors="replace") if (demo / "serve.log").exists() else ""
-    assert result.returncode == 0, f"{out}\n{result.stderr}\n--- serve.log ---\n{serve_log[-5000:]}"
+    errors.close()
+    stderr = (tmp_path / "stderr.txt").read_text(errors="replace")
+    assert kept is not None and process.returncode == 0, (
+        f"{out}\n{stderr}\n--- serve.log ---\n{serve_log[-5000:]}"
+    )
 
     lines = out.splitlines()
     assert lines[0].startswith("torchyard demo: API + local worker on http://127.0.0.1:")
     assert re.search(r"^worker node '.+' ready: \d+ cpu unit\(s\)$", out, re.M)
+    assert re.search(
+        r"^web UI: http://127\.0\.0\.1:\d+/ while the demo runs \(sign in with the token in ", out, re.M
+    )
     assert "uploaded digits-train (100 images) and digits-val (20 images), 10 classes" in out
     # live progress: every status, and one line per epoch with its metrics
     statuses = [line.split()[1] for line in lines if line.startswith("status: ")]
@@ -59,6 +104,10 @@ def test_demo_trains_downloads_and_explains_how_to_go_on(tmp_path: Path) -> None
     assert re.search(
         r"^    torchyard predict torchyard-demo/models/\w+ torchyard-demo/digits/val/7/\S+\.png", out, re.M
     )
+    # the job by its id (a second run makes the name ambiguous), the web UI by its URL
+    job_id = re.search(r"^submitted job ([0-9a-f]+):", out, re.M)
+    assert job_id and f"    torchyard metrics {job_id.group(1)[:8]} " in out
+    assert re.search(r"^  web UI:        http://127\.0\.0\.1:\d+/ \(up until you press Ctrl-C", out, re.M)
     # and the service was shut down cleanly, its worker with it
     assert lines[-1] == "service stopped."
     assert processes_mentioning(str(demo.resolve())) == []

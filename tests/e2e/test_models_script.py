@@ -1,4 +1,4 @@
-"""The birds example as a script job on the demo's digits, and its model directory
+"""The finetune-resnet example as a script job on the demo's digits, and its model directory
 registered from the job's outputs (SPEC §9, §10: ``POST /v1/models {name, job_id, path}``).
 
 One real job (two processes, one epoch at 32 px) serves every assertion: the example's
@@ -88,7 +88,9 @@ def _pack(folder: Path, extra: dict[str, str]) -> bytes:
     return buf.getvalue()
 
 
-def _register(client: httpx.Client, job_id: str, path: str | None, name: str = "birds") -> httpx.Response:
+def _register(
+    client: httpx.Client, job_id: str, path: str | None, name: str = "digits-finetune"
+) -> httpx.Response:
     body: dict[str, Any] = {"name": name, "job_id": job_id}
     if path is not None:
         body["path"] = path
@@ -102,14 +104,16 @@ def _refused(r: httpx.Response, status: int, text: str) -> None:
     assert text in body["message"], body
 
 
-def test_birds_example_trains_and_registers_from_its_outputs(env: ScriptEnv, tmp_path: Path) -> None:
+def test_finetune_example_trains_and_registers_from_its_outputs(env: ScriptEnv, tmp_path: Path) -> None:
     env.agent("solo", slots=2)
     train, val = upload_digits(env.user, tmp_path / "digits", per_class=8, size=32)
-    folder = ROOT / "examples" / "birds"
+    folder = ROOT / "examples" / "finetune-resnet"
     r = env.user.post(
         "/v1/code",
-        data={"name": "birds"},
-        files={"file": ("birds.tar.gz", _pack(folder, {"wrapper.py": WRAPPER}), "application/gzip")},
+        data={"name": "finetune-resnet"},
+        files={
+            "file": ("finetune-resnet.tar.gz", _pack(folder, {"wrapper.py": WRAPPER}), "application/gzip")
+        },
     )
     assert r.status_code == 201, r.text
     command = ["python", "wrapper.py", "--num_epochs", "1", "--image_size", "32", "--batch_size", "8",
@@ -171,17 +175,17 @@ def test_birds_example_trains_and_registers_from_its_outputs(env: ScriptEnv, tmp
             env=cli_env, capture_output=True, text=True, timeout=120, check=False,
         )  # fmt: skip
 
-    again = cli("model", "register", "birds", "--job", job_id, "--path", "model")
-    assert again.returncode == 0 and again.stdout.strip() == "birds:2", again.stderr
+    again = cli("model", "register", "digits-finetune", "--job", job_id, "--path", "model")
+    assert again.returncode == 0 and again.stdout.strip() == "digits-finetune:2", again.stderr
     assert "outputs folder model" in again.stderr
-    assert env.user.get("/v1/models/birds/versions/2").json()["sha256"] == version["sha256"]
+    assert env.user.get("/v1/models/digits-finetune/versions/2").json()["sha256"] == version["sha256"]
     clash = _register(env.user, job_id, "other")
     assert clash.status_code == 409 and clash.json()["details"]["registered"] == "model", clash.text
-    shown = env.user.get("/v1/models/birds/versions/1").json()
+    shown = env.user.get("/v1/models/digits-finetune/versions/1").json()
     assert shown["path"] == "model" and shown["job_id"] == job_id
 
     # The service's predictions are the downloaded model directory's, loaded with torch.
-    done = cli("model", "download", "birds:1", "-o", str(tmp_path / "dl"))
+    done = cli("model", "download", "digits-finetune:1", "-o", str(tmp_path / "dl"))
     assert done.returncode == 0, done.stderr
     local_dir = modeldir.resolve_model_dir(tmp_path / "dl")
     modeldir.verify_model_dir(local_dir)
@@ -190,7 +194,7 @@ def test_birds_example_trains_and_registers_from_its_outputs(env: ScriptEnv, tmp
     assert len(images) == 8
     local = modeldir.predict(local_dir, images, topk=3)
     r = env.user.post(
-        "/v1/models/birds/versions/1/predict",
+        "/v1/models/digits-finetune/versions/1/predict",
         files=[("files", (p.name, p.read_bytes(), "image/png")) for p in images],
         data={"top_k": "3"},
     )
@@ -201,6 +205,6 @@ def test_birds_example_trains_and_registers_from_its_outputs(env: ScriptEnv, tmp
         assert [label for label, _ in mine] == [t["label"] for t in theirs["top"]]
         for (_, p), t in zip(mine, theirs["top"], strict=True):
             assert abs(p - t["probability"]) <= 1e-4
-    onnx = env.user.get("/v1/models/birds/versions/1/onnx")
+    onnx = env.user.get("/v1/models/digits-finetune/versions/1/onnx")
     assert onnx.status_code == 200
     assert hashlib.sha256(onnx.content).hexdigest() == modeldir.sha256_file(local_dir / "model.onnx")

@@ -1,5 +1,5 @@
 """Script jobs across two nodes in network namespaces (2×1, both launch modes, every
-node's outputs kept). The birds example runs in tests/e2e/test_models_script.py."""
+node's outputs kept). The finetune-resnet example runs in tests/e2e/test_models_script.py."""
 
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ from tests.service.test_models_api import succeeded_job
 from tests.support.attempt_history import restarted_job
 from tests.support.factories import auth, create_token, insert_dataset, job_spec, register_node, token_id
 from tests.support.report_helpers import point, post_report, start_running_job
+from tests.support.script_helpers import code_archive
 from tests.support.trained_model import Trained
 from tests.support.worker_fixtures import (
     start_agent,
@@ -107,8 +108,8 @@ def test_new_job_form_shows_each_422_next_to_its_field_then_submits(
 ) -> None:
     token, uid = _user(admin, "erin")
     register_node(admin, create_token(admin, "worker"), "cpu-1", units=2)
-    train = insert_dataset(live_server.settings, uid, name="birds-train")
-    val = insert_dataset(live_server.settings, uid, name="birds-val")
+    train = insert_dataset(live_server.settings, uid, name="shapes-train")
+    val = insert_dataset(live_server.settings, uid, name="shapes-val")
     ui = open_ui(live_server.url)
     ui.sign_in(token)
     page = ui.page
@@ -116,13 +117,23 @@ def test_new_job_form_shows_each_422_next_to_its_field_then_submits(
     page.wait_for_selector("#new-job-form")
     # Every parameter shows its range.
     assert "16..1024" in page.text_content(".field[data-field='parameters.image_size']")
-    page.fill("#f-name", "birds")
-    assert "birds-train (9 images, 3 classes)" in page.text_content("#f-train_dataset")
+    page.fill("#f-name", "shapes")
+    assert "shapes-train (9 images, 3 classes)" in page.text_content("#f-train_dataset")
     page.select_option("#f-train_dataset", value=train)
     page.select_option("#f-validation_dataset", value=val)
     # The job's priority and the model's init_from_job have fields too.
     assert "-100..100" in page.text_content(".field[data-field='priority']")
     assert page.input_value("#f-model-init_from_job") == ""
+    # The architecture is picked from the list of the ones a job may name.
+    assert page.eval_on_selector("#f-model-architecture", "el => el.tagName") == "SELECT"
+    assert page.input_value("#f-model-architecture") == "resnet18"
+    assert page.locator("#f-model-architecture option[value='densenet121']").count() == 1
+    # The learning rate the trainer will use: multiplied by the number of processes.
+    page.fill("#f-parameters-learning_rate", "0.05")
+    page.fill("#f-resources-process_count_per_node", "2")
+    assert "0.05 × 2 processes = 0.1 effective" in page.text_content("#effective-lr-hint")
+    page.fill("#f-resources-process_count_per_node", "1")
+    assert "1 process: effective 0.05" in page.text_content("#effective-lr-hint")
     page.fill("#f-parameters-epochs", "0")
     page.fill("#f-parameters-image_size", "8")
     page.fill("#f-priority", "101")
@@ -151,11 +162,13 @@ def test_new_job_form_shows_each_422_next_to_its_field_then_submits(
     page.fill("#f-resources-node_count", "1")
     page.click("#submit-job")
     page.wait_for_url(re.compile(r"#/jobs/[0-9a-f-]+$"))
-    assert page.text_content("#job-name") == "birds"
+    assert page.text_content("#job-name") == "shapes"
     job_id = page.url.rsplit("/", 1)[1]
     job = httpx.get(f"{live_server.url}/v1/jobs/{job_id}", headers=auth(token)).json()
     assert job["parameters"]["epochs"] == 2 and job["parameters"]["image_size"] == 32
     assert job["priority"] == 7 and job["model"]["init_from_job"] is None
+    assert job["parameters"]["learning_rate"] == 0.05 and job["model"]["architecture"] == "resnet18"
+    assert page.text_content("#effective-lr") == "0.05 (1 process: effective 0.05)"
 
     # The jobs list filters by status.
     page.click("#nav-jobs")
@@ -183,6 +196,36 @@ def test_new_job_form_shows_each_422_next_to_its_field_then_submits(
     page.goto(f"/#/jobs/{r.json()['id']}")
     page.wait_for_selector("#job-status .badge[data-status='queued']")
     assert page.text_content("#reason") == reason
+
+    # A script job from the same form: a code package and a command as typed.
+    with httpx.Client(base_url=live_server.url, headers=auth(token), timeout=30) as user:
+        code = user.post(
+            "/v1/code",
+            data={"name": "probe"},
+            files={"file": ("src.tar.gz", code_archive({"train.py": "print(1)\n"}), "application/gzip")},
+        )
+        assert code.status_code == 201, code.text
+    page.goto("/#/jobs/new?type=script")
+    page.wait_for_selector("#new-job-form[data-type='script']")
+    assert page.is_hidden("#train-fields") and page.is_visible("#script-fields")
+    page.fill("#f-name", "my-script")
+    page.fill("#f-command", "python train.py --note 'two words'")
+    page.click("#submit-job")
+    page.wait_for_selector("#err-f-code:not(:empty)")  # no code package chosen
+    page.select_option("#f-code", value=code.json()["id"])
+    page.select_option("#f-inputs-data", value=train)
+    page.click("#submit-job")
+    page.wait_for_url(re.compile(r"#/jobs/[0-9a-f-]+$"))
+    script = httpx.get(f"{live_server.url}/v1/jobs/{page.url.rsplit('/', 1)[1]}", headers=auth(token)).json()
+    assert script["type"] == "script" and script["name"] == "my-script"
+    assert script["command"] == ["python", "train.py", "--note", "two words"]
+    assert script["inputs"] == {"data": train}
+    # An evaluation needs a registered model: the form says so.
+    page.goto("/#/jobs/new?type=evaluate")
+    page.wait_for_selector("#new-job-form[data-type='evaluate']")
+    assert "no models" in (page.text_content("#f-model") or "")
+    page.click("#submit-job")
+    page.wait_for_selector("#err-f-model:not(:empty)")
     assert ui.errors == []
 
 
@@ -373,8 +416,18 @@ def test_the_job_page_asks_for_its_series_at_once_and_for_logs_after_the_charts(
 def test_register_a_succeeded_jobs_model_then_predict_on_the_models_page(
     live_server: LiveServer, admin: httpx.Client, open_ui: Any, trained: Trained
 ) -> None:
-    token, _ = _user(admin, "lena")
+    from service.db.engine import Database
+    from service.db.models import Job
+
+    token, uid = _user(admin, "lena")
     job_id = succeeded_job(live_server.settings, admin, trained, token)
+    # The best epoch the job reported: its versions show this top-1.
+    db = Database(live_server.settings.sqlalchemy_url)
+    try:
+        with db.transaction() as session:
+            session.get_one(Job, job_id).best = {"attempt": 1, "epoch": 2, "val.loss": 0.1, "val.top1": 0.975}
+    finally:
+        db.dispose()
     ui = open_ui(live_server.url)
     ui.sign_in(token)
     page = ui.page
@@ -392,7 +445,12 @@ def test_register_a_succeeded_jobs_model_then_predict_on_the_models_page(
     # A second registration is version 2.
     page.click("#register-form button[type='submit']")
     page.wait_for_selector("#register-result:has-text('registered digits version 2')")
-    page.click("#register-link")
+    # The job's page says which versions came from it.
+    assert page.text_content("#registered-models") == "digits version 1, digits version 2"
+    page.reload()
+    page.wait_for_selector("#registered-models a.registered-model >> nth=1")
+    assert page.text_content("#registered-models") == "digits version 1, digits version 2"
+    page.click("#registered-models a >> nth=0")
     page.wait_for_selector("#version-2")
     assert page.text_content("#model-name") == "Model digits"
     assert page.locator("section.model-version").count() == 2
@@ -423,11 +481,46 @@ def test_register_a_succeeded_jobs_model_then_predict_on_the_models_page(
     page.wait_for_selector("#predictions-2 .prediction:has-text('dropped.png')")
     assert page.get_attribute("#predictions-2 .prediction", "data-label") in classes
 
-    # The models list shows it with its latest version.
+    # Each version shows its job's top-1 and offers its model directory and ONNX export.
+    assert page.text_content("#top1-1") == "top-1 97.5%"
+    for link in ("#download-dir-1", "#download-onnx-1"):
+        answer = page.request.get(page.get_attribute(link, "href") or "")
+        assert answer.status == 200 and len(answer.body()) > 1000, (link, answer.status)
+    assert page.get_attribute("#download-dir-1", "href") == f"/v1/jobs/{job_id}/model"
+
+    # The new-job form evaluates a registered version on a dataset.
+    register_node(admin, create_token(admin, "worker"), "cpu-eval", units=1)
+    digits_val = insert_dataset(
+        live_server.settings, uid, name="digits-val", classes=[str(d) for d in range(10)]
+    )
+    page.goto("/#/jobs/new?type=evaluate")
+    page.wait_for_selector("#new-job-form[data-type='evaluate']")
+    assert "digits version 2 (top-1 97.5%)" in (page.text_content("#f-model") or "")
+    page.select_option("#f-model", value="digits:1")
+    page.select_option("#f-dataset", value=digits_val)
+    page.click("#submit-job")
+    page.wait_for_url(re.compile(r"#/jobs/[0-9a-f-]+$"))
+    page.wait_for_selector("#evaluation")
+    assert page.text_content("#evaluated-model") == "digits version 1"
+    evaluation = httpx.get(
+        f"{live_server.url}/v1/jobs/{page.url.rsplit('/', 1)[1]}", headers=auth(token)
+    ).json()
+    assert evaluation["type"] == "evaluate" and evaluation["model"] == "digits:1"
+    httpx.post(f"{live_server.url}/v1/jobs/{evaluation['id']}/cancel", headers=auth(token))
+
+    # A version is deleted from its page; the other stays.
+    page.goto("/#/models/digits")
+    page.wait_for_selector("#version-2")
+    page.click("#delete-version-2")  # the confirmation is accepted (UiPage says yes)
+    page.wait_for_selector("#model-note:has-text('Deleted version 2.')")
+    assert page.locator("section.model-version").count() == 1
+    assert httpx.get(f"{live_server.url}/v1/models/digits/versions/2", headers=auth(token)).status_code == 404
+
+    # The models list shows it with its latest version and top-1.
     page.click("#nav-models")
     row = page.locator("tr.model-row[data-model='digits']")
     row.wait_for()
-    assert row.locator("td").all_text_contents()[1:3] == ["2", "resnet18"]
+    assert row.locator("td").all_text_contents()[1:4] == ["1", "resnet18", "97.5%"]
     assert ui.errors == []
 
 
@@ -604,7 +697,7 @@ def test_select_jobs_in_the_list_and_compare_them(
     # The results table: best with its epoch, sortable.
     rows = page.locator("#compare-results tbody tr")
     assert [rows.nth(i).get_attribute("data-job-id") for i in range(2)] == [j.job_id for j in jobs[:2]]
-    assert "0.80 (epoch 2)" in (rows.nth(0).text_content() or "")
+    assert "80.0% (epoch 2)" in (rows.nth(0).text_content() or "")  # accuracies in %
     best_top1 = page.locator("#compare-results th", has_text="val.top1 best (max)")
     best_top1.click()  # ascending: cmp-b (0.5) first
     assert rows.nth(0).get_attribute("data-job-id") == jobs[1].job_id
@@ -617,3 +710,204 @@ def test_select_jobs_in_the_list_and_compare_them(
     )
     assert page.locator("#compare-charts .chart-box").count() == 1
     assert ui.errors == []
+
+
+# The figures an evaluation of a 3-class model on 9 images reports (worker/trainer/evaluate.py).
+_EVALUATION = {
+    "num_images": 9,
+    "loss": 0.6931,
+    "top1": 6 / 9,
+    "top5": 1.0,
+    "classes": ["a", "b", "c"],
+    "per_class": [
+        {"label": "a", "precision": 0.75, "recall": 1.0, "f1": 6 / 7, "support": 3},
+        {"label": "b", "precision": 0.5, "recall": 1 / 3, "f1": 0.4, "support": 3},
+        {"label": "c", "precision": 2 / 3, "recall": 2 / 3, "f1": 2 / 3, "support": 3},
+    ],
+    "confusion_matrix": [[3, 0, 0], [1, 1, 1], [0, 1, 2]],
+}
+
+
+def _succeeded_evaluation(settings: Settings, owner: str, dataset: str) -> str:
+    """An evaluation job as its worker's report leaves it: succeeded after one attempt, its
+    result and best (epoch 0) stored as the report route stores them."""
+    from service.db.engine import Database
+    from service.db.models import Attempt, Job, utcnow
+
+    best = {"val.loss": _EVALUATION["loss"], "val.top1": _EVALUATION["top1"], "val.top5": 1.0}
+    result = {
+        "attempt": 1,
+        "best_epoch": 0,
+        "best": best,
+        "final": None,
+        "stopped_early": False,
+        "epochs_run": 0,
+        "evaluation": _EVALUATION,
+    }
+    spec = {
+        "type": "evaluate",
+        "name": "evaluate-shapes-1",
+        "model": "shapes:1",
+        "dataset": dataset,
+        "batch_size": 64,
+        "priority": 0,
+        "resources": {"node_count": 1, "process_count_per_node": 1},
+    }
+    db = Database(settings.sqlalchemy_url)
+    now = utcnow()
+    try:
+        with db.transaction() as session:
+            job = Job(
+                owner_id=owner,
+                type="evaluate",
+                name=spec["name"],
+                status="succeeded",
+                spec=spec,
+                architecture="resnet18",
+                validation_dataset_id=dataset,
+                node_count=1,
+                process_count_per_node=1,
+                attempts_count=1,
+                best={"attempt": 1, "epoch": 0, **best},
+                result=result,
+                created_at=now,
+                updated_at=now,
+                started_at=now,
+                finished_at=now,
+            )
+            session.add(job)
+            session.flush()
+            session.add(
+                Attempt(
+                    job_id=job.id,
+                    number=1,
+                    status="succeeded",
+                    master_addr="127.0.0.1",
+                    master_port=29500,
+                    started_at=now,
+                    finished_at=now,
+                )
+            )
+            return job.id
+    finally:
+        db.dispose()
+
+
+def test_each_job_type_shows_what_it_has_in_the_list_and_on_its_page(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    token, uid = _user(admin, "olga")
+    register_node(admin, create_token(admin, "worker"), "cpu-1", units=1)
+    dataset = insert_dataset(live_server.settings, uid, name="shapes-val")
+    evaluation = _succeeded_evaluation(live_server.settings, uid, dataset)
+    # A training job on 2 processes that reported two epochs.
+    train = start_running_job(
+        live_server.settings,
+        admin,
+        per_node=2,
+        user_token=token,
+        name="trains",
+        parameters={"learning_rate": 0.05},
+    )
+    points = [point("train.loss", 2.0 / e, epoch=e, step=e * 10) for e in (1, 2)]
+    for e, (loss, top1) in enumerate(((0.9, 0.6), (0.3, 0.9)), start=1):
+        points += [
+            point("val.loss", loss, epoch=e, step=e * 10),
+            point("val.top1", top1, epoch=e, step=e * 10),
+        ]
+    assert post_report(admin, train, metrics=points).status_code == 200
+    # A script job (queued on the hand-registered node, which never claims it).
+    with httpx.Client(base_url=live_server.url, headers=auth(token), timeout=30) as user:
+        code = user.post(
+            "/v1/code",
+            data={"name": "probe"},
+            files={"file": ("src.tar.gz", code_archive({"train.py": "print(1)\n"}), "application/gzip")},
+        )
+        assert code.status_code == 201, code.text
+        r = user.post(
+            "/v1/jobs",
+            json={
+                "type": "script",
+                "name": "my-script",
+                "code": code.json()["id"],
+                "command": ["python", "train.py", "--epochs", "3"],
+            },
+        )
+        assert r.status_code == 201, r.text
+        script = r.json()["id"]
+
+    ui = open_ui(live_server.url)
+    ui.sign_in(token)
+    page = ui.page
+    # The list: each job's type, a detail fitting it and the best top-1 in %.
+    for job_id in (evaluation, train.job_id, script):
+        page.wait_for_selector(f"tr[data-job-id='{job_id}']")
+
+    def cells(job_id: str) -> dict[str, str]:
+        row = page.locator(f"tr[data-job-id='{job_id}']")
+        return {name: row.locator(f"td.{name}").text_content() or "" for name in ("type", "reason", "best")}
+
+    assert cells(evaluation) == {
+        "type": "evaluation",
+        "reason": "model shapes:1: top-1 66.7%",
+        "best": "66.7%",
+    }
+    assert cells(train.job_id) == {"type": "train", "reason": "", "best": "90.0%"}
+    assert cells(script) == {"type": "script", "reason": "$ python train.py --epochs 3", "best": ""}
+
+    # The evaluation's page: its results, no training charts, no restart budget, no epoch.
+    page.goto(f"/#/jobs/{evaluation}")
+    page.wait_for_selector("#evaluation #eval-summary")
+    assert page.text_content("#eval-summary") == "top-1 66.67%, top-5 100.00%, loss 0.6931 on 9 images"
+    rows = page.locator("#eval-per-class tbody tr")
+    assert rows.count() == 3
+    assert rows.nth(1).locator("td").all_text_contents() == ["b", "50.0%", "33.3%", "40.0%", "3"]
+    matrix = page.locator("#confusion-matrix tbody tr")
+    counts = [[c.get_attribute("data-count") for c in matrix.nth(i).locator("td").all()] for i in range(3)]
+    assert counts == [["3", "0", "0"], ["1", "1", "1"], ["0", "1", "2"]]
+    # Shaded by the share of the row: the 3 of 3 right answers darker than 1 of 3.
+    shade = "(i) => getComputedStyle(document.querySelectorAll('#confusion-matrix td.diagonal')[i]).backgroundColor"
+    assert page.evaluate(shade, 0) != page.evaluate(shade, 1)
+    assert page.text_content("#evaluated-model") == "shapes version 1"
+    page.wait_for_selector("dd:has-text('shapes-val (9 images)')")
+    assert page.locator("#charts, #restarts, #best, #effective-lr").count() == 0
+    summary = page.text_content("#job-status") or ""
+    assert "of ?" not in summary and "epoch 0" not in summary
+    assert page.locator("tr.attempt-row").count() == 1
+    spec = page.text_content("#spec pre") or ""
+    assert '"dataset": "' + dataset + '"' in spec and '"batch_size": 64' in spec
+
+    # A training job's page: the effective learning rate, the best values in %, the loss on a
+    # logarithmic axis and the accuracy in %.
+    page.goto(f"/#/jobs/{train.job_id}")
+    page.wait_for_selector("#charts[data-ready='true']")
+    assert page.text_content("#effective-lr") == "0.05 × 2 processes = 0.1 effective"
+    assert page.text_content("#best") == "val.top1 90.00%, val.loss 0.3 (epoch 2)"
+    assert page.get_attribute("#chart-loss", "data-scale") == "log"
+    assert page.get_attribute("#chart-accuracy", "data-unit") == "percent"
+    assert "90%" in (page.text_content("#chart-accuracy .u-legend") or "")
+
+    # A script job's page: no trainer charts before it reports a metric, no learning rate.
+    page.goto(f"/#/jobs/{script}")
+    page.wait_for_selector("#charts[data-ready='true']")
+    assert page.locator("#charts .chart-box").count() == 0
+    assert page.is_visible("#charts .no-metrics")
+    assert "python train.py --epochs 3" in (page.text_content("#summary") or "")
+    assert page.locator("#effective-lr, #evaluation").count() == 0
+    assert ui.errors == []
+
+
+def test_the_api_docs_pages_fetch_nothing_from_another_host(live_server: LiveServer, open_ui: Any) -> None:
+    ui = open_ui(live_server.url)
+    page = ui.page
+    requested: list[str] = []
+    page.on("request", lambda request: requested.append(request.url))
+    page.goto("/redoc")
+    # ReDoc has drawn the schema's operations (and its menu, where its logo would be).
+    page.wait_for_selector("[data-section-id*='operation/']", state="attached")
+    page.goto("/docs")
+    page.wait_for_selector(".swagger-ui .opblock")
+    # This service's own URLs, its blobs (ReDoc's search worker) and inline data: nothing else.
+    own = (live_server.url, f"blob:{live_server.url}", "data:")
+    elsewhere = [url for url in requested if not url.startswith(own)]
+    assert requested and elsewhere == []

@@ -400,6 +400,16 @@ def test_docs_pages_load_everything_from_the_service(client: TestClient, page: s
     if page == "/docs":
         assert "/docs/assets/swagger-ui-bundle.js" in urls and "/docs/assets/swagger-ui.css" in urls
         assert '"validatorUrl": null' in html
+    else:
+        # ReDoc's script as served fetches no logo from its maker's CDN.
+        script = client.get("/docs/assets/redoc.standalone.js", headers={"Authorization": ""})
+        assert script.headers["content-type"].startswith("text/javascript")
+        assert b"cdn.redoc.ly" not in script.content and b"redocly logo" in script.content
+        again = client.get(
+            "/docs/assets/redoc.standalone.js",
+            headers={"Authorization": "", "If-None-Match": script.headers["etag"]},
+        )
+        assert again.status_code == 304
 
 
 def test_openapi_declares_the_bearer_scheme(client: TestClient) -> None:

@@ -147,10 +147,10 @@ def test_another_users_code_is_not_found(client: TestClient, ready: dict[str, st
 
 def test_code_upload_list_show_and_content_address(client: TestClient, settings: Settings) -> None:
     files = {"train.py": b"print(1)\n", "lib/a.py": b"A = 2\n", ".git/config": b"secret"}
-    first = upload_code(client, files, data={"name": "birds"})
+    first = upload_code(client, files, data={"name": "finetune"})
     assert first.status_code == 201, first.text
     body = first.json()
-    assert body["name"] == "birds" and body["files"] == 2  # hidden files are not part of it
+    assert body["name"] == "finetune" and body["files"] == 2  # hidden files are not part of it
     assert body["size_bytes"] == len(b"print(1)\n") + len(b"A = 2\n")
     second = upload_code(client, files).json()
     assert second["sha256"] == body["sha256"] and second["id"] != body["id"]

@@ -307,3 +307,5 @@ def test_the_jobs_list_stream_sends_changes_of_ones_own_jobs_only(
     assert {e["id"] for e in events} == {bobs}
     assert events[-1]["status"] == "cancelled" and events[-1]["name"] == "bobs"
     assert events[-1]["finished_at"] is not None
+    # What the list shows of each type: the job's type and best values come along.
+    assert events[-1]["type"] == "train" and "best" in events[-1]

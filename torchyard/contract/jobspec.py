@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from torchyard.architectures import CLASSIFICATION_ARCHITECTURES
+
 DOUBLE_EPSILON = 2.220446049250313e-16
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -47,7 +49,11 @@ class ModelFields(BaseModel):
             min_length=1,
             max_length=100,
             description="A torchvision classification model name (torchvision.models.list_models()).",
-            json_schema_extra=allowed("a torchvision classification model name"),
+            # x-choices: the names a client may offer as a list (the web UI's new-job form).
+            json_schema_extra={
+                **allowed("a torchvision classification model name"),
+                "x-choices": sorted(CLASSIFICATION_ARCHITECTURES),
+            },
         ),
     ]
     pretrained: bool = Field(

@@ -68,7 +68,7 @@ def register_model(
     one in the folder ``path`` of a succeeded script job's outputs (``{name, job_id, path}``),
     as the next version of ``name``."""
     row = models_service.register_model(session, settings, user, body.name, body.job_id, body.path)
-    return models_service.version_public(row)
+    return models_service.version_public(row, models_service.source_top1(session, [row]).get(row.job_id))
 
 
 @router.get("/v1/models")
@@ -85,7 +85,8 @@ def get_model(name: str, session: ReadSessionDep, user: CurrentUser) -> ModelPub
 @router.get("/v1/models/{name}/versions/{version}")
 def get_version(name: str, version: str, session: ReadSessionDep, user: CurrentUser) -> ModelVersionPublic:
     """One version; ``version`` may be ``latest``."""
-    return models_service.version_public(models_service.get_version(session, user, name, version))
+    row = models_service.get_version(session, user, name, version)
+    return models_service.version_public(row, models_service.source_top1(session, [row]).get(row.job_id))
 
 
 @router.delete("/v1/models/{name}/versions/{version}")

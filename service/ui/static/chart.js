@@ -24,11 +24,23 @@ export function formatNumber(v) {
 
 const ticks = (u, values) => values.map(formatNumber);
 
+export function formatPercent(v) {
+  if (v === null || v === undefined || !Number.isFinite(v)) return "–";
+  const p = v * 100;
+  return `${Math.abs(p) >= 10 || p === 0 ? p.toFixed(0) : p.toFixed(1)}%`;
+}
+
 export class LineChart {
-  // series: [{name, label}].
-  constructor(root, { title, series }) {
+  // series: [{name, label}]. log: a logarithmic y axis (non-positive values are left out);
+  // percent: the values are fractions 0-1 shown as percentages.
+  constructor(root, { title, series, log = false, percent = false }) {
     this.root = root;
     this.root.classList.add("chart");
+    this.log = log;
+    if (log) this.root.dataset.scale = "log";
+    if (percent) this.root.dataset.unit = "percent";
+    const fmt = percent ? formatPercent : formatNumber;
+    const yTicks = (u, values) => values.map(fmt);
     this.series = series.map((s, i) => ({ ...s, color: PALETTE[i % PALETTE.length], x: [], y: [] }));
     this.pending = false;
     this.drawCount = 0;
@@ -41,7 +53,7 @@ export class LineChart {
         title,
         width: this.width,
         height: HEIGHT,
-        scales: { x: { time: false } },
+        scales: log ? { x: { time: false }, y: { distr: 3 } } : { x: { time: false } },
         series: [
           { label: "step", value: (u, v, i, idx) => formatNumber(idx === null ? this.lastStep() : v) },
           ...this.series.map((s) => ({
@@ -49,10 +61,10 @@ export class LineChart {
             stroke: s.color,
             width: 1.5,
             spanGaps: true,
-            value: (u, v, i, idx) => formatNumber(idx === null ? s.y[s.y.length - 1] : v),
+            value: (u, v, i, idx) => fmt(idx === null ? s.y[s.y.length - 1] : v),
           })),
         ],
-        axes: [{ values: ticks }, { values: ticks, size: 56 }],
+        axes: [{ values: ticks }, { values: yTicks, size: 56 }],
         hooks: { draw: [() => this.drawn()] },
       },
       this.data(),
@@ -111,8 +123,9 @@ export class LineChart {
   // uPlot's aligned data: one x array and one y array per series (undefined where a
   // series has no point at that step).
   data() {
-    if (this.series.length === 1) return [this.series[0].x, this.series[0].y];
-    return globalThis.uPlot.join(this.series.map((s) => [s.x, s.y]));
+    const ys = (s) => (this.log ? s.y.map((v) => (v > 0 ? v : null)) : s.y);
+    if (this.series.length === 1) return [this.series[0].x, ys(this.series[0])];
+    return globalThis.uPlot.join(this.series.map((s) => [s.x, ys(s)]));
   }
 
   schedule() {

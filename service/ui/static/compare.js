@@ -3,7 +3,7 @@
 // parameters table with the differing rows first, and a sortable results table.
 
 import { api } from "./api.js";
-import { h, badge, duration } from "./dom.js";
+import { h, badge, duration, isFraction, percent } from "./dom.js";
 import { LineChart, formatNumber } from "./chart.js";
 
 function shortKey(key) {
@@ -60,16 +60,18 @@ function resultsTable(comparison) {
     const goal = comparison.goals[name] || "max";
     const best = (j) => j.metrics[name] && j.metrics[name].best;
     const final = (j) => j.metrics[name] && j.metrics[name].final;
+    // Accuracies in %, as everywhere in the UI and the CLI.
+    const fmt = isFraction(name) ? (v) => percent(v) : formatNumber;
     columns.push({
       title: `${name} best (${goal})`,
       metric: name,
       value: (j) => (best(j) ? best(j).value : null),
-      cell: (j) => (best(j) ? `${formatNumber(best(j).value)} (epoch ${best(j).epoch})` : "–"),
+      cell: (j) => (best(j) ? `${fmt(best(j).value)} (epoch ${best(j).epoch})` : "–"),
     });
     columns.push({
       title: `${name} final`,
       value: (j) => (final(j) ? final(j).value : null),
-      cell: (j) => (final(j) ? formatNumber(final(j).value) : "–"),
+      cell: (j) => (final(j) ? fmt(final(j).value) : "–"),
     });
   }
   const body = h("tbody", {});
@@ -134,6 +136,8 @@ export async function renderCompare(ctx) {
     charts.append(box);
     const chart = new LineChart(box, {
       title: name,
+      percent: isFraction(name),
+      log: /loss$/.test(name),
       series: comparison.jobs.map((j) => ({ name: j.id, label: legendOf(j, comparison.differing) })),
     });
     for (const job of comparison.jobs) {

@@ -58,3 +58,33 @@ export function when(iso) {
 export function errorBox(err) {
   return h("div", { class: "error", role: "alert" }, err.code ? `${err.code}: ` : "", err.message || String(err));
 }
+
+// Accuracy-like metrics (top-1, top-5, accuracy, precision, recall, F1) are fractions 0-1
+// in the API; the UI shows them as percentages, as the CLI does.
+export function isFraction(name) {
+  return /(^|[._])(top\d+|acc|accuracy|precision|recall|f1)$/i.test(String(name));
+}
+
+export function percent(v, digits = 1) {
+  return typeof v === "number" && Number.isFinite(v) ? `${(v * 100).toFixed(digits)}%` : "";
+}
+
+// A metric's value as the UI shows it: a percentage for accuracy-like names, else at most
+// four decimals.
+export function metricText(name, v) {
+  if (typeof v !== "number") return String(v);
+  return isFraction(name) ? percent(v, 2) : String(+v.toFixed(4));
+}
+
+// The training processes of a job (nodes x processes per node): the built-in trainer
+// scales the learning rate by it.
+export function processCount(resources) {
+  const r = resources || {};
+  return (Number(r.node_count) || 1) * (Number(r.process_count_per_node) || 1);
+}
+
+export function effectiveLrText(lr, processes) {
+  if (typeof lr !== "number" || !Number.isFinite(lr)) return "";
+  const eff = +(lr * processes).toPrecision(6);
+  return processes > 1 ? `${lr} × ${processes} processes = ${eff} effective` : `${lr} (1 process: effective ${eff})`;
+}

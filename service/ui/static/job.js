@@ -1,15 +1,32 @@
 // A job's page: status, waiting reason, failure, progress with ETA, attempts and restarts,
 // live charts (history from /metrics/series, then points from /events), per-rank logs that
-// follow, and the cancel / download / register buttons.
+// follow, and the cancel / download / register buttons. Each job type shows what it has: a
+// training job the trainer's four charts and its effective learning rate, a script job a
+// chart per metric it reported, an evaluation its results (top-1, top-5 and loss, a
+// per-class precision/recall/F1 table and the confusion matrix as a heat map).
 
 import { api, followText } from "./api.js";
 import { LineChart } from "./chart.js";
-import { h, badge, duration, secondsSince, when, errorBox, FINAL } from "./dom.js";
+import {
+  h,
+  badge,
+  duration,
+  secondsSince,
+  when,
+  errorBox,
+  FINAL,
+  isFraction,
+  metricText,
+  percent,
+  processCount,
+  effectiveLrText,
+} from "./dom.js";
 
 // The charts of the built-in trainer's metrics; any other metric (a script's) gets its own.
+// The loss spans orders of magnitude: its axis is logarithmic.
 const CHARTS = [
-  { id: "loss", title: "Loss", series: [{ name: "train.loss", label: "train loss" }, { name: "val.loss", label: "val loss" }] },
-  { id: "accuracy", title: "Accuracy", series: [{ name: "val.top1", label: "top-1" }, { name: "val.top5", label: "top-5" }] },
+  { id: "loss", title: "Loss (log scale)", log: true, series: [{ name: "train.loss", label: "train loss" }, { name: "val.loss", label: "val loss" }] },
+  { id: "accuracy", title: "Accuracy", percent: true, series: [{ name: "val.top1", label: "top-1" }, { name: "val.top5", label: "top-5" }] },
   { id: "lr", title: "Learning rate", series: [{ name: "train.lr", label: "learning rate" }] },
   { id: "throughput", title: "Images / second", series: [{ name: "train.images_per_sec", label: "images/s" }] },
 ];
@@ -86,10 +103,12 @@ function endReason(a) {
 
 function attemptsBlock(job) {
   const attempts = job.attempts || [];
-  if (!attempts.length && job.restarts === undefined) return null;
+  if (!attempts.length) return null;
+  // Only a job with a restart budget (max_restarts) can restart: an evaluation has none.
+  const budget = (job.resources || {}).max_restarts;
   const restarts =
-    job.restarts !== undefined && job.restarts !== null
-      ? h("p", { id: "restarts" }, `Restarts: ${job.restarts} of ${job.resources.max_restarts ?? "?"}`)
+    typeof budget === "number" && job.restarts !== undefined && job.restarts !== null
+      ? h("p", { id: "restarts" }, `Restarts: ${job.restarts} of ${budget}`)
       : null;
   return h(
     "section",
@@ -130,32 +149,158 @@ function specBlock(job) {
     resources: job.resources,
     priority: job.priority,
   };
-  for (const key of ["code", "command", "distribution", "inputs", "environment"]) {
+  for (const key of ["dataset", "batch_size", "code", "command", "distribution", "inputs", "environment", "outputs"]) {
     if (job[key] !== undefined) spec[key] = job[key];
   }
   for (const [k, v] of Object.entries(spec)) if (v === undefined || v === null) delete spec[k];
   return h("details", { id: "spec", class: "card" }, h("summary", {}, "Spec"), h("pre", {}, JSON.stringify(spec, null, 2)));
 }
 
-function summaryBlock(job) {
+const TYPE_NAMES = { train: "training (built-in trainer)", script: "script", evaluate: "evaluation" };
+
+// The best validation values and their epoch: a training or script job that reported some.
+function bestText(job) {
+  const best = job.best || {};
+  const values = Object.entries(best).filter(([k]) => k !== "attempt" && k !== "epoch");
+  if (!values.length) return null;
+  // Accuracy first: it is what a reader looks for.
+  values.sort(([a], [b]) => Number(isFraction(b)) - Number(isFraction(a)));
+  const text = values.map(([k, v]) => `${k} ${metricText(k, v)}`).join(", ");
+  return typeof best.epoch === "number" ? `${text} (epoch ${best.epoch})` : text;
+}
+
+function modelLink(ref) {
+  const [name, version] = String(ref).split(":");
+  return h("a", { id: "evaluated-model", href: `#/models/${encodeURIComponent(name)}` }, version ? `${name} version ${version}` : name);
+}
+
+// The registry versions made from this job (filled in once /v1/models answers).
+function registeredText(versions) {
+  if (!versions || !versions.length) return null;
+  return h(
+    "span",
+    { id: "registered-models" },
+    ...versions.flatMap((v, i) => [
+      i ? ", " : "",
+      h("a", { href: `#/models/${encodeURIComponent(v.name)}`, class: "registered-model", dataset: { model: v.name, version: String(v.version) } }, `${v.name} version ${v.version}`),
+    ]),
+  );
+}
+
+function summaryBlock(job, extra) {
+  const type = job.type || "train";
+  const params = job.parameters || {};
   const rows = [
     ["Status", badge(job.status)],
+    ["Type", TYPE_NAMES[type] || type],
     ["Waiting", job.reason || null],
+    ["Model", type === "evaluate" && job.model ? modelLink(job.model) : null],
+    ["Dataset", type === "evaluate" ? extra.datasetName || job.dataset : null],
+    ["Command", type === "script" && job.command ? h("code", {}, job.command.join(" ")) : null],
+    [
+      "Learning rate",
+      type === "train" && typeof params.learning_rate === "number"
+        ? h("span", { id: "effective-lr" }, effectiveLrText(params.learning_rate, processCount(job.resources)))
+        : null,
+    ],
     ["Created", when(job.created_at)],
     ["Started", when(job.started_at)],
     ["Finished", when(job.finished_at)],
     ["Duration", job.started_at ? duration(secondsSince(job.started_at, job.finished_at)) : null],
     ["Nodes", (job.nodes || []).join(", ") || null],
-    ["Best", job.best ? Object.entries(job.best).map(([k, v]) => `${k} ${typeof v === "number" ? +v.toFixed(4) : v}`).join(", ") : null],
+    ["Best", type === "evaluate" ? null : bestText(job)],
+    ["Registered", registeredText(extra.registered)],
   ].filter(([, v]) => v);
+  const ids = { Waiting: "reason", Best: "best" };
   return h(
     "dl",
     { id: "summary", class: "summary" },
-    ...rows.flatMap(([k, v]) => [h("dt", {}, k), h("dd", { id: k === "Waiting" ? "reason" : undefined }, v)]),
+    ...rows.flatMap(([k, v]) => [h("dt", {}, k), h("dd", { id: ids[k] }, v)]),
   );
 }
 
-function registerForm(ctx, job, container) {
+// An evaluation's results: the headline figures, a per-class table and the confusion
+// matrix as a heat map (each row shaded by the share of that class's images).
+function evaluationBlock(job) {
+  const r = job.result && job.result.evaluation;
+  if (!r) {
+    const text = FINAL.has(job.status) ? "This evaluation has no results." : "The results show here when the evaluation ends.";
+    return h("section", { id: "evaluation", class: "card" }, h("h2", {}, "Results"), h("p", { class: "hint" }, text));
+  }
+  const headline = [`top-1 ${percent(r.top1, 2)}`];
+  if (typeof r.top5 === "number") headline.push(`top-5 ${percent(r.top5, 2)}`);
+  headline.push(`loss ${+r.loss.toFixed(4)}`);
+  const perClass = h(
+    "table",
+    { class: "table", id: "eval-per-class" },
+    h("thead", {}, h("tr", {}, ...["Class", "Precision", "Recall", "F1", "Images"].map((t, i) => h("th", { class: i ? "num" : undefined }, t)))),
+    h(
+      "tbody",
+      {},
+      ...r.per_class.map((c) =>
+        h(
+          "tr",
+          { class: "class-row", dataset: { label: c.label } },
+          h("td", {}, c.label),
+          h("td", { class: "num" }, percent(c.precision)),
+          h("td", { class: "num" }, percent(c.recall)),
+          h("td", { class: "num" }, percent(c.f1)),
+          h("td", { class: "num" }, c.support),
+        ),
+      ),
+    ),
+  );
+  return h(
+    "section",
+    { id: "evaluation", class: "card" },
+    h("h2", {}, "Results"),
+    h("p", { id: "eval-summary" }, `${headline.join(", ")} on ${r.num_images} images`),
+    h("div", { class: "eval-grid" }, h("div", {}, h("h3", {}, "Per class"), perClass), confusionBlock(r)),
+  );
+}
+
+const MAX_HEATMAP_CLASSES = 100;
+
+function confusionBlock(r) {
+  const classes = r.classes || [];
+  if (classes.length > MAX_HEATMAP_CLASSES) {
+    return h("div", {}, h("h3", {}, "Confusion matrix"), h("p", { class: "hint" }, `${classes.length} classes: too many to draw (GET /v1/jobs/{id}/result has it).`));
+  }
+  const rows = r.confusion_matrix || [];
+  const cell = (count, total, diagonal, truth, predicted) => {
+    const share = total ? count / total : 0;
+    const td = h(
+      "td",
+      { class: `cm-cell num${diagonal ? " diagonal" : ""}${share > 0.55 ? " dark" : ""}`, title: `true ${truth}, predicted ${predicted}: ${count} of ${total} images`, dataset: { count: String(count) } },
+      count ? String(count) : "",
+    );
+    // Right answers in blue, mistakes in red, darker for a larger share of the class (set
+    // through the CSSOM: the page's policy allows no inline style attributes).
+    if (count) td.style.backgroundColor = `rgba(${diagonal ? "37, 99, 235" : "220, 38, 38"}, ${(0.08 + 0.82 * share).toFixed(3)})`;
+    return td;
+  };
+  return h(
+    "div",
+    {},
+    h("h3", {}, "Confusion matrix"),
+    h("p", { class: "hint" }, "Rows: true class; columns: predicted class. Shade: share of the row's images."),
+    h(
+      "table",
+      { class: "table heatmap", id: "confusion-matrix" },
+      h("thead", {}, h("tr", {}, h("th", {}, "true ↓ predicted →"), ...classes.map((c) => h("th", { class: "num" }, c)))),
+      h(
+        "tbody",
+        {},
+        ...rows.map((row, i) => {
+          const total = row.reduce((a, b) => a + b, 0);
+          return h("tr", { dataset: { label: classes[i] } }, h("th", {}, classes[i]), ...row.map((n, j) => cell(n, total, i === j, classes[i], classes[j])));
+        }),
+      ),
+    ),
+  );
+}
+
+function registerForm(ctx, job, container, onRegistered) {
   const name = h("input", { id: "register-name", value: job.name.replace(/[^A-Za-z0-9._-]/g, "-") });
   const out = h("span", { id: "register-result", class: "hint" });
   const form = h(
@@ -168,6 +313,7 @@ function registerForm(ctx, job, container) {
         try {
           const v = await api("/v1/models", { method: "POST", json: { name: name.value, job_id: job.id } });
           out.replaceChildren(`registered ${v.name} version ${v.version}: `, h("a", { id: "register-link", href: `#/models/${encodeURIComponent(v.name)}` }, "open the model"));
+          if (onRegistered) onRegistered(v);
         } catch (err) {
           out.textContent = err.message;
         }
@@ -181,7 +327,7 @@ function registerForm(ctx, job, container) {
   container.replaceChildren(form);
 }
 
-function actions(ctx, job, refresh) {
+function actions(ctx, job, refresh, onRegistered) {
   const box = h("div", { id: "actions", class: "actions" });
   const extra = h("div", { id: "action-extra" });
   if (!FINAL.has(job.status)) {
@@ -212,13 +358,13 @@ function actions(ctx, job, refresh) {
   if (ctx.features.outputs && job.type === "script" && FINAL.has(job.status)) {
     box.append(h("a", { id: "download-outputs", class: "button", href: `/v1/jobs/${job.id}/outputs`, download: "" }, "Download outputs"));
   }
-  if (ctx.features.models && job.status === "succeeded" && job.model_sha256 && job.type !== "script") {
-    box.append(h("button", { id: "register", onclick: () => registerForm(ctx, job, extra) }, "Register model"));
+  if (ctx.features.models && job.status === "succeeded" && job.model_sha256 && (job.type || "train") === "train") {
+    box.append(h("button", { id: "register", onclick: () => registerForm(ctx, job, extra, onRegistered) }, "Register model"));
   }
   return [box, extra];
 }
 
-async function setUpCharts(ctx, job, grid, seriesPromise) {
+async function setUpCharts(ctx, job, grid, seriesPromise, defs) {
   const charts = [];
   const byMetric = new Map();
   const add = (def) => {
@@ -229,14 +375,19 @@ async function setUpCharts(ctx, job, grid, seriesPromise) {
     for (const s of def.series) byMetric.set(s.name, chart);
     return chart;
   };
-  for (const def of CHARTS) add(def);
+  for (const def of defs) add(def);
   ctx.onLeave(() => charts.forEach((c) => c.destroy()));
-  const ensure = (name) =>
-    byMetric.get(name) || add({ id: name.replace(/[^A-Za-z0-9_-]/g, "-"), title: name, series: [{ name, label: name }] });
+  const ensure = (name) => {
+    const found = byMetric.get(name);
+    if (found) return found;
+    grid.querySelector(".no-metrics")?.remove();
+    return add({ id: name.replace(/[^A-Za-z0-9_-]/g, "-"), title: name, percent: isFraction(name), log: /loss$/.test(name), series: [{ name, label: name }] });
+  };
 
   const started = performance.now();
   const page = await seriesPromise;
   for (const [name, s] of Object.entries(page.series)) ensure(name).setData(name, s.x, s.y);
+  if (!charts.length) grid.append(h("p", { class: "hint no-metrics" }, "No metrics reported yet."));
   await new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve)));
   grid.dataset.loadedMs = String(Math.round(performance.now() - started));
   grid.dataset.ready = "true";
@@ -363,14 +514,41 @@ function logsBlock(ctx, job) {
   return { el, setAttempts, start };
 }
 
+// What the summary shows beside the job itself: an evaluation's dataset name and the model
+// versions registered from the job (asked for after the charts are drawn).
+async function loadExtra(ctx, job, extra) {
+  const tasks = [];
+  if (job.type === "evaluate" && job.dataset) {
+    tasks.push(
+      api(`/v1/datasets/${encodeURIComponent(job.dataset)}`)
+        .then((d) => (extra.datasetName = `${d.name} (${d.num_images} images)`))
+        .catch(() => {}),
+    );
+  }
+  if (ctx.features.models && job.type !== "evaluate" && job.status === "succeeded") {
+    tasks.push(
+      api("/v1/models")
+        .then((page) => {
+          const versions = (page.items || []).flatMap((m) => (m.versions || []).filter((v) => v.job_id === job.id));
+          extra.registered = versions;
+        })
+        .catch(() => {}),
+    );
+  }
+  await Promise.all(tasks);
+}
+
 export async function renderJob(ctx, jobId) {
   // The job and its chart series are asked for at once.
   const seriesPromise = api(`/v1/jobs/${encodeURIComponent(jobId)}/metrics/series?points=2000`);
   seriesPromise.catch(() => {});
   let job = await api(`/v1/jobs/${encodeURIComponent(jobId)}`);
+  const type = job.type || "train";
   const head = h("div", { class: "page-head" });
   const status = h("div", { id: "job-status" });
   const grid = h("div", { id: "charts", class: "charts" });
+  const results = h("div", { id: "results" });
+  const extra = {};
   const pace = {};
   const refresh = async () => {
     try {
@@ -381,20 +559,33 @@ export async function renderJob(ctx, jobId) {
     draw();
   };
   const logs = logsBlock(ctx, job);
+  // A version registered here shows in the summary at once (the form stays open).
+  const onRegistered = (v) => {
+    extra.registered = [...(extra.registered || []), v];
+    status.querySelector("#summary")?.replaceWith(summaryBlock(job, extra));
+  };
   const draw = () => {
     logs.setAttempts(job);
-    head.replaceChildren(h("h1", { id: "job-name" }, job.name), badge(job.status), h("span", { class: "spacer" }), ...actions(ctx, job, refresh));
-    status.replaceChildren(summaryBlock(job), progressBlock(job, pace), failureBlock(job) || "", attemptsBlock(job) || "", specBlock(job));
+    head.replaceChildren(h("h1", { id: "job-name" }, job.name), badge(job.status), h("span", { class: "spacer" }), ...actions(ctx, job, refresh, onRegistered));
+    status.replaceChildren(summaryBlock(job, extra), progressBlock(job, pace), failureBlock(job) || "", attemptsBlock(job) || "", specBlock(job));
+    if (type === "evaluate") results.replaceChildren(evaluationBlock(job));
   };
   draw();
-  ctx.main.replaceChildren(head, status, h("h2", {}, "Metrics"), grid, logs.el);
+  // An evaluation has results, not training curves; a script charts the metrics it reports.
+  const metricsHead = h("h2", { id: "metrics-head" }, "Metrics");
+  if (type === "evaluate") {
+    ctx.main.replaceChildren(head, status, results, logs.el);
+  } else {
+    ctx.main.replaceChildren(head, status, metricsHead, grid, logs.el);
+  }
 
   // The charts come first: the logs, the progress tick and the live points wait for them.
   let charted;
   try {
-    charted = await setUpCharts(ctx, job, grid, seriesPromise);
+    charted = await setUpCharts(ctx, job, type === "evaluate" ? h("div") : grid, seriesPromise, type === "train" ? CHARTS : []);
   } finally {
     logs.start();
+    loadExtra(ctx, job, extra).then(() => (extra.datasetName || extra.registered ? draw() : null));
   }
   const { ensure, lastSeq } = charted;
   const tick = setInterval(() => {

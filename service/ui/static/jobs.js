@@ -1,7 +1,8 @@
-// The jobs list: filter by status, live status changes from GET /v1/jobs/events, age and duration.
+// The jobs list: filter by status, live status changes from GET /v1/jobs/events, each job's
+// type, a detail fitting its type, its best top-1, age and duration.
 
 import { api } from "./api.js";
-import { h, badge, duration, secondsSince, FINAL } from "./dom.js";
+import { h, badge, duration, secondsSince, percent, FINAL } from "./dom.js";
 
 const STATUSES = ["queued", "scheduled", "running", "cancelling", "succeeded", "failed", "cancelled"];
 
@@ -9,6 +10,31 @@ function progressText(job) {
   const p = job.progress;
   if (!p || !p.epochs) return "";
   return `epoch ${p.epoch}/${p.epochs}`;
+}
+
+const TYPES = { train: "train", script: "script", evaluate: "evaluation" };
+
+// What a row says beside the status: why it waits, else by type: a training job's epoch, an
+// evaluation's model (and top-1 once done), a script's command (or its epoch if it reports one).
+function detailText(job) {
+  if (job.reason) return job.reason;
+  const type = job.type || "train";
+  if (type === "evaluate") {
+    const top1 = (job.best || {})["val.top1"];
+    const model = job.model ? `model ${job.model}` : "evaluation";
+    return typeof top1 === "number" ? `${model}: top-1 ${percent(top1)}` : model;
+  }
+  if (type === "script") {
+    const command = (job.command || []).join(" ");
+    const short = command.length > 60 ? `${command.slice(0, 57)}…` : command;
+    return progressText(job) || (short ? `$ ${short}` : "");
+  }
+  return progressText(job);
+}
+
+function bestTop1(job) {
+  const top1 = (job.best || {})["val.top1"];
+  return typeof top1 === "number" ? percent(top1) : "";
 }
 
 function row(job, selected, onSelect) {
@@ -34,13 +60,16 @@ function row(job, selected, onSelect) {
       }),
     ),
     h("td", {}, h("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, class: "job-link" }, job.name)),
+    h("td", { class: "type" }, TYPES[job.type || "train"] || job.type),
     h("td", { class: "status" }, badge(job.status)),
-    h("td", { class: "reason" }, job.reason || progressText(job)),
+    h("td", { class: "reason" }, detailText(job)),
+    h("td", { class: "best num" }, bestTop1(job)),
     age,
     took,
     h("td", { class: "mono small" }, job.id.slice(0, 8)),
   );
   tr.tick = tick;
+  tr.job = job;
   return tr;
 }
 
@@ -96,7 +125,7 @@ export async function renderJobs(ctx) {
     h(
       "table",
       { class: "table", id: "jobs-table" },
-      h("thead", {}, h("tr", {}, ...["", "Name", "Status", "Detail", "Age", "Duration", "Id"].map((t) => h("th", {}, t)))),
+      h("thead", {}, h("tr", {}, ...["", "Name", "Type", "Status", "Detail", "Best top-1", "Age", "Duration", "Id"].map((t) => h("th", {}, t)))),
       body,
     ),
     empty,
@@ -139,8 +168,10 @@ export async function renderJobs(ctx) {
     live.textContent = "reconnecting…";
   };
   events.addEventListener("job", (e) => {
-    const job = JSON.parse(e.data);
-    const old = rows.get(job.id);
+    const change = JSON.parse(e.data);
+    const old = rows.get(change.id);
+    // A change carries the list's live fields; the rest (type, model, command) is kept.
+    const job = old ? { ...old.job, ...change } : change;
     const matches = !wanted.length || wanted.includes(job.status);
     if (old && !matches && FINAL.has(job.status)) {
       old.remove();

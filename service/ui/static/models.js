@@ -1,8 +1,47 @@
-// Models (where the service has the registry routes): names, versions, and predicting the
-// label of an image dropped on a version.
+// Models (where the service has the registry routes): names, versions with the top-1 of
+// the job each came from, downloads (the model directory as .tar.gz, the ONNX export),
+// deleting a version, and predicting the label of an image dropped on a version.
 
 import { api } from "./api.js";
-import { h, when, errorBox } from "./dom.js";
+import { h, when, errorBox, percent } from "./dom.js";
+
+function downloads(name, v) {
+  const q = (s) => encodeURIComponent(s);
+  const links = [];
+  // A training job's version is that job's model directory; a script job's sits in its outputs.
+  if (!v.path) {
+    links.push(h("a", { class: "button download-dir", id: `download-dir-${v.version}`, href: `/v1/jobs/${q(v.job_id)}/model`, download: "" }, "Download directory (.tar.gz)"));
+  } else {
+    links.push(h("a", { class: "button download-dir", id: `download-dir-${v.version}`, href: `/v1/jobs/${q(v.job_id)}/outputs`, download: "" }, "Download the job's outputs (.tar.gz)"));
+  }
+  if (v.onnx) {
+    links.push(h("a", { class: "button download-onnx", id: `download-onnx-${v.version}`, href: `/v1/models/${q(name)}/versions/${q(v.version)}/onnx`, download: "" }, "Download ONNX"));
+  }
+  return links;
+}
+
+function deleteButton(name, v, out) {
+  return h(
+    "button",
+    {
+      class: "danger delete-version",
+      id: `delete-version-${v.version}`,
+      onclick: async () => {
+        if (!confirm(`Delete ${name} version ${v.version}? Its number is not given again.`)) return;
+        try {
+          await api(`/v1/models/${encodeURIComponent(name)}/versions/${encodeURIComponent(v.version)}`, { method: "DELETE" });
+        } catch (err) {
+          out.replaceChildren(errorBox(err));
+          return;
+        }
+        // The page again: the model's other versions, or the list when it was the last.
+        const left = await api(`/v1/models/${encodeURIComponent(name)}`).catch(() => null);
+        location.hash = left ? `#/models/${encodeURIComponent(name)}?deleted=${v.version}` : "#/models";
+      },
+    },
+    "Delete",
+  );
+}
 
 function predictZone(name, version) {
   const out = h("div", { class: "predictions", id: `predictions-${version}` });
@@ -49,7 +88,7 @@ export async function renderModels(ctx, name) {
         ? h(
             "table",
             { class: "table", id: "models-table" },
-            h("thead", {}, h("tr", {}, ...["Name", "Latest version", "Architecture", "Created"].map((t) => h("th", {}, t)))),
+            h("thead", {}, h("tr", {}, ...["Name", "Latest version", "Architecture", "Top-1", "Created"].map((t) => h("th", {}, t)))),
             h(
               "tbody",
               {},
@@ -62,6 +101,7 @@ export async function renderModels(ctx, name) {
                   h("td", {}, h("a", { href: `#/models/${encodeURIComponent(m.name)}` }, m.name)),
                   h("td", {}, m.latest_version ?? ""),
                   h("td", {}, latest.architecture || ""),
+                  h("td", { class: "num top1" }, percent(latest.top1)),
                   h("td", {}, when(latest.created_at)),
                 );
               }),
@@ -71,16 +111,35 @@ export async function renderModels(ctx, name) {
     );
     return;
   }
-  const model = await api(`/v1/models/${encodeURIComponent(name)}`);
+  let model;
+  try {
+    model = await api(`/v1/models/${encodeURIComponent(name)}`);
+  } catch (err) {
+    if (err.status !== 404) throw err;
+    ctx.main.replaceChildren(h("h1", {}, `Model ${name}`), errorBox(err), h("a", { href: "#/models" }, "All models"));
+    return;
+  }
   // Newest version first.
   const versions = [...(model.versions || [])].reverse();
+  const deleted = ctx.params.get("deleted");
   ctx.main.replaceChildren(
     h("h1", { id: "model-name" }, `Model ${name}`),
-    ...versions.map((v) =>
-      h(
+    deleted ? h("p", { id: "model-note", class: "hint" }, `Deleted version ${deleted}.`) : null,
+    ...versions.map((v) => {
+      const out = h("div", { class: "version-error" });
+      return h(
         "section",
         { class: "card model-version", id: `version-${v.version}` },
-        h("h2", {}, `Version ${v.version}`, v.version === model.latest_version ? " (latest)" : ""),
+        h(
+          "div",
+          { class: "page-head" },
+          h("h2", {}, `Version ${v.version}`, v.version === model.latest_version ? " (latest)" : ""),
+          typeof v.top1 === "number" ? h("span", { class: "badge top1", id: `top1-${v.version}` }, `top-1 ${percent(v.top1)}`) : null,
+          h("span", { class: "spacer" }),
+          ...downloads(name, v),
+          deleteButton(name, v, out),
+        ),
+        out,
         h(
           "p",
           { class: "hint" },
@@ -95,7 +154,7 @@ export async function renderModels(ctx, name) {
           : v.onnx
             ? predictZone(name, v.version)
             : h("p", { class: "hint" }, "This version has no ONNX export, so it cannot predict here."),
-      ),
-    ),
+      );
+    }),
   );
 }

@@ -1,9 +1,11 @@
-// The new-job form: one input per field of the service's own JobCreate schema (so every
-// parameter shows its range and default; the model's init_from_job and the job's priority
-// too), dataset pickers, and each 422 next to its field.
+// The new-job form, for each job type: a training job (one input per field of the service's
+// own TrainJobCreate schema, so every parameter shows its range and default; the
+// architecture from a list; the effective learning rate), a script job (a code package and
+// its command) and an evaluation (a registered model version on a dataset). Each 422 shows
+// next to its field.
 
 import { api, ApiError, jsonWithIntegers } from "./api.js";
-import { h, errorBox } from "./dom.js";
+import { h, errorBox, processCount, effectiveLrText } from "./dom.js";
 
 // Used when the schema cannot be read: the fields of SPEC §2.
 const FALLBACK = {
@@ -62,7 +64,7 @@ function kind(prop) {
   const types = prop.anyOf ? prop.anyOf.map((t) => t.type) : [prop.type];
   const nullable = types.includes("null");
   const type = types.find((t) => t && t !== "null") || "string";
-  const choices = prop.enum || (prop.anyOf || []).find((t) => t.enum)?.enum;
+  const choices = prop.enum || prop["x-choices"] || (prop.anyOf || []).find((t) => t.enum)?.enum;
   return { type, nullable, choices };
 }
 
@@ -136,14 +138,136 @@ function datasetPicker(path, label, datasets) {
   );
 }
 
+// A request schema's property (its $ref and allOf resolved), or the fallback.
+function propOf(schema, model, name, fallback) {
+  const all = (schema && schema.components && schema.components.schemas) || {};
+  const prop = all[model]?.properties?.[name];
+  return prop ? { ...resolve(schema, prop), ...prop } : fallback;
+}
+
+// The fields of one section ({field: property}) of a request schema (ScriptJobCreate.resources).
+function sectionOf(schema, model, section, fallback) {
+  const all = (schema && schema.components && schema.components.schemas) || {};
+  const s = resolve(schema, all[model]?.properties?.[section]);
+  if (!s.properties) return fallback;
+  return Object.fromEntries(Object.entries(s.properties).map(([n, p]) => [n, { ...resolve(schema, p), ...p }]));
+}
+
+function textField(path, label, attrs = {}, hint = "") {
+  const id = `f-${path.replace(/\./g, "-")}`;
+  return h(
+    "div",
+    { class: "field", dataset: { field: path } },
+    h("label", { for: id }, label),
+    h("input", { id, name: path, value: "", ...attrs }),
+    h("div", { class: "hint" }, hint),
+    h("div", { class: "field-error", id: `err-${id}` }),
+  );
+}
+
+function selectField(path, label, options, [choose, none]) {
+  const id = `f-${path.replace(/\./g, "-")}`;
+  return h(
+    "div",
+    { class: "field", dataset: { field: path } },
+    h("label", { for: id }, label),
+    h("select", { id, name: path }, h("option", { value: "" }, options.length ? choose : none), ...options.map(([value, text]) => h("option", { value }, text))),
+    h("div", { class: "hint" }),
+    h("div", { class: "field-error", id: `err-${id}` }),
+  );
+}
+
+// A command line split into its arguments as a shell would (quotes group; no expansion).
+export function splitCommand(line) {
+  const out = [];
+  const re = /"((?:[^"\\]|\\.)*)"|'([^']*)'|(\S+)/g;
+  let m;
+  while ((m = re.exec(line))) out.push(m[1] !== undefined ? m[1].replace(/\\(.)/g, "$1") : m[2] !== undefined ? m[2] : m[3]);
+  return out;
+}
+
+const TYPES = [
+  ["train", "training (built-in trainer)"],
+  ["script", "script (your own code)"],
+  ["evaluate", "evaluation (a registered model on a dataset)"],
+];
+
 export async function renderNewJob(ctx) {
-  const datasets = (await api("/v1/datasets?limit=200")).items;
+  const [datasets, code, models] = await Promise.all([
+    api("/v1/datasets?limit=200").then((p) => p.items),
+    api("/v1/code?limit=200").then((p) => p.items || []).catch(() => []),
+    ctx.features.models ? api("/v1/models").then((p) => p.items || []).catch(() => []) : Promise.resolve([]),
+  ]);
   const spec = sections(ctx.schema);
   const summary = h("div", { id: "form-error" });
+  const wanted = ctx.params.get("type");
+  const typeSelect = h(
+    "select",
+    { id: "f-type", name: "job_type" },
+    ...TYPES.filter(([t]) => t !== "evaluate" || ctx.features.models).map(([value, text]) => h("option", { value, selected: value === wanted }, text)),
+  );
   const priority = fieldRow("priority", priorityProp(ctx.schema));
+
+  // Training.
   const groups = Object.entries(spec).map(([section, fields]) =>
     h("fieldset", { class: "card" }, h("legend", {}, section), ...Object.entries(fields).map(([name, prop]) => fieldRow(`${section}.${name}`, prop))),
   );
+  const lrHint = h("div", { id: "effective-lr-hint", class: "hint lr-hint" });
+  const train = h(
+    "div",
+    { id: "train-fields", dataset: { type: "train" } },
+    h("fieldset", { class: "card" }, h("legend", {}, "data"), datasetPicker("train_dataset", "training dataset", datasets), datasetPicker("validation_dataset", "validation dataset", datasets)),
+    ...groups,
+  );
+  // The trainer scales the learning rate by the number of processes: say what it will be.
+  const lrBox = train.querySelector(".field[data-field='parameters.learning_rate']");
+  if (lrBox) lrBox.append(lrHint);
+  const showLr = () => {
+    const value = (sel) => train.querySelector(sel)?.value.trim();
+    const lr = Number(value("#f-parameters-learning_rate"));
+    const processes = processCount({ node_count: value("#f-resources-node_count"), process_count_per_node: value("#f-resources-process_count_per_node") });
+    lrHint.textContent = Number.isFinite(lr) && lr > 0 ? `effective: ${effectiveLrText(lr, processes)} (the learning rate is multiplied by the number of processes)` : "";
+  };
+  train.addEventListener("input", showLr);
+  showLr();
+
+  // Script.
+  const scriptResources = sectionOf(ctx.schema, "ScriptJobCreate", "resources", FALLBACK.resources);
+  const launch = propOf(ctx.schema, "DistributionFields", "launch", null) || sectionOf(ctx.schema, "ScriptJobCreate", "distribution", {}).launch;
+  const script = h(
+    "div",
+    { id: "script-fields", dataset: { type: "script" } },
+    h(
+      "fieldset",
+      { class: "card" },
+      h("legend", {}, "script"),
+      selectField("code", "code package", code.map((c) => [c.id, `${c.name || c.id.slice(0, 8)} (${c.id.slice(0, 8)})`]), ["choose a code package", "no code packages: upload one with `torchyard code upload`"]),
+      textField("command", "command", { placeholder: "python train.py --epochs 3" }, "as you would type it; quotes group words; no shell"),
+      selectField("inputs.data", "input dataset (optional)", datasets.map((d) => [d.id, d.name]), ["none", "none (no datasets yet)"]),
+      launch ? fieldRow("distribution.launch", launch) : null,
+    ),
+    h("fieldset", { class: "card" }, h("legend", {}, "resources"), ...Object.entries(scriptResources).map(([name, prop]) => fieldRow(`script.resources.${name}`, prop))),
+  );
+  // The dataset input is TORCHYARD_INPUT_DATA in the script's environment.
+  script.querySelector(".field[data-field='inputs.data'] .hint").textContent = "its local path is in TORCHYARD_INPUT_DATA";
+
+  // Evaluation.
+  const versions = models.flatMap((m) => [...(m.versions || [])].reverse().map((v) => [`${m.name}:${v.version}`, `${m.name} version ${v.version}${typeof v.top1 === "number" ? ` (top-1 ${(v.top1 * 100).toFixed(1)}%)` : ""}`]));
+  const batch = propOf(ctx.schema, "EvaluateJobCreate", "batch_size", { type: "integer", default: 64 });
+  const evaluate = h(
+    "div",
+    { id: "evaluate-fields", dataset: { type: "evaluate" } },
+    h(
+      "fieldset",
+      { class: "card" },
+      h("legend", {}, "evaluation"),
+      selectField("model", "model version", versions, ["choose a model version", "no models: register one from a succeeded job's page"]),
+      datasetPicker("dataset", "dataset", datasets),
+      fieldRow("batch_size", batch),
+    ),
+  );
+  const parts = { train, script, evaluate };
+
   const form = h(
     "form",
     { id: "new-job-form", novalidate: true },
@@ -151,38 +275,73 @@ export async function renderNewJob(ctx) {
       "fieldset",
       { class: "card" },
       h("legend", {}, "job"),
-      h("div", { class: "field", dataset: { field: "name" } }, h("label", { for: "f-name" }, "name"), h("input", { id: "f-name", name: "name", value: "" }), h("div", { class: "field-error", id: "err-f-name" })),
-      datasetPicker("train_dataset", "training dataset", datasets),
-      datasetPicker("validation_dataset", "validation dataset", datasets),
+      h("div", { class: "field", dataset: { field: "type" } }, h("label", { for: "f-type" }, "type"), typeSelect, h("div", { class: "hint" }), h("div", { class: "field-error", id: "err-f-type" })),
+      h("div", { class: "field", dataset: { field: "name" } }, h("label", { for: "f-name" }, "name"), h("input", { id: "f-name", name: "name", value: "" }), h("div", { class: "hint" }, "empty: a name is made up"), h("div", { class: "field-error", id: "err-f-name" })),
       priority,
     ),
-    ...groups,
+    train,
+    script,
+    evaluate,
     summary,
     h("button", { type: "submit", id: "submit-job" }, "Submit job"),
   );
+  const showType = () => {
+    for (const [type, el] of Object.entries(parts)) el.hidden = type !== typeSelect.value;
+    form.setAttribute("data-type", typeSelect.value);
+  };
+  typeSelect.addEventListener("change", showType);
+  showType();
+
+  const bodyOf = (type) => {
+    const body = { type };
+    const name = form.querySelector("#f-name").value.trim();
+    if (name) body.name = name;
+    body.priority = readValue(form.querySelector("#f-priority"));
+    if (type === "train") {
+      Object.assign(body, { model: {}, parameters: {}, resources: {} });
+      body.train_dataset = form.querySelector("#f-train_dataset").value;
+      body.validation_dataset = form.querySelector("#f-validation_dataset").value;
+      for (const input of train.querySelectorAll("fieldset [name*='.']")) {
+        const [section, field] = input.name.split(".");
+        body[section][field] = readValue(input);
+      }
+    } else if (type === "script") {
+      body.code = script.querySelector("#f-code").value;
+      body.command = splitCommand(script.querySelector("#f-command").value);
+      const input = script.querySelector("#f-inputs-data").value;
+      if (input) body.inputs = { data: input };
+      const launchInput = script.querySelector("#f-distribution-launch");
+      if (launchInput) body.distribution = { launch: launchInput.value };
+      body.resources = {};
+      for (const el of script.querySelectorAll("[name^='script.resources.']")) body.resources[el.name.split(".").pop()] = readValue(el);
+    } else {
+      body.model = evaluate.querySelector("#f-model").value;
+      body.dataset = evaluate.querySelector("#f-dataset").value;
+      body.batch_size = readValue(evaluate.querySelector("#f-batch_size"));
+    }
+    return body;
+  };
+  // A 422's field (resources.node_count) as this form names it: a script's resources are
+  // script.resources.*.
+  const boxOf = (type, field) => {
+    const name = type === "script" && field.startsWith("resources.") ? `script.${field}` : field;
+    return form.querySelector(`.field[data-field="${CSS.escape(name)}"]`);
+  };
+
   form.addEventListener("submit", async (e) => {
     e.preventDefault();
     for (const el of form.querySelectorAll(".field-error")) el.textContent = "";
     for (const el of form.querySelectorAll(".field.invalid")) el.classList.remove("invalid");
     summary.replaceChildren();
-    const body = { model: {}, parameters: {}, resources: {} };
-    const name = form.querySelector("#f-name").value.trim();
-    if (name) body.name = name;
-    body.train_dataset = form.querySelector("#f-train_dataset").value;
-    body.validation_dataset = form.querySelector("#f-validation_dataset").value;
-    body.priority = readValue(form.querySelector("#f-priority"));
-    for (const input of form.querySelectorAll("fieldset [name*='.']")) {
-      const [section, field] = input.name.split(".");
-      body[section][field] = readValue(input);
-    }
+    const type = typeSelect.value;
     try {
-      const job = await api("/v1/jobs", { method: "POST", json: jsonWithIntegers(body) });
+      const job = await api("/v1/jobs", { method: "POST", json: jsonWithIntegers(bodyOf(type)) });
       location.hash = `#/jobs/${job.id}`;
     } catch (err) {
       if (!(err instanceof ApiError)) throw err;
       const unplaced = [];
       for (const { field, message } of err.fieldErrors()) {
-        const box = form.querySelector(`.field[data-field="${CSS.escape(field)}"]`);
+        const box = boxOf(type, field);
         if (box) {
           box.classList.add("invalid");
           const slot = box.querySelector(".field-error");

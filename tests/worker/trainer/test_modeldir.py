@@ -194,7 +194,7 @@ def test_image_size_below_the_architecture_minimum(tmp_path: Path, digits: Digit
 
 
 def test_save_model_dir_writes_a_checked_onnx_export_and_refuses_wrong_weights(tmp_path: Path) -> None:
-    """A script's own model (a replaced head, as examples/birds does) becomes a model
+    """A script's own model (a replaced head, as examples/finetune-resnet does) becomes a model
     directory the registry accepts: the loader and ONNX Runtime agree on it."""
     from torchyard.contract.model_archive import check_model_config, pack_model_dir
     from torchyard.scoring import OnnxModel

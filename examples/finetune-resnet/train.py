@@ -1,9 +1,10 @@
-"""Transfer learning with a torchvision ResNet, distributed with DDP: the shape of the
-"pytorch_train.py" of the seed's birds example, written for torchyard script jobs.
+"""Transfer learning with a torchvision ResNet, distributed with DDP: a plain PyTorch
+training script (any class-folder images; the example runs it on the demo's digits),
+written for torchyard script jobs.
 
 Run it as a script job (one process per unit, the launch variables set by the agent):
 
-    torchyard code upload examples/birds
+    torchyard code upload examples/finetune-resnet
     torchyard submit spec.json        # see README.md
 
 or locally, on one machine, with torchrun:
@@ -16,7 +17,7 @@ written to ``./outputs/model.pt`` with ``classes.json``, and as a torchyard mode
 directory to ``./outputs/model/`` (``torchyard.modeldir.save_model_dir``: weights,
 config, ONNX export), which registers as a model version:
 
-    torchyard model register birds --job <job id> --path model
+    torchyard model register digits-finetune --job <job id> --path model
 
 The loss, accuracy and speed go to the job's metrics through ``torchyard.run.log_metric``.
 """
