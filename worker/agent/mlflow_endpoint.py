@@ -270,7 +270,12 @@ class TrackingStore:
                 finally:
                     os.close(fd)
             for m in metrics:
-                point = {"key": m["key"], "value": m["value"], "timestamp": m["timestamp"], "step": m["step"]}
+                point = {
+                    "key": m["key"],
+                    "value": _json_number(m["value"]),
+                    "timestamp": m["timestamp"],
+                    "step": m["step"],
+                }
                 run.latest[m["key"]] = point
                 if self._history_points < MAX_HISTORY_POINTS:
                     run.history.setdefault(m["key"], []).append(point)
@@ -330,6 +335,15 @@ class TrackingStore:
         run = self.run(run_id)
         with self.lock:
             return list(run.history.get(key, []))
+
+
+def _json_number(value: float) -> float | str:
+    """A value as MLflow's JSON holds it: NaN and the infinities quoted."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "Infinity" if value > 0 else "-Infinity"
+    return value
 
 
 # --- the request's fields -------------------------------------------------------------------
