@@ -79,6 +79,10 @@ def test_per_process_1x2_variables_metrics_logs_and_outputs(env: ScriptEnv, tmp_
         assert inputs.is_relative_to(Path(s["TORCHYARD_OUTPUT_DIR"]).parent)  # in the run, not the cache
         cwds.add(s["cwd"])
     assert len(cwds) == 2  # a fresh copy of the code each
+    # Each process has an MLflow token of its own (for the job's endpoint), not the worker's.
+    assert len({s["mlflow_token"] for s in seen.values()}) == 2 and env.token not in {
+        s["mlflow_token"] for s in seen.values()
+    }
     assert _metrics(env, job_id, "probe.rank") == [(0, 0, 0.0), (1, 0, 1.0)]
     assert _metrics(env, job_id, "probe.auto") == [(0, 0, 1.5), (0, 1, 2.5), (1, 0, 1.5), (1, 1, 2.5)]
     assert "hello from rank 0" in env.log(job_id, rank=0)

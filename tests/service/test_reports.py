@@ -70,6 +70,7 @@ def test_batch_is_stored_and_a_retry_duplicates_nothing(client: TestClient, sett
         "logs_duplicate": 0,
         "progress": True,
         "result": False,
+        "tracking": False,
     }
     again = post_report(client, job, **_batch())
     assert again.status_code == 200, again.text

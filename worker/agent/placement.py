@@ -278,15 +278,18 @@ class PlacementRun:
             return
         launch = dataclasses.replace(launch, gpu_ids=self.gpu_ids)
         group = self.group = ScriptGroup(launch, job_log=self.log)
-        with open(agent_log, "a", encoding="utf-8") as out:
-            pid = group.start(out)
-        self.log.info("script started (pid %d): %s", pid, shlex.join(group.command))
-        reporter = self._start_reporter_for(
-            group.log_files, agent_log, group.metric_files, tracking_source=group.tracking_source
-        )
-        self.report.report_running(self.stop_event)
-        exit_code = self._watch(group, reporter)
-        group.close_tracking()
+        try:
+            with open(agent_log, "a", encoding="utf-8") as out:
+                pid = group.start(out)
+            self.log.info("script started (pid %d): %s", pid, shlex.join(group.command))
+            reporter = self._start_reporter_for(
+                group.log_files, agent_log, group.metric_files, tracking_source=group.tracking_source
+            )
+            self.report.report_running(self.stop_event)
+            exit_code = self._watch(group, reporter)
+        finally:
+            # The MLflow endpoint ends with the processes; TensorBoard files are read a last time.
+            group.close_tracking()
         self.log.info("script ended: exit code %s", exit_code)
         group.name_unkept_files()
         state, failure = "stopped", None
