@@ -56,7 +56,8 @@ with mlflow.start_run():
     start = time.perf_counter()
     for i in range(calls):
         mlflow.log_metric("m", float(i), step=i)
-    print(calls / (time.perf_counter() - start))
+    rate = calls / (time.perf_counter() - start)
+print("RATE", rate)
 """
 
 JOB = """
@@ -88,10 +89,12 @@ def client_rate(uri: str, calls: int, token: str | None) -> float:
     )
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-3000:])
-    return float(done.stdout.strip().splitlines()[-1])
+    return float(next(line.split()[1] for line in done.stdout.splitlines() if line.startswith("RATE ")))
 
 
-def round_trip(mlflow_bin: str, calls: int, rounds: int, tmp: Path) -> tuple[list[float], list[float]]:
+def round_trip(
+    mlflow_bin: str, calls: int, rounds: int, tmp: Path, workers: int
+) -> tuple[list[float], list[float]]:
     run_dir = tmp / "endpoint"
     (run_dir / "outputs").mkdir(parents=True)
     endpoint = TrackingEndpoint(run_dir, run_dir / "outputs", node_rank=0)
@@ -100,13 +103,13 @@ def round_trip(mlflow_bin: str, calls: int, rounds: int, tmp: Path) -> tuple[lis
     port = free_port()
     server_log = open(tmp / "mlflow-server.log", "wb")  # noqa: SIM115 - open while the server runs
     server = subprocess.Popen(
-        [mlflow_bin, "server", "--host", "127.0.0.1", "--port", str(port),
+        [mlflow_bin, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
          "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}",
          "--default-artifact-root", str(tmp / "mlflow-artifacts")],
         stdout=subprocess.DEVNULL, stderr=server_log, start_new_session=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 600
         while True:
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
@@ -195,13 +198,14 @@ def main() -> int:
     parser.add_argument("--mlflow", default="mlflow", help="the mlflow command that runs `mlflow server`")
     parser.add_argument("--calls", type=int, default=2000, help="log_metric calls per round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=1, help="`mlflow server --workers` (one client calls)")
     parser.add_argument("--points", type=int, default=10_000)
     parser.add_argument("--outage", type=float, default=10.0, help="seconds the API stays down")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-mlflow-"))
     started = time.monotonic()
     print(f"round trip: {args.calls} log_metric calls a round, {args.rounds} rounds each, alternating")
-    ours, theirs = round_trip(args.mlflow, args.calls, args.rounds, tmp)
+    ours, theirs = round_trip(args.mlflow, args.calls, args.rounds, tmp, args.workers)
     ratio = statistics.median(ours) / statistics.median(theirs)
     print(f"exactly once: {args.points} points, the API down {args.outage:g} s in the middle")
     result = across_restart(args.points, args.outage, tmp)
