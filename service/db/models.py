@@ -188,6 +188,8 @@ class Job(Base):
     progress: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     best: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # Script jobs: the MLflow runs their processes logged, with params and tags (SPEC §14).
+    tracking: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     failure_code: Mapped[str | None] = mapped_column(String(64))
     failure_message: Mapped[str | None] = mapped_column(Text)
     failure_rank: Mapped[int | None] = mapped_column(Integer)

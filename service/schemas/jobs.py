@@ -208,6 +208,11 @@ class JobPublic(BaseModel):
         default=None, description="Script jobs: sha256 of the outputs archive, once uploaded."
     )
     outputs_size: int | None = None
+    tracking: dict[str, Any] | None = Field(
+        default=None,
+        description="Script jobs: what their MLflow client logged: params and tags (of every run, "
+        "system tags ``mlflow.*`` left out) and the runs with their own params and tags.",
+    )
     priority: int
     reason: str | None = Field(default=None, description="Why a queued job waits.")
     failure: Failure | None = None

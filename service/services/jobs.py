@@ -335,7 +335,12 @@ def job_public(
     if job.type == "train":
         own.update(train_dataset=job.train_dataset_id, validation_dataset=job.validation_dataset_id)
     elif job.type == "script":
-        own.update(code=job.code_id, outputs_sha256=job.outputs_sha256, outputs_size=job.outputs_size)
+        own.update(
+            code=job.code_id,
+            outputs_sha256=job.outputs_sha256,
+            outputs_size=job.outputs_size,
+            tracking=job.tracking,
+        )
     elif job.type == "evaluate":
         own.update(dataset=job.validation_dataset_id)
     return JobPublic(

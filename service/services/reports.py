@@ -40,6 +40,7 @@ from torchyard.contract.reports import (
     ReportAccepted,
     ReportBatch,
     ResultIn,
+    TrackingIn,
     file_stream_node_rank,
     is_stream_name,
 )
@@ -74,6 +75,16 @@ def _node_streams(session: Session, job: Job, placement: Placement) -> tuple[ran
     return range(first, first + per_node), f"agent-{node_name}"
 
 
+def _check_tracking(job: Job, tracking: TrackingIn, world_size: int) -> None:
+    if job.type != "script":
+        raise RequestValidationError("tracking: only script jobs report MLflow runs")
+    for i, run in enumerate(tracking.runs):
+        if run.rank >= world_size:
+            raise RequestValidationError(
+                f"tracking.runs[{i}]: rank {run.rank} is outside the job's world size {world_size}"
+            )
+
+
 def _check_batch(session: Session, job: Job, placement: Placement, batch: ReportBatch) -> None:
     world_size = job.node_count * job.process_count_per_node
     for i, point in enumerate(batch.metrics):
@@ -81,6 +92,8 @@ def _check_batch(session: Session, job: Job, placement: Placement, batch: Report
             raise RequestValidationError(
                 f"metrics[{i}]: rank {point.rank} is outside the job's world size {world_size}"
             )
+    if batch.tracking is not None:
+        _check_tracking(job, batch.tracking, world_size)
     if not batch.logs:
         return
     ranks, agent_stream = _node_streams(session, job, placement)
@@ -136,6 +149,33 @@ def _best_from_metrics(session: Session, job: Job, attempt: Attempt) -> dict[str
         )
     ).all()
     return {"attempt": attempt.number, "epoch": best.epoch, **{name: value for name, value in values}}
+
+
+def _tracking_of(job: Job, attempt: Attempt, placement: Placement, tracking: TrackingIn) -> dict[str, Any]:
+    """The job's ``tracking``: this node's runs replace what it sent before; ``params`` and
+    ``tags`` gather every run's (system tags ``mlflow.*`` left out; a later run wins a key)."""
+    sent = {run.id for run in tracking.runs}
+    runs = [r for r in (job.tracking or {}).get("runs", []) if r.get("id") not in sent]
+    runs += [
+        {**run.model_dump(mode="json"), "attempt": attempt.number, "node_rank": placement.node_rank}
+        for run in tracking.runs
+    ]
+    runs.sort(key=lambda r: (r.get("attempt", 0), r.get("rank", 0), r.get("name", ""), r.get("id", "")))
+    params: dict[str, str] = {}
+    tags: dict[str, str] = {}
+    for run in runs:
+        params.update(run.get("params") or {})
+        tags.update({k: v for k, v in (run.get("tags") or {}).items() if not k.startswith("mlflow.")})
+    return {"params": params, "tags": tags, "runs": runs}
+
+
+def _apply_tracking(job: Job, attempt: Attempt, placement: Placement, tracking: TrackingIn) -> bool:
+    """Store the node's runs in the job's ``tracking``; whether it changed."""
+    merged = _tracking_of(job, attempt, placement, tracking)
+    if merged == job.tracking:
+        return False
+    job.tracking = merged
+    return True
 
 
 def _result_of(attempt: Attempt, result: ResultIn) -> dict[str, Any]:
@@ -195,6 +235,8 @@ def ingest_report(
         if progress != job.progress:
             job.progress = progress
             changed = True
+    if batch.tracking is not None:
+        changed = _apply_tracking(job, attempt, placement, batch.tracking) or changed
     if batch.result is not None:
         result = _result_of(attempt, batch.result)
         best: dict[str, Any] | None = {
@@ -222,6 +264,7 @@ def ingest_report(
         logs_duplicate=len(log_rows) - new_logs,
         progress=batch.progress is not None,
         result=batch.result is not None,
+        tracking=batch.tracking is not None,
     )
 
 

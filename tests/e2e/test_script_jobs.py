@@ -79,6 +79,10 @@ def test_per_process_1x2_variables_metrics_logs_and_outputs(env: ScriptEnv, tmp_
         assert inputs.is_relative_to(Path(s["TORCHYARD_OUTPUT_DIR"]).parent)  # in the run, not the cache
         cwds.add(s["cwd"])
     assert len(cwds) == 2  # a fresh copy of the code each
+    # Each process has an MLflow token of its own (for the job's endpoint), not the worker's.
+    assert len({s["mlflow_token"] for s in seen.values()}) == 2 and env.token not in {
+        s["mlflow_token"] for s in seen.values()
+    }
     assert _metrics(env, job_id, "probe.rank") == [(0, 0, 0.0), (1, 0, 1.0)]
     assert _metrics(env, job_id, "probe.auto") == [(0, 0, 1.5), (0, 1, 2.5), (1, 0, 1.5), (1, 1, 2.5)]
     assert "hello from rank 0" in env.log(job_id, rank=0)
@@ -223,3 +227,67 @@ def test_cancel_stops_the_script_and_its_children(env: ScriptEnv) -> None:
             not Path(f"/proc/{pid}").exists()
             or "Z" in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]
         )
+
+
+AS_IT_IS = """
+import os, pathlib
+import mlflow, torch
+from torch.utils.tensorboard import SummaryWriter
+
+rank = int(os.environ["RANK"])
+mlflow.set_experiment("digits")
+with mlflow.start_run(run_name=f"rank{rank}") as run:
+    mlflow.log_params({"lr": 0.1, f"only_{rank}": rank})
+    mlflow.set_tag("team", "vision")
+    for step in range(3):
+        mlflow.log_metric("loss", rank + 1.0 / (step + 1), step=step)
+    mlflow.log_metrics({"acc": 0.5, "top 5": 0.9})
+    mlflow.log_metric("again", 1.0)  # no step: the next one each time
+    mlflow.log_metric("again", 2.0)
+    notes = pathlib.Path(f"notes-{rank}.txt")
+    notes.write_text(f"notes of rank {rank}")
+    mlflow.log_artifact(str(notes))
+writer = SummaryWriter()  # ./runs/<date>_<host>: under the process's working copy
+for step in range(4):
+    writer.add_scalar("tb/loss", 2.0 - step / 2, step)
+writer.close()
+pathlib.Path("logs", f"state-{rank}.bin").write_bytes(bytes([0, 1, rank]))
+torch.save({"w": torch.zeros(1)}, f"model-{rank}.pt")  # not under outputs/: named, not kept
+"""
+
+
+def test_mlflow_tensorboard_and_logs_of_an_unmodified_script_1x2(env: ScriptEnv) -> None:
+    """SPEC §14: what a script logs through MLflow and TensorBoard becomes the job's metrics
+    (with the process's rank), params and tags show on the job, artifacts and ./logs are in
+    the outputs, and model files left in the working copy are named in the job's log."""
+    env.agent("solo", slots=2)
+    code = env.upload_code({"train.py": AS_IT_IS})
+    job_id = env.submit(
+        code, ["python", "train.py"], resources={"node_count": 1, "process_count_per_node": 2}
+    )
+    job = env.wait(job_id)
+    assert job["status"] == "succeeded", (job, env.log(job_id, stream="agent"))
+    loss = _metrics(env, job_id, "loss")
+    assert [(r, s) for r, s, _ in loss] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert [v for _, _, v in loss] == pytest.approx([1.0, 0.5, 1 / 3, 2.0, 1.5, 1 + 1 / 3])
+    assert _metrics(env, job_id, "again") == [(0, 0, 1.0), (0, 1, 2.0), (1, 0, 1.0), (1, 1, 2.0)]
+    assert _metrics(env, job_id, "top_5") == [(0, 0, 0.9), (1, 0, 0.9)]
+    assert _metrics(env, job_id, "tb/loss") == [(r, s, 2.0 - s / 2) for r in (0, 1) for s in range(4)]
+    tracking = job["tracking"]
+    assert tracking["params"] == {"lr": "0.1", "only_0": "0", "only_1": "1"}
+    assert tracking["tags"] == {"team": "vision"}
+    assert [(r["name"], r["rank"], r["status"], r["experiment"]) for r in tracking["runs"]] == [
+        ("rank0", 0, "FINISHED", "digits"),
+        ("rank1", 1, "FINISHED", "digits"),
+    ]
+    files = env.outputs(job_id)
+    for run in tracking["runs"]:
+        rank = run["rank"]
+        assert files[f"mlflow/{run['id']}/artifacts/notes-{rank}.txt"] == f"notes of rank {rank}".encode()
+        assert files[f"logs/state-{rank}.bin"] == bytes([0, 1, rank])
+    one = env.user.get(f"/v1/jobs/{job_id}/outputs", params={"path": "logs/state-1.bin"})
+    assert one.status_code == 200 and one.content == bytes([0, 1, 1])
+    agent_log = env.log(job_id, stream="agent")
+    for rank in (0, 1):
+        assert f"not kept: model-{rank}.pt was written in the working copy of rank-{rank}" in agent_log
+        assert f"logs: state-{rank}.bin is not a log stream (not a text file" in agent_log

@@ -70,6 +70,7 @@ def test_batch_is_stored_and_a_retry_duplicates_nothing(client: TestClient, sett
         "logs_duplicate": 0,
         "progress": True,
         "result": False,
+        "tracking": False,
     }
     again = post_report(client, job, **_batch())
     assert again.status_code == 200, again.text
@@ -399,3 +400,58 @@ def test_the_agent_batches_within_the_contract_limits() -> None:
     assert run_files.MAX_BATCH_LOG_CHUNKS <= contract_reports.MAX_LOG_CHUNKS_PER_BATCH
     assert run_files.LOG_READ_BYTES <= contract_reports.MAX_LOG_CHUNK_BYTES
     assert run_files.MAX_BATCH_LOG_BYTES < contract_reports.MAX_REPORT_BODY_BYTES
+
+
+def _tracking_run(run_id: str, rank: int, **kw: Any) -> dict[str, Any]:
+    run = {"id": run_id, "name": f"r{rank}", "experiment": "Default", "status": "RUNNING", "rank": rank,
+           "params": {}, "tags": {}}  # fmt: skip
+    run.update(kw)
+    return run
+
+
+def test_a_script_jobs_mlflow_runs_show_on_the_job_as_tracking(
+    client: TestClient, settings: Settings
+) -> None:
+    from sqlalchemy import update
+
+    from service.db.models import Job
+    from tests.service.test_script_jobs_api import upload_code
+
+    job = start_running_job(settings, client, node_count=2, per_node=1)
+    show = f"/v1/jobs/{job.job_id}"
+    user = auth(job.user_token)
+    a, b = "a" * 32, "b" * 32
+    run_a = _tracking_run(a, 0, params={"lr": "0.1"}, tags={"team": "vision", "mlflow.user": "me"})
+    # A training job has no MLflow runs: the field is refused, nothing stored.
+    r = post_report(client, job, tracking={"runs": [run_a]})
+    assert r.status_code == 422 and "script jobs" in r.text
+    code = upload_code(client, {"train.py": b"print('hi')\n"}).json()["id"]
+    db = Database(settings.sqlalchemy_url)
+    try:
+        with db.transaction() as session:
+            session.execute(update(Job).where(Job.id == job.job_id).values(type="script", code_id=code))
+    finally:
+        db.dispose()
+    assert post_report(client, job, tracking={"runs": [run_a]}).status_code == 200
+    assert post_report(client, job, tracking={"runs": [run_a]}).status_code == 200  # a retry: no change
+    run_b = _tracking_run(b, 1, params={"lr": "0.2", "depth": "3"}, status="FINISHED")
+    assert post_report(client, job, node_rank=1, tracking={"runs": [run_b]}).status_code == 200
+    run_a["status"] = "FINISHED"
+    assert post_report(client, job, tracking={"runs": [run_a]}).status_code == 200  # the node's runs, again
+    tracking = client.get(show, headers=user).json()["tracking"]
+    assert [(r["id"], r["status"], r["node_rank"], r["attempt"]) for r in tracking["runs"]] == [
+        (a, "FINISHED", 0, 1),
+        (b, "FINISHED", 1, 1),
+    ]
+    assert tracking["params"] == {"lr": "0.2", "depth": "3"}  # the later run wins a key
+    assert tracking["tags"] == {"team": "vision"}  # MLflow's own mlflow.* tags only on the run
+    # Bad tracking is a 422 naming the field; the job keeps what it had.
+    for bad, words in (
+        ({"runs": [_tracking_run("x", 0)]}, "tracking.runs.0.id"),
+        ({"runs": [_tracking_run(a, 5)]}, "world size"),
+        ({"runs": [_tracking_run(a, 0, params={"k": "v" * 9000})]}, "tracking.runs.0.params"),
+        ({"runs": [_tracking_run(a, 0, status="DONE")]}, "tracking.runs.0.status"),
+    ):
+        r = post_report(client, job, tracking=bad)
+        assert r.status_code == 422 and words in r.text, r.text
+    assert client.get(show, headers=user).json()["tracking"] == tracking

@@ -135,6 +135,46 @@ class ResultIn(StrictModel):
     evaluation: EvaluationIn | None = None
 
 
+# What a job's MLflow runs may hold (SPEC §14): runs per node, params and tags in all, the
+# longest value. The node's endpoint refuses more with MLflow's error, so a batch never does.
+MAX_TRACKING_RUNS = 100
+MAX_TRACKING_ITEMS = 2000
+MAX_TRACKING_VALUE = 8000
+MAX_TRACKING_KEY = 250
+
+
+class TrackingRunIn(StrictModel):
+    """One MLflow run of a script job as its node's endpoint knows it."""
+
+    id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    name: str = Field(max_length=MAX_TRACKING_KEY)
+    experiment: str = Field(max_length=500)
+    status: str = Field(pattern=r"^(RUNNING|SCHEDULED|FINISHED|FAILED|KILLED)$")
+    rank: int = Field(ge=0, le=MAX_RANK)
+    params: dict[
+        Annotated[str, Field(max_length=MAX_TRACKING_KEY)],
+        Annotated[str, Field(max_length=MAX_TRACKING_VALUE)],
+    ]
+    tags: dict[
+        Annotated[str, Field(max_length=MAX_TRACKING_KEY)],
+        Annotated[str, Field(max_length=MAX_TRACKING_VALUE)],
+    ]
+
+
+class TrackingIn(StrictModel):
+    """The MLflow runs of one node (all of them each time: sending it again changes nothing)."""
+
+    runs: list[TrackingRunIn] = Field(max_length=MAX_TRACKING_RUNS)
+
+    @field_validator("runs")
+    @classmethod
+    def _check_size(cls, runs: list[TrackingRunIn]) -> list[TrackingRunIn]:
+        items = sum(len(r.params) + len(r.tags) for r in runs)
+        if items > MAX_TRACKING_ITEMS:
+            raise ValueError(f"the runs hold at most {MAX_TRACKING_ITEMS} params and tags, not {items}")
+        return runs
+
+
 class ReportBatch(StrictModel):
     """One batch from a worker agent. Retrying a batch is harmless: points and chunks
     already stored are skipped (metrics by job/attempt/name/rank/epoch/step, log chunks
@@ -144,6 +184,9 @@ class ReportBatch(StrictModel):
     logs: list[LogChunkIn] = Field(default_factory=list, max_length=MAX_LOG_CHUNKS_PER_BATCH)
     progress: ProgressIn | None = None
     result: ResultIn | None = None
+    tracking: TrackingIn | None = Field(
+        default=None, description="A script job's MLflow runs on this node (SPEC §14), when they changed."
+    )
 
 
 class ReportAccepted(BaseModel):
@@ -153,3 +196,4 @@ class ReportAccepted(BaseModel):
     logs_duplicate: int = Field(description="Log chunks already stored, skipped.")
     progress: bool = False
     result: bool = False
+    tracking: bool = False

@@ -3,7 +3,11 @@
 One environment per requirement set and node, under ``<work dir>/envs/<key>/`` where the
 key is the sha256 of the sorted requirements and the worker's Python version. It is
 built with ``--system-site-packages`` and a ``.pth`` file naming the worker's own
-site-packages, so the worker's torch is used rather than installed again. Builds run
+site-packages, so the worker's torch is used rather than installed again. Every console
+script of the worker's own environment (``torchrun``...) that the new one lacks is copied
+into its ``bin/`` naming the new environment's interpreter, so whatever a job starts from
+``PATH`` (``torchrun`` and the processes it starts included) runs with the job's packages
+(SPEC §14). Builds run
 under a per-key lock file: two jobs asking for the same set on one node build it once,
 the second one waits and reuses it. An environment is ready once its marker file is
 written after pip succeeded; a failed build leaves nothing behind and is an
@@ -34,6 +38,8 @@ log = logging.getLogger(__name__)
 PIP_TAIL_LINES = 30
 BUILD_TIMEOUT_S = 3600
 READY_MARKER = ".torchyard-ready"
+SCRIPTS_MARKER = ".torchyard-scripts"
+_SKIPPED_SCRIPTS = ("activate", "python", "pip")
 
 
 def requirements_key(requirements: list[str]) -> str:
@@ -85,6 +91,42 @@ def _tail(path: Path, lines: int) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _python_script(path: Path) -> bytes | None:
+    """The body of a console script of a Python interpreter (after its ``#!`` line); None otherwise."""
+    if path.is_symlink() or not path.is_file() or not os.access(path, os.X_OK):
+        return None
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(1 << 16)
+    except OSError:
+        return None
+    first, _, rest = head.partition(b"\n")
+    if not first.startswith(b"#!") or b"python" not in first or len(head) == 1 << 16:
+        return None
+    return rest
+
+
+def add_console_scripts(env_dir: Path, worker_bin: Path | None = None) -> list[str]:
+    """Copy the worker's console scripts the environment lacks into its ``bin/``, each run by
+    the environment's interpreter; the names copied. Idempotent."""
+    source = worker_bin or Path(sys.executable).parent
+    target = env_dir / "bin"
+    added = []
+    for path in sorted(source.iterdir()):
+        if path.name.startswith(_SKIPPED_SCRIPTS) or (target / path.name).exists():
+            continue
+        body = _python_script(path)
+        if body is None:
+            continue
+        tmp = target / f".{path.name}.tmp"
+        tmp.write_bytes(b"#!" + str(env_python(env_dir)).encode() + b"\n" + body)
+        tmp.chmod(0o755)
+        os.replace(tmp, target / path.name)
+        added.append(path.name)
+    (env_dir / SCRIPTS_MARKER).write_text("\n".join(added))
+    return added
+
+
 def ensure_environment(
     envs_dir: Path,
     requirements: list[str],
@@ -96,10 +138,12 @@ def ensure_environment(
     key = requirements_key(requirements)
     envs_dir.mkdir(parents=True, exist_ok=True)
     final = envs_dir / key
-    if (final / READY_MARKER).exists():
+    if (final / READY_MARKER).exists() and (final / SCRIPTS_MARKER).exists():
         return final, False
     with _locked(envs_dir / f".{key}.lock"):
         if (final / READY_MARKER).exists():
+            if not (final / SCRIPTS_MARKER).exists():
+                add_console_scripts(final)  # built by an older worker
             return final, False  # another job built it while we waited
         # Built in place (a venv's scripts name their own folder), ready once the marker is
         # written: a folder without it is a build that was interrupted.
@@ -132,6 +176,7 @@ def ensure_environment(
                     f"pip could not build the environment for {requirements} (exit code {code}):\n{tail}",
                     details={"requirements": requirements},
                 )
+            add_console_scripts(work)
             (work / READY_MARKER).write_text(json.dumps({"requirements": requirements}))
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)

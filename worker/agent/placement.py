@@ -277,20 +277,27 @@ class PlacementRun:
             self.report.finish_stopped(self.stop_kind, None)
             return
         launch = dataclasses.replace(launch, gpu_ids=self.gpu_ids)
-        group = self.group = ScriptGroup(launch)
-        with open(agent_log, "a", encoding="utf-8") as out:
-            pid = group.start(out)
-        self.log.info("script started (pid %d): %s", pid, shlex.join(group.command))
-        reporter = self._start_reporter_for(group.log_files, agent_log, group.metric_files)
-        self.report.report_running(self.stop_event)
-        exit_code = self._watch(group, reporter)
+        group = self.group = ScriptGroup(launch, job_log=self.log)
+        try:
+            with open(agent_log, "a", encoding="utf-8") as out:
+                pid = group.start(out)
+            self.log.info("script started (pid %d): %s", pid, shlex.join(group.command))
+            reporter = self._start_reporter_for(
+                group.log_files, agent_log, group.metric_files, tracking_source=group.tracking_source
+            )
+            self.report.report_running(self.stop_event)
+            exit_code = self._watch(group, reporter)
+        finally:
+            # The MLflow endpoint ends with the processes; TensorBoard files are read a last time.
+            group.close_tracking()
         self.log.info("script ended: exit code %s", exit_code)
+        group.name_unkept_files()
         state, failure = "stopped", None
         if not self.stop_event.is_set():
             state = "succeeded" if exit_code == 0 else "failed"
             failure = None if exit_code == 0 else group.failure(exit_code)
         if state != "stopped" or self.stop_kind == "attempt_ended":
-            state, failure = self._keep_outputs(launch.outputs_dir, state, failure)
+            state, failure = self._keep_outputs(launch.outputs_dir, state, failure, launch.logs_dir)
         if failure is not None:
             self.log.error(
                 "job %s failed: %s (rank %s): %s",
@@ -307,14 +314,21 @@ class PlacementRun:
             self.report.finish(state, exit_code, failure)
 
     def _keep_outputs(
-        self, folder: Path, state: str, failure: dict[str, Any] | None
+        self, folder: Path, state: str, failure: dict[str, Any] | None, logs: Path | None = None
     ) -> tuple[str, dict[str, Any] | None]:
         """Upload the output folder (node rank 0; every node with outputs "all"), succeeded
         or failed. A success whose outputs cannot be kept is a failure."""
         if self.node_rank != 0 and self.work.spec.get("outputs") != "all":
             return state, failure
         try:
-            upload_outputs(self.ctx, self.job_id, self.lease_token, folder)
+            upload_outputs(
+                self.ctx,
+                self.job_id,
+                self.lease_token,
+                folder,
+                logs,
+                lambda text: self.log.warning("outputs: %s", text),
+            )
         except Exception as exc:
             self.log.error("job %s: the outputs could not be uploaded: %s", self.job_id, exc)
             if state == "succeeded":
@@ -403,6 +417,8 @@ class PlacementRun:
         log_sources: Callable[[], list[tuple[str, Path]]],
         agent_log: Path,
         metric_sources: Callable[[], list[Path]] | None = None,
+        *,
+        tracking_source: Callable[[], bytes | None] | None = None,
     ) -> Any:
         try:
             from worker.agent.reporting import RunReporter
@@ -420,6 +436,7 @@ class PlacementRun:
             max_log_backlog=self.ctx.log_backlog_bytes,
             abandon=self.ctx.shutdown,
             metric_sources=metric_sources,
+            tracking_source=tracking_source,
         )
         reporter.start()
         return reporter

@@ -100,6 +100,7 @@ class RunReporter:
         max_log_backlog: int = DEFAULT_LOG_BACKLOG_BYTES,
         abandon: threading.Event | None = None,
         metric_sources: Callable[[], list[Path]] | None = None,
+        tracking_source: Callable[[], bytes | None] | None = None,
     ) -> None:
         self.client = client
         self.job_id = job_id
@@ -112,6 +113,7 @@ class RunReporter:
             node_name,
             metric_sources,
             max_log_backlog=max_log_backlog,
+            tracking_source=tracking_source,
         )
         # Set when the agent shuts down: a final drain then waits REPORTER_GIVE_UP_S at most.
         self.abandon = abandon or threading.Event()

@@ -74,14 +74,23 @@ class Batch:
     logs: list[dict[str, Any]] = field(default_factory=list)
     progress: dict[str, Any] | None = None
     result: dict[str, Any] | None = None
+    tracking: dict[str, Any] | None = None
     log_bytes: int = 0
     full: bool = False
 
     def empty(self) -> bool:
-        return not (self.metrics or self.logs or self.progress or self.result)
+        return not (self.metrics or self.logs or self.progress or self.result or self.tracking)
 
     def payload(self) -> dict[str, Any]:
-        return {"metrics": self.metrics, "logs": self.logs, "progress": self.progress, "result": self.result}
+        payload = {
+            "metrics": self.metrics,
+            "logs": self.logs,
+            "progress": self.progress,
+            "result": self.result,
+        }
+        if self.tracking is not None:
+            payload["tracking"] = self.tracking
+        return payload
 
 
 def _int(value: Any, minimum: int = 0) -> int | None:
@@ -200,8 +209,11 @@ class RunFileReader:
         metric_sources: Callable[[], list[Path]] | None = None,
         *,
         max_log_backlog: int = DEFAULT_LOG_BACKLOG_BYTES,
+        tracking_source: Callable[[], bytes | None] | None = None,
     ) -> None:
         self.job_id = job_id
+        self.tracking_source = tracking_source
+        self._tracking_sent: bytes | None = None
         self.max_log_backlog = max_log_backlog
         self.dropped_log_bytes = 0
         self.metric_sources = metric_sources
@@ -221,9 +233,26 @@ class RunFileReader:
         batch = Batch()
         self._read_events(batch)
         self._read_script_metrics(batch)
+        self._read_tracking(batch)
         self._refresh_sources()
         self._read_logs(batch, final)
         return batch
+
+    def _read_tracking(self, batch: Batch) -> None:
+        """A script's MLflow runs (``tracking.json``), whole, when they changed since the last batch."""
+        if self.tracking_source is None:
+            return
+        snapshot = self.tracking_source()
+        if snapshot is None or snapshot == self._tracking_sent:
+            return
+        self._tracking_sent = snapshot
+        try:
+            tracking = json.loads(snapshot)
+        except ValueError:
+            log.warning("job %s: ignoring an unreadable MLflow tracking snapshot", self.job_id)
+            return
+        if isinstance(tracking, dict):
+            batch.tracking = tracking
 
     def _refresh_sources(self) -> None:
         try:

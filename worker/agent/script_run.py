@@ -34,7 +34,7 @@ import sys
 import tarfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -55,6 +55,8 @@ from worker.agent.launcher import (
     marked_pids,
     marker_scope,
 )
+from worker.agent.mlflow_endpoint import TrackingEndpoint, tracking_snapshot
+from worker.agent.tensorboard_scalars import ScalarTailer
 
 if TYPE_CHECKING:
     from torchyard.contract.protocol import ClaimedPlacement
@@ -70,6 +72,15 @@ _PYTHON_NAMES = re.compile(r"^python(3(\.\d+)?)?$")
 # up to the reader's per-file bound (``run_files.MAX_LOG_FILE_BYTES``).
 MAX_LOG_DIR_FILES = 32
 _TEXT_SNIFF_BYTES = 8192
+# What of a node's ./logs goes into the outputs archive (under ``logs/``): at most this many
+# files and bytes in all, each file up to MAX_ARCHIVED_LOG_FILE_BYTES; the rest is named in
+# the job's log.
+MAX_ARCHIVED_LOG_FILES = 1000
+MAX_ARCHIVED_LOG_BYTES = 512 << 20
+MAX_ARCHIVED_LOG_FILE_BYTES = 256 << 20
+# Files at the top of a working copy that look like a model a script meant to keep: they
+# are not (only outputs/ and logs/ are), and the job's log says so.
+MODEL_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors", ".onnx")
 
 
 def expand(arg: str, variables: Mapping[str, str]) -> str:
@@ -202,17 +213,34 @@ def command_variables(
 
 
 class ScriptGroup:
-    """The script processes of one placement on this node."""
+    """The script processes of one placement on this node, and their MLflow endpoint.
 
-    def __init__(self, launch: ScriptLaunch, *, env: Mapping[str, str] | None = None) -> None:
+    ``job_log`` is the placement's own logger (its lines are the job's ``agent-<node>``
+    stream): what is left out of the job's files is said there."""
+
+    def __init__(
+        self,
+        launch: ScriptLaunch,
+        *,
+        env: Mapping[str, str] | None = None,
+        job_log: logging.Logger | None = None,
+    ) -> None:
         self.launch = launch
+        self.job_log = job_log or log
         self.marker = marker_scope(launch.node_name, launch.run_dir.parent.parent) + secrets.token_hex(8)
         base = os.environ if env is None else env
         locals_: list[int | None] = list(range(launch.nproc)) if launch.launch == "per_process" else [None]
+        self.tracking: TrackingEndpoint | None = None
+        if "MLFLOW_TRACKING_URI" not in launch.variables:  # the job's own server otherwise
+            self.tracking = TrackingEndpoint(launch.run_dir, launch.outputs_dir, launch.node_rank)
+            self.tracking.start()
         self.processes: list[ScriptProcess] = []
         for local in locals_:
             rank = launch.node_rank * launch.nproc + (local or 0)
             process_env = script_env(launch, base, self.marker, local, rank)
+            if self.tracking is not None:
+                name = f"rank-{rank}" if local is not None else f"node-{launch.node_rank}"
+                process_env.update(self.tracking.env_for(rank, name))
             variables = command_variables(launch, process_env, local)
             argv = [expand(arg, variables) for arg in launch.command]
             if _PYTHON_NAMES.match(argv[0]):
@@ -230,6 +258,10 @@ class ScriptGroup:
                 )
             )
         self.command = self.processes[0].argv
+        first = launch.node_rank * launch.nproc
+        roots = [(p.cwd, p.rank, False) for p in self.processes]
+        roots += [(launch.outputs_dir, first, True), (launch.logs_dir, first, True)]
+        self.scalars = ScalarTailer(roots, launch.metrics_dir, self.job_log)
         self.failed: ScriptProcess | None = None
         # ./logs files already judged: their stream name, or None when left out.
         self._log_dir_files: dict[Path, str | None] = {}
@@ -268,6 +300,7 @@ class ScriptGroup:
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
+        self.scalars.start()
         first = self.processes[0].process
         assert first is not None
         return first.pid
@@ -379,13 +412,15 @@ class ScriptGroup:
         if shipped >= MAX_LOG_DIR_FILES:
             if not self._log_dir_full:
                 self._log_dir_full = True
-                log.warning(
-                    "logs: more than %d files under ./logs: the others are not shipped", MAX_LOG_DIR_FILES
+                self.job_log.warning(
+                    "logs: more than %d files under ./logs: the others are not shipped as log streams "
+                    "(the outputs archive holds them under logs/)",
+                    MAX_LOG_DIR_FILES,
                 )
             return None
         try:
             if path.is_symlink() or not path.is_file():
-                log.warning("logs: leaving out %s (not a regular file)", relative)
+                self.job_log.warning("logs: %s is not a log stream (not a regular file)", relative)
                 return None
             with open(path, "rb") as fh:
                 head = fh.read(_TEXT_SNIFF_BYTES)
@@ -395,15 +430,52 @@ class ScriptGroup:
             return ""
         stream = log_file_stream(self.launch.node_rank, relative)
         if stream is None:
-            log.warning("logs: leaving out %s (a name of letters, digits and ._- is shipped)", relative)
+            self.job_log.warning(
+                "logs: %s is not a log stream (a path of letters, digits and ._- is; the outputs archive "
+                "holds it under logs/)",
+                relative,
+            )
             return None
         if b"\x00" in head:
-            log.warning("logs: leaving out %s (not a text file)", relative)
+            self.job_log.warning(
+                "logs: %s is not a log stream (not a text file; the outputs archive holds it under logs/)",
+                relative,
+            )
             return None
         return stream
 
     def metric_files(self) -> list[Path]:
         return sorted(self.launch.metrics_dir.glob("*.jsonl"))
+
+    def tracking_source(self) -> bytes | None:
+        """The MLflow runs of this placement as the endpoint last wrote them."""
+        return tracking_snapshot(self.launch.run_dir)()
+
+    def close_tracking(self) -> None:
+        """Stop the MLflow endpoint and read the TensorBoard files a last time (every process
+        has ended)."""
+        self.scalars.stop()
+        if self.tracking is not None:
+            self.tracking.stop()
+            self.tracking = None
+
+    def name_unkept_files(self) -> list[str]:
+        """Say in the job's log which model-like files the processes left at the top of their
+        working copies: only outputs/ and logs/ are kept."""
+        found = []
+        for cwd in dict.fromkeys(p.cwd for p in self.processes):
+            with contextlib.suppress(OSError):
+                for path in sorted(cwd.iterdir()):
+                    if path.suffix.lower() in MODEL_SUFFIXES and path.is_file() and not path.is_symlink():
+                        found.append(f"{cwd.name}/{path.name}")
+        for name in found:
+            self.job_log.warning(
+                "not kept: %s was written in the working copy of %s, not under outputs/ "
+                "(only outputs/ and logs/ are kept with the job)",
+                name.split("/", 1)[1],
+                name.split("/", 1)[0],
+            )
+        return found
 
     def failure(self, exit_code: int | None) -> dict[str, Any]:
         """``RankFailedError`` (``RankKilledError`` for a signal) naming the rank, the node and its log tail."""
@@ -511,43 +583,84 @@ def prepare_script(
 # --- outputs -----------------------------------------------------------------------------
 
 
-def pack_outputs(folder: Path, archive: Path) -> tuple[str, int, int]:
-    """A deterministic .tar.gz of the regular files under ``folder`` (links and other
-    special files are left out); its sha256, size and file count."""
+def _regular_files(folder: Path, note: Callable[[str], None], shown: str) -> list[Path]:
     files = []
     for root, dirs, names in os.walk(folder, followlinks=False):
         dirs.sort()
         for name in sorted(names):
             path = Path(root) / name
             if path.is_symlink() or not path.is_file():
-                log.warning("outputs: leaving out %s (not a regular file)", path)
+                note(f"{shown}{path.relative_to(folder).as_posix()} is left out (not a regular file)")
                 continue
             files.append(path)
+    return files
+
+
+def _kept_logs(folder: Path, taken: set[str], note: Callable[[str], None]) -> list[tuple[str, Path]]:
+    """The files of ``folder`` (the node's ./logs) as ``logs/<path>`` members, within the bounds."""
+    kept: list[tuple[str, Path]] = []
+    total = 0
+    for path in _regular_files(folder, note, "logs/"):
+        name = f"logs/{path.relative_to(folder).as_posix()}"
+        size = path.stat().st_size
+        if name in taken:
+            note(f"{name} is left out (the outputs hold a file of that name)")
+        elif len(kept) >= MAX_ARCHIVED_LOG_FILES:
+            note(f"{name} is left out (at most {MAX_ARCHIVED_LOG_FILES} files of logs/ are kept)")
+        elif size > MAX_ARCHIVED_LOG_FILE_BYTES:
+            note(
+                f"{name} is left out ({size} bytes; a file of logs/ is kept up to {MAX_ARCHIVED_LOG_FILE_BYTES})"
+            )
+        elif total + size > MAX_ARCHIVED_LOG_BYTES:
+            note(f"{name} is left out (logs/ is kept up to {MAX_ARCHIVED_LOG_BYTES} bytes in all)")
+        else:
+            kept.append((name, path))
+            total += size
+    return kept
+
+
+def pack_outputs(
+    folder: Path, archive: Path, logs: Path | None = None, note: Callable[[str], None] | None = None
+) -> tuple[str, int, int]:
+    """A deterministic .tar.gz of the regular files under ``folder`` and, under ``logs/``, those
+    of ``logs`` within the bounds above (links and other special files are left out, each
+    named through ``note``); its sha256, size and file count."""
+    say = note or (lambda text: log.warning("outputs: %s", text))
+    members = [(path.relative_to(folder).as_posix(), path) for path in _regular_files(folder, say, "")]
+    if logs is not None and logs.is_dir():
+        members += _kept_logs(logs, {name for name, _ in members}, say)
     with (
         open(archive, "wb") as raw,
         gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz,
         tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tf,
     ):
-        for path in files:
-            info = tarfile.TarInfo(path.relative_to(folder).as_posix())
-            info.size = path.stat().st_size
-            info.mode = 0o644
-            info.mtime = 0
+        for name, path in members:
             with open(path, "rb") as fh:
+                info = tarfile.TarInfo(name)
+                info.size = os.fstat(fh.fileno()).st_size
+                info.mode = 0o644
+                info.mtime = 0
                 tf.addfile(info, fh)
     digest = hashlib.sha256()
     with open(archive, "rb") as fh:
         while chunk := fh.read(1 << 20):
             digest.update(chunk)
-    return digest.hexdigest(), archive.stat().st_size, len(files)
+    return digest.hexdigest(), archive.stat().st_size, len(members)
 
 
-def upload_outputs(ctx: AgentContext, job_id: str, lease_token: str, folder: Path) -> str:
+def upload_outputs(
+    ctx: AgentContext,
+    job_id: str,
+    lease_token: str,
+    folder: Path,
+    logs: Path | None = None,
+    note: Callable[[str], None] | None = None,
+) -> str:
     from worker.agent.model_transfer import put_archive
 
     archive = folder.parent / "outputs.tar.gz"
     try:
-        sha256, size, count = pack_outputs(folder, archive)
+        sha256, size, count = pack_outputs(folder, archive, logs, note)
         put_archive(
             ctx.api.client,
             f"/v1/worker/jobs/{job_id}/outputs",

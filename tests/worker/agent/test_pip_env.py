@@ -59,11 +59,21 @@ from torchyard import run
 """
 
 
+TORCHRUN = ["torchrun", "--nnodes", "$NNODES", "--nproc-per-node", "$NPROC_PER_NODE", "--node-rank",
+            "$NODE_RANK", "--master-addr", "$MASTER_ADDR", "--master-port", "$MASTER_PORT", "uses.py"]  # fmt: skip
+
+
 def test_one_environment_built_once_for_two_jobs(env: ScriptEnv, tmp_path: Path) -> None:
+    """The second job's command is ``torchrun`` (per node): the environment's own, so the
+    process it starts has the job's package too (a package the worker does not have)."""
     agent = env.agent("solo", slots=2, env={"PIP_NO_INDEX": "1"})
     wheel = build_wheel(tmp_path / "wheels")
     code = env.upload_code({"uses.py": USES})
-    jobs = [env.submit(code, ["python", "uses.py"], environment={"pip": [str(wheel)]}) for _ in range(2)]
+    pip = {"pip": [str(wheel)]}
+    jobs = [
+        env.submit(code, ["python", "uses.py"], environment=pip),
+        env.submit(code, TORCHRUN, environment=pip, distribution={"launch": "per_node"}),
+    ]
     prefixes = set()
     for job_id in jobs:
         job = env.wait(job_id)

@@ -246,3 +246,113 @@ def test_a_logs_file_stream_is_cut_at_its_bound_with_a_note(
         "0123456789\n[torchyard agent: this file is longer than 10 bytes"
     )
     assert shipped["file-0/big.log"].count("[torchyard agent") == 1  # said once
+
+
+def test_tensorboard_scalars_become_metric_lines_as_the_files_grow(tmp_path: Path) -> None:
+    """torch's SummaryWriter writes the files; tensorboard's own loader reads them."""
+    pytest.importorskip("tensorboard")
+    import logging
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from worker.agent.tensorboard_scalars import METRICS_FILE_NAME, ScalarTailer
+
+    work, shared, metrics = tmp_path / "work" / "rank-1", tmp_path / "logs", tmp_path / "metrics"
+    for folder in (work, shared, metrics):
+        folder.mkdir(parents=True)
+    job_log = logging.getLogger("test.tensorboard")
+    tailer = ScalarTailer([(work, 1, False), (shared, 0, True)], metrics, job_log)
+    writer = SummaryWriter(log_dir=str(work / "runs" / "exp"))
+    writer.add_scalar("Loss/train", 0.5, 0)
+    writer.add_scalar("loss bad?", 1.0, 0)  # no metric name for it: said once, skipped
+    writer.flush()
+    assert tailer.poll() == 1
+    writer.add_scalar("Loss/train", 0.25, 1)
+    writer.add_scalar("acc", float("nan"), 1)  # not finite: not a metric point
+    writer.close()
+    other = SummaryWriter(log_dir=str(shared / "tb"))
+    other.add_scalar("shared", 3.0, 7)
+    other.close()
+    assert tailer.poll() == 2
+    assert tailer.poll() == 0  # nothing new, nothing twice
+    lines = [json.loads(line) for line in (metrics / METRICS_FILE_NAME).read_text().splitlines()]
+    assert [(p["name"], p["value"], p["step"], p["rank"]) for p in lines] == [
+        ("Loss/train", 0.5, 0, 1),
+        ("Loss/train", 0.25, 1, 1),
+        ("shared", 3.0, 7, 0),
+    ]
+
+
+def test_outputs_archive_holds_the_logs_folder_within_its_bounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tarfile
+
+    import worker.agent.script_run as script_run
+
+    outputs, logs = tmp_path / "outputs", tmp_path / "logs"
+    (logs / "lightning_logs" / "version_0").mkdir(parents=True)
+    outputs.mkdir()
+    (outputs / "model.pt").write_bytes(b"weights")
+    (logs / "lightning_logs" / "version_0" / "last.ckpt").write_bytes(b"\x00ckpt")
+    (logs / "big.log").write_bytes(b"x" * 50)
+    for i in range(3):
+        (logs / f"n{i}.log").write_text(str(i))
+    (logs / "link.log").symlink_to(logs / "n0.log")
+    monkeypatch.setattr(script_run, "MAX_ARCHIVED_LOG_FILE_BYTES", 40)
+    monkeypatch.setattr(script_run, "MAX_ARCHIVED_LOG_FILES", 3)
+    notes: list[str] = []
+    _sha, _size, count = script_run.pack_outputs(outputs, tmp_path / "o.tar.gz", logs, notes.append)
+    with tarfile.open(tmp_path / "o.tar.gz") as tf:
+        names = sorted(tf.getnames())
+    assert names == ["logs/n0.log", "logs/n1.log", "logs/n2.log", "model.pt"]
+    assert count == 4
+    assert sorted(notes) == [
+        "logs/big.log is left out (50 bytes; a file of logs/ is kept up to 40)",
+        "logs/lightning_logs/version_0/last.ckpt is left out (at most 3 files of logs/ are kept)",
+        "logs/link.log is left out (not a regular file)",
+    ]
+    monkeypatch.setattr(script_run, "MAX_ARCHIVED_LOG_FILES", 10)
+    script_run.pack_outputs(outputs, tmp_path / "o.tar.gz", logs, notes.append)
+    with tarfile.open(tmp_path / "o.tar.gz") as tf:
+        assert tf.extractfile("logs/lightning_logs/version_0/last.ckpt").read() == b"\x00ckpt"  # type: ignore[union-attr]
+
+
+def test_model_files_left_in_the_working_copy_are_named_in_the_job_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    group = ScriptGroup(_launch(tmp_path, node_rank=0, nproc=1), job_log=logging.getLogger("test.job"))
+    group.close_tracking()
+    cwd = group.processes[0].cwd
+    cwd.mkdir(parents=True)
+    (cwd / "model.pt").write_bytes(b"w")
+    (cwd / "train.py").write_text("")
+    with caplog.at_level(logging.WARNING, logger="test.job"):
+        assert group.name_unkept_files() == ["rank-0/model.pt"]
+    assert "not kept: model.pt was written in the working copy of rank-0, not under outputs/" in caplog.text
+
+
+def test_the_pip_environment_gets_the_worker_console_scripts(tmp_path: Path) -> None:
+    from worker.agent.pip_env import add_console_scripts, env_python
+
+    worker_bin, env_dir = tmp_path / "worker-bin", tmp_path / "env"
+    worker_bin.mkdir()
+    (env_dir / "bin").mkdir(parents=True)
+    scripts = {
+        "torchrun": "#!/opt/worker/bin/python3\nfrom torch.distributed.run import main\nmain()\n",
+        "lightning": "#!/usr/bin/env python\nprint('hi')\n",
+        "tool.sh": "#!/bin/sh\necho shell\n",  # not Python: left alone
+        "activate": "#!/opt/worker/bin/python\n",
+    }
+    for name, text in scripts.items():
+        (worker_bin / name).write_text(text)
+        (worker_bin / name).chmod(0o755)
+    (env_dir / "bin" / "lightning").write_text("#!env's own\n")  # the job's package wins
+    assert add_console_scripts(env_dir, worker_bin) == ["torchrun"]
+    copied = (env_dir / "bin" / "torchrun").read_text()
+    assert copied == f"#!{env_python(env_dir)}\nfrom torch.distributed.run import main\nmain()\n"
+    assert os.access(env_dir / "bin" / "torchrun", os.X_OK)
+    assert (env_dir / "bin" / "lightning").read_text() == "#!env's own\n"
+    assert add_console_scripts(env_dir, worker_bin) == []  # again: nothing to do
