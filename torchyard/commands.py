@@ -16,6 +16,7 @@ import shlex
 import sys
 import threading
 from collections.abc import Callable, Iterable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -62,6 +63,39 @@ _SUBMIT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--hang-timeout", "resources.hang_timeout_s", int, "seconds without a training step before HangError"),
     ("--priority", "priority", int, "higher runs first (-100..100)"),
 )
+
+
+_JOB_HELP = "the job's id, name or id prefix (at least 4 characters)"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_since(text: str, now: datetime | None = None) -> datetime:
+    """``--since``: a duration before now (``90s``, ``10m``, ``2h``, ``1d``) or an ISO 8601
+    time (without a zone: local time)."""
+    value = text.strip()
+    unit = value[-1:].lower()
+    if unit in _DURATION_UNITS and value[:-1].replace(".", "", 1).isdigit():
+        now = now or datetime.now(UTC)
+        return now - timedelta(seconds=float(value[:-1]) * _DURATION_UNITS[unit])
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a duration such as 10m, 2h or 1d, or an ISO 8601 time, got {text!r}"
+        ) from None
+    return when if when.tzinfo else when.astimezone()
 
 
 def _client(args: argparse.Namespace) -> Client:
@@ -330,9 +364,34 @@ def _jobs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kv(value: Any) -> str:
+_PERCENT_KEYS = ("top1", "top5", "accuracy")
+
+
+def _shown_value(key: str, value: Any) -> str:
+    """One value as ``show`` prints it: accuracies as %, other floats to 4 significant
+    digits, times to the second in local time, booleans and lists as written in a spec."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        if key.rsplit(".", 1)[-1] in _PERCENT_KEYS and 0.0 <= value <= 1.0:
+            return f"{value:.2%}"
+        return f"{value:.4g}"
+    if isinstance(value, str) and len(value) >= 19 and value[4:5] == "-" and value[10:11] == "T":
+        try:
+            return format_time(value)
+        except ValueError:
+            return value
+    if isinstance(value, list):
+        return "[" + ", ".join(_shown_value(key, v) for v in value) + "]"
     if isinstance(value, dict):
-        return ", ".join(f"{k}={v}" for k, v in value.items())
+        return "{" + _kv(value) + "}"
+    return str(value)
+
+
+def _kv(value: Any) -> str:
+    """``key=value, ...`` of a mapping, leaving out unset (null) entries."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_shown_value(str(k), v)}" for k, v in value.items() if v is not None)
     return str(value)
 
 
@@ -340,6 +399,10 @@ def print_job(job: Job) -> None:
     print(f"id:          {job.id}")
     print(f"name:        {job.name}")
     print(f"status:      {job.status}")
+    if job.tags:
+        print(f"tags:        {', '.join(job.tags)}")
+    if job.note:
+        print("note:        " + job.note.rstrip().replace("\n", "\n             "))
     if job.reason:
         print(f"waiting:     {job.reason}")
     if job.failure is not None:
@@ -386,10 +449,31 @@ def _print_failure(failure: Failure) -> None:
         print("traceback:\n  " + failure.traceback.rstrip().replace("\n", "\n  "))
 
 
+def _progress_line(progress: dict[str, Any]) -> str:
+    """``epoch 3/5, step 120/200 (60.0%), attempt 1, at 2026-01-02 03:04:05``: what of the
+    progress a job reported is known."""
+    parts = []
+    epoch, epochs = progress.get("epoch"), progress.get("epochs")
+    if epoch is not None:
+        parts.append(f"epoch {epoch}" + (f"/{epochs}" if epochs else ""))
+    step, total = progress.get("step"), progress.get("total_steps")
+    if step is not None:
+        fraction = progress.get("fraction")
+        shown = f" ({fraction:.1%})" if isinstance(fraction, int | float) else ""
+        parts.append(f"step {step}" + (f"/{total}" if total else "") + shown)
+    if progress.get("attempt") is not None:
+        parts.append(f"attempt {progress['attempt']}")
+    if progress.get("time"):
+        parts.append(f"at {_shown_value('time', progress['time'])}")
+    known = {"epoch", "epochs", "step", "total_steps", "fraction", "attempt", "time"}
+    rest = {k: v for k, v in progress.items() if k not in known}
+    return ", ".join(parts + ([_kv(rest)] if rest else [])) or "-"
+
+
 def _print_outcome(job: Job) -> None:
     """Progress, timing, best metrics, nodes and the model directory, those the job has."""
     if job.progress:
-        print(f"progress:    {_kv(job.progress)}")
+        print(f"progress:    {_progress_line(job.progress)}")
     fraction = (job.progress or {}).get("fraction")
     timing = job_timing(
         job.started_at, job.finished_at, fraction if isinstance(fraction, int | float) else None
@@ -430,16 +514,76 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cancel(args: argparse.Namespace) -> int:
+def _delete(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        job = client.cancel_job(args.id)
-        if args.wait and not job.is_final:
-            job = client.wait(job.id)
+        deleted = client.delete_job(args.id)
+    if args.json:
+        _print_json(deleted)
+    else:
+        print(f"deleted job {deleted['id']} ({deleted['name']}): its metrics, logs, checkpoints and files")
+    return 0
+
+
+def _tag(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.get_job(args.id)
+        tags = list(job.tags)
+        if args.remove:
+            missing = [t for t in args.tags if t not in tags]
+            if missing:
+                raise ValueError(f"job {job.id} has no tag {', '.join(map(repr, missing))}")
+            tags = [t for t in tags if t not in args.tags]
+        else:
+            tags += [t for t in args.tags if t not in tags]
+        job = client.update_job(job.id, tags=tags)
     if args.json:
         _print_json(job)
     else:
-        print(f"{job.id} {job.status}")
+        print(f"{job.id} tags: {', '.join(job.tags) or '-'}")
     return 0
+
+
+def _note_command(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.update_job(args.id, note=args.text or None)
+    if args.json:
+        _print_json(job)
+    else:
+        print(f"{job.id} note: {job.note or '-'}")
+    return 0
+
+
+def _clone(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        source = client.get_job(args.id)
+        job = client.clone_job(source.id)
+        if args.json and not args.follow:
+            _print_json(job)
+            return 0
+        print(job.id)
+        _note(f"submitted job {job.name!r} again as {job.id}, status {job.status}")
+        if not args.follow:
+            return 0
+        final = follow_job(client, job, out=sys.stderr if args.json else None)
+    if args.json:
+        _print_json(final)
+    return 0 if final.status == "succeeded" else 1
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        before = client.get_job(args.id)
+        job = client.cancel_job(before.id)
+        if args.wait and not job.is_final:
+            job = client.wait(job.id)
+    ended = before.is_final and before.status != "cancelled"
+    if args.json:
+        _print_json(job)
+    elif ended:
+        _note(f"job {job.id} had already ended ({job.status}): there was nothing to cancel")
+    else:
+        print(f"{job.id} {job.status}")
+    return 1 if ended else 0
 
 
 def _epoch_notes(client: Client, job: Job, out: TextIO) -> None:
@@ -474,7 +618,13 @@ def _logs(args: argparse.Namespace) -> int:
             if not args.json:
                 notes.start()
             for text in client.follow_logs(
-                job.id, rank=args.rank, stream=args.stream, offset=args.offset, attempt=args.attempt
+                job.id,
+                rank=args.rank,
+                stream=args.stream,
+                offset=args.offset,
+                attempt=args.attempt,
+                tail=args.tail,
+                since=args.since,
             ):
                 sys.stdout.write(text)
                 sys.stdout.flush()
@@ -483,7 +633,13 @@ def _logs(args: argparse.Namespace) -> int:
         else:
             sys.stdout.write(
                 client.logs(
-                    args.id, rank=args.rank, stream=args.stream, offset=args.offset, attempt=args.attempt
+                    args.id,
+                    rank=args.rank,
+                    stream=args.stream,
+                    offset=args.offset,
+                    attempt=args.attempt,
+                    tail=args.tail,
+                    since=args.since,
                 )
             )
     sys.stdout.flush()
@@ -508,6 +664,14 @@ def _metrics(args: argparse.Namespace) -> int:
         if args.watch:
             return _watch_metrics(client, args)
         points = list(client.iter_metrics(args.id, name=args.name))
+        if args.name and not args.watch:
+            missing = sorted(set(args.name) - {p.name for p in points})
+            if missing:
+                known = sorted(client.metric_names(args.id))
+                raise ValueError(
+                    f"job {args.id} has no metric {', '.join(map(repr, missing))}; its metrics: "
+                    + (", ".join(known) or "none yet")
+                )
     if args.json:
         _print_json(points)
     elif args.name or args.raw:
@@ -1151,6 +1315,40 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     show_job.add_argument("id")
     show_job.set_defaults(handler=_show)
 
+    delete_job = sub.add_parser(
+        "delete",
+        parents=[common],
+        help="delete a finished job with its metrics, logs, checkpoints, model directory and outputs",
+        description="Delete a finished job: its metrics, logs, checkpoints, model directory and outputs "
+        "go. A job that has not ended is refused (cancel it first), and so is one whose model is a "
+        "registered model version (delete the version first).",
+    )
+    delete_job.add_argument("id", metavar="JOB", help=_JOB_HELP)
+    delete_job.set_defaults(handler=_delete)
+
+    tag = sub.add_parser("tag", parents=[common], help="add tags to a job (or --remove them)")
+    tag.add_argument("id", metavar="JOB", help=_JOB_HELP)
+    tag.add_argument("tags", nargs="+", metavar="TAG", help="a label without spaces or commas")
+    tag.add_argument("--remove", action="store_true", help="remove these tags instead")
+    tag.set_defaults(handler=_tag)
+
+    note = sub.add_parser("note", parents=[common], help="set a job's note (an empty TEXT clears it)")
+    note.add_argument("id", metavar="JOB", help=_JOB_HELP)
+    note.add_argument("text", metavar="TEXT", help="free text, up to 10,000 characters")
+    note.set_defaults(handler=_note_command)
+
+    clone = sub.add_parser(
+        "clone",
+        aliases=["resubmit"],
+        parents=[common],
+        help="submit a job's spec again as a new job",
+        description="Submit a job's spec again as a new job (any status): same model, datasets, "
+        "parameters and resources, or for a script job the same code, command and inputs.",
+    )
+    clone.add_argument("id", metavar="JOB", help=_JOB_HELP)
+    clone.add_argument("--follow", "-f", action="store_true", help="show live progress until the job ends")
+    clone.set_defaults(handler=_clone)
+
     cancel = sub.add_parser("cancel", parents=[common], help="cancel a job (idempotent)")
     cancel.add_argument("id")
     cancel.add_argument("--wait", action="store_true", help="wait until the job is cancelled")
@@ -1163,6 +1361,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     logs.add_argument("--stream", default=None, help="a stream by name, e.g. the agent log")
     logs.add_argument("--offset", type=int, default=0, help="start at this byte offset")
     logs.add_argument("--attempt", type=int, default=None, help="this attempt's log (default: the latest)")
+    logs.add_argument(
+        "--tail", "-n", type=_positive_int, default=None, metavar="N", help="start with the last N lines"
+    )
+    logs.add_argument(
+        "--since",
+        type=parse_since,
+        default=None,
+        metavar="WHEN",
+        help="only text that arrived since WHEN: a duration ago (30s, 10m, 2h, 1d) or an ISO 8601 time",
+    )
     logs.set_defaults(handler=_logs)
 
     metrics = sub.add_parser("metrics", parents=[common], help="a job's metrics as a per-epoch table")
