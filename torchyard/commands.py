@@ -23,7 +23,7 @@ from typing import Any, TextIO
 from torchyard.apiclient.models import Failure
 from torchyard.apiclient.registry import ModelVersion, parse_model_ref
 from torchyard.client import Client, Event, Job, JobComparison, MetricPoint, missing_token_message
-from torchyard.contract.errors import AuthenticationError
+from torchyard.contract.errors import AuthenticationError, ConflictError
 from torchyard.extras import require
 from torchyard.terminal import (
     EpochLines,
@@ -66,6 +66,7 @@ _SUBMIT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
 
 
 _JOB_HELP = "the job's id, name or id prefix (at least 4 characters)"
+_DATASET_HELP = "the dataset's id, name or id prefix (at least 4 characters)"
 
 
 def _positive_int(text: str) -> int:
@@ -142,6 +143,8 @@ def _datasets_upload(args: argparse.Namespace) -> int:
             source = Path(args.source)
             if not source.exists():
                 raise FileNotFoundError(f"no such file or folder: {source}")
+            client.whoami()  # the service and the token, before a large folder is packed
+            _check_name(client, args, source)
             bar = ProgressBar(f"uploading {source.name}")
             if source.is_dir() and not args.json:
                 _note(f"packing {source} ...")
@@ -149,6 +152,8 @@ def _datasets_upload(args: argparse.Namespace) -> int:
                 dataset = client.upload_dataset(source, args.name, progress=bar)
             finally:
                 bar.finish()
+            if args.replace:
+                _replace_older(client, dataset)
     if args.json:
         _print_json(dataset)
     else:
@@ -158,6 +163,35 @@ def _datasets_upload(args: argparse.Namespace) -> int:
             f"({human_bytes(dataset.size_bytes)}), sha256 {dataset.sha256[:12]}"
         )
     return 0
+
+
+def _same_name(client: Client, name: str) -> list[Any]:
+    return [d for d in client.iter_datasets() if d.name == name]
+
+
+def _check_name(client: Client, args: argparse.Namespace, source: Path) -> None:
+    """Say so before an upload adds a second dataset of a name (``--replace`` removes the
+    older ones once the new one is stored)."""
+    name = args.name or source.name.split(".")[0] or "dataset"
+    existing = _same_name(client, name)
+    if existing and not args.replace:
+        ids = ", ".join(d.id for d in existing)
+        _note(
+            f"note: a dataset named {name!r} exists already ({ids}); this upload adds another one of "
+            "that name (jobs and --train/--val take the newest). Use --replace to delete the older "
+            "one(s) once this upload is stored."
+        )
+
+
+def _replace_older(client: Client, dataset: Any) -> None:
+    for older in _same_name(client, dataset.name):
+        if older.id == dataset.id:
+            continue
+        try:
+            client.delete_dataset(older.id)
+            _note(f"replaced: deleted the older dataset {older.id} of the name {dataset.name!r}")
+        except ConflictError as exc:
+            _note(f"kept the older dataset {older.id}: {exc.message}")
 
 
 def _datasets_list(args: argparse.Namespace) -> int:
@@ -1022,15 +1056,19 @@ def _predict(args: argparse.Namespace) -> int:
         return _predict_remote(args)
     if len(args.paths) < 2:
         raise ValueError("give a model directory and one or more images (or --model NAME[:VERSION] IMAGES)")
+    model_dir, images = args.paths[0], args.paths[1:]
+    missing = [image for image in images if not Path(image).is_file()]
+    if missing:
+        raise FileNotFoundError(f"no such image file: {', '.join(missing)}")
     require("predict", "worker")
     from torchyard.modeldir import predict
 
-    model_dir, images = args.paths[0], args.paths[1:]
     results = predict(model_dir, images, topk=args.topk, device=args.device)
     if args.json:
+        # The shape of the service's predictions (POST .../predict), as with --model.
         _print_json(
             [
-                {"image": str(image), "top": [{"class": c, "probability": p} for c, p in top]}
+                {"file": str(image), "top": [{"label": c, "probability": p} for c, p in top]}
                 for image, top in zip(images, results, strict=True)
             ]
         )
@@ -1046,15 +1084,7 @@ def _predict_remote(args: argparse.Namespace) -> int:
     with _client(args) as client:
         results = client.predict(name, args.paths, version=version, top_k=args.topk)
     if args.json:
-        _print_json(
-            [
-                {
-                    "image": r["file"],
-                    "top": [{"class": t["label"], "probability": t["probability"]} for t in r["top"]],
-                }
-                for r in results
-            ]
-        )
+        _print_json([{"file": r["file"], "top": r["top"]} for r in results])
         return 0
     for r in results:
         print(f"{r['file']}: " + "  ".join(f"{t['label']} ({t['probability']:.1%})" for t in r["top"]))
@@ -1267,18 +1297,24 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     up.add_argument("--name", help="dataset name (default: the folder or file name)")
     up.add_argument("--sample", type=int, help="with --path: decode only this many images (large sets)")
+    up.add_argument(
+        "--replace",
+        action="store_true",
+        help="once the upload is stored, delete your older datasets of the same name "
+        "(one a job still uses is kept)",
+    )
     up.set_defaults(handler=_datasets_upload)
     ls = ds_sub.add_parser("list", parents=[common], help="list datasets, newest first")
     ls.add_argument("--limit", type=int, default=50)
     ls.add_argument("--all", action="store_true", help="every page")
     ls.set_defaults(handler=_datasets_list)
     show = ds_sub.add_parser("show", parents=[common], help="one dataset with its per-class counts")
-    show.add_argument("id")
+    show.add_argument("id", metavar="DATASET", help=_DATASET_HELP)
     show.set_defaults(handler=_datasets_show)
     delete = ds_sub.add_parser(
         "delete", parents=[common], help="delete a dataset (refused while a job uses it)"
     )
-    delete.add_argument("id")
+    delete.add_argument("id", metavar="DATASET", help=_DATASET_HELP)
     delete.set_defaults(handler=_datasets_delete)
 
     submit = sub.add_parser(
@@ -1312,7 +1348,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     jobs.set_defaults(handler=_jobs)
 
     show_job = sub.add_parser("show", parents=[common], help="a job's status, progress, failure and history")
-    show_job.add_argument("id")
+    show_job.add_argument("id", metavar="JOB", help=_JOB_HELP)
     show_job.set_defaults(handler=_show)
 
     delete_job = sub.add_parser(
@@ -1350,12 +1386,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     clone.set_defaults(handler=_clone)
 
     cancel = sub.add_parser("cancel", parents=[common], help="cancel a job (idempotent)")
-    cancel.add_argument("id")
+    cancel.add_argument("id", metavar="JOB", help=_JOB_HELP)
     cancel.add_argument("--wait", action="store_true", help="wait until the job is cancelled")
     cancel.set_defaults(handler=_cancel)
 
     logs = sub.add_parser("logs", parents=[common], help="a job's log (rank 0 unless --rank/--stream)")
-    logs.add_argument("id")
+    logs.add_argument("id", metavar="JOB", help=_JOB_HELP)
     logs.add_argument("-f", "--follow", action="store_true", help="stream new lines until the job ends")
     logs.add_argument("--rank", type=int, default=None, help="global rank (default 0)")
     logs.add_argument("--stream", default=None, help="a stream by name, e.g. the agent log")
@@ -1374,7 +1410,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     logs.set_defaults(handler=_logs)
 
     metrics = sub.add_parser("metrics", parents=[common], help="a job's metrics as a per-epoch table")
-    metrics.add_argument("id")
+    metrics.add_argument("id", metavar="JOB", help=_JOB_HELP)
     metrics.add_argument("--watch", "-w", action="store_true", help="refresh live until the job ends")
     metrics.add_argument("--name", action="append", help="only this metric (repeatable); lists the points")
     metrics.add_argument("--raw", action="store_true", help="list every point instead of the epoch table")
@@ -1392,7 +1428,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     download = sub.add_parser(
         "download", parents=[common], help="download, verify and unpack a succeeded job's model directory"
     )
-    download.add_argument("id")
+    download.add_argument("id", metavar="JOB", help=_JOB_HELP)
     download.add_argument("-o", "--output", help="directory to create (default: ./model-<job id>)")
     download.add_argument("--keep-archive", action="store_true", help="keep the .tar.gz beside the directory")
     download.add_argument(
@@ -1418,7 +1454,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     code_show.add_argument("id", help="code id, name or id prefix")
     code_show.set_defaults(handler=_code_show)
     code_rm = code_sub.add_parser("delete", parents=[common], help="delete a code package")
-    code_rm.add_argument("id")
+    code_rm.add_argument("id", metavar="CODE", help="the code package's id, name or id prefix")
     code_rm.set_defaults(handler=_code_delete)
 
     cluster = sub.add_parser("cluster", parents=[common], help="nodes, processing units and limits")

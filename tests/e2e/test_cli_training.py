@@ -142,7 +142,7 @@ def test_train_follow_download_and_predict_with_the_cli(serve: Serve, tmp_path: 
     # predict, with no service involved, agrees with the service's validation of the saved epoch
     images = sorted(val_dir.glob("*/*.png"))
     predicted = json.loads(serve.ok("predict", str(model), *map(str, images), "--topk", "1", "--json"))
-    correct = sum(p["top"][0]["class"] == Path(p["image"]).parent.name for p in predicted)
+    correct = sum(p["top"][0]["label"] == Path(p["file"]).parent.name for p in predicted)
     assert correct / len(images) == pytest.approx(job["best"]["val.top1"], abs=1e-9)
 
     # serve stops its worker, then itself; nothing of the session is left running

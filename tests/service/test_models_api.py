@@ -380,11 +380,14 @@ def test_cli_registers_lists_predicts_and_downloads(env: Env, trained: Trained, 
     loads locally."""
     cli_env = {**os.environ, "TORCHYARD_URL": env.server.url, "TORCHYARD_TOKEN": env.user_token}
 
-    def ok(*args: str) -> str:
-        r = subprocess.run(
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
             [sys.executable, "-m", "torchyard.cli", *args],
             env=cli_env, capture_output=True, text=True, timeout=120, check=False,
         )  # fmt: skip
+
+    def ok(*args: str) -> str:
+        r = run(*args)
         assert r.returncode == 0, f"{args}: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
         return r.stdout
 
@@ -393,15 +396,26 @@ def test_cli_registers_lists_predicts_and_downloads(env: Env, trained: Trained, 
     images = [str(p) for p in trained.held_out[:5]]
     predicted = json.loads(ok("predict", "--model", "digits:1", *images, "--topk", "2", "--json"))
     api = _predict(env.user, "digits:1", [(Path(p).name, Path(p).read_bytes()) for p in images], top_k=2)
-    assert [p["image"] for p in predicted] == images
-    assert [[t["class"] for t in p["top"]] for p in predicted] == [
+    # The service's shape (file, label); a local model directory's: tests/e2e/test_cli_training.py.
+    assert [p["file"] for p in predicted] == images
+    assert [[t["label"] for t in p["top"]] for p in predicted] == [
         [t["label"] for t in p["top"]] for p in api.json()["predictions"]
     ]
     folder = Path(ok("model", "download", "digits", "-o", str(tmp_path / "dl")).strip())
     _, classes, _ = modeldir.load_model(folder)
     assert classes == [str(i) for i in range(10)]
+    # A missing image and a device the machine lacks: one line each, no traceback.
+    missing = run("predict", str(folder), str(tmp_path / "nope.png"))
+    assert missing.returncode == 1 and "no such image file" in missing.stderr
+    assert "Traceback" not in missing.stderr and "InvalidDatasetError" not in missing.stderr
+    if not torch.cuda.is_available():
+        no_gpu = run("predict", str(folder), images[0], "--device", "cuda")
+        assert no_gpu.returncode == 1 and "no CUDA GPU" in no_gpu.stderr, no_gpu.stderr
+        assert "Traceback" not in no_gpu.stderr and len(no_gpu.stderr.strip().splitlines()) == 1
     onnx = Path(ok("model", "download", "digits:1", "--onnx", "-o", str(tmp_path / "m.onnx")).strip())
     assert onnx.read_bytes() == (trained.model_dir / "model.onnx").read_bytes()
+    # An ordinary file, as the model directory's files are (not a private temporary's 0600).
+    assert onnx.stat().st_mode & 0o777 == (folder / "config.json").stat().st_mode & 0o777
     assert ok("model", "delete", "digits:1").strip() == "deleted digits:1"
     assert json.loads(ok("model", "list", "--json")) == []
 
