@@ -15,6 +15,7 @@ import logging
 import shlex
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -777,6 +778,7 @@ def _watch_metrics(client: Client, args: argparse.Namespace) -> int:
             if args.name and event.data.get("name") not in args.name:
                 continue
             view.table.add(event.data)
+            view.note_point(event.data)
         elif event.kind == "status":
             view.status = describe_status(event.data)
         view.emit(event)
@@ -806,6 +808,21 @@ class _MetricsView:
         self.printed: set[int] = set()
         self.lines: EpochLines | None = None
         self.requeues: list[str] = []
+        # The newest training step seen: (epoch, step, train.loss), shown until its epoch ends.
+        self.step: tuple[int, int, float] | None = None
+        self._step_shown_at: float | None = None
+
+    def note_point(self, data: dict[str, Any]) -> None:
+        if data.get("name") == "train.loss" and int(data.get("rank", 0)) == 0:
+            self.step = (int(data["epoch"]), int(data.get("step", 0)), float(data["value"]))
+
+    def step_text(self) -> str | None:
+        """``epoch 0/5  step 40  train.loss 0.5321`` while an epoch is under way."""
+        if self.step is None or self.table.is_complete(self.step[0]):
+            return None
+        epoch, step, loss = self.step
+        total = f"/{self.epochs}" if self.epochs else ""
+        return f"epoch {epoch}{total}  step {step}  train.loss {loss:.4f}"
 
     def redraw(self) -> None:
         table, epochs = self.table, self.epochs
@@ -818,6 +835,9 @@ class _MetricsView:
             )
         sys.stdout.write("\x1b[H\x1b[2J")
         notes = "".join(f"{line}\n" for line in self.requeues[-3:])
+        current = self.step_text()
+        if current:
+            notes += f"now: {current}\n"
         sys.stdout.write(f"job {self.job_id}  status {self.status}{where}\n{notes}\n{table.render()}\n")
         sys.stdout.flush()
 
@@ -833,6 +853,7 @@ class _MetricsView:
             return
         if requeue:
             print(requeue, flush=True)
+        self._print_step()
         for epoch in sorted(self.table.rows):
             if epoch in self.printed or not (self.table.is_complete(epoch) or event.is_final):
                 continue
@@ -841,6 +862,22 @@ class _MetricsView:
                 print(self.lines.header())
             print(self.lines.row(epoch), flush=True)
             self.printed.add(epoch)
+
+    def _print_step(self) -> None:
+        """A line with the step reached, while no epoch has ended yet or an epoch is long:
+        the first one at once, then at most one per :data:`STEP_LINE_INTERVAL_S`."""
+        current = self.step_text()
+        now = time.monotonic()
+        if current is None or (
+            self._step_shown_at is not None and now - self._step_shown_at < STEP_LINE_INTERVAL_S
+        ):
+            return
+        self._step_shown_at = now
+        print(f"-- {current}", flush=True)
+
+
+# Least time between two step lines of `metrics --watch` on a pipe or in a file.
+STEP_LINE_INTERVAL_S = 30.0
 
 
 # --------------------------------------------------------------------------- model, cluster, predict
@@ -1097,7 +1134,11 @@ def _evaluate(args: argparse.Namespace) -> int:
         dataset = client.find_dataset(args.dataset)
         job = client.submit_job({"type": "evaluate", "model": args.model, "dataset": dataset.id})
         _note(f"evaluation job {job.id} submitted: {args.model} on dataset {dataset.name}")
-        job = client.wait(job.id, timeout=args.timeout)
+        # Each status as it comes (waiting for a worker, loading, running), not silence.
+        for event in client.events(job.id, metrics=False, logs=False, timeout=args.timeout):
+            if event.kind == "status":
+                _note(f"  {describe_status(event.data)}")
+        job = client.get_job(job.id)
         if job.status != "succeeded":
             print_job(job)
             return 1

@@ -475,6 +475,8 @@ def test_evaluation_on_the_validation_set_equals_training_figures(
     finally:
         agent.discard()
     assert printed.returncode == 0, (printed.stdout, printed.stderr, agent.log_text()[-3000:])
+    # While it waits, each status of the job is said (not ~35 s of silence).
+    assert "  queued" in printed.stderr and "  running" in printed.stderr, printed.stderr
     lines = printed.stdout.splitlines()
     assert f"top-1 {result['top1']:.2%}" in lines[0] and f"top-5 {result['top5']:.2%}" in lines[0]
     assert lines[1].split() == ["CLASS", "PRECISION", "RECALL", "F1", "IMAGES"]
