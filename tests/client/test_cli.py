@@ -257,7 +257,7 @@ def test_logs_metrics_and_cluster(
     assert watch.returncode == 0, err
     lines = watched.strip().splitlines()
     # Before the first epoch ends: the step it reached (one line, not one per point).
-    assert lines[0].startswith("-- epoch 1  step 100  train.loss 0.0909"), lines
+    assert lines[0].startswith("-- epoch 1/5  step 100  train.loss 0.0909"), lines
     assert sum(line.startswith("-- epoch") for line in lines) == 1
     lines = lines[1:]
     assert lines[0].split()[:2] == ["epoch", "train.loss"]

@@ -131,7 +131,7 @@ def _session_folder(root: Path) -> Path:
 def test_the_readmes_using_it_session_runs_as_pasted(serve: Serve, tmp_path: Path) -> None:
     """The README's service block is what this module's server runs; its session block,
     pasted into bash against that server, runs from the upload to the predictions."""
-    service, session = _readme_blocks()
+    service, session = _readme_blocks()[:2]  # (a script job's block follows)
     assert [line.split("#")[0].strip() for line in service.strip().splitlines()] == [
         "source .venv/bin/activate",
         "torchyard serve --with-worker",  # (here on a free port, with 2 slots)
