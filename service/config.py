@@ -88,6 +88,13 @@ class Settings(BaseSettings):
         ge=1,
         description="Cluster's maximum node count; unset means the number of registered nodes not lost.",
     )
+    retention_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Finished jobs are deleted (their metrics, logs, checkpoints, model directory and "
+        "outputs, as DELETE /v1/jobs/{id} does) this many seconds after they finished; unset keeps "
+        "them until deleted. A job whose model is a registered model version is kept.",
+    )
     heartbeat_interval_s: float = Field(default=2.0, gt=0, description="How often workers heartbeat.")
     lease_timeout_s: float = Field(
         default=15.0, gt=0, description="A node or attempt not heard from for this long is lost."

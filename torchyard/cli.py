@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from pydantic import ValidationError
 
-from torchyard import commands, demo
+from torchyard import __version__, commands, demo
 from torchyard.client import ServiceUnreachableError
 from torchyard.contract.errors import TorchyardError
 from torchyard.extras import MissingExtraError, extra_providing, require
@@ -36,6 +36,8 @@ def _serve(args: argparse.Namespace) -> int:
     from torchyard.serving import serve
 
     overrides: dict[str, object] = {}
+    if args.data_dir is not None:
+        overrides["data_dir"] = args.data_dir
     if args.host is not None:
         overrides["host"] = args.host
     if args.port is not None:
@@ -51,13 +53,21 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
 
-def _db_upgrade(_args: argparse.Namespace) -> int:
+def _quiet_migrations(args: argparse.Namespace) -> None:
+    """Alembic's own lines (its set-up, each migration) only with --verbose: the command
+    prints its one line of result."""
+    if not args.verbose:
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+def _db_upgrade(args: argparse.Namespace) -> int:
     require("db upgrade", "server")
     from service.config import Settings
     from service.db.migrate import upgrade
 
     settings = Settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    _quiet_migrations(args)
     upgrade(settings.sqlalchemy_url)
     print(f"database at head: {settings.sqlalchemy_url.split('@')[-1]}")
     return 0
@@ -73,6 +83,7 @@ def _token_create(args: argparse.Namespace) -> int:
 
     settings = Settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    _quiet_migrations(args)
     upgrade(settings.sqlalchemy_url)
     db = Database(settings.sqlalchemy_url)
     try:
@@ -96,9 +107,23 @@ def build_parser() -> argparse.ArgumentParser:
         prog="torchyard", description="Train PyTorch image classifiers on a cluster."
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"torchyard {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the API service")
+    serve = sub.add_parser(
+        "serve",
+        help="run the API service",
+        description="Run the API service and the web UI (http://HOST:PORT/). Settings come from "
+        "TORCHYARD_* environment variables (README: Configuration); the options below override "
+        "them. The first start writes an admin token to <data dir>/admin.token. Clients of a "
+        "service on another port or host need TORCHYARD_URL (or --url).",
+    )
+    serve.add_argument(
+        "--data-dir",
+        default=None,
+        help="artifact store: SQLite file, datasets, models, admin token "
+        "(default: $TORCHYARD_DATA_DIR, else ./torchyard-data)",
+    )
     serve.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
     serve.add_argument(

@@ -21,6 +21,7 @@ the exceptions of :mod:`torchyard.contract.errors`, carrying the service's machi
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -265,6 +266,19 @@ class Client:
         """Idempotent cancel; the job ends ``cancelled`` once its ranks are stopped."""
         return self.jobs.cancel_job(job_id)
 
+    def update_job(self, job_id: str, **fields: Any) -> Job:
+        """Set a job's ``tags`` (the list replaces the job's) and/or ``note`` (None clears it)."""
+        return self.jobs.update_job(job_id, **fields)
+
+    def delete_job(self, job_id: str) -> dict[str, Any]:
+        """Delete a finished job with its metrics, logs, checkpoints and files (409 while it
+        runs, or while its model is a registered model version)."""
+        return self.jobs.delete_job(job_id)
+
+    def clone_job(self, job_id: str) -> Job:
+        """Submit a job's spec again as a new job; returns the new job, status ``queued``."""
+        return self.jobs.clone_job(job_id)
+
     def wait(self, job_id: str, *, timeout: float | None = None) -> Job:
         """Block until the job is final (following its status events) and return it.
 
@@ -298,6 +312,10 @@ class Client:
             job_id, name=name, after=after, limit=limit, include_superseded=include_superseded
         )
 
+    def metric_names(self, job_id: str) -> list[str]:
+        """The names of the metrics the job has reported so far."""
+        return self.jobs.metric_names(job_id)
+
     def iter_metrics(
         self, job_id: str, *, name: str | Sequence[str] | None = None, after: int | None = None
     ) -> Iterator[MetricPoint]:
@@ -312,10 +330,15 @@ class Client:
         stream: str | None = None,
         offset: int = 0,
         attempt: int | None = None,
+        tail: int | None = None,
+        since: datetime | None = None,
     ) -> str:
         """The log text of one stream (rank ``rank``, default 0; or ``stream``, e.g. the agent log)
-        of attempt ``attempt`` (default: the latest)."""
-        return self.streams.logs(job_id, rank=rank, stream=stream, offset=offset, attempt=attempt)
+        of attempt ``attempt`` (default: the latest); only its last ``tail`` lines, or the text
+        that arrived ``since`` a time, when given."""
+        return self.streams.logs(
+            job_id, rank=rank, stream=stream, offset=offset, attempt=attempt, tail=tail, since=since
+        )
 
     def follow_logs(
         self,
@@ -326,11 +349,21 @@ class Client:
         offset: int = 0,
         reconnects: int = 20,
         attempt: int | None = None,
+        tail: int | None = None,
+        since: datetime | None = None,
     ) -> Iterator[str]:
         """Log text as it arrives, until the job ends (or attempt ``attempt`` ends); reconnects
-        where it left off. Following the latest attempt, a restarted job's next attempt follows."""
+        where it left off. Following the latest attempt, a restarted job's next attempt follows.
+        ``tail``/``since`` start at the last lines, or at the text that arrived since a time."""
         return self.streams.follow_logs(
-            job_id, rank=rank, stream=stream, offset=offset, reconnects=reconnects, attempt=attempt
+            job_id,
+            rank=rank,
+            stream=stream,
+            offset=offset,
+            reconnects=reconnects,
+            attempt=attempt,
+            tail=tail,
+            since=since,
         )
 
     def events(

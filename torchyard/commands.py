@@ -15,14 +15,16 @@ import logging
 import shlex
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
 from torchyard.apiclient.models import Failure
 from torchyard.apiclient.registry import ModelVersion, parse_model_ref
 from torchyard.client import Client, Event, Job, JobComparison, MetricPoint, missing_token_message
-from torchyard.contract.errors import AuthenticationError
+from torchyard.contract.errors import AuthenticationError, ConflictError
 from torchyard.extras import require
 from torchyard.terminal import (
     EpochLines,
@@ -62,6 +64,40 @@ _SUBMIT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--hang-timeout", "resources.hang_timeout_s", int, "seconds without a training step before HangError"),
     ("--priority", "priority", int, "higher runs first (-100..100)"),
 )
+
+
+_JOB_HELP = "the job's id, name or id prefix (at least 4 characters)"
+_DATASET_HELP = "the dataset's id, name or id prefix (at least 4 characters)"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_since(text: str, now: datetime | None = None) -> datetime:
+    """``--since``: a duration before now (``90s``, ``10m``, ``2h``, ``1d``) or an ISO 8601
+    time (without a zone: local time)."""
+    value = text.strip()
+    unit = value[-1:].lower()
+    if unit in _DURATION_UNITS and value[:-1].replace(".", "", 1).isdigit():
+        now = now or datetime.now(UTC)
+        return now - timedelta(seconds=float(value[:-1]) * _DURATION_UNITS[unit])
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a duration such as 10m, 2h or 1d, or an ISO 8601 time, got {text!r}"
+        ) from None
+    return when if when.tzinfo else when.astimezone()
 
 
 def _client(args: argparse.Namespace) -> Client:
@@ -108,6 +144,8 @@ def _datasets_upload(args: argparse.Namespace) -> int:
             source = Path(args.source)
             if not source.exists():
                 raise FileNotFoundError(f"no such file or folder: {source}")
+            client.whoami()  # the service and the token, before a large folder is packed
+            _check_name(client, args, source)
             bar = ProgressBar(f"uploading {source.name}")
             if source.is_dir() and not args.json:
                 _note(f"packing {source} ...")
@@ -115,6 +153,8 @@ def _datasets_upload(args: argparse.Namespace) -> int:
                 dataset = client.upload_dataset(source, args.name, progress=bar)
             finally:
                 bar.finish()
+            if args.replace:
+                _replace_older(client, dataset)
     if args.json:
         _print_json(dataset)
     else:
@@ -124,6 +164,35 @@ def _datasets_upload(args: argparse.Namespace) -> int:
             f"({human_bytes(dataset.size_bytes)}), sha256 {dataset.sha256[:12]}"
         )
     return 0
+
+
+def _same_name(client: Client, name: str) -> list[Any]:
+    return [d for d in client.iter_datasets() if d.name == name]
+
+
+def _check_name(client: Client, args: argparse.Namespace, source: Path) -> None:
+    """Say so before an upload adds a second dataset of a name (``--replace`` removes the
+    older ones once the new one is stored)."""
+    name = args.name or source.name.split(".")[0] or "dataset"
+    existing = _same_name(client, name)
+    if existing and not args.replace:
+        ids = ", ".join(d.id for d in existing)
+        _note(
+            f"note: a dataset named {name!r} exists already ({ids}); this upload adds another one of "
+            "that name (jobs and --train/--val take the newest). Use --replace to delete the older "
+            "one(s) once this upload is stored."
+        )
+
+
+def _replace_older(client: Client, dataset: Any) -> None:
+    for older in _same_name(client, dataset.name):
+        if older.id == dataset.id:
+            continue
+        try:
+            client.delete_dataset(older.id)
+            _note(f"replaced: deleted the older dataset {older.id} of the name {dataset.name!r}")
+        except ConflictError as exc:
+            _note(f"kept the older dataset {older.id}: {exc.message}")
 
 
 def _datasets_list(args: argparse.Namespace) -> int:
@@ -330,9 +399,34 @@ def _jobs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kv(value: Any) -> str:
+_PERCENT_KEYS = ("top1", "top5", "accuracy")
+
+
+def _shown_value(key: str, value: Any) -> str:
+    """One value as ``show`` prints it: accuracies as %, other floats to 4 significant
+    digits, times to the second in local time, booleans and lists as written in a spec."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        if key.rsplit(".", 1)[-1] in _PERCENT_KEYS and 0.0 <= value <= 1.0:
+            return f"{value:.2%}"
+        return f"{value:.4g}"
+    if isinstance(value, str) and len(value) >= 19 and value[4:5] == "-" and value[10:11] == "T":
+        try:
+            return format_time(value)
+        except ValueError:
+            return value
+    if isinstance(value, list):
+        return "[" + ", ".join(_shown_value(key, v) for v in value) + "]"
     if isinstance(value, dict):
-        return ", ".join(f"{k}={v}" for k, v in value.items())
+        return "{" + _kv(value) + "}"
+    return str(value)
+
+
+def _kv(value: Any) -> str:
+    """``key=value, ...`` of a mapping, leaving out unset (null) entries."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_shown_value(str(k), v)}" for k, v in value.items() if v is not None)
     return str(value)
 
 
@@ -340,6 +434,10 @@ def print_job(job: Job) -> None:
     print(f"id:          {job.id}")
     print(f"name:        {job.name}")
     print(f"status:      {job.status}")
+    if job.tags:
+        print(f"tags:        {', '.join(job.tags)}")
+    if job.note:
+        print("note:        " + job.note.rstrip().replace("\n", "\n             "))
     if job.reason:
         print(f"waiting:     {job.reason}")
     if job.failure is not None:
@@ -386,10 +484,31 @@ def _print_failure(failure: Failure) -> None:
         print("traceback:\n  " + failure.traceback.rstrip().replace("\n", "\n  "))
 
 
+def _progress_line(progress: dict[str, Any]) -> str:
+    """``epoch 3/5, step 120/200 (60.0%), attempt 1, at 2026-01-02 03:04:05``: what of the
+    progress a job reported is known."""
+    parts = []
+    epoch, epochs = progress.get("epoch"), progress.get("epochs")
+    if epoch is not None:
+        parts.append(f"epoch {epoch}" + (f"/{epochs}" if epochs else ""))
+    step, total = progress.get("step"), progress.get("total_steps")
+    if step is not None:
+        fraction = progress.get("fraction")
+        shown = f" ({fraction:.1%})" if isinstance(fraction, int | float) else ""
+        parts.append(f"step {step}" + (f"/{total}" if total else "") + shown)
+    if progress.get("attempt") is not None:
+        parts.append(f"attempt {progress['attempt']}")
+    if progress.get("time"):
+        parts.append(f"at {_shown_value('time', progress['time'])}")
+    known = {"epoch", "epochs", "step", "total_steps", "fraction", "attempt", "time"}
+    rest = {k: v for k, v in progress.items() if k not in known}
+    return ", ".join(parts + ([_kv(rest)] if rest else [])) or "-"
+
+
 def _print_outcome(job: Job) -> None:
     """Progress, timing, best metrics, nodes and the model directory, those the job has."""
     if job.progress:
-        print(f"progress:    {_kv(job.progress)}")
+        print(f"progress:    {_progress_line(job.progress)}")
     fraction = (job.progress or {}).get("fraction")
     timing = job_timing(
         job.started_at, job.finished_at, fraction if isinstance(fraction, int | float) else None
@@ -430,16 +549,76 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cancel(args: argparse.Namespace) -> int:
+def _delete(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        job = client.cancel_job(args.id)
-        if args.wait and not job.is_final:
-            job = client.wait(job.id)
+        deleted = client.delete_job(args.id)
+    if args.json:
+        _print_json(deleted)
+    else:
+        print(f"deleted job {deleted['id']} ({deleted['name']}): its metrics, logs, checkpoints and files")
+    return 0
+
+
+def _tag(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.get_job(args.id)
+        tags = list(job.tags)
+        if args.remove:
+            missing = [t for t in args.tags if t not in tags]
+            if missing:
+                raise ValueError(f"job {job.id} has no tag {', '.join(map(repr, missing))}")
+            tags = [t for t in tags if t not in args.tags]
+        else:
+            tags += [t for t in args.tags if t not in tags]
+        job = client.update_job(job.id, tags=tags)
     if args.json:
         _print_json(job)
     else:
-        print(f"{job.id} {job.status}")
+        print(f"{job.id} tags: {', '.join(job.tags) or '-'}")
     return 0
+
+
+def _note_command(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.update_job(args.id, note=args.text or None)
+    if args.json:
+        _print_json(job)
+    else:
+        print(f"{job.id} note: {job.note or '-'}")
+    return 0
+
+
+def _clone(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        source = client.get_job(args.id)
+        job = client.clone_job(source.id)
+        if args.json and not args.follow:
+            _print_json(job)
+            return 0
+        print(job.id)
+        _note(f"submitted job {job.name!r} again as {job.id}, status {job.status}")
+        if not args.follow:
+            return 0
+        final = follow_job(client, job, out=sys.stderr if args.json else None)
+    if args.json:
+        _print_json(final)
+    return 0 if final.status == "succeeded" else 1
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        before = client.get_job(args.id)
+        job = client.cancel_job(before.id)
+        if args.wait and not job.is_final:
+            job = client.wait(job.id)
+    ended = before.is_final and before.status != "cancelled"
+    if args.json:
+        _print_json(job)
+    elif ended:
+        _note(f"job {job.id} had already ended ({job.status}): there was nothing to cancel")
+    else:
+        print(f"{job.id} {job.status}")
+    return 1 if ended else 0
 
 
 def _epoch_notes(client: Client, job: Job, out: TextIO) -> None:
@@ -474,7 +653,13 @@ def _logs(args: argparse.Namespace) -> int:
             if not args.json:
                 notes.start()
             for text in client.follow_logs(
-                job.id, rank=args.rank, stream=args.stream, offset=args.offset, attempt=args.attempt
+                job.id,
+                rank=args.rank,
+                stream=args.stream,
+                offset=args.offset,
+                attempt=args.attempt,
+                tail=args.tail,
+                since=args.since,
             ):
                 sys.stdout.write(text)
                 sys.stdout.flush()
@@ -483,7 +668,13 @@ def _logs(args: argparse.Namespace) -> int:
         else:
             sys.stdout.write(
                 client.logs(
-                    args.id, rank=args.rank, stream=args.stream, offset=args.offset, attempt=args.attempt
+                    args.id,
+                    rank=args.rank,
+                    stream=args.stream,
+                    offset=args.offset,
+                    attempt=args.attempt,
+                    tail=args.tail,
+                    since=args.since,
                 )
             )
     sys.stdout.flush()
@@ -508,6 +699,14 @@ def _metrics(args: argparse.Namespace) -> int:
         if args.watch:
             return _watch_metrics(client, args)
         points = list(client.iter_metrics(args.id, name=args.name))
+        if args.name and not args.watch:
+            missing = sorted(set(args.name) - {p.name for p in points})
+            if missing:
+                known = sorted(client.metric_names(args.id))
+                raise ValueError(
+                    f"job {args.id} has no metric {', '.join(map(repr, missing))}; its metrics: "
+                    + (", ".join(known) or "none yet")
+                )
     if args.json:
         _print_json(points)
     elif args.name or args.raw:
@@ -579,6 +778,7 @@ def _watch_metrics(client: Client, args: argparse.Namespace) -> int:
             if args.name and event.data.get("name") not in args.name:
                 continue
             view.table.add(event.data)
+            view.note_point(event.data)
         elif event.kind == "status":
             view.status = describe_status(event.data)
         view.emit(event)
@@ -608,6 +808,21 @@ class _MetricsView:
         self.printed: set[int] = set()
         self.lines: EpochLines | None = None
         self.requeues: list[str] = []
+        # The newest training step seen: (epoch, step, train.loss), shown until its epoch ends.
+        self.step: tuple[int, int, float] | None = None
+        self._step_shown_at: float | None = None
+
+    def note_point(self, data: dict[str, Any]) -> None:
+        if data.get("name") == "train.loss" and int(data.get("rank", 0)) == 0:
+            self.step = (int(data["epoch"]), int(data.get("step", 0)), float(data["value"]))
+
+    def step_text(self) -> str | None:
+        """``epoch 0/5  step 40  train.loss 0.5321`` while an epoch is under way."""
+        if self.step is None or self.table.is_complete(self.step[0]):
+            return None
+        epoch, step, loss = self.step
+        total = f"/{self.epochs}" if self.epochs else ""
+        return f"epoch {epoch}{total}  step {step}  train.loss {loss:.4f}"
 
     def redraw(self) -> None:
         table, epochs = self.table, self.epochs
@@ -620,6 +835,9 @@ class _MetricsView:
             )
         sys.stdout.write("\x1b[H\x1b[2J")
         notes = "".join(f"{line}\n" for line in self.requeues[-3:])
+        current = self.step_text()
+        if current:
+            notes += f"now: {current}\n"
         sys.stdout.write(f"job {self.job_id}  status {self.status}{where}\n{notes}\n{table.render()}\n")
         sys.stdout.flush()
 
@@ -635,6 +853,7 @@ class _MetricsView:
             return
         if requeue:
             print(requeue, flush=True)
+        self._print_step()
         for epoch in sorted(self.table.rows):
             if epoch in self.printed or not (self.table.is_complete(epoch) or event.is_final):
                 continue
@@ -643,6 +862,22 @@ class _MetricsView:
                 print(self.lines.header())
             print(self.lines.row(epoch), flush=True)
             self.printed.add(epoch)
+
+    def _print_step(self) -> None:
+        """A line with the step reached, while no epoch has ended yet or an epoch is long:
+        the first one at once, then at most one per :data:`STEP_LINE_INTERVAL_S`."""
+        current = self.step_text()
+        now = time.monotonic()
+        if current is None or (
+            self._step_shown_at is not None and now - self._step_shown_at < STEP_LINE_INTERVAL_S
+        ):
+            return
+        self._step_shown_at = now
+        print(f"-- {current}", flush=True)
+
+
+# Least time between two step lines of `metrics --watch` on a pipe or in a file.
+STEP_LINE_INTERVAL_S = 30.0
 
 
 # --------------------------------------------------------------------------- model, cluster, predict
@@ -858,15 +1093,19 @@ def _predict(args: argparse.Namespace) -> int:
         return _predict_remote(args)
     if len(args.paths) < 2:
         raise ValueError("give a model directory and one or more images (or --model NAME[:VERSION] IMAGES)")
+    model_dir, images = args.paths[0], args.paths[1:]
+    missing = [image for image in images if not Path(image).is_file()]
+    if missing:
+        raise FileNotFoundError(f"no such image file: {', '.join(missing)}")
     require("predict", "worker")
     from torchyard.modeldir import predict
 
-    model_dir, images = args.paths[0], args.paths[1:]
     results = predict(model_dir, images, topk=args.topk, device=args.device)
     if args.json:
+        # The shape of the service's predictions (POST .../predict), as with --model.
         _print_json(
             [
-                {"image": str(image), "top": [{"class": c, "probability": p} for c, p in top]}
+                {"file": str(image), "top": [{"label": c, "probability": p} for c, p in top]}
                 for image, top in zip(images, results, strict=True)
             ]
         )
@@ -882,15 +1121,7 @@ def _predict_remote(args: argparse.Namespace) -> int:
     with _client(args) as client:
         results = client.predict(name, args.paths, version=version, top_k=args.topk)
     if args.json:
-        _print_json(
-            [
-                {
-                    "image": r["file"],
-                    "top": [{"class": t["label"], "probability": t["probability"]} for t in r["top"]],
-                }
-                for r in results
-            ]
-        )
+        _print_json([{"file": r["file"], "top": r["top"]} for r in results])
         return 0
     for r in results:
         print(f"{r['file']}: " + "  ".join(f"{t['label']} ({t['probability']:.1%})" for t in r["top"]))
@@ -903,7 +1134,11 @@ def _evaluate(args: argparse.Namespace) -> int:
         dataset = client.find_dataset(args.dataset)
         job = client.submit_job({"type": "evaluate", "model": args.model, "dataset": dataset.id})
         _note(f"evaluation job {job.id} submitted: {args.model} on dataset {dataset.name}")
-        job = client.wait(job.id, timeout=args.timeout)
+        # Each status as it comes (waiting for a worker, loading, running), not silence.
+        for event in client.events(job.id, metrics=False, logs=False, timeout=args.timeout):
+            if event.kind == "status":
+                _note(f"  {describe_status(event.data)}")
+        job = client.get_job(job.id)
         if job.status != "succeeded":
             print_job(job)
             return 1
@@ -1103,18 +1338,24 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     up.add_argument("--name", help="dataset name (default: the folder or file name)")
     up.add_argument("--sample", type=int, help="with --path: decode only this many images (large sets)")
+    up.add_argument(
+        "--replace",
+        action="store_true",
+        help="once the upload is stored, delete your older datasets of the same name "
+        "(one a job still uses is kept)",
+    )
     up.set_defaults(handler=_datasets_upload)
     ls = ds_sub.add_parser("list", parents=[common], help="list datasets, newest first")
     ls.add_argument("--limit", type=int, default=50)
     ls.add_argument("--all", action="store_true", help="every page")
     ls.set_defaults(handler=_datasets_list)
     show = ds_sub.add_parser("show", parents=[common], help="one dataset with its per-class counts")
-    show.add_argument("id")
+    show.add_argument("id", metavar="DATASET", help=_DATASET_HELP)
     show.set_defaults(handler=_datasets_show)
     delete = ds_sub.add_parser(
         "delete", parents=[common], help="delete a dataset (refused while a job uses it)"
     )
-    delete.add_argument("id")
+    delete.add_argument("id", metavar="DATASET", help=_DATASET_HELP)
     delete.set_defaults(handler=_datasets_delete)
 
     submit = sub.add_parser(
@@ -1148,25 +1389,69 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     jobs.set_defaults(handler=_jobs)
 
     show_job = sub.add_parser("show", parents=[common], help="a job's status, progress, failure and history")
-    show_job.add_argument("id")
+    show_job.add_argument("id", metavar="JOB", help=_JOB_HELP)
     show_job.set_defaults(handler=_show)
 
+    delete_job = sub.add_parser(
+        "delete",
+        parents=[common],
+        help="delete a finished job with its metrics, logs, checkpoints, model directory and outputs",
+        description="Delete a finished job: its metrics, logs, checkpoints, model directory and outputs "
+        "go. A job that has not ended is refused (cancel it first), and so is one whose model is a "
+        "registered model version (delete the version first).",
+    )
+    delete_job.add_argument("id", metavar="JOB", help=_JOB_HELP)
+    delete_job.set_defaults(handler=_delete)
+
+    tag = sub.add_parser("tag", parents=[common], help="add tags to a job (or --remove them)")
+    tag.add_argument("id", metavar="JOB", help=_JOB_HELP)
+    tag.add_argument("tags", nargs="+", metavar="TAG", help="a label without spaces or commas")
+    tag.add_argument("--remove", action="store_true", help="remove these tags instead")
+    tag.set_defaults(handler=_tag)
+
+    note = sub.add_parser("note", parents=[common], help="set a job's note (an empty TEXT clears it)")
+    note.add_argument("id", metavar="JOB", help=_JOB_HELP)
+    note.add_argument("text", metavar="TEXT", help="free text, up to 10,000 characters")
+    note.set_defaults(handler=_note_command)
+
+    clone = sub.add_parser(
+        "clone",
+        aliases=["resubmit"],
+        parents=[common],
+        help="submit a job's spec again as a new job",
+        description="Submit a job's spec again as a new job (any status): same model, datasets, "
+        "parameters and resources, or for a script job the same code, command and inputs.",
+    )
+    clone.add_argument("id", metavar="JOB", help=_JOB_HELP)
+    clone.add_argument("--follow", "-f", action="store_true", help="show live progress until the job ends")
+    clone.set_defaults(handler=_clone)
+
     cancel = sub.add_parser("cancel", parents=[common], help="cancel a job (idempotent)")
-    cancel.add_argument("id")
+    cancel.add_argument("id", metavar="JOB", help=_JOB_HELP)
     cancel.add_argument("--wait", action="store_true", help="wait until the job is cancelled")
     cancel.set_defaults(handler=_cancel)
 
     logs = sub.add_parser("logs", parents=[common], help="a job's log (rank 0 unless --rank/--stream)")
-    logs.add_argument("id")
+    logs.add_argument("id", metavar="JOB", help=_JOB_HELP)
     logs.add_argument("-f", "--follow", action="store_true", help="stream new lines until the job ends")
     logs.add_argument("--rank", type=int, default=None, help="global rank (default 0)")
     logs.add_argument("--stream", default=None, help="a stream by name, e.g. the agent log")
     logs.add_argument("--offset", type=int, default=0, help="start at this byte offset")
     logs.add_argument("--attempt", type=int, default=None, help="this attempt's log (default: the latest)")
+    logs.add_argument(
+        "--tail", "-n", type=_positive_int, default=None, metavar="N", help="start with the last N lines"
+    )
+    logs.add_argument(
+        "--since",
+        type=parse_since,
+        default=None,
+        metavar="WHEN",
+        help="only text that arrived since WHEN: a duration ago (30s, 10m, 2h, 1d) or an ISO 8601 time",
+    )
     logs.set_defaults(handler=_logs)
 
     metrics = sub.add_parser("metrics", parents=[common], help="a job's metrics as a per-epoch table")
-    metrics.add_argument("id")
+    metrics.add_argument("id", metavar="JOB", help=_JOB_HELP)
     metrics.add_argument("--watch", "-w", action="store_true", help="refresh live until the job ends")
     metrics.add_argument("--name", action="append", help="only this metric (repeatable); lists the points")
     metrics.add_argument("--raw", action="store_true", help="list every point instead of the epoch table")
@@ -1184,7 +1469,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     download = sub.add_parser(
         "download", parents=[common], help="download, verify and unpack a succeeded job's model directory"
     )
-    download.add_argument("id")
+    download.add_argument("id", metavar="JOB", help=_JOB_HELP)
     download.add_argument("-o", "--output", help="directory to create (default: ./model-<job id>)")
     download.add_argument("--keep-archive", action="store_true", help="keep the .tar.gz beside the directory")
     download.add_argument(
@@ -1210,7 +1495,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     code_show.add_argument("id", help="code id, name or id prefix")
     code_show.set_defaults(handler=_code_show)
     code_rm = code_sub.add_parser("delete", parents=[common], help="delete a code package")
-    code_rm.add_argument("id")
+    code_rm.add_argument("id", metavar="CODE", help="the code package's id, name or id prefix")
     code_rm.set_defaults(handler=_code_delete)
 
     cluster = sub.add_parser("cluster", parents=[common], help="nodes, processing units and limits")

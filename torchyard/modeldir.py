@@ -501,6 +501,30 @@ def _logits(
     return model(normalize_batch(images, mean, std)).float()
 
 
+def usable_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch device this machine has; a ``ValueError`` saying what is
+    available otherwise (no traceback from deep inside torch)."""
+    try:
+        found = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"device {str(device)!r} is not a torch device (e.g. cpu, cuda, cuda:1): {exc}"
+        ) from None
+    if found.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(
+                f"device {str(device)!r}: this machine has no CUDA GPU that torch can use; use cpu"
+            )
+        if found.index is not None and found.index >= count:
+            raise ValueError(
+                f"device {str(device)!r}: this machine has {count} CUDA GPU(s): cuda:0..cuda:{count - 1}"
+            )
+    elif found.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {str(device)!r}: MPS is not available here; use cpu")
+    return found
+
+
 def predict(
     path: str | Path,
     image_paths: Sequence[str | Path],
@@ -510,6 +534,7 @@ def predict(
     batch_size: int = 64,
 ) -> list[list[tuple[str, float]]]:
     """Classify images with a model directory: per image, the ``topk`` ``(class, probability)``."""
+    device = usable_device(device)
     model, classes, config = load_model(path, device)
     k = max(1, min(topk, len(classes)))
     results: list[list[tuple[str, float]]] = []

@@ -267,7 +267,9 @@ class LiveProgress:
 
     def handle(self, kind: str, data: Mapping[str, Any]) -> None:
         if kind == "status":
-            self._flush_epochs()
+            # At the end every epoch seen is printed: a script's metrics have no epoch
+            # duration, so its last epoch is never "complete" by the trainer's rule.
+            self._flush_epochs(every=bool(data.get("final")))
             self._line(f"status: {describe_status(data)}")
             if data.get("final"):
                 self.final = dict(data)
@@ -293,7 +295,7 @@ class LiveProgress:
             self._printed.add(epoch)
             self._line(self._epoch_line(epoch))
 
-    def _flush_epochs(self) -> None:
+    def _flush_epochs(self, *, every: bool = False) -> None:
         for epoch in sorted(self.table.rows):
-            if self.table.is_complete(epoch):
+            if every or self.table.is_complete(epoch):
                 self._print_epoch(epoch)

@@ -208,6 +208,12 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     cancel_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # The owner's labels and free text (PATCH /v1/jobs/{id}).
+    tags: Mapped[list[str] | None] = mapped_column(JSON)
+    note: Mapped[str | None] = mapped_column(Text)
+    # A deleted job keeps this row (its id is never given again, registered model rows and
+    # other jobs may name it) but nothing else: it is hidden everywhere.
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 # The queue in the scheduler's order (priority first, then oldest first), queued jobs only:

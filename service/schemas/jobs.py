@@ -235,6 +235,19 @@ class JobPublic(BaseModel):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     cancel_requested_at: datetime | None = None
+    tags: list[str] = Field(default=[], description="The owner's labels (PATCH /v1/jobs/{id}).")
+    note: str | None = Field(default=None, description="The owner's free text (PATCH /v1/jobs/{id}).")
+
+
+class JobUpdate(StrictModel):
+    """PATCH /v1/jobs/{id}: the fields given replace the job's (``null`` clears the note)."""
+
+    tags: list[Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[^\s,]+$")]] | None = Field(
+        default=None,
+        max_length=32,
+        description="Labels, each 1..64 characters without spaces or commas; the list replaces the job's.",
+    )
+    note: str | None = Field(default=None, max_length=10_000, description="Free text; null clears it.")
 
 
 class JobList(BaseModel):

@@ -237,12 +237,22 @@ def get_dataset(
     return _visible_dataset(session, principal, dataset_id, exact=exact, lock="share" if lock else None)
 
 
+def dataset_field(session: Session, principal: Principal, ref: str, field: str) -> Dataset:
+    """The dataset a request body's ``field`` names (id, name or unique id prefix), its row
+    share-locked; a 404 naming the field when there is none."""
+    try:
+        return get_dataset(session, principal, ref, lock=True)
+    except NotFoundError as exc:
+        raise NotFoundError(f"{field}: {exc.message}", details={"field": field}) from exc
+
+
 def _visible_dataset(
     session: Session, principal: Principal, ref: str, *, exact: bool, lock: Literal["share", "update"] | None
 ) -> Dataset:
     """The dataset ``ref`` names for the principal, its row locked ``"share"`` or ``"update"``."""
     not_found = NotFoundError(
         f"dataset {ref!r} not found (no dataset you may see has this id, name or id prefix)"
+        + refs.not_found_hint(ref)
     )
     return refs.find_owned(session, principal, Dataset, ref, exact=exact, not_found=not_found, lock=lock)
 
@@ -331,11 +341,12 @@ def resolve_job_datasets(
 ) -> tuple[Dataset, Dataset]:
     """Both datasets of a job, visible to the submitter and with equal label sets.
 
-    Another user's or a deleted dataset is a 404 (admin may use any); differing label
-    sets are a 422 InvalidDatasetError naming the labels missing on each side.
+    Each may be given by id, name or unique id prefix (as the CLI accepts). Another
+    user's or a deleted dataset is a 404 naming the field (admin may use any); differing
+    label sets are a 422 InvalidDatasetError naming the labels missing on each side.
     """
-    train = get_dataset(session, principal, train_id, lock=True, exact=True)
-    val = get_dataset(session, principal, val_id, lock=True, exact=True)
+    train = dataset_field(session, principal, train_id, "train_dataset")
+    val = dataset_field(session, principal, val_id, "validation_dataset")
     train_labels, val_labels = set(train.classes), set(val.classes)
     if train_labels != val_labels:
         only_train = sorted(train_labels - val_labels)

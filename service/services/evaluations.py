@@ -16,7 +16,7 @@ from service.db.models import Job, JobEvent, utcnow
 from service.schemas.jobs import EvaluateJobCreate
 from service.services import models as models_service
 from service.services.cluster import check_resources
-from service.services.datasets import get_dataset
+from service.services.datasets import dataset_field
 from service.services.tokens import Principal
 from service.states import JobStatus
 from torchyard.contract.errors import InvalidDatasetError, NotFoundError
@@ -53,14 +53,12 @@ def submit_evaluate_job(
         row = models_service.get_version(session, principal, name, version)
     except NotFoundError as exc:
         raise NotFoundError(exc.message, details={"field": "model"}) from exc
-    try:
-        dataset = get_dataset(session, principal, spec.dataset, lock=True, exact=True)
-    except NotFoundError as exc:
-        raise NotFoundError(f"dataset {spec.dataset!r} not found", details={"field": "dataset"}) from exc
+    dataset = dataset_field(session, principal, spec.dataset, "dataset")
     check_classes(list(row.classes), list(dataset.classes))
     check_resources(session, settings, 1, 1)
     normalized = spec.model_dump(mode="json")
     normalized["model"] = f"{row.name}:{row.version}"
+    normalized["dataset"] = dataset.id
     normalized["name"] = spec.name or f"evaluate-{row.name}-{row.version}-{dataset.name}"
     normalized["resources"] = {"node_count": 1, "process_count_per_node": 1}
     normalized["model_version_id"] = row.id

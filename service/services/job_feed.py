@@ -26,7 +26,7 @@ MAX_CHANGES = 200
 
 
 def _owned(principal: Principal) -> Any:
-    stmt = select(Job)
+    stmt = select(Job).where(Job.deleted_at.is_(None))
     return stmt if principal.is_admin else stmt.where(Job.owner_id == principal.id)
 
 

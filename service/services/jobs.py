@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import ColumnElement, delete, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.db.models import Attempt, Checkpoint, Job, JobEvent, JobInput, Node, Placement, utcnow
 from service.schemas.jobs import (
+    JOB_CREATE,
+    JOB_CREATE_MODELS,
     AttemptPublic,
     EndReason,
     EvaluateJobCreate,
     Failure,
     JobPublic,
+    JobUpdate,
     PlacementPublic,
     ScriptJobCreate,
     StatusChange,
@@ -23,7 +26,7 @@ from service.schemas.jobs import (
 from service.services import refs
 from service.services.cluster import check_resources
 from service.services.code import get_code
-from service.services.datasets import get_dataset, resolve_job_datasets
+from service.services.datasets import dataset_field, resolve_job_datasets
 from service.services.tokens import Principal
 from service.states import AttemptStatus, JobStatus, can_transition
 from torchyard.architectures import CLASSIFICATION_ARCHITECTURES, closest_architecture
@@ -99,15 +102,11 @@ def submit_script_job(
     submitter's (another user's is a 404 naming the field), and the resources fit the cluster."""
     code = get_code(session, principal, spec.code, exact=True, lock="share")
     inputs = {}
-    for name, dataset_id in spec.inputs.items():
-        try:
-            inputs[name] = get_dataset(session, principal, dataset_id, lock=True, exact=True)
-        except NotFoundError as exc:
-            raise NotFoundError(
-                f"inputs.{name}: dataset {dataset_id!r} not found", details={"field": f"inputs.{name}"}
-            ) from exc
+    for name, dataset_ref in spec.inputs.items():
+        inputs[name] = dataset_field(session, principal, dataset_ref, f"inputs.{name}")
     check_resources(session, settings, spec.resources.node_count, spec.resources.process_count_per_node)
     normalized = spec.model_dump(mode="json")
+    normalized["inputs"] = {name: row.id for name, row in inputs.items()}
     normalized["name"] = spec.name or f"script-{code.name}"
     now = utcnow()
     job = _queue(
@@ -138,6 +137,7 @@ def submit_train_job(session: Session, settings: Settings, principal: Principal,
     train, val = resolve_job_datasets(session, principal, spec.train_dataset, spec.validation_dataset)
     check_resources(session, settings, spec.resources.node_count, spec.resources.process_count_per_node)
     normalized = spec.model_dump(mode="json")
+    normalized.update(train_dataset=train.id, validation_dataset=val.id)
     normalized["name"] = spec.name or f"{spec.model.architecture}-{train.name}"
     now = utcnow()
     job = _queue(
@@ -213,17 +213,20 @@ def get_job(session: Session, principal: Principal, job_id: str, *, for_update: 
     the principal may list (see :mod:`service.services.refs`)."""
 
     def by_id(wanted: str) -> Job | None:
-        stmt = select(Job).where(Job.id == wanted)
+        stmt = select(Job).where(Job.id == wanted, Job.deleted_at.is_(None))
         return session.scalars(stmt.with_for_update() if for_update else stmt).first()
 
     job = by_id(job_id) if refs.comparable(job_id) else None
     if job is None or (not principal.is_admin and job.owner_id != principal.id):
-        visible = [] if principal.is_admin else [Job.owner_id == principal.id]
+        visible: list[ColumnElement[bool]] = [Job.deleted_at.is_(None)]
+        if not principal.is_admin:
+            visible.append(Job.owner_id == principal.id)
         found = refs.resolve(session, Job, visible, job_id, "job")
         job = None if found is None else by_id(found)
         if job is None:
             raise NotFoundError(
                 f"job {job_id!r} not found (no job you may see has this id, name or id prefix)"
+                + refs.not_found_hint(job_id)
             )
     return job
 
@@ -237,7 +240,7 @@ def list_jobs(
     cursor: str | None,
 ) -> tuple[list[Job], str | None]:
     """Newest first; ``cursor`` continues after the last job of the previous page."""
-    stmt = select(Job)
+    stmt = select(Job).where(Job.deleted_at.is_(None))
     if not principal.is_admin:
         stmt = stmt.where(Job.owner_id == principal.id)
     if statuses:
@@ -369,4 +372,34 @@ def job_public(
         started_at=job.started_at,
         finished_at=job.finished_at,
         cancel_requested_at=job.cancel_requested_at,
+        tags=job.tags or [],
+        note=job.note,
     )
+
+
+def update_job(session: Session, principal: Principal, job_ref: str, update: JobUpdate) -> Job:
+    """Replace the job's tags and/or note (those fields the request gives), at any status."""
+    job = get_job(session, principal, job_ref, for_update=True)
+    given = update.model_fields_set
+    if "tags" in given:
+        # Order kept, repeats dropped.
+        job.tags = list(dict.fromkeys(update.tags or []))
+    if "note" in given:
+        job.note = update.note or None
+    job.updated_at = utcnow()
+    session.commit()
+    return job
+
+
+def clone_spec(job: Job) -> dict[str, Any]:
+    """The request that submits ``job`` again: its stored spec, cut to the fields its type's
+    request takes (every default was filled in at submission, so the copy trains the same)."""
+    fields = JOB_CREATE_MODELS[job.type].model_fields
+    return {k: v for k, v in job.spec.items() if k in fields} | {"type": job.type}
+
+
+def clone_job(session: Session, settings: Settings, principal: Principal, job_ref: str) -> Job:
+    """Submit a copy of a job (any status) as a new job, checked as any submission is."""
+    source = get_job(session, principal, job_ref)
+    spec = JOB_CREATE.validate_python(clone_spec(source))
+    return submit_job(session, settings, principal, spec)

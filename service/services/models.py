@@ -108,14 +108,14 @@ def _check_kind(job: Job, path: str | None) -> None:
     """A training job is registered without ``path``, a script job with one; nothing else."""
     if job.type == "train" and path is not None:
         raise RequestValidationError(
-            "path names a folder in a script job's outputs; this job is a training job: register it "
-            "without path",
+            "path (--path with torchyard model register) names a folder in a script job's outputs; "
+            "this job is a training job: register it without path",
             details={"field": "path"},
         )
     if job.type == SCRIPT and path is None:
         raise RequestValidationError(
             f"job {job.id} is a script job: name the folder of its outputs that holds the model "
-            'directory in path (e.g. "model")',
+            'directory: "path" in the request, --path with torchyard model register (e.g. model)',
             details={"field": "path"},
         )
     if job.type not in ("train", SCRIPT):

@@ -49,7 +49,7 @@ from starlette.concurrency import run_in_threadpool
 from service.config import Settings
 from service.db.engine import Database, is_unavailable
 from service.db.models import Job, Node, Placement, utcnow
-from service.services import checkpoints
+from service.services import checkpoints, job_delete
 from service.services.attempts import finish_cancellation, lose_placements, overrun_limit_s, time_out
 from service.services.replicas import ClusterHearing, ReplicaRow
 from service.services.scheduler import has_queued_jobs, is_postgres, run_pass
@@ -184,6 +184,7 @@ def sweep(
     _settle_cancellations(db, result)
     _time_out_overruns(db, now, result)
     checkpoints.remove_ended_jobs_files(db, checkpoints.CheckpointStore(settings.data_dir))
+    job_delete.apply_retention(db, settings)
     if schedule and has_queued_jobs(db):
         placed = run_pass(db, settings)
         result.scheduled, result.placed_nodes = placed.scheduled, placed.placed_nodes

@@ -37,6 +37,13 @@ class AmbiguousReferenceError(ConflictError):
     code = "AmbiguousReferenceError"
 
 
+def not_found_hint(ref: str) -> str:
+    """What a not-found message adds for ``ref``: a few hex digits are too short a prefix."""
+    if re.fullmatch(rf"[0-9a-fA-F]{{1,{MIN_PREFIX - 1}}}", ref):
+        return f": an id prefix needs at least {MIN_PREFIX} characters"
+    return ""
+
+
 def comparable(ref: str) -> bool:
     """Whether ``ref`` may be compared with stored text at all: PostgreSQL refuses a NUL
     character in a query parameter, and no id or name holds one."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import ColumnElement, Table, exists, func, select
@@ -437,6 +438,62 @@ def _stream_end(session: Session, job_id: str, attempt_id: str, stream: str) -> 
         )
     )
     return int(end or 0)
+
+
+def start_offset(
+    session: Session,
+    job: Job,
+    attempt: Attempt | None,
+    stream: str | None,
+    *,
+    tail: int | None = None,
+    since: datetime | None = None,
+) -> int:
+    """Where a log read with ``tail`` (the last lines) or ``since`` (text that arrived at or
+    after a time) begins: a byte offset of ``stream``, 0 when neither is given."""
+    if attempt is None or stream is None:
+        return 0
+    of_stream = (LogChunk.job_id == job.id, LogChunk.attempt_id == attempt.id, LogChunk.stream == stream)
+    start = 0
+    if since is not None:
+        first = session.scalar(
+            select(func.min(LogChunk.offset)).where(*of_stream, LogChunk.created_at >= since)
+        )
+        start = _stream_end(session, job.id, attempt.id, stream) if first is None else int(first)
+    if tail is not None:
+        start = max(start, _tail_offset(session, of_stream, tail))
+    return start
+
+
+def _tail_offset(session: Session, of_stream: tuple[ColumnElement[bool], ...], lines: int) -> int:
+    """The offset of the start of the last ``lines`` lines (a last line without its newline
+    counts), reading the chunks from the end."""
+    wanted = lines + 1  # newlines to pass: the one ending the last line, then one per line
+    seen_text = False
+    before: int | None = None
+    while True:
+        stmt = select(LogChunk.offset, LogChunk.data).where(*of_stream)
+        if before is not None:
+            stmt = stmt.where(LogChunk.offset < before)
+        rows = session.execute(stmt.order_by(LogChunk.offset.desc()).limit(_LOG_ROWS_PER_READ)).all()
+        if not rows:
+            return 0
+        for chunk_offset, data in rows:
+            raw = data.encode("utf-8")
+            end = len(raw)
+            if not seen_text and raw:
+                seen_text = True
+                if not raw.endswith(b"\n"):
+                    wanted -= 1  # the last line has no newline of its own
+            while True:
+                at = raw.rfind(b"\n", 0, end)
+                if at < 0:
+                    break
+                wanted -= 1
+                if wanted == 0:
+                    return int(chunk_offset) + at + 1
+                end = at
+            before = chunk_offset
 
 
 @dataclass(frozen=True)

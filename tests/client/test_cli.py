@@ -256,6 +256,10 @@ def test_logs_metrics_and_cluster(
     watched, err = watch.communicate(timeout=60)
     assert watch.returncode == 0, err
     lines = watched.strip().splitlines()
+    # Before the first epoch ends: the step it reached (one line, not one per point).
+    assert lines[0].startswith("-- epoch 1/5  step 100  train.loss 0.0909"), lines
+    assert sum(line.startswith("-- epoch") for line in lines) == 1
+    lines = lines[1:]
     assert lines[0].split()[:2] == ["epoch", "train.loss"]
     assert [line.split()[0] for line in lines[1:3]] == ["1", "2"]
     assert lines[-1].startswith("status: failed")

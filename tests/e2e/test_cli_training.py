@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
+from tests.support import REPO_ROOT
 from torchyard.sample_data import write_digits
 
 pytestmark = pytest.mark.slow
@@ -89,16 +92,73 @@ class Serve:
             raise
 
 
-@pytest.fixture
-def serve(tmp_path: Path) -> Iterator[Serve]:
-    s = Serve(tmp_path)
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    """One `torchyard serve --with-worker` for the module (the last test stops it)."""
+    s = Serve(tmp_path_factory.mktemp("serve"))
     yield s
     if s.process.poll() is None:
         s.process.kill()
         s.process.wait(10)
 
 
+def _readme_blocks() -> list[str]:
+    """The shell blocks of the README's "Using it" section."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = re.search(r"^## Using it\n(.*?)(?=^## )", readme, re.S | re.M)
+    assert section
+    return re.findall(r"```sh\n(.*?)```", section.group(1), re.S)
+
+
+def _session_folder(root: Path) -> Path:
+    """A folder as the README's reader has it: ``.venv`` (here its activate script puts this
+    interpreter's folder on PATH), ``examples/job.yaml`` and the demo's digits, each class cut
+    to a few images so that the session trains in seconds."""
+    (root / ".venv" / "bin").mkdir(parents=True)
+    (root / ".venv" / "bin" / "activate").write_text(f'export PATH="{Path(sys.executable).parent}:$PATH"\n')
+    (root / "examples").mkdir()
+    shutil.copy(REPO_ROOT / "examples" / "job.yaml", root / "examples" / "job.yaml")
+    train, val = write_digits(root / "torchyard-demo" / "digits", size=32)  # as `torchyard demo` does
+    keep = {"train": 8, "val": 4}
+    for split, folder in (("train", train), ("val", val)):
+        for label in folder.iterdir():
+            for extra in sorted(label.glob("*.png"))[keep[split] :]:
+                if extra.name != "digit-0017.png":  # the README's own image stays
+                    extra.unlink()
+    return root
+
+
+def test_the_readmes_using_it_session_runs_as_pasted(serve: Serve, tmp_path: Path) -> None:
+    """The README's service block is what this module's server runs; its session block,
+    pasted into bash against that server, runs from the upload to the predictions."""
+    service, session = _readme_blocks()[:2]  # (a script job's block follows)
+    assert [line.split("#")[0].strip() for line in service.strip().splitlines()] == [
+        "source .venv/bin/activate",
+        "torchyard serve --with-worker",  # (here on a free port, with 2 slots)
+    ]
+    serve.wait_ready()
+    folder = _session_folder(tmp_path / "clone")
+    ran = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", session],
+        cwd=folder, env=serve.env, capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    assert ran.returncode == 0, f"{ran.stdout}\n{ran.stderr}\n{serve.tail()}"
+    printed_ids = [line for line in ran.stdout.splitlines() if re.fullmatch(r"[0-9a-f]{32}", line)]
+    job = json.loads(serve.ok("jobs", "--json"))[0]  # the newest
+    assert printed_ids[:3] == [*printed_ids[:2], job["id"]]  # two datasets, then `submit`'s job
+    job = json.loads(serve.ok("show", job["id"], "--json"))
+    assert job["status"] == "succeeded" and job["parameters"]["epochs"] == 3
+    assert job["name"] == "digits-resnet18" and job["tags"] == ["baseline"]
+    assert (folder / "model" / "config.json").is_file()
+    predictions = [
+        line for line in ran.stdout.splitlines() if line.startswith("torchyard-demo/digits/val/7/")
+    ]
+    assert len(predictions) == 2, ran.stdout  # the local model directory, then the service
+    assert re.search(r"^digits:\d+$", ran.stdout, re.M), ran.stdout
+
+
 def test_train_follow_download_and_predict_with_the_cli(serve: Serve, tmp_path: Path) -> None:
+    # Runs last: it stops the module's server.
     cluster = serve.wait_ready()
     node = cluster["nodes"][0]  # type: ignore[index]
     assert node["units"] == 2 and node["name"].endswith("-local")
@@ -142,7 +202,7 @@ def test_train_follow_download_and_predict_with_the_cli(serve: Serve, tmp_path: 
     # predict, with no service involved, agrees with the service's validation of the saved epoch
     images = sorted(val_dir.glob("*/*.png"))
     predicted = json.loads(serve.ok("predict", str(model), *map(str, images), "--topk", "1", "--json"))
-    correct = sum(p["top"][0]["class"] == Path(p["image"]).parent.name for p in predicted)
+    correct = sum(p["top"][0]["label"] == Path(p["file"]).parent.name for p in predicted)
     assert correct / len(images) == pytest.approx(job["best"]["val.top1"], abs=1e-9)
 
     # serve stops its worker, then itself; nothing of the session is left running

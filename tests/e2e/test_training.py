@@ -76,7 +76,15 @@ def test_trains_end_to_end_and_the_model_reproduces_its_validation_top1(env: Env
     reported = job["best"]["val.top1"]
     assert result["top1"] == pytest.approx(reported, abs=1e-6), (result, job["best"])
     # No process of the job is left behind.
-    assert wait_until_gone(str(run_dir(agent, job_id))) == []
+    directory = run_dir(agent, job_id)
+    assert wait_until_gone(str(directory)) == []
+    # Once the API recorded the end, the run directory sheds what the API stores (the model
+    # directory, checkpoints) and keeps its logs.
+    deadline = time.monotonic() + 30
+    while (directory / "model").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not (directory / "model").exists() and not list(directory.glob("*.pt"))
+    assert (directory / "job.json").is_file()
     print(f"\ne2e job took {took:.1f} s")
 
 

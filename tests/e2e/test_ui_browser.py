@@ -911,3 +911,63 @@ def test_the_api_docs_pages_fetch_nothing_from_another_host(live_server: LiveSer
     own = (live_server.url, f"blob:{live_server.url}", "data:")
     elsewhere = [url for url in requested if not url.startswith(own)]
     assert requested and elsewhere == []
+
+
+def test_a_jobs_tags_note_clone_and_delete_on_its_page(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    from service.db.engine import Database
+    from service.db.models import Job, utcnow
+
+    token, uid = _user(admin, "kira")
+    register_node(admin, create_token(admin, "worker"), "cpu-1", units=1)
+    train = insert_dataset(live_server.settings, uid)
+    user = httpx.Client(base_url=live_server.url, headers=auth(token), timeout=60)
+    r = user.post("/v1/jobs", json=job_spec(train, train, name="lr-sweep", parameters={"epochs": 3}))
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    db = Database(live_server.settings.sqlalchemy_url)
+    try:
+        with db.transaction() as session:
+            job = session.get_one(Job, job_id)
+            job.status, job.finished_at, job.updated_at = "cancelled", utcnow(), utcnow()
+    finally:
+        db.dispose()
+
+    ui = open_ui(live_server.url)
+    ui.sign_in(token)
+    page = ui.page
+    page.goto(f"/#/jobs/{job_id}")
+    page.wait_for_selector("#labels")
+    assert "no tags" in page.text_content("#job-tags")
+    page.click("#edit-labels")
+    page.fill("#tags-input", "baseline, lr-0.05")
+    page.fill("#note-input", "first try: <b>kept as text</b>")
+    page.click("#save-labels")
+    page.wait_for_selector("#job-tags .tag")
+    assert [t.text_content() for t in page.locator("#job-tags .tag").all()] == ["baseline", "lr-0.05"]
+    assert page.text_content("#job-note") == "first try: <b>kept as text</b>"
+    stored = user.get(f"/v1/jobs/{job_id}").json()
+    assert stored["tags"] == ["baseline", "lr-0.05"] and stored["note"].startswith("first try")
+
+    # Clone: the same spec as a new job, whose page opens.
+    page.click("#clone")
+    hash_now = lambda: page.evaluate("location.hash")  # noqa: E731
+    url = _wait(lambda: job_id not in hash_now() and hash_now(), what="the clone's page")
+    clone_id = url.rsplit("/", 1)[-1]
+    clone = user.get(f"/v1/jobs/{clone_id}").json()
+    assert clone["name"] == "lr-sweep" and clone["parameters"]["epochs"] == 3
+    page.wait_for_selector("#job-name:has-text('lr-sweep')")
+    # A queued job cannot be deleted yet: it has no Delete button.
+    assert page.locator("#delete").count() == 0
+
+    # Delete the finished one: confirmed, then the jobs list, and it is gone.
+    page.goto(f"/#/jobs/{job_id}")
+    page.wait_for_selector("#delete")
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.click("#delete")
+    page.wait_for_selector("#jobs-table")
+    assert user.get(f"/v1/jobs/{job_id}").status_code == 404
+    assert user.get(f"/v1/jobs/{clone_id}").status_code == 200
+    assert ui.errors == []
+    user.close()

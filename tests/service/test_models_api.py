@@ -380,11 +380,14 @@ def test_cli_registers_lists_predicts_and_downloads(env: Env, trained: Trained, 
     loads locally."""
     cli_env = {**os.environ, "TORCHYARD_URL": env.server.url, "TORCHYARD_TOKEN": env.user_token}
 
-    def ok(*args: str) -> str:
-        r = subprocess.run(
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
             [sys.executable, "-m", "torchyard.cli", *args],
             env=cli_env, capture_output=True, text=True, timeout=120, check=False,
         )  # fmt: skip
+
+    def ok(*args: str) -> str:
+        r = run(*args)
         assert r.returncode == 0, f"{args}: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
         return r.stdout
 
@@ -393,17 +396,39 @@ def test_cli_registers_lists_predicts_and_downloads(env: Env, trained: Trained, 
     images = [str(p) for p in trained.held_out[:5]]
     predicted = json.loads(ok("predict", "--model", "digits:1", *images, "--topk", "2", "--json"))
     api = _predict(env.user, "digits:1", [(Path(p).name, Path(p).read_bytes()) for p in images], top_k=2)
-    assert [p["image"] for p in predicted] == images
-    assert [[t["class"] for t in p["top"]] for p in predicted] == [
+    # The service's shape (file, label); a local model directory's: tests/e2e/test_cli_training.py.
+    assert [p["file"] for p in predicted] == images
+    assert [[t["label"] for t in p["top"]] for p in predicted] == [
         [t["label"] for t in p["top"]] for p in api.json()["predictions"]
     ]
     folder = Path(ok("model", "download", "digits", "-o", str(tmp_path / "dl")).strip())
     _, classes, _ = modeldir.load_model(folder)
     assert classes == [str(i) for i in range(10)]
+    # A missing image: one line, no traceback (a device the machine lacks: test_an_absent_device_*).
+    missing = run("predict", str(folder), str(tmp_path / "nope.png"))
+    assert missing.returncode == 1 and "no such image file" in missing.stderr
+    assert "Traceback" not in missing.stderr and "InvalidDatasetError" not in missing.stderr
     onnx = Path(ok("model", "download", "digits:1", "--onnx", "-o", str(tmp_path / "m.onnx")).strip())
     assert onnx.read_bytes() == (trained.model_dir / "model.onnx").read_bytes()
+    # An ordinary file, as the model directory's files are (not a private temporary's 0600).
+    assert onnx.stat().st_mode & 0o777 == (folder / "config.json").stat().st_mode & 0o777
     assert ok("model", "delete", "digits:1").strip() == "deleted digits:1"
     assert json.loads(ok("model", "list", "--json")) == []
+
+
+def test_an_absent_device_is_one_clear_error(trained: Trained) -> None:
+    """`predict --device cuda` on a machine without a GPU: a ValueError the CLI prints as one
+    line (it turns every ValueError into `error: ...`), not torch's traceback."""
+    images = [trained.held_out[0]]
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU that torch can use; use cpu"):
+            modeldir.predict(trained.model_dir, images, device="cuda")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match="CUDA GPU"):
+        modeldir.predict(trained.model_dir, images, device=f"cuda:{count}")
+    with pytest.raises(ValueError, match="is not a torch device"):
+        modeldir.predict(trained.model_dir, images, device="gpu")
+    assert modeldir.predict(trained.model_dir, images, device="cpu")[0]
 
 
 @SQLITE_ONLY
@@ -461,6 +486,8 @@ def test_evaluation_on_the_validation_set_equals_training_figures(
     finally:
         agent.discard()
     assert printed.returncode == 0, (printed.stdout, printed.stderr, agent.log_text()[-3000:])
+    # While it waits, each status of the job is said (not ~35 s of silence).
+    assert "  queued" in printed.stderr and "  running" in printed.stderr, printed.stderr
     lines = printed.stdout.splitlines()
     assert f"top-1 {result['top1']:.2%}" in lines[0] and f"top-5 {result['top5']:.2%}" in lines[0]
     assert lines[1].split() == ["CLASS", "PRECISION", "RECALL", "F1", "IMAGES"]

@@ -53,6 +53,17 @@ class JobCalls:
     def cancel_job(self, job_id: str) -> Job:
         return Job.model_validate(self._transport.json("POST", f"/v1/jobs/{segment(job_id)}/cancel"))
 
+    def update_job(self, job_id: str, **fields: Any) -> Job:
+        """``PATCH``: ``tags`` (a list replacing the job's) and/or ``note`` (None clears it)."""
+        return Job.model_validate(self._transport.json("PATCH", f"/v1/jobs/{segment(job_id)}", json=fields))
+
+    def delete_job(self, job_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._transport.json("DELETE", f"/v1/jobs/{segment(job_id)}")
+        return result
+
+    def clone_job(self, job_id: str) -> Job:
+        return Job.model_validate(self._transport.json("POST", f"/v1/jobs/{segment(job_id)}/clone"))
+
     def compare(
         self, job_ids: Sequence[str], *, metrics: Sequence[str] | None = None, points: int | None = None
     ) -> JobComparison:
@@ -83,6 +94,13 @@ class JobCalls:
             params["limit"] = limit
         path = f"/v1/jobs/{segment(job_id)}/metrics"
         return MetricPage.model_validate(self._transport.json("GET", path, params=params))
+
+    def metric_names(self, job_id: str) -> list[str]:
+        """The names of the metrics the job has reported (from its reduced series)."""
+        body = self._transport.json(
+            "GET", f"/v1/jobs/{segment(job_id)}/metrics/series", params={"points": 10}
+        )
+        return sorted(body.get("series", {}))
 
     def iter_metrics(
         self, job_id: str, *, name: str | Sequence[str] | None = None, after: int | None = None

@@ -108,6 +108,8 @@ class Job(ApiModel):
     created_at: datetime | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    tags: list[str] = []
+    note: str | None = None
 
     @field_validator("model", "parameters", mode="before")
     @classmethod

@@ -97,6 +97,11 @@ class RegistryCalls:
             with os.fdopen(fd, "wb") as fh, self._transport.stream("GET", path) as response:
                 for chunk in response.iter_bytes():
                     fh.write(chunk)
+            # mkstemp makes the file 0600; a download is an ordinary file (as the model
+            # directory's files are): 0644 less the umask.
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
             os.replace(tmp, dest)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

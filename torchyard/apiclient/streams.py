@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator, Sequence
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -42,9 +43,19 @@ def parse_sse(lines: Iterator[str]) -> Iterator[tuple[str | None, str, str]]:
 
 
 def log_params(
-    rank: int | None, stream: str | None, offset: int, attempt: int | None = None
+    rank: int | None,
+    stream: str | None,
+    offset: int,
+    attempt: int | None = None,
+    *,
+    tail: int | None = None,
+    since: datetime | None = None,
 ) -> dict[str, Any]:
     params: dict[str, Any] = {}
+    if tail is not None:
+        params["tail"] = tail
+    if since is not None:
+        params["since"] = since.isoformat()
     if attempt is not None:
         params["attempt"] = attempt
     if stream is not None:
@@ -137,8 +148,10 @@ class StreamCalls:
         stream: str | None = None,
         offset: int = 0,
         attempt: int | None = None,
+        tail: int | None = None,
+        since: datetime | None = None,
     ) -> str:
-        params = log_params(rank, stream, offset, attempt)
+        params = log_params(rank, stream, offset, attempt, tail=tail, since=since)
         return self._transport.request("GET", f"/v1/jobs/{segment(job_id)}/logs", params=params).text
 
     def follow_logs(
@@ -150,8 +163,21 @@ class StreamCalls:
         offset: int = 0,
         reconnects: int = 20,
         attempt: int | None = None,
+        tail: int | None = None,
+        since: datetime | None = None,
     ) -> Iterator[str]:
         position = offset
+        if tail is not None or since is not None:
+            # Where the last lines (or the text since) begin: then follow from there.
+            probe = self._transport.request(
+                "GET",
+                f"/v1/jobs/{segment(job_id)}/logs",
+                params={
+                    **log_params(rank, stream, offset, attempt, tail=tail, since=since),
+                    "limit_bytes": 1,
+                },
+            )
+            position = int(probe.headers.get("X-Offset", offset))
         retry = Reconnects(self._transport, reconnects)
         while True:
             params = {**log_params(rank, stream, position, attempt), "follow": "true"}

@@ -66,8 +66,14 @@ class Transport:
         self.http.close()
 
     def unreachable(self, exc: httpx.TransportError) -> ServiceUnreachableError:
+        hint = ""
+        if isinstance(exc, httpx.ConnectError):
+            hint = (
+                "; is `torchyard serve` running there? For a service on another port or host, set "
+                "TORCHYARD_URL (or pass --url), e.g. TORCHYARD_URL=http://127.0.0.1:18850"
+            )
         return ServiceUnreachableError(
-            f"cannot reach the torchyard API at {self.url}: {exc or type(exc).__name__}"
+            f"cannot reach the torchyard API at {self.url}: {exc or type(exc).__name__}{hint}"
         )
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:

@@ -41,7 +41,7 @@ from worker.agent.launcher import kill_leftovers
 from worker.agent.node import NodeResources, address_towards, detect_resources, interface_for
 from worker.agent.placement import AgentContext, PlacementRun
 from worker.agent.run_files import DEFAULT_LOG_BACKLOG_BYTES
-from worker.agent.runs import DEFAULT_KEEP_RUNS, prune_runs
+from worker.agent.runs import DEFAULT_KEEP_RUNS, prune_runs, shed_results
 from worker.agent.watchdog import preempt_grace_s
 
 log = logging.getLogger(__name__)
@@ -255,6 +255,8 @@ class Agent:
             active = [run.run_dir for run in self.runs.values()]
         self.units.give(placement.unit_ids)
         try:
+            if placement.report.recorded:
+                shed_results(placement.run_dir)
             prune_runs(self.ctx.runs_dir, self.options.keep_runs, active)
         except OSError:
             log.exception("pruning old run directories failed")

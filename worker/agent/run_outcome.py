@@ -45,6 +45,8 @@ class OutcomeReport:
         self.request_stop = request_stop
         self.log = log
         self.final_state: str | None = None
+        # True once the API recorded the final status: the run's results are stored there.
+        self.recorded = False
 
     def _patience(self) -> float:
         """How long a report waits for an unreachable API: while the agent runs, as long as
@@ -134,4 +136,5 @@ class OutcomeReport:
         except Exception as exc:
             self.log.error("job %s: could not report %s: %s", self.job_id, state, exc)
             return
+        self.recorded = True
         self.log.info("job %s: reported %s; the job is %s", self.job_id, state, answer.get("job_status"))

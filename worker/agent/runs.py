@@ -3,8 +3,10 @@
 Each placement trains in ``<work dir>/runs/<job>-a<attempt>-<node>``: the job file,
 the ranks' logs, per-epoch checkpoints and the model directory. Everything a user
 needs from there has been shipped to the API by the time the placement ends (logs,
-metrics, the model), so the agent keeps only the most recent finished runs, for an
-operator's post-mortem, and removes older ones.
+metrics, the model), so once the API has recorded the placement's end the agent removes
+the bulky part of its run directory (:func:`shed_results`: checkpoints, the model
+directory, a script's outputs, code and inputs), keeps the small rest (job file, logs)
+of the most recent finished runs for an operator's post-mortem, and removes older ones.
 """
 
 from __future__ import annotations
@@ -49,6 +51,46 @@ def prune_runs(runs_dir: Path, keep: int, active: Iterable[Path]) -> list[Path]:
             runs_dir,
         )
     return removed
+
+
+# What a finished run directory no longer needs once the API recorded its end: the model
+# directory and checkpoints (stored by the API), a script's outputs (uploaded), its copy of
+# the code and its inputs (links or copies of the node's cached datasets).
+SHED_DIRS = ("model", "outputs", "work", "inputs")
+SHED_SUFFIXES = (".pt", ".tar.gz", ".safetensors", ".onnx")
+
+
+def shed_results(run_dir: Path) -> int:
+    """Remove the bulky results of a finished run whose end the API has recorded; the bytes
+    freed. Logs, the job file and small state files stay for a post-mortem."""
+    freed = 0
+    try:
+        entries = list(run_dir.iterdir())
+    except FileNotFoundError:
+        return 0
+    for path in entries:
+        if path.is_symlink():
+            continue
+        if path.is_dir() and path.name in SHED_DIRS:
+            freed += _size(path)
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.is_file() and path.name.endswith(SHED_SUFFIXES):
+            freed += path.stat().st_size
+            path.unlink(missing_ok=True)
+    if freed:
+        log.info("removed %d bytes of stored results from %s", freed, run_dir)
+    return freed
+
+
+def _size(folder: Path) -> int:
+    total = 0
+    for child in folder.rglob("*"):
+        try:
+            if child.is_file() and not child.is_symlink():
+                total += child.stat().st_size
+        except OSError:
+            pass
+    return total
 
 
 def _modified(path: Path) -> float:

@@ -6,11 +6,12 @@ from fastapi import APIRouter, Query, status
 
 from service.api.deps import CurrentUser, ReadSessionDep, SchedulingDep, SessionDep, SettingsDep
 from service.api.routing import SessionScopedRoute
-from service.schemas.jobs import JobComparison, JobCreate, JobList, JobPublic
+from service.schemas.jobs import JobComparison, JobCreate, JobList, JobPublic, JobUpdate
 from service.services import compare as compare_service
+from service.services import job_delete
 from service.services import jobs as jobs_service
 from service.states import JobStatus
-from torchyard.contract.errors import ConflictError
+from torchyard.contract.errors import ConflictError, NotFoundError
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=SessionScopedRoute)
 
@@ -81,6 +82,36 @@ def get_job(job_id: str, session: ReadSessionDep, user: CurrentUser) -> JobPubli
     return jobs_service.job_public(session, jobs_service.get_job(session, user, job_id))
 
 
+@router.patch("/{job_id}")
+def update_job(job_id: str, body: JobUpdate, session: SessionDep, user: CurrentUser) -> JobPublic:
+    """Set the job's ``tags`` (the list replaces the job's) and/or ``note`` (null clears it),
+    at any status; fields left out are kept."""
+    job = jobs_service.update_job(session, user, job_id, body)
+    return jobs_service.job_public(session, job)
+
+
+@router.delete("/{job_id}")
+def delete_job(job_id: str, session: SessionDep, settings: SettingsDep, user: CurrentUser) -> dict[str, Any]:
+    """Delete a finished job: its metrics, logs, history, attempts, checkpoints, model
+    directory and outputs. 409 while it has not ended (cancel it first), while its model is
+    a registered model version (delete those first), or while an unfinished job fine-tunes
+    from it."""
+    job = job_delete.delete_job(session, settings, user, job_id)
+    return {"id": job.id, "name": job.name, "deleted": True}
+
+
+@router.post("/{job_id}/clone", status_code=status.HTTP_201_CREATED)
+def clone_job(
+    job_id: str, session: SessionDep, settings: SettingsDep, wakeup: WakeupDep, user: CurrentUser
+) -> JobPublic:
+    """Submit the job's spec again as a new job (any status; 201, status ``queued``). The
+    datasets, code package or model version it names must still exist."""
+    job = jobs_service.clone_job(session, settings, user, job_id)
+    public = jobs_service.job_public(session, job)
+    wakeup.notify()
+    return public
+
+
 @router.post("/{job_id}/cancel")
 def cancel_job(job_id: str, session: SessionDep, user: CurrentUser) -> JobPublic:
     """Idempotent cancel: running ranks are stopped by their agents; status ends ``cancelled``."""
@@ -95,6 +126,13 @@ def get_result(job_id: str, session: ReadSessionDep, user: CurrentUser) -> dict[
     metrics). 409 until the job has reported it."""
     job = jobs_service.get_job(session, user, job_id)
     if job.result is None:
+        if job.type == "script":
+            raise NotFoundError(
+                f"job {job.id} is a script job: it has no result; its files are its outputs "
+                f"(GET /v1/jobs/{job.id}/outputs, torchyard download {job.id} --outputs)"
+            )
+        if JobStatus(job.status).is_final():
+            raise NotFoundError(f"job {job.id} is {job.status}: it has no result and will not have one")
         raise ConflictError(f"job {job.id} is {job.status}: it has no result yet")
     result = dict(job.result)
     evaluation = result.pop("evaluation", None)

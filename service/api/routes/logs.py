@@ -5,6 +5,7 @@ Another user's job is 404. ``logs?follow=true`` streams (see ``streams.py`` for 
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
@@ -17,6 +18,7 @@ from service.schemas.reports import LogStreams, MetricPage, MetricSeries, Metric
 from service.services import jobs as jobs_service
 from service.services import metric_series as series_service
 from service.services import reports as reports_service
+from torchyard.contract.errors import RequestValidationError
 from torchyard.contract.metrics import METRIC_NAME_PATTERN
 from torchyard.contract.reports import INT32_MAX, MAX_RANK
 
@@ -114,13 +116,27 @@ def get_logs(
         int | None, Query(ge=1, le=INT32_MAX, description="Attempt number (default latest).")
     ] = None,
     follow: Annotated[bool, Query(description="Stream the text as it arrives until the job ends.")] = False,
+    tail: Annotated[
+        int | None, Query(ge=1, le=1_000_000, description="Begin at the start of the last this many lines.")
+    ] = None,
+    since: Annotated[
+        datetime | None,
+        Query(description="Begin with the text that arrived at or after this time (ISO 8601, with a zone)."),
+    ] = None,
 ) -> Response:
     """A log stream as text from byte ``offset``: a rank's output or the agent's launcher log.
     Continue from ``X-Next-Offset``; ``X-Stream-Complete: true`` says nothing more will come.
-    With ``follow=true`` the body streams new text as it arrives and ends with the job."""
+    With ``follow=true`` the body streams new text as it arrives and ends with the job.
+    ``tail`` and ``since`` move the start later (never earlier than ``offset``)."""
     job = jobs_service.get_job(session, user, job_id)
     chosen = reports_service.resolve_attempt(session, job, attempt)
     name = reports_service.resolve_stream(session, job, chosen, rank=rank, stream=stream)
+    if since is not None and since.tzinfo is None:
+        raise RequestValidationError(
+            "since needs a time zone, e.g. 2026-01-02T03:04:05Z", details={"field": "since"}
+        )
+    if tail is not None or since is not None:
+        offset = max(offset, reports_service.start_offset(session, job, chosen, name, tail=tail, since=since))
     if follow:
         # The session is closed as this returns (SessionScopedRoute): a follower holds
         # no connection while it streams.

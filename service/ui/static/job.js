@@ -1,9 +1,10 @@
 // A job's page: status, waiting reason, failure, progress with ETA, attempts and restarts,
 // live charts (history from /metrics/series, then points from /events), per-rank logs that
-// follow, and the cancel / download / register buttons. Each job type shows what it has: a
-// training job the trainer's four charts and its effective learning rate, a script job a
-// chart per metric it reported, an evaluation its results (top-1, top-5 and loss, a
-// per-class precision/recall/F1 table and the confusion matrix as a heat map).
+// follow, the owner's tags and note, and the cancel / download / register / clone / delete
+// buttons. Each job type shows what it has: a training job the trainer's four charts and its
+// effective learning rate, a script job a chart per metric it reported, an evaluation its
+// results (top-1, top-5 and loss, a per-class precision/recall/F1 table and the confusion
+// matrix as a heat map).
 
 import { api, followText } from "./api.js";
 import { LineChart } from "./chart.js";
@@ -361,7 +362,101 @@ function actions(ctx, job, refresh, onRegistered) {
   if (ctx.features.models && job.status === "succeeded" && job.model_sha256 && (job.type || "train") === "train") {
     box.append(h("button", { id: "register", onclick: () => registerForm(ctx, job, extra, onRegistered) }, "Register model"));
   }
+  box.append(...lifecycleButtons(job, extra));
   return [box, extra];
+}
+
+// Clone (submit the same spec again, any status) and Delete (a finished job, with its
+// metrics, logs, checkpoints and files; the service refuses with 409 and says why).
+function lifecycleButtons(job, extra) {
+  const clone = h(
+    "button",
+    {
+      id: "clone",
+      title: "Submit this job's spec again as a new job",
+      onclick: async () => {
+        try {
+          const copy = await api(`/v1/jobs/${job.id}/clone`, { method: "POST" });
+          location.hash = `#/jobs/${encodeURIComponent(copy.id)}`;
+        } catch (err) {
+          extra.replaceChildren(errorBox(err));
+        }
+      },
+    },
+    "Clone",
+  );
+  if (!FINAL.has(job.status)) return [clone];
+  const remove = h(
+    "button",
+    {
+      id: "delete",
+      class: "danger",
+      onclick: async () => {
+        if (!confirm(`Delete job ${job.name} with its metrics, logs, checkpoints and files? This cannot be undone.`)) return;
+        try {
+          await api(`/v1/jobs/${job.id}`, { method: "DELETE" });
+          location.hash = "#/jobs";
+        } catch (err) {
+          extra.replaceChildren(errorBox(err));
+        }
+      },
+    },
+    "Delete",
+  );
+  return [clone, remove];
+}
+
+// The owner's tags and note, with an inline editor (PATCH /v1/jobs/{id}).
+function labelsBlock(job, refresh) {
+  const box = h("section", { id: "labels", class: "card" });
+  const show = () => {
+    const tags = (job.tags || []).map((t) => h("span", { class: "tag" }, t));
+    box.replaceChildren(
+      h(
+        "div",
+        { class: "page-head" },
+        h("h2", {}, "Tags and note"),
+        h("span", { id: "job-tags" }, ...(tags.length ? tags : [h("span", { class: "hint" }, "no tags")])),
+        h("span", { class: "spacer" }),
+        h("button", { id: "edit-labels", onclick: edit }, "Edit"),
+      ),
+      job.note ? h("p", { id: "job-note", class: "note" }, job.note) : null,
+    );
+  };
+  const edit = () => {
+    const tags = h("input", { id: "tags-input", value: (job.tags || []).join(" "), placeholder: "baseline lr-0.05" });
+    const note = h("textarea", { id: "note-input", rows: "3", maxlength: "10000" });
+    note.value = job.note || "";
+    const out = h("div", { id: "labels-error" });
+    box.replaceChildren(
+      h(
+        "form",
+        {
+          id: "labels-form",
+          onsubmit: async (e) => {
+            e.preventDefault();
+            const list = tags.value.split(/[\s,]+/).filter(Boolean);
+            try {
+              Object.assign(job, await api(`/v1/jobs/${job.id}`, { method: "PATCH", json: { tags: list, note: note.value.trim() || null } }));
+              show();
+              refresh();
+            } catch (err) {
+              out.replaceChildren(errorBox(err));
+            }
+          },
+        },
+        h("label", { for: "tags-input" }, "Tags (separated by spaces) "),
+        tags,
+        h("label", { for: "note-input" }, "Note "),
+        note,
+        h("div", { class: "actions" }, h("button", { type: "submit", id: "save-labels" }, "Save"), h("button", { type: "button", onclick: show }, "Cancel")),
+        out,
+      ),
+    );
+    tags.focus();
+  };
+  show();
+  return box;
 }
 
 async function setUpCharts(ctx, job, grid, seriesPromise, defs) {
@@ -564,10 +659,12 @@ export async function renderJob(ctx, jobId) {
     extra.registered = [...(extra.registered || []), v];
     status.querySelector("#summary")?.replaceWith(summaryBlock(job, extra));
   };
+  let labels = null;
   const draw = () => {
     logs.setAttempts(job);
     head.replaceChildren(h("h1", { id: "job-name" }, job.name), badge(job.status), h("span", { class: "spacer" }), ...actions(ctx, job, refresh, onRegistered));
-    status.replaceChildren(summaryBlock(job, extra), progressBlock(job, pace), failureBlock(job) || "", attemptsBlock(job) || "", specBlock(job));
+    if (!status.contains(document.getElementById("labels-form"))) labels = labelsBlock(job, refresh);
+    status.replaceChildren(summaryBlock(job, extra), progressBlock(job, pace), failureBlock(job) || "", labels, attemptsBlock(job) || "", specBlock(job));
     if (type === "evaluate") results.replaceChildren(evaluationBlock(job));
   };
   draw();

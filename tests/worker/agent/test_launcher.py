@@ -29,7 +29,7 @@ from worker.agent.launcher import (
 )
 from worker.agent.node import NodeResources, interface_for
 from worker.agent.placement import PlacementRun
-from worker.agent.runs import prune_runs
+from worker.agent.runs import prune_runs, shed_results
 
 # Stands in for torchrun: starts two "ranks" in sessions of their own (as torch elastic
 # does) that ignore SIGTERM, then waits.
@@ -233,6 +233,38 @@ def test_prune_keeps_the_newest_finished_runs_and_never_a_running_one(tmp_path: 
     assert prune_runs(tmp_path / "missing", keep=0, active=[]) == []
     with pytest.raises(ValueError):
         prune_runs(runs, keep=-1, active=[])
+
+
+def test_shed_results_removes_what_the_api_stores_and_keeps_the_logs(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "j1-a1-n"
+    for rel, size in {
+        "model/model.safetensors": 5000,
+        "model/config.json": 10,
+        "checkpoint.pt": 3000,
+        "outputs/result.bin": 2000,
+        "work/node-0/train.py": 100,
+        "node-0.tar.gz": 700,
+        "logs/rank-0.log": 50,
+        "agent.log": 40,
+        "job.json": 30,
+    }.items():
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_bytes(b"x" * size)
+    cache = tmp_path / "cache"
+    (cache / "digits").mkdir(parents=True)
+    (run / "inputs").mkdir()
+    (run / "inputs" / "train").symlink_to(cache / "digits")  # the node's cached dataset
+
+    assert shed_results(run) == 5000 + 10 + 3000 + 2000 + 100 + 700
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == [
+        "agent.log",
+        "job.json",
+        "logs",
+        "logs/rank-0.log",
+    ]
+    assert (cache / "digits").is_dir()  # a link is removed, never what it points to
+    assert shed_results(run) == 0
+    assert shed_results(tmp_path / "missing") == 0
 
 
 def test_a_finished_placement_prunes_old_runs_but_not_its_peers(tmp_path: Path) -> None:
