@@ -1,7 +1,7 @@
 """Jobs: tags and a note (PATCH /v1/jobs/{id}), and deleted_at (DELETE /v1/jobs/{id}).
 
 Revision ID: 0010
-Revises: 0008
+Revises: 0009
 Create Date: 2026-11-25 14:00:00.000000
 """
 

@@ -1,7 +1,7 @@
 """Script jobs' MLflow runs: the params, tags and runs a job's scripts logged (SPEC §14).
 
 Revision ID: 0012
-Revises: 0008
+Revises: 0010
 Create Date: 2026-11-25 14:00:00.000000
 """
 
