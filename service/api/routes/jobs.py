@@ -102,13 +102,17 @@ def delete_job(job_id: str, session: SessionDep, settings: SettingsDep, user: Cu
 
 @router.post("/{job_id}/clone", status_code=status.HTTP_201_CREATED)
 def clone_job(
-    job_id: str, session: SessionDep, settings: SettingsDep, wakeup: WakeupDep, user: CurrentUser
+    job_id: str,
+    session: SessionDep,
+    settings: SettingsDep,
+    scheduling: SchedulingDep,
+    user: CurrentUser,
 ) -> JobPublic:
     """Submit the job's spec again as a new job (any status; 201, status ``queued``). The
     datasets, code package or model version it names must still exist."""
     job = jobs_service.clone_job(session, settings, user, job_id)
     public = jobs_service.job_public(session, job)
-    wakeup.notify()
+    scheduling.request()
     return public
 
 
