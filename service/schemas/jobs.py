@@ -230,6 +230,11 @@ class JobPublic(BaseModel):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     cancel_requested_at: datetime | None = None
+    cancel_reason: str | None = Field(
+        default=None, description="Why it was cancelled: who asked, or the sweep rule that pruned it."
+    )
+    sweep_id: str | None = Field(default=None, description="A sweep's trial: the sweep.")
+    trial_number: int | None = Field(default=None, description="A sweep's trial: its number (from 0).")
 
 
 class JobList(BaseModel):
