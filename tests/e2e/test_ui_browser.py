@@ -617,3 +617,53 @@ def test_select_jobs_in_the_list_and_compare_them(
     )
     assert page.locator("#compare-charts .chart-box").count() == 1
     assert ui.errors == []
+
+
+def test_sweeps_list_and_a_sweeps_live_trials_table_and_charts(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    from sqlalchemy import update
+
+    from service.db.engine import Database
+    from service.db.models import Node
+    from tests.service.test_sweeps import _body, _report, _trial_jobs
+
+    token, owner = _user(admin, "sweeper")
+    register_node(admin, worker_token(admin), "sweep-node", units=1)
+    db = Database(live_server.settings.sqlalchemy_url)
+    try:
+        with db.transaction() as session:
+            # Seen (jobs are accepted) but not ready: the test moves the trials along itself.
+            session.execute(update(Node).where(Node.name == "sweep-node").values(status="lost"))
+        dataset = insert_dataset(live_server.settings, owner)
+        r = admin.post("/v1/sweeps", json=_body(dataset, max_trials=3), headers=auth(token))
+        assert r.status_code == 201, r.text
+        sweep = r.json()
+        first, second = _trial_jobs(db, sweep["id"])
+        _report(db, first.id, [0.3, 0.6], end="succeeded")
+        _report(db, second.id, [0.7, 0.9], end="succeeded")
+        _wait(lambda: len(_trial_jobs(db, sweep["id"])) == 3, what="the third trial")
+        ui = open_ui(live_server.url)
+        ui.sign_in(token)
+        page = ui.page
+        page.click("#nav-sweeps")
+        page.wait_for_selector(f"#sweeps-table tr[data-id='{sweep['id']}']")
+        page.click(f"#sweeps-table tr[data-id='{sweep['id']}'] a")
+        page.wait_for_selector("#trials-table")
+        rows = page.locator("#trials-table tbody tr")
+        assert rows.count() == 3
+        assert "Best: trial 1, 0.9" in (page.text_content("#sweep-best") or "")
+        # One chart against the trial number and one per parameter, a point per scored trial.
+        assert page.locator("#sweep-charts svg.scatter[data-points='2']").count() == 3
+        # Sortable: by value, descending puts the best trial first.
+        page.locator("#trials-table th", has_text="Value").click()
+        page.locator("#trials-table th", has_text="Value").click()
+        assert rows.nth(0).get_attribute("data-number") == "1"
+        # Live: the third trial's end shows without reloading.
+        third = _trial_jobs(db, sweep["id"])[2]
+        _report(db, third.id, [0.95], end="succeeded")
+        page.wait_for_selector("#trials-table tr[data-number='2'][data-state='completed']", timeout=30_000)
+        page.wait_for_selector("#sweep-charts svg.scatter[data-points='3']")
+        assert ui.errors == []
+    finally:
+        db.dispose()
