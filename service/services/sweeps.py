@@ -53,9 +53,9 @@ from service.services import refs
 from service.services.jobs import request_cancel, submit_script_job, submit_train_job
 from service.services.reports import not_superseded
 from service.services.tokens import Principal
-from service.states import JobStatus, Role, SweepStatus, TrialState
+from service.states import FINAL_STATUSES, JobStatus, Role, SweepStatus, TrialState
 from torchyard.architectures import CLASSIFICATION_ARCHITECTURES
-from torchyard.contract.errors import NotFoundError, RequestValidationError
+from torchyard.contract.errors import NotFoundError, RequestValidationError, TorchyardError
 
 log = logging.getLogger(__name__)
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -582,10 +582,19 @@ def _create_trials(
     session.flush()
 
 
-def _settle(sweep: Sweep, trials: list[SweepTrial], result: DriveResult) -> None:
+def _settle(session: Session, sweep: Sweep, trials: list[SweepTrial], result: DriveResult) -> None:
+    """The sweep ends after its last trial, once every trial's job has ended (a pruned
+    trial's job may still be stopping its ranks)."""
     if sweep.trials_created < _target_trials(sweep):
         return
     if any(TrialState(t.state) not in _FINAL_TRIALS for t in trials):
+        return
+    stopping = session.scalar(
+        select(func.count()).where(
+            Job.sweep_id == sweep.id, Job.status.not_in([s.value for s in FINAL_STATUSES])
+        )
+    )
+    if stopping:
         return
     completed = [t for t in trials if t.state == TrialState.COMPLETED.value]
     now = utcnow()
@@ -609,7 +618,7 @@ def drive_sweep(session: Session, settings: Settings, sweep_id: str) -> DriveRes
     trials = list(session.scalars(select(SweepTrial).where(SweepTrial.sweep_id == sweep.id)))
     _update_trials(session, sweep, trials, result)
     _create_trials(session, settings, sweep, trials, result)
-    _settle(sweep, trials, result)
+    _settle(session, sweep, trials, result)
     if result.created or result.pruned:
         sweep.updated_at = utcnow()
     return result
@@ -625,9 +634,24 @@ def drive(db: Database, settings: Settings) -> DriveResult:
         try:
             with db.transaction() as session:
                 one = drive_sweep(session, settings, sweep_id)
+        except TorchyardError as exc:
+            # Its next trial cannot be queued (its dataset or code deleted, the cluster
+            # shrunk below the job): the sweep fails, saying why, and its live trials stop.
+            with db.transaction() as session:
+                sweep = _lock_sweep(session, sweep_id)
+                if sweep is not None and sweep.status == SweepStatus.RUNNING.value:
+                    number = sweep.trials_created
+                    _stop(
+                        session,
+                        sweep,
+                        SweepStatus.FAILED,
+                        f"trial {number} could not be queued: {exc.message}",
+                    )
+            log.warning("sweep %s failed: its next trial could not be queued: %s", sweep_id, exc.message)
+            continue
         except Exception:
-            # One sweep whose trial cannot be queued (its dataset deleted, the cluster
-            # shrunk) must not hold the others up; it is retried on the next pass.
+            # Anything else (the database unreachable) is retried on the next pass; one
+            # sweep must not hold the others up.
             log.exception("sweep %s: decision round failed", sweep_id)
             continue
         total.created += one.created
@@ -706,7 +730,13 @@ def cancel_sweep(session: Session, principal: Principal, ref: str) -> Sweep:
     sweep = get_sweep(session, principal, ref, for_update=True)
     if sweep.status != SweepStatus.RUNNING.value:
         return sweep
-    reason = f"sweep {sweep.name} cancelled by {principal.name}"
+    _stop(session, sweep, SweepStatus.CANCELLED, f"sweep {sweep.name} cancelled by {principal.name}")
+    session.commit()
+    return sweep
+
+
+def _stop(session: Session, sweep: Sweep, status: SweepStatus, reason: str) -> None:
+    """End the sweep (its row held) with ``status``; every live trial's job is cancelled."""
     trials = list(session.scalars(select(SweepTrial).where(SweepTrial.sweep_id == sweep.id)))
     now = utcnow()
     for trial in trials:
@@ -717,12 +747,10 @@ def cancel_sweep(session: Session, principal: Principal, ref: str) -> Sweep:
         trial.state = TrialState.CANCELLED.value
         trial.reason = reason
         trial.finished_at = now
-    sweep.status = SweepStatus.CANCELLED.value
+    sweep.status = status.value
     sweep.message = reason
     sweep.finished_at = now
     sweep.updated_at = now
-    session.commit()
-    return sweep
 
 
 def _trial_public(trial: SweepTrial, job_status: str) -> TrialPublic:
@@ -792,7 +820,3 @@ def sweeps_public(session: Session, sweeps: list[Sweep], *, detail: bool) -> lis
             )
         )
     return out
-
-
-def count_running(session: Session) -> int:
-    return session.scalar(select(func.count()).where(Sweep.status == SweepStatus.RUNNING.value)) or 0

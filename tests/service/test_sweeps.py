@@ -23,6 +23,13 @@ from tests.support.factories import auth, create_token, insert_dataset, register
 
 
 @pytest.fixture
+def settings(make_settings: Any) -> Settings:
+    """The app's own reaper passes once a minute: the tests take each decision round themselves."""
+    s: Settings = make_settings(reaper_interval_s=60)
+    return s
+
+
+@pytest.fixture
 def db(settings: Settings) -> Any:
     database = Database(settings.sqlalchemy_url)
     yield database
@@ -414,3 +421,19 @@ def test_replicas_deciding_at_once_never_give_a_trial_number_twice(
         numbers = session.scalars(select(SweepTrial.number).where(SweepTrial.sweep_id == sweep["id"])).all()
         jobs = session.scalars(select(Job.trial_number).where(Job.sweep_id == sweep["id"])).all()
     assert sorted(numbers) == list(range(12)) and sorted(jobs) == list(range(12))
+
+
+def test_a_trial_that_cannot_be_queued_fails_the_sweep_saying_why(
+    client: TestClient, settings: Settings, user: tuple[str, str], db: Database
+) -> None:
+    token, dataset = user
+    sweep = client.post("/v1/sweeps", json=_body(dataset), headers=auth(token)).json()
+    for job in _trial_jobs(db, sweep["id"]):
+        _report(db, job.id, [0.5], end="succeeded")
+    # Between trials nothing uses the dataset: its owner may delete it.
+    assert client.delete(f"/v1/datasets/{dataset}", headers=auth(token)).status_code == 204
+    sweeps_service.drive(db, settings)
+    failed = _get(client, token, sweep["id"])
+    assert failed["status"] == "failed"
+    assert failed["message"].startswith("trial 2 could not be queued: ")
+    assert dataset in failed["message"] and len(failed["trials"]) == 2
