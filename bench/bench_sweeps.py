@@ -249,6 +249,11 @@ def search(epochs: int, seeds: list[int]) -> None:
                 spent = sum(t.epochs for t in trials)
                 pruned = sum(t.state == "pruned" for t in trials)
                 rows.append((seed, name, len(trials), pruned, best, spent, seconds))
+                print(
+                    f"seed {seed} {name}: {len(trials)} trials, {pruned} pruned, best {best:.4f}, "
+                    f"{spent} epochs, {seconds:.1f} s",
+                    flush=True,
+                )
         print(
             f"search space: {len(LEARNING_RATES)} learning rates x {len(BATCH_SIZES)} batch sizes "
             f"({grid_size} points), {epochs} epochs per trial, 4 trials at a time"
