@@ -1,8 +1,8 @@
 """The web UI in a real Chromium (Debian's package, driven by Playwright) against a live
 uvicorn server: sign-in, the new-job form's 422s, a real job's live chart, logs and
 cancel, the jobs list's live status, dataset upload, one user not seeing another's job,
-drain/undrain, a restarted job's attempts and per-attempt logs, and registering a model
-then predicting with it.
+drain/undrain, a restarted job's attempts and per-attempt logs, registering a model
+then predicting with it, and a sweep's live trials table and charts.
 
 One database (SQLite) is enough here: the routes the UI calls run on both elsewhere.
 """
