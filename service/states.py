@@ -32,6 +32,8 @@ __all__ = [
     "NodeStatus",
     "PlacementStatus",
     "Role",
+    "SweepStatus",
+    "TrialState",
     "can_transition",
     "sql_in",
 ]
@@ -58,3 +60,24 @@ def can_transition(current: JobStatus, new: JobStatus) -> bool:
 def sql_in(values: frozenset[StrEnum] | list[StrEnum] | type[StrEnum]) -> str:
     """A SQL ``IN (...)`` list of enum values, for check constraints and partial indexes."""
     return "(" + ", ".join(f"'{v.value}'" for v in sorted(values, key=lambda v: v.value)) + ")"
+
+
+class SweepStatus(StrEnum):
+    """A sweep (SPEC §15): ``running`` until its last trial ends."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class TrialState(StrEnum):
+    """A sweep's trial, from its job's status (``pruned``: cancelled by the early-stopping rule;
+    ``cancelled``: stopped with its sweep or by its owner)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    PRUNED = "pruned"
+    FAILED = "failed"
+    CANCELLED = "cancelled"

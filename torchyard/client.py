@@ -62,6 +62,7 @@ from torchyard.apiclient.models import (
 )
 from torchyard.apiclient.registry import ModelVersion, RegisteredModel, RegistryCalls
 from torchyard.apiclient.streams import StreamCalls
+from torchyard.apiclient.sweeps import Sweep, SweepCalls, Trial
 from torchyard.apiclient.transport import ProgressCallback, ServiceUnreachableError, Transport, segment
 
 __all__ = [
@@ -91,7 +92,9 @@ __all__ = [
     "RegisteredModel",
     "ServiceUnreachableError",
     "StatusChange",
+    "Sweep",
     "TokenInfo",
+    "Trial",
     "data_dir",
     "missing_token_message",
     "pack_directory",
@@ -129,6 +132,7 @@ class Client:
         self.code = CodeCalls(self._transport)
         self.models = ModelDownloads(self._transport, lambda job_id: self.get_job(job_id).model_sha256)
         self.registry = RegistryCalls(self._transport)
+        self.sweeps = SweepCalls(self._transport)
 
     # -- plumbing
 
@@ -294,6 +298,42 @@ class Client:
         names the keys that are not the same in all), and per metric the best and final value
         with its epoch and the reduced series."""
         return self.jobs.compare(job_ids, metrics=metrics, points=points)
+
+    # -- sweeps
+
+    def submit_sweep(self, spec: Mapping[str, Any]) -> Sweep:
+        """Start a hyperparameter search (SPEC §15 shape); its first trials are queued as jobs."""
+        return self.sweeps.submit_sweep(spec)
+
+    def list_sweeps(
+        self,
+        *,
+        status: str | Sequence[str] | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+    ) -> Page[Sweep]:
+        return self.sweeps.list_sweeps(status=status, limit=limit, cursor=cursor)
+
+    def get_sweep(self, sweep_id: str) -> Sweep:
+        """The sweep (id, name or id prefix) with every trial and ``best_trial``."""
+        return self.sweeps.get_sweep(sweep_id)
+
+    def cancel_sweep(self, sweep_id: str) -> Sweep:
+        """Idempotent: no more trials, and every live trial's job is cancelled."""
+        return self.sweeps.cancel_sweep(sweep_id)
+
+    def wait_sweep(self, sweep_id: str, *, timeout: float | None = None, poll_s: float = 1.0) -> Sweep:
+        """Poll until the sweep is no longer ``running``; ``TimeoutError`` after ``timeout`` s."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            sweep = self.get_sweep(sweep_id)
+            if sweep.status != "running":
+                return sweep
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"sweep {sweep_id} still running after {timeout} s")
+            time.sleep(poll_s)
 
     # -- metrics, logs, events
 

@@ -1538,3 +1538,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--timeout", type=float, default=None, help="give up waiting after this many seconds"
     )
     evaluate.set_defaults(handler=_evaluate)
+    from torchyard.sweep_commands import register_sweep_commands
+
+    register_sweep_commands(sub, common)

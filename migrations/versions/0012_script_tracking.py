@@ -1,7 +1,7 @@
 """Script jobs' MLflow runs: the params, tags and runs a job's scripts logged (SPEC §14).
 
 Revision ID: 0012
-Revises: 0010
+Revises: 0011
 Create Date: 2026-11-25 14:00:00.000000
 """
 
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0012"
-down_revision: str | None = "0010"
+down_revision: str | None = "0011"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

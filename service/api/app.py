@@ -28,6 +28,7 @@ from service.api.routes import (
     outputs,
     reports,
     streams,
+    sweeps,
     tokens,
     workers,
 )
@@ -181,6 +182,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         checkpoints,
         outputs,
         streams,
+        sweeps,
     ):
         app.include_router(module.router)
     app.include_router(tokens.whoami_router)

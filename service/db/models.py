@@ -38,6 +38,8 @@ from service.states import (
     NodeStatus,
     PlacementStatus,
     Role,
+    SweepStatus,
+    TrialState,
     sql_in,
 )
 
@@ -208,6 +210,11 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     cancel_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # A sweep's trial (SPEC §15): the sweep and the trial's number in it.
+    sweep_id: Mapped[str | None] = mapped_column(ForeignKey("sweeps.id"), index=True)
+    trial_number: Mapped[int | None] = mapped_column(Integer)
+    # Why it was cancelled: by whom, or the sweep rule that pruned it.
+    cancel_reason: Mapped[str | None] = mapped_column(Text)
     # The owner's labels and free text (PATCH /v1/jobs/{id}).
     tags: Mapped[list[str] | None] = mapped_column(JSON)
     note: Mapped[str | None] = mapped_column(Text)
@@ -458,3 +465,56 @@ class ApiReplica(Base):
     started_at: Mapped[datetime] = mapped_column(UTCDateTime)
     listening_since: Mapped[datetime] = mapped_column(UTCDateTime)
     seen_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class Sweep(Base):
+    """A hyperparameter search (SPEC §15): its request as submitted (normalized), and how
+    many trials it has asked for. Every decision is taken under this row's lock."""
+
+    __tablename__ = "sweeps"
+    __table_args__ = (
+        CheckConstraint(f"status IN {sql_in(SweepStatus)}", name="status"),
+        CheckConstraint("max_concurrent_trials >= 1 AND max_trials >= max_concurrent_trials", name="limits"),
+        Index("ix_sweeps_owner_created", "owner_id", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    owner_id: Mapped[str] = mapped_column(ForeignKey("tokens.id"))
+    name: Mapped[str] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16), default="running")
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    algorithm: Mapped[str] = mapped_column(String(16))
+    max_trials: Mapped[int] = mapped_column(Integer)
+    max_concurrent_trials: Mapped[int] = mapped_column(Integer)
+    # Trials asked for so far: the next trial's number.
+    trials_created: Mapped[int] = mapped_column(Integer, default=0)
+    message: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class SweepTrial(Base):
+    """One trial of a sweep: its parameters, the job that runs it, and what the search
+    library knows of it (its per-epoch objective values and its own attributes)."""
+
+    __tablename__ = "sweep_trials"
+    __table_args__ = (
+        UniqueConstraint("sweep_id", "number", name="uq_sweep_trials_sweep_number"),
+        CheckConstraint(f"state IN {sql_in(TrialState)}", name="state"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    sweep_id: Mapped[str] = mapped_column(ForeignKey("sweeps.id", ondelete="CASCADE"))
+    number: Mapped[int] = mapped_column(Integer)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), unique=True)
+    params: Mapped[dict[str, Any]] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(16), default="queued")
+    value: Mapped[float | None] = mapped_column(Float)
+    epochs: Mapped[int] = mapped_column(Integer, default=0)
+    # Objective value by epoch (keys are epoch numbers as text).
+    intermediate: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
+    system_attrs: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    reason: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -238,6 +238,12 @@ class JobPublic(BaseModel):
     tags: list[str] = Field(default=[], description="The owner's labels (PATCH /v1/jobs/{id}).")
     note: str | None = Field(default=None, description="The owner's free text (PATCH /v1/jobs/{id}).")
 
+    cancel_reason: str | None = Field(
+        default=None, description="Why it was cancelled: who asked, or the sweep rule that pruned it."
+    )
+    sweep_id: str | None = Field(default=None, description="A sweep's trial: the sweep.")
+    trial_number: int | None = Field(default=None, description="A sweep's trial: its number (from 0).")
+
 
 class JobUpdate(StrictModel):
     """PATCH /v1/jobs/{id}: the fields given replace the job's (``null`` clears the note)."""

@@ -75,7 +75,7 @@ def submit_job(
     principal: Principal,
     spec: TrainJobCreate | ScriptJobCreate | EvaluateJobCreate,
 ) -> Job:
-    """Validate a spec of any job type, then queue it."""
+    """Validate a spec of any job type, then queue it (committed)."""
     if isinstance(spec, EvaluateJobCreate):
         # Evaluations look up registered models, whose module imports this one.
         from service.services.evaluations import submit_evaluate_job
@@ -96,7 +96,7 @@ def _queue(session: Session, job: Job) -> Job:
 
 
 def submit_script_job(
-    session: Session, settings: Settings, principal: Principal, spec: ScriptJobCreate
+    session: Session, settings: Settings, principal: Principal, spec: ScriptJobCreate, *, commit: bool = True
 ) -> Job:
     """A script job (SPEC §9): the code package and every input dataset must be the
     submitter's (another user's is a 404 naming the field), and the resources fit the cluster."""
@@ -127,12 +127,16 @@ def submit_script_job(
     )
     for name, row in inputs.items():
         session.add(JobInput(job_id=job.id, name=name, dataset_id=row.id))
-    session.commit()
+    if commit:
+        session.commit()
     return job
 
 
-def submit_train_job(session: Session, settings: Settings, principal: Principal, spec: TrainJobCreate) -> Job:
-    """Validate a training spec against models, datasets and the cluster, then queue it."""
+def submit_train_job(
+    session: Session, settings: Settings, principal: Principal, spec: TrainJobCreate, *, commit: bool = True
+) -> Job:
+    """Validate a training spec against models, datasets and the cluster, then queue it
+    (``commit=False``: the caller commits, with what else it writes)."""
     check_model(session, principal, spec)
     train, val = resolve_job_datasets(session, principal, spec.train_dataset, spec.validation_dataset)
     check_resources(session, settings, spec.resources.node_count, spec.resources.process_count_per_node)
@@ -159,7 +163,8 @@ def submit_train_job(session: Session, settings: Settings, principal: Principal,
             updated_at=now,
         ),
     )
-    session.commit()
+    if commit:
+        session.commit()
     return job
 
 
@@ -252,15 +257,25 @@ def cancel_job(session: Session, principal: Principal, job_id: str) -> Job:
     """Idempotent: a queued job is cancelled at once; a placed one is ``cancelling`` until
     its agents report the ranks stopped; a finished job is left as it is."""
     job = get_job(session, principal, job_id, for_update=True)
+    request_cancel(session, job, f"cancel requested by {principal.name}")
+    session.commit()
+    return job
+
+
+def request_cancel(session: Session, job: Job, reason: str) -> bool:
+    """Cancel the job (its row held by the caller, who commits): at once when queued,
+    ``cancelling`` while placed; a finished job is left as it is. True if it changed."""
     status = JobStatus(job.status)
     if status is JobStatus.QUEUED:
-        transition(session, job, JobStatus.CANCELLED, "cancelled before it was placed")
+        transition(session, job, JobStatus.CANCELLED, f"{reason} (before it was placed)")
         job.cancel_requested_at = job.finished_at
     elif status in (JobStatus.SCHEDULED, JobStatus.RUNNING):
         job.cancel_requested_at = utcnow()
-        transition(session, job, JobStatus.CANCELLING, f"cancel requested by {principal.name}")
-    session.commit()
-    return job
+        transition(session, job, JobStatus.CANCELLING, reason)
+    else:
+        return False
+    job.cancel_reason = reason
+    return True
 
 
 # The spec fields each job type shows in its JobPublic (besides name, resources, priority).
@@ -374,6 +389,9 @@ def job_public(
         cancel_requested_at=job.cancel_requested_at,
         tags=job.tags or [],
         note=job.note,
+        cancel_reason=job.cancel_reason,
+        sweep_id=job.sweep_id,
+        trial_number=job.trial_number,
     )
 
 

@@ -11,7 +11,9 @@ Run by every API replica, every ``reaper_interval_s``:
    stop) or are all done becomes ``cancelled``;
 4. a running job past its ``resources.max_runtime_s`` fails with ``TimeoutError``;
    its nodes stop their ranks at their next heartbeat;
-5. a scheduling pass runs when jobs are queued (asked of the replica's scheduling loop,
+5. every running sweep takes its decisions (prunes trials, queues the next ones,
+   ends when its last trial does; see :mod:`service.services.sweeps`);
+6. a scheduling pass runs when jobs are queued (asked of the replica's scheduling loop,
    :mod:`service.services.scheduler_loop`, when the reaper runs inside the API).
 
 Each job is handled in a transaction of its own under its row lock and re-checked
@@ -49,7 +51,7 @@ from starlette.concurrency import run_in_threadpool
 from service.config import Settings
 from service.db.engine import Database, is_unavailable
 from service.db.models import Job, Node, Placement, utcnow
-from service.services import checkpoints, job_delete
+from service.services import checkpoints, job_delete, sweeps
 from service.services.attempts import finish_cancellation, lose_placements, overrun_limit_s, time_out
 from service.services.replicas import ClusterHearing, ReplicaRow
 from service.services.scheduler import has_queued_jobs, is_postgres, run_pass
@@ -121,6 +123,8 @@ class SweepResult:
     timed_out: list[str] = field(default_factory=list)
     scheduled: list[str] = field(default_factory=list)
     placed_nodes: list[str] = field(default_factory=list)
+    trials_queued: list[str] = field(default_factory=list)
+    trials_pruned: list[str] = field(default_factory=list)
 
 
 def _expired_by_job(
@@ -185,6 +189,9 @@ def sweep(
     _time_out_overruns(db, now, result)
     checkpoints.remove_ended_jobs_files(db, checkpoints.CheckpointStore(settings.data_dir))
     job_delete.apply_retention(db, settings)
+    decided = sweeps.drive(db, settings)
+    result.trials_queued = decided.created
+    result.trials_pruned = decided.pruned
     if schedule and has_queued_jobs(db):
         placed = run_pass(db, settings)
         result.scheduled, result.placed_nodes = placed.scheduled, placed.placed_nodes

@@ -16,7 +16,7 @@ from typing import Any, Literal, TypeVar
 from sqlalchemy import ColumnElement, Select, select
 from sqlalchemy.orm import Session
 
-from service.db.models import CodePackage, Dataset, Job
+from service.db.models import CodePackage, Dataset, Job, Sweep
 from service.schemas.common import decode_cursor, encode_cursor
 from service.services.tokens import Principal
 from torchyard.contract.errors import ConflictError, NotFoundError, RequestValidationError
@@ -26,7 +26,7 @@ MIN_PREFIX = 4
 _ID_PREFIX = re.compile(rf"[0-9a-fA-F]{{{MIN_PREFIX},31}}")
 _SHOWN = 10
 
-M = TypeVar("M", Job, Dataset, CodePackage)
+M = TypeVar("M", Job, Dataset, CodePackage, Sweep)
 # What a user uploads and may delete: stored with its owner, soft-deleted.
 Owned = TypeVar("Owned", Dataset, CodePackage)
 

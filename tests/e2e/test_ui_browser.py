@@ -1,8 +1,8 @@
 """The web UI in a real Chromium (Debian's package, driven by Playwright) against a live
 uvicorn server: sign-in, the new-job form's 422s, a real job's live chart, logs and
 cancel, the jobs list's live status, dataset upload, one user not seeing another's job,
-drain/undrain, a restarted job's attempts and per-attempt logs, and registering a model
-then predicting with it.
+drain/undrain, a restarted job's attempts and per-attempt logs, registering a model
+then predicting with it, and a sweep's live trials table and charts.
 
 One database (SQLite) is enough here: the routes the UI calls run on both elsewhere.
 """
@@ -971,3 +971,53 @@ def test_a_jobs_tags_note_clone_and_delete_on_its_page(
     assert user.get(f"/v1/jobs/{clone_id}").status_code == 200
     assert ui.errors == []
     user.close()
+
+
+def test_sweeps_list_and_a_sweeps_live_trials_table_and_charts(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    from sqlalchemy import update
+
+    from service.db.engine import Database
+    from service.db.models import Node
+    from tests.service.test_sweeps import _body, _report, _trial_jobs
+
+    token, owner = _user(admin, "sweeper")
+    register_node(admin, worker_token(admin), "sweep-node", units=1)
+    db = Database(live_server.settings.sqlalchemy_url)
+    try:
+        with db.transaction() as session:
+            # Seen (jobs are accepted) but not ready: the test moves the trials along itself.
+            session.execute(update(Node).where(Node.name == "sweep-node").values(status="lost"))
+        dataset = insert_dataset(live_server.settings, owner)
+        r = admin.post("/v1/sweeps", json=_body(dataset, max_trials=3), headers=auth(token))
+        assert r.status_code == 201, r.text
+        sweep = r.json()
+        first, second = _trial_jobs(db, sweep["id"])
+        _report(db, first.id, [0.3, 0.6], end="succeeded")
+        _report(db, second.id, [0.7, 0.9], end="succeeded")
+        _wait(lambda: len(_trial_jobs(db, sweep["id"])) == 3, what="the third trial")
+        ui = open_ui(live_server.url)
+        ui.sign_in(token)
+        page = ui.page
+        page.click("#nav-sweeps")
+        page.wait_for_selector(f"#sweeps-table tr[data-id='{sweep['id']}']")
+        page.click(f"#sweeps-table tr[data-id='{sweep['id']}'] a")
+        page.wait_for_selector("#trials-table")
+        rows = page.locator("#trials-table tbody tr")
+        assert rows.count() == 3
+        assert "Best: trial 1, 0.9" in (page.text_content("#sweep-best") or "")
+        # One chart against the trial number and one per parameter, a point per scored trial.
+        assert page.locator("#sweep-charts svg.scatter[data-points='2']").count() == 3
+        # Sortable: by value, descending puts the best trial first.
+        page.locator("#trials-table th", has_text="Value").click()
+        page.locator("#trials-table th", has_text="Value").click()
+        assert rows.nth(0).get_attribute("data-number") == "1"
+        # Live: the third trial's end shows without reloading.
+        third = _trial_jobs(db, sweep["id"])[2]
+        _report(db, third.id, [0.95], end="succeeded")
+        page.wait_for_selector("#trials-table tr[data-number='2'][data-state='completed']", timeout=30_000)
+        page.wait_for_selector("#sweep-charts svg.scatter[data-points='3']")
+        assert ui.errors == []
+    finally:
+        db.dispose()

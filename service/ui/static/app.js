@@ -10,6 +10,7 @@ import { renderDatasets } from "./datasets.js";
 import { renderModels } from "./models.js";
 import { renderCluster } from "./cluster.js";
 import { renderCompare } from "./compare.js";
+import { renderSweeps, renderSweep } from "./sweeps.js";
 
 const state = { me: null, features: null, cleanups: [] };
 
@@ -26,6 +27,7 @@ async function loadFeatures() {
   }
   return {
     models: "/v1/models" in paths,
+    sweeps: "/v1/sweeps" in paths,
     predict: "/v1/models/{name}/versions/{version}/predict" in paths,
     outputs: "/v1/jobs/{job_id}/outputs" in paths,
     drain: "/v1/cluster/nodes/{node_id}/drain" in paths || Object.keys(paths).some((p) => p.endsWith("/drain")),
@@ -48,6 +50,7 @@ function nav() {
   const link = (href, text, id) => h("a", { href, id, class: "nav-link" }, text);
   const links = [link("#/jobs", "Jobs", "nav-jobs"), link("#/jobs/new", "New job", "nav-new")];
   links.push(link("#/datasets", "Datasets", "nav-datasets"));
+  if (state.features.sweeps) links.push(link("#/sweeps", "Sweeps", "nav-sweeps"));
   if (state.features.models) links.push(link("#/models", "Models", "nav-models"));
   links.push(link("#/cluster", "Cluster", "nav-cluster"));
   return h(
@@ -163,6 +166,8 @@ async function route() {
     else if (parts[0] === "models" && state.features.models) await renderModels(ctx, parts[1]);
     else if (parts[0] === "cluster") await renderCluster(ctx);
     else if (parts[0] === "compare") await renderCompare(ctx);
+    else if (parts[0] === "sweeps" && parts.length === 1) await renderSweeps(ctx);
+    else if (parts[0] === "sweeps") await renderSweep(ctx, parts[1]);
     else main.replaceChildren(h("h1", {}, "Not found"), h("p", {}, "No such page."));
   } catch (err) {
     if (err instanceof ApiError && err.status === 401) {
