@@ -328,6 +328,7 @@ class PlacementRun:
                 folder,
                 logs,
                 lambda text: self.log.warning("outputs: %s", text),
+                outage_deadline=self.report.outage_deadline(),
             )
         except Exception as exc:
             self.log.error("job %s: the outputs could not be uploaded: %s", self.job_id, exc)

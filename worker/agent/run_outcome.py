@@ -55,6 +55,10 @@ class OutcomeReport:
             return max(60.0, 2 * self.ctx.lease_timeout_s)
         return OUTAGE_PATIENCE_S
 
+    def outage_deadline(self) -> float:
+        """Until when (monotonic) an upload starting now waits out an unreachable API."""
+        return time.monotonic() + self._patience()
+
     def report_running(self, stop: threading.Event) -> None:
         try:
             answer = retrying(
@@ -88,7 +92,7 @@ class OutcomeReport:
                 self.job_id,
                 self.lease_token,
                 model_dir,
-                outage_deadline=time.monotonic() + self._patience(),
+                outage_deadline=self.outage_deadline(),
             )
         except StaleLeaseError as exc:
             self.request_stop("stale", exc.message)

@@ -655,7 +655,11 @@ def upload_outputs(
     folder: Path,
     logs: Path | None = None,
     note: Callable[[str], None] | None = None,
+    *,
+    outage_deadline: float | None = None,
 ) -> str:
+    """Pack and upload the outputs; an unreachable API is waited for until ``outage_deadline``
+    (monotonic), as the other reports wait, so an API restart loses no outputs."""
     from worker.agent.model_transfer import put_archive
 
     archive = folder.parent / "outputs.tar.gz"
@@ -669,6 +673,7 @@ def upload_outputs(
             size,
             lease_token,
             f"job {job_id}: outputs ({count} files)",
+            outage_deadline=outage_deadline,
         )
     finally:
         archive.unlink(missing_ok=True)
