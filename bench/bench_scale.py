@@ -64,7 +64,10 @@ class Sim:
     """The simulated nodes and what they measured."""
 
     def __init__(self, url: str, token: str, nodes: int) -> None:
-        limits = httpx.Limits(max_connections=2 * nodes + 64, max_keepalive_connections=2 * nodes + 64)
+        # Idle connections are dropped before the server's keep-alive timeout (5 s) closes them.
+        limits = httpx.Limits(
+            max_connections=2 * nodes + 64, max_keepalive_connections=2 * nodes + 64, keepalive_expiry=2.0
+        )
         self.http = httpx.AsyncClient(base_url=url, headers=auth(token), timeout=120, limits=limits)
         self.names = [f"sim-{i:04d}" for i in range(nodes)]
         self.leases: dict[str, list[str]] = {n: [] for n in self.names}
@@ -79,8 +82,15 @@ class Sim:
         async def one(name: str) -> None:
             async with sem:
                 body = {"name": name, "address": "127.0.0.1", "units": 1, "accelerator": "cpu"}
-                r = await self.http.post("/v1/worker/nodes", json=body)
-                r.raise_for_status()
+                for attempt in range(5):  # as an agent does: again after a dropped connection
+                    try:
+                        r = await self.http.post("/v1/worker/nodes", json=body)
+                        r.raise_for_status()
+                        return
+                    except httpx.TransportError:
+                        if attempt == 4:
+                            raise
+                        await asyncio.sleep(1)
 
         await asyncio.gather(*(one(n) for n in self.names))
 
@@ -156,7 +166,9 @@ async def run(args: argparse.Namespace, url: str, db_url: str, data_dir: Path) -
     user_token = (await admin.post("/v1/tokens", json={"name": "bench", "role": "user"})).json()["token"]
     owner = (await admin.get("/v1/whoami", headers=auth(user_token))).json()["id"]
     dataset = insert_dataset(settings, owner)
-    user = httpx.AsyncClient(base_url=url, headers=auth(user_token), timeout=120)
+    user = httpx.AsyncClient(
+        base_url=url, headers=auth(user_token), timeout=120, limits=httpx.Limits(keepalive_expiry=2.0)
+    )
     db = Database(db_url)
     sim = Sim(url, worker, args.nodes)
 
@@ -284,7 +296,7 @@ def main() -> None:
         data_dir = Path(tmp) / "data"
         env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
         env.update({"TORCHYARD_DATA_DIR": str(data_dir), "TORCHYARD_DATABASE_URL": db_url})
-        log_path = Path(tmp) / "serve.log"
+        log_path = Path(os.environ.get("BENCH_SCALE_LOG", Path(tmp) / "serve.log"))
         with open(log_path, "wb") as out:
             api = subprocess.Popen(
                 [
@@ -315,7 +327,11 @@ def main() -> None:
             result = asyncio.run(run(args, url, db_url, data_dir))
         finally:
             api.terminate()
-            api.wait(60)
+            try:
+                api.wait(60)
+            except subprocess.TimeoutExpired:
+                api.kill()
+                api.wait(10)
     with admin.connect() as conn:
         conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
