@@ -148,6 +148,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             stop_reaper.set()
             await reaper
             await sweeper
+            pool = getattr(app.state, "scoring_pool", None)
+            if pool is not None:
+                pool.close()
             app.state.db.dispose()
 
     app = FastAPI(
