@@ -58,8 +58,21 @@ WRAPPER = textwrap.dedent(
         other = copy("other")
         (other / "metrics.json").write_text("{}")
         modeldir.write_manifest(other, ["config.json", "model.safetensors", "metrics.json", "model.onnx"])
+        # Hostile copies: a Loop and a 1 GiB ConstantOfShape as model.onnx, an image_size of 4096.
+        import onnx
+        from tests_onnx_attacks import constant_of_shape_model, loop_model
+        for name, model in (("loop", loop_model()), ("constant-of-shape", constant_of_shape_model())):
+            hostile = copy(name)
+            onnx.save(model, str(hostile / "model.onnx"))
+            modeldir.write_manifest(hostile, ["config.json", "model.safetensors", "metrics.json", "model.onnx"])
+        upscaler = copy("upscaler")
+        config = json.loads((upscaler / "config.json").read_text())
+        config["image_size"] = 4096
+        (upscaler / "config.json").write_text(json.dumps(config))
+        modeldir.write_manifest(upscaler, ["config.json", "model.safetensors", "metrics.json", "model.onnx"])
     """
 )
+ATTACKS = (ROOT / "tests" / "support" / "onnx_attacks.py").read_text()
 MODEL_FILES = {"config.json", "model.safetensors", "metrics.json", "model.onnx", "SHA256SUMS"}
 
 
@@ -109,7 +122,13 @@ def test_birds_example_trains_and_registers_from_its_outputs(env: ScriptEnv, tmp
     r = env.user.post(
         "/v1/code",
         data={"name": "birds"},
-        files={"file": ("birds.tar.gz", _pack(folder, {"wrapper.py": WRAPPER}), "application/gzip")},
+        files={
+            "file": (
+                "birds.tar.gz",
+                _pack(folder, {"wrapper.py": WRAPPER, "tests_onnx_attacks.py": ATTACKS}),
+                "application/gzip",
+            )
+        },
     )
     assert r.status_code == 201, r.text
     command = ["python", "wrapper.py", "--num_epochs", "1", "--image_size", "32", "--batch_size", "8",
@@ -140,6 +159,14 @@ def test_birds_example_trains_and_registers_from_its_outputs(env: ScriptEnv, tmp
     bad_config = _register(env.user, job_id, "bad-config")
     _refused(bad_config, 422, "image_size")
     assert bad_config.json()["code"] == "InvalidModelDirectoryError"
+    # The API would score these: refused before anything is stored, naming what is wrong.
+    _refused(_register(env.user, job_id, "loop"), 422, "'Loop'")
+    _refused(_register(env.user, job_id, "constant-of-shape"), 422, "'ConstantOfShape'")
+    _refused(
+        _register(env.user, job_id, "upscaler"),
+        422,
+        "image_size must be a whole number of pixels from 16 to 1024",
+    )
     assert env.user.get(f"/v1/jobs/{job_id}").json()["model_sha256"] is None  # nothing stored
 
     # Another user cannot register it; a training job takes no path.
