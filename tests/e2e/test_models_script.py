@@ -58,18 +58,20 @@ WRAPPER = textwrap.dedent(
         other = copy("other")
         (other / "metrics.json").write_text("{}")
         modeldir.write_manifest(other, ["config.json", "model.safetensors", "metrics.json", "model.onnx"])
-        # Hostile copies: a Loop and a 1 GiB ConstantOfShape as model.onnx, an image_size of 4096.
+        # Hostile model directories (small: config.json, stand-in weights, and model.onnx): a
+        # Loop, a 1 GiB ConstantOfShape, and an image_size of 4096.
         import onnx
-        from tests_onnx_attacks import constant_of_shape_model, loop_model
-        for name, model in (("loop", loop_model()), ("constant-of-shape", constant_of_shape_model())):
-            hostile = copy(name)
+        from tests_onnx_attacks import constant_of_shape_model, loop_model, plain_model
+        config = json.loads((out / "model" / "config.json").read_text())
+        for name, model, size in (("loop", loop_model(), 32), ("constant-of-shape", constant_of_shape_model(), 32),
+                                  ("upscaler", plain_model(), 4096)):
+            hostile = out / name
+            hostile.mkdir()
+            (hostile / "config.json").write_text(json.dumps({**config, "image_size": size}))
+            (hostile / "model.safetensors").write_bytes(b"stand-in")
+            (hostile / "metrics.json").write_text("{}")
             onnx.save(model, str(hostile / "model.onnx"))
             modeldir.write_manifest(hostile, ["config.json", "model.safetensors", "metrics.json", "model.onnx"])
-        upscaler = copy("upscaler")
-        config = json.loads((upscaler / "config.json").read_text())
-        config["image_size"] = 4096
-        (upscaler / "config.json").write_text(json.dumps(config))
-        modeldir.write_manifest(upscaler, ["config.json", "model.safetensors", "metrics.json", "model.onnx"])
     """
 )
 ATTACKS = (ROOT / "tests" / "support" / "onnx_attacks.py").read_text()
