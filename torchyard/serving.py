@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 WORKER_TOKEN_FILE = "worker.token"
 WORKER_STOP_GRACE_S = 30.0
+LOCAL_WORKER_NODE_WAIT_S = 300.0
 GRACEFUL_SHUTDOWN_S = 5
 _PR_SET_PDEATHSIG = 1
 _PR_SET_DUMPABLE = 4
@@ -168,14 +169,19 @@ class LocalWorker:
         self.process: subprocess.Popen[bytes] | None = None
         self._stopping = False
 
-    def start(self) -> None:
-        cmd = [
+    def command(self) -> list[str]:
+        return [
             sys.executable, "-m", "torchyard.cli", "worker",
             "--api", self.api_url,
             "--name", self.name,
             "--slots", str(self.slots),
             "--work-dir", str(self.work_dir),
+            # After a quick restart, the previous serve's worker may still be stopping its runs.
+            "--wait-for-node", str(LOCAL_WORKER_NODE_WAIT_S),
         ]  # fmt: skip
+
+    def start(self) -> None:
+        cmd = self.command()
         # The token travels in the environment, not on the command line (visible in `ps`).
         env = {**os.environ, "TORCHYARD_TOKEN": self.token}
         log.info("starting the local worker agent %r (log: %s)", self.name, self.log_path)

@@ -63,6 +63,8 @@ class AgentOptions:
     grace_s: float = 10.0
     keep_runs: int = DEFAULT_KEEP_RUNS
     log_backlog_bytes: int = DEFAULT_LOG_BACKLOG_BYTES
+    # How long to wait for an earlier agent of this node still stopping (--wait-for-node).
+    node_wait_s: float = 0.0
 
 
 class UnitPool:
@@ -170,7 +172,9 @@ class Agent:
         Raises ``NodeNameInUseError`` when another agent holds the node (here or at the
         API), ``AuthenticationError`` when the API refuses the token.
         """
-        self.node_lock.acquire()  # before anything else: a second agent must not kill our ranks
+        self.node_lock.acquire(
+            self.options.node_wait_s
+        )  # before anything else: a second agent must not kill our ranks
         try:
             return self._serve()
         finally:
