@@ -197,6 +197,14 @@ orphan = subprocess.Popen(
      marker],
     start_new_session=True,
 )
+# A double-forked sleeper in a new session with an empty environment: no marker finds it,
+# the sandbox's PID namespace ends it.
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execve("/bin/sleep", ["sleep", "600", marker], {})
+    os._exit(0)
+os.wait()
 print(f"children {child.pid} {orphan.pid}", flush=True)
 time.sleep(600)
 """
@@ -214,10 +222,10 @@ def test_cancel_stops_the_script_and_its_children(env: ScriptEnv) -> None:
             pids = [int(p) for p in text.split("children", 1)[1].split()[:2]]
         time.sleep(0.2)
     assert pids, env.log(job_id, rank=0)
-    assert processes_mentioning(job_id_marker)
+    # The script, its two children and the sleeper (and the sandbox, naming the script).
+    assert len(processes_mentioning(job_id_marker)) >= 4, processes_mentioning(job_id_marker)
     r = env.user.post(f"/v1/jobs/{job_id}/cancel")
     assert r.status_code == 200, r.text
     job = env.wait(job_id, timeout=60)
     assert job["status"] == "cancelled"
-    assert len(processes_mentioning(job_id_marker)) >= 3  # the script and its two children
     assert wait_until_gone(job_id_marker) == []
