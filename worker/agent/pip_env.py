@@ -92,6 +92,16 @@ def _run(command: list[str], log_file: Path, stop: threading.Event | None, box: 
                     return -9
 
 
+def _local_find_links() -> list[Path]:
+    """The local folders of the worker's ``PIP_FIND_LINKS`` (shown read-only to the build)."""
+    found = []
+    for entry in os.environ.get("PIP_FIND_LINKS", "").split():
+        path = Path(entry.removeprefix("file://"))
+        if path.is_absolute() and path.exists():
+            found.append(path)
+    return found
+
+
 def _tail(path: Path, lines: int) -> str:
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
@@ -136,7 +146,9 @@ def ensure_environment(
             )
             box = None
             if sandbox.mode() == sandbox.BWRAP:
-                box = sandbox.Sandbox(writable=work, hidden=hidden or [envs_dir])
+                box = sandbox.Sandbox(
+                    writable=work, hidden=hidden or [envs_dir], read_only=_local_find_links()
+                )
             if code == 0:
                 # The worker's own packages (torch...) stay visible even when it runs in a
                 # venv: its site folders are added as site folders (their .pth files count).
