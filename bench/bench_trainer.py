@@ -194,7 +194,8 @@ GPU_DECODE: dict[str, str] = {}
 
 def _child_env(tag: str, **extra: str) -> dict[str, str]:
     """The bench's environment without TORCHYARD_* settings, with the run's tag."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
+    # TORCHYARD_SANDBOX=off is kept: the agent then runs the ranks without their sandbox.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_") or k == "TORCHYARD_SANDBOX"}
     env.update(GPU_DECODE)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"

@@ -187,10 +187,32 @@ class Settings(BaseSettings):
         description="Most pixels (width × height, all its images together) one predict request may send.",
     )
     model_cache_models: int = Field(
-        default=4, gt=0, description="Loaded models the API keeps for scoring (least recently used go first)."
+        default=4,
+        gt=0,
+        description="Loaded models each scoring process keeps (least recently used go first).",
     )
     model_cache_bytes: int = Field(
-        default=1024**3, gt=0, description="Bytes of ONNX files the API keeps loaded for scoring."
+        default=1024**3, gt=0, description="Bytes of ONNX files each scoring process keeps loaded."
+    )
+    predict_workers: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="Scoring processes: models are scored in them, never in the API process.",
+    )
+    predict_worker_memory_bytes: int = Field(
+        default=4 * 1024**3,
+        ge=256 * 1024**2,
+        description="Address space of each scoring process: a model that needs more fails there.",
+    )
+    predict_cpu_s: float = Field(
+        default=60.0, gt=0, description="CPU seconds one predict request may use in its scoring process."
+    )
+    predict_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="Longest a predict request is scored; past it, or once the client has gone, its "
+        "scoring process is killed and replaced.",
     )
     model_max_bytes: int = Field(
         default=4 * 1024**3,

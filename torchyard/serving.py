@@ -1,8 +1,9 @@
 """``torchyard serve``: the API on uvicorn, optionally with one local worker agent beside it.
 
 ``--with-worker`` is the embedded default for a single machine: the API and a worker
-agent (a child process) share the data directory. The worker's token is created once
-and kept in ``<data dir>/worker.token`` (mode 0600). On SIGINT/SIGTERM the worker is
+agent (a child process) run on one machine. The worker's token is created once and kept
+in ``<data dir>/worker.token`` (mode 0600); the worker works in ``<data dir>-worker``,
+beside the data directory rather than in it. On SIGINT/SIGTERM the worker is
 stopped first, while the API still answers its last reports, then the API shuts down.
 
 The log keeps to what matters: at the default level the access lines of routine polling
@@ -34,8 +35,10 @@ log = logging.getLogger(__name__)
 
 WORKER_TOKEN_FILE = "worker.token"
 WORKER_STOP_GRACE_S = 30.0
+LOCAL_WORKER_NODE_WAIT_S = 300.0
 GRACEFUL_SHUTDOWN_S = 5
 _PR_SET_PDEATHSIG = 1
+_PR_SET_DUMPABLE = 4
 # Requests every worker (or health check) makes every few seconds: one access line each
 # would be most of the log.
 _ROUTINE_PATHS = re.compile(r"^(/v1/worker/nodes/[^/?]+/(heartbeat|claim)|/healthz|/readyz)(\?|$)")
@@ -129,6 +132,22 @@ def _local_api_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
+def refuse_inspection() -> None:
+    """Make ``serve`` non-dumpable: another process of the same user can no longer read its
+    memory or ``/proc/<pid>/environ`` (the database URL, tokens in memory) nor attach a
+    debugger, and it writes no core dump. Children it ``exec``s are not affected."""
+    with contextlib.suppress(OSError, AttributeError):
+        if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_DUMPABLE, 0) failed: errno %d", ctypes.get_errno())
+
+
+def worker_dir(settings: Settings) -> Path:
+    """The embedded worker's work directory: beside the data directory, not inside it (its
+    runs never share a folder with the tokens and the database)."""
+    data_dir = settings.data_dir.absolute()
+    return data_dir.with_name(f"{data_dir.name}-worker")
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
     # If `serve` is killed outright, its worker must not outlive it (Linux only).
     with contextlib.suppress(Exception):
@@ -150,14 +169,19 @@ class LocalWorker:
         self.process: subprocess.Popen[bytes] | None = None
         self._stopping = False
 
-    def start(self) -> None:
-        cmd = [
+    def command(self) -> list[str]:
+        return [
             sys.executable, "-m", "torchyard.cli", "worker",
             "--api", self.api_url,
             "--name", self.name,
             "--slots", str(self.slots),
             "--work-dir", str(self.work_dir),
+            # After a quick restart, the previous serve's worker may still be stopping its runs.
+            "--wait-for-node", str(LOCAL_WORKER_NODE_WAIT_S),
         ]  # fmt: skip
+
+    def start(self) -> None:
+        cmd = self.command()
         # The token travels in the environment, not on the command line (visible in `ps`).
         env = {**os.environ, "TORCHYARD_TOKEN": self.token}
         log.info("starting the local worker agent %r (log: %s)", self.name, self.log_path)
@@ -273,6 +297,8 @@ def serve(
 
     ``workers`` > 1 (PostgreSQL only) serves the address from that many API processes."""
     configure_logging(log_level)
+    if sys.platform.startswith("linux"):
+        refuse_inspection()
     from service.api.app import bootstrap, create_app
 
     if workers > 1:
@@ -295,7 +321,7 @@ def serve(
             token,
             name,
             worker_slots or default_worker_slots(),
-            settings.data_dir / "worker",
+            worker_dir(settings),
             settings.data_dir / "logs" / "local-worker.log",
         )
     sock = _bind(settings.host, settings.port)

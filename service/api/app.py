@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
+from sqlalchemy.engine import make_url
 
 from service.api.docs import install_docs
 from service.api.errors import install_error_handlers
@@ -63,6 +67,7 @@ def bootstrap(settings: Settings) -> Database:
     An unreachable database (PostgreSQL restarting beside the API) is waited for, with
     backoff, up to ``database_wait_s``; then the last error is raised."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    protect_sqlite_file(settings.sqlalchemy_url)
     deadline = time.monotonic() + settings.database_wait_s
     delay = 0.5
     while True:
@@ -79,6 +84,20 @@ def bootstrap(settings: Settings) -> Database:
             time.sleep(delay)
             # At most a second apart: the API serves again within a second of its database.
             delay = min(delay * 2, 1.0)
+
+
+def protect_sqlite_file(url: str) -> None:
+    """A SQLite database (and its journal files) readable by its owner only (0600): created
+    so before SQLite opens it, and made so when an older start left it 0644."""
+    parsed = make_url(url)
+    if not parsed.drivername.startswith("sqlite") or parsed.database in (None, "", ":memory:"):
+        return
+    path = Path(parsed.database)
+    with contextlib.suppress(OSError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        with contextlib.suppress(OSError):
+            os.chmod(f"{path}{suffix}", 0o600)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -152,6 +171,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await asyncio.to_thread(app.state.scheduling.stop)
             if listener is not None:
                 await asyncio.to_thread(listener.stop)
+            pool = getattr(app.state, "scoring_pool", None)
+            if pool is not None:
+                pool.close()
             app.state.db.dispose()
 
     app = FastAPI(

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import html
+import json
 from pathlib import Path
 
 import fastapi_offline
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.openapi.docs import get_redoc_html
 from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 
@@ -25,9 +27,47 @@ from service.api.routing import SessionScopedRoute
 ASSETS_URL = "/docs/assets"
 _ASSETS_DIR = Path(fastapi_offline.__file__).parent / "static"
 
-# Swagger UI sends the schema to an outside validator unless told not to; the token
-# entered with Authorize is kept across page reloads.
-_SWAGGER_PARAMETERS = {"validatorUrl": None, "persistAuthorization": True}
+SWAGGER_INIT_URL = "/docs/swagger-init.js"
+# Swagger UI sends the schema to an outside validator unless told not to; a token entered
+# with Authorize stays in the page's memory only (never in the browser's localStorage).
+_SWAGGER_PARAMETERS = {
+    "validatorUrl": None,
+    "persistAuthorization": False,
+    "dom_id": "#swagger-ui",
+    "layout": "BaseLayout",
+    "deepLinking": True,
+    "showExtensions": True,
+    "showCommonExtensions": True,
+}
+# Swagger UI started by a script file of this service, not an inline one (the docs pages'
+# Content-Security-Policy allows scripts of this origin only): the schema's URL is read
+# from the page.
+_SWAGGER_INIT = (
+    "window.ui = SwaggerUIBundle(Object.assign("
+    + json.dumps(_SWAGGER_PARAMETERS)
+    + ", {url: document.getElementById('swagger-ui').dataset.openapiUrl,"
+    " presets: [SwaggerUIBundle.presets.apis, SwaggerUIBundle.SwaggerUIStandalonePreset]}));\n"
+)
+
+
+def _swagger_page(title: str, openapi_url: str, assets: str, init_url: str) -> str:
+    e = html.escape
+    return f"""<!DOCTYPE html>
+<html>
+<head>
+<meta charset="utf-8">
+<title>{e(title)}</title>
+<link type="text/css" rel="stylesheet" href="{e(assets)}/swagger-ui.css">
+<link rel="shortcut icon" href="{e(assets)}/favicon.png">
+</head>
+<body>
+<div id="swagger-ui" data-openapi-url="{e(openapi_url)}"></div>
+<script src="{e(assets)}/swagger-ui-bundle.js"></script>
+<script src="{e(init_url)}"></script>
+</body>
+</html>
+"""
+
 
 REDOC_SCRIPT = "redoc.standalone.js"
 # The logo ReDoc's menu shows (an <img> that hides itself when the image fails to load).
@@ -54,14 +94,17 @@ def install_docs(app: FastAPI, *, docs_url: str = "/docs", redoc_url: str = "/re
     @router.get(docs_url, include_in_schema=False)
     async def swagger_ui(request: Request) -> HTMLResponse:
         root = prefix(request)
-        return get_swagger_ui_html(
-            openapi_url=f"{root}{app.openapi_url}",
-            title=f"{app.title} - Swagger UI",
-            swagger_js_url=f"{root}{ASSETS_URL}/swagger-ui-bundle.js",
-            swagger_css_url=f"{root}{ASSETS_URL}/swagger-ui.css",
-            swagger_favicon_url=f"{root}{ASSETS_URL}/favicon.png",
-            swagger_ui_parameters=_SWAGGER_PARAMETERS,
+        page = _swagger_page(
+            f"{app.title} - Swagger UI",
+            f"{root}{app.openapi_url}",
+            f"{root}{ASSETS_URL}",
+            f"{root}{SWAGGER_INIT_URL}",
         )
+        return HTMLResponse(page)
+
+    @router.get(SWAGGER_INIT_URL, include_in_schema=False)
+    async def swagger_init() -> Response:
+        return Response(_SWAGGER_INIT, media_type="text/javascript")
 
     @router.get(redoc_url, include_in_schema=False)
     async def redoc(request: Request) -> HTMLResponse:

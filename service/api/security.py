@@ -24,8 +24,13 @@ CONTENT_SECURITY_POLICY = (
     "connect-src 'self'; font-src 'self'; object-src 'none'; base-uri 'none'; "
     "form-action 'self'; frame-ancestors 'none'"
 )
-# Swagger UI and ReDoc start with an inline script: those two pages get only the framing rule.
-DOCS_POLICY = "frame-ancestors 'none'"
+# Swagger UI and ReDoc: scripts of this origin only (no inline script); their inline styles
+# and ReDoc's web worker are allowed.
+DOCS_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data: blob:; "
+    "connect-src 'self'; font-src 'self'; worker-src 'self' blob:; object-src 'none'; base-uri 'none'; "
+    "form-action 'self'; frame-ancestors 'none'"
+)
 _DOCS_PATHS = ("/docs", "/redoc")
 
 _COMMON = [

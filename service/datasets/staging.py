@@ -125,7 +125,9 @@ def _take(staging: Path, name: str) -> int | None:
 
 
 @contextmanager
-def workspace(staging: Path, *, owner: str | None = None, max_per_owner: int = 1) -> Iterator[Path]:
+def workspace(
+    staging: Path, *, owner: str | None = None, max_per_owner: int = 1, what: str = "dataset"
+) -> Iterator[Path]:
     """A new, empty folder in ``staging``, locked while the block runs and removed after it.
 
     With ``owner``, the folder is one of that owner's ``max_per_owner`` slots; when all of
@@ -143,7 +145,7 @@ def workspace(staging: Path, *, owner: str | None = None, max_per_owner: int = 1
             break
     else:
         raise ConflictError(
-            f"{max_per_owner} dataset upload(s) of yours are already in progress, the most allowed "
+            f"{max_per_owner} {what} upload(s) of yours are already in progress, the most allowed "
             "at once (TORCHYARD_MAX_CONCURRENT_UPLOADS_PER_USER); try again when one has finished",
             details={"limit": max_per_owner},
         )
@@ -194,13 +196,16 @@ def sweep(staging: Path) -> list[str]:
     return removed
 
 
-async def sweep_periodically(staging: Path, interval_s: float, stop: asyncio.Event) -> None:
-    """Sweep ``staging`` now, then every ``interval_s`` seconds until ``stop`` is set."""
+async def sweep_periodically(staging: Path | list[Path], interval_s: float, stop: asyncio.Event) -> None:
+    """Sweep ``staging`` (one folder or several) now, then every ``interval_s`` seconds until
+    ``stop`` is set."""
+    folders = staging if isinstance(staging, list) else [staging]
     while True:
-        try:
-            await run_in_threadpool(sweep, staging)
-        except OSError as exc:
-            log.warning("could not sweep the staging folder %s: %s", staging, exc)
+        for folder in folders:
+            try:
+                await run_in_threadpool(sweep, folder)
+            except OSError as exc:
+                log.warning("could not sweep the staging folder %s: %s", folder, exc)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_s)
         if stop.is_set():

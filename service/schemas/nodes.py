@@ -54,6 +54,12 @@ class NodePublic(BaseModel):
     last_heartbeat_at: datetime
     seconds_since_heartbeat: float
     registered_at: datetime
+    sandbox: str | None = Field(
+        default=None,
+        description="How the node confines its runs: bwrap (each run in a bubblewrap sandbox); off "
+        "(TORCHYARD_SANDBOX=off: not confined); unavailable (no working bubblewrap: the node refuses "
+        "script jobs with SandboxUnavailableError); null for an agent that does not say.",
+    )
     running_attempts: list[str] = Field(default=[], description="Ids of the attempts holding units here.")
     attempts: list[NodeAttemptPublic] = []
 

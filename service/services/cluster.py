@@ -232,6 +232,7 @@ def cluster_view(session: Session, settings: Settings, principal: Principal) -> 
                 last_heartbeat_at=node.last_heartbeat_at,
                 seconds_since_heartbeat=round(max(0.0, (now - node.last_heartbeat_at).total_seconds()), 3),
                 registered_at=node.registered_at,
+                sandbox=_sandbox(node),
                 running_attempts=[s.attempt_id for s in shares],
                 attempts=[
                     NodeAttemptPublic(
@@ -257,3 +258,8 @@ def cluster_view(session: Session, settings: Settings, principal: Principal) -> 
         free_units=sum(n.free_units for n in ready),
         nodes=nodes,
     )
+
+
+def _sandbox(node: Node) -> str | None:
+    value = (node.info or {}).get("sandbox")
+    return value if value in ("bwrap", "off", "unavailable") else None

@@ -57,7 +57,10 @@ def staging_dir(settings: Settings) -> Path:
 def upload_workspace(settings: Settings, principal: Principal) -> AbstractContextManager[Path]:
     """A private folder for one upload (see :func:`service.datasets.staging.workspace`)."""
     return staging.workspace(
-        staging_dir(settings), owner=principal.id, max_per_owner=settings.max_concurrent_uploads_per_user
+        staging_dir(settings),
+        owner=principal.id,
+        max_per_owner=settings.max_concurrent_uploads_per_user,
+        what="code",
     )
 
 

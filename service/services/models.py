@@ -47,6 +47,7 @@ from torchyard.contract.model_archive import (
     pack_model_dir,
     read_manifest,
 )
+from torchyard.contract.onnx_graph import OnnxGraphError, check_operators
 from torchyard.scoring import ONNX_FILE
 
 log = logging.getLogger(__name__)
@@ -195,6 +196,12 @@ def _checked_model_folder(folder: Path, names: list[str], rel: str) -> None:
     except (OSError, ValueError) as exc:
         raise InvalidModelDirectoryError(f"{CONFIG_FILE} is not valid JSON: {exc}") from None
     check_model_config(config, listed)
+    if ONNX_FILE in listed:
+        # Scored by the API: only the operators torchvision classifiers export to.
+        try:
+            check_operators((folder / ONNX_FILE).read_bytes())
+        except OnnxGraphError as exc:
+            raise InvalidModelDirectoryError(str(exc)) from None
 
 
 def store_script_model(

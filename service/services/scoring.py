@@ -4,22 +4,27 @@ Each image is decoded as dataset images are (the supported formats only, the pix
 read from the header before any pixel is decoded) and refused with a 422 naming the file
 when it is not a readable image. Before any image is decoded, the headers of all of them
 are read: a request whose images add up to more than the per-request pixel cap is a 413.
-Each image is then decoded and at once resized and cropped to the model's input size, so
-a request holds one full-size image at a time, never all of them. The model runs through
-ONNX Runtime from its export (:mod:`torchyard.scoring`), with the model directory's own
-preprocessing; loaded models stay in a small LRU cache bounded by count and bytes.
+The cap counts each image's pixels after resizing too. Each image is then decoded and at
+once resized and cropped to the model's input size, so a request holds one full-size image
+at a time, never all of them. The model runs through ONNX Runtime from its export
+(:mod:`torchyard.scoring`) in a separate scoring process, under memory and CPU limits
+(:mod:`service.services.scoring_pool`), never in the API process.
 """
 
 from __future__ import annotations
 
 import io
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from PIL import Image
 
 from service.services.models import ModelFiles
 from torchyard.contract.errors import ModelNotReadyError, PayloadTooLargeError, RequestValidationError
-from torchyard.scoring import ONNX_FILE, ModelCache
+from torchyard.scoring import ONNX_FILE, eval_geometry, eval_resize_size, resized_size
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # Pillow format names of the supported extensions (as for datasets).
 _PILLOW_FORMATS = ("JPEG", "PNG", "BMP", "WEBP", "GIF", "TIFF")
@@ -72,10 +77,18 @@ def decode_image(upload: UploadedImage, max_pixels: int) -> Image.Image:
     return image
 
 
-def check_total_pixels(uploads: list[UploadedImage], max_pixels: int, max_total_pixels: int) -> None:
+def check_total_pixels(
+    uploads: list[UploadedImage], max_pixels: int, max_total_pixels: int, image_size: int | None = None
+) -> None:
     """413 when the images of a request add up to more than ``max_total_pixels`` (from
-    their headers, before any is decoded); 422 for the first unreadable or too large one."""
-    total = sum(image_pixels(upload, max_pixels) for upload in uploads)
+    their headers, before any is decoded); 422 for the first unreadable or too large one.
+    With the model's ``image_size``, each image counts the larger of its pixels and those
+    of its resized copy (the shorter side resized to ``eval_resize_size(image_size)``), so
+    small images upscaled by a model of a large input size count what they will weigh."""
+    total = 0
+    for upload in uploads:
+        _open_image(upload, max_pixels, decode=False)
+        total += _weight(upload, image_size)
     if total > max_total_pixels:
         raise PayloadTooLargeError(
             f"the images of this request hold {total} pixels together, more than the limit of "
@@ -84,21 +97,32 @@ def check_total_pixels(uploads: list[UploadedImage], max_pixels: int, max_total_
         )
 
 
-def predict(
-    cache: ModelCache,
+def _weight(upload: UploadedImage, image_size: int | None) -> int:
+    with Image.open(io.BytesIO(upload.data)) as image:
+        width, height = image.size
+    pixels = width * height
+    if image_size is None or width < 1 or height < 1:
+        return pixels
+    new_width, new_height = resized_size(width, height, eval_resize_size(image_size))
+    return max(pixels, new_width * new_height)
+
+
+def prepare_batch(
     files: ModelFiles,
     uploads: list[UploadedImage],
-    top_k: int,
+    image_size: int,
     max_pixels: int,
     max_total_pixels: int,
-) -> list[list[tuple[str, float]]]:
-    """The ``top_k`` labels and probabilities of each upload, in order."""
+) -> np.ndarray:
+    """The uint8 ``(N, 3, S, S)`` crops of the uploads, as the model's validation transform
+    makes them (scored then by :class:`ScoringPool`)."""
+    import numpy as np
+
     if not (files.folder / ONNX_FILE).is_file():
         raise ModelNotReadyError(
             "this model version has no ONNX export (it was dropped at training time, see the "
             "job's log): the service scores models through their ONNX export"
         )
-    check_total_pixels(uploads, max_pixels, max_total_pixels)
-    model = cache.get(files.key, files.folder)
-    # Decoded lazily: the model keeps only each image's crop, one full-size image at a time.
-    return model.predict((decode_image(upload, max_pixels) for upload in uploads), top_k)
+    check_total_pixels(uploads, max_pixels, max_total_pixels, image_size)
+    # Decoded one at a time: only each image's crop is kept.
+    return np.stack([eval_geometry(decode_image(upload, max_pixels), image_size) for upload in uploads])

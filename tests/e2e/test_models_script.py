@@ -58,8 +58,23 @@ WRAPPER = textwrap.dedent(
         other = copy("other")
         (other / "metrics.json").write_text("{}")
         modeldir.write_manifest(other, ["config.json", "model.safetensors", "metrics.json", "model.onnx"])
+        # Hostile model directories (small: config.json, stand-in weights, and model.onnx): a
+        # Loop, a 1 GiB ConstantOfShape, and an image_size of 4096.
+        import onnx
+        from tests_onnx_attacks import constant_of_shape_model, loop_model, plain_model
+        config = json.loads((out / "model" / "config.json").read_text())
+        for name, model, size in (("loop", loop_model(), 32), ("constant-of-shape", constant_of_shape_model(), 32),
+                                  ("upscaler", plain_model(), 4096)):
+            hostile = out / name
+            hostile.mkdir()
+            (hostile / "config.json").write_text(json.dumps({**config, "image_size": size}))
+            (hostile / "model.safetensors").write_bytes(b"stand-in")
+            (hostile / "metrics.json").write_text("{}")
+            onnx.save(model, str(hostile / "model.onnx"))
+            modeldir.write_manifest(hostile, ["config.json", "model.safetensors", "metrics.json", "model.onnx"])
     """
 )
+ATTACKS = (ROOT / "tests" / "support" / "onnx_attacks.py").read_text()
 MODEL_FILES = {"config.json", "model.safetensors", "metrics.json", "model.onnx", "SHA256SUMS"}
 
 
@@ -112,7 +127,11 @@ def test_finetune_example_trains_and_registers_from_its_outputs(env: ScriptEnv, 
         "/v1/code",
         data={"name": "finetune-resnet"},
         files={
-            "file": ("finetune-resnet.tar.gz", _pack(folder, {"wrapper.py": WRAPPER}), "application/gzip")
+            "file": (
+                "finetune-resnet.tar.gz",
+                _pack(folder, {"wrapper.py": WRAPPER, "tests_onnx_attacks.py": ATTACKS}),
+                "application/gzip",
+            )
         },
     )
     assert r.status_code == 201, r.text
@@ -144,6 +163,14 @@ def test_finetune_example_trains_and_registers_from_its_outputs(env: ScriptEnv, 
     bad_config = _register(env.user, job_id, "bad-config")
     _refused(bad_config, 422, "image_size")
     assert bad_config.json()["code"] == "InvalidModelDirectoryError"
+    # The API would score these: refused before anything is stored, naming what is wrong.
+    _refused(_register(env.user, job_id, "loop"), 422, "'Loop'")
+    _refused(_register(env.user, job_id, "constant-of-shape"), 422, "'ConstantOfShape'")
+    _refused(
+        _register(env.user, job_id, "upscaler"),
+        422,
+        "image_size must be a whole number of pixels from 16 to 1024",
+    )
     assert env.user.get(f"/v1/jobs/{job_id}").json()["model_sha256"] is None  # nothing stored
 
     # Another user cannot register it; a training job takes no path.

@@ -3,6 +3,7 @@ size limits, ownership, deletion, path registration and the worker download."""
 
 from __future__ import annotations
 
+import io
 import os
 import secrets
 import shutil
@@ -653,3 +654,24 @@ def test_concurrent_fetchers_share_one_copy(live_server: Any, digits: Path, tmp_
     assert dataset_sha256(results[0]) == ds["sha256"]
     assert list((cache / ".staging").iterdir()) == []
     admin.close()
+
+
+def test_a_tar_with_class_folders_not_in_utf8_is_refused_and_the_list_still_answers(
+    client: TestClient, tmp_path: Path
+) -> None:
+    archive = tmp_path / "latin1.tar"
+    with tarfile.open(
+        archive, "w", format=tarfile.GNU_FORMAT, encoding="utf-8", errors="surrogateescape"
+    ) as tf:
+        for n, folder in enumerate((b"caf\xe9", b"th\xe9")):  # Latin-1 bytes, not UTF-8
+            for i in range(2):
+                data = png_bytes(seed=n * 10 + i)
+                info = tarfile.TarInfo(f"{folder.decode('utf-8', 'surrogateescape')}/{i}.png")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    r = upload(client, archive, name="latin1")
+    assert r.status_code == 422, r.text
+    assert r.json()["code"] == "InvalidDatasetError" and "not valid UTF-8" in r.json()["message"]
+    listed = client.get("/v1/datasets")
+    assert listed.status_code == 200 and [d["name"] for d in listed.json()["items"]] == []
+    assert client.get("/v1/datasets/caf").status_code == 404

@@ -399,7 +399,11 @@ def test_docs_pages_load_everything_from_the_service(client: TestClient, page: s
         assert len(asset.content) > 100, url
     if page == "/docs":
         assert "/docs/assets/swagger-ui-bundle.js" in urls and "/docs/assets/swagger-ui.css" in urls
-        assert '"validatorUrl": null' in html
+        assert "<script>" not in html  # no inline script: the page's policy would block it
+        init = client.get("/docs/swagger-init.js", headers={"Authorization": ""}).text
+        assert '"validatorUrl": null' in init
+        # A token typed into Authorize is not kept in the browser's localStorage.
+        assert '"persistAuthorization": false' in init and 'persistAuthorization": true' not in init
     else:
         # ReDoc's script as served fetches no logo from its maker's CDN.
         script = client.get("/docs/assets/redoc.standalone.js", headers={"Authorization": ""})

@@ -30,6 +30,7 @@ from service.datasets import staging
 from tests.conftest import LiveServer, free_port
 from tests.support.dataset_files import small_tree, zip_bomb, zip_tree
 from tests.support.factories import auth, create_token
+from torchyard.contract.errors import ConflictError
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -404,9 +405,14 @@ def test_staging_is_swept_periodically(sqlite_url: str, tmp_path: Path) -> None:
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 stale = area / "u-crashed.0"
+                # A code package's upload interrupted the same way.
+                code_stale = settings.data_dir / "code" / ".staging" / "u-crashed.0"
+                code_stale.mkdir(parents=True)
+                (code_stale / "upload.part").write_bytes(b"half a tarball")
                 (stale / "extract-x" / "a").mkdir(parents=True)
                 (stale / "extract-x" / "a" / "big.png").write_bytes(bytes(1024 * 1024))
                 wait_for(lambda: not stale.exists(), "the periodic sweep")
+                wait_for(lambda: not code_stale.exists(), "the sweep of the code staging folder")
                 wait_for(lambda: sorted(area.iterdir()) == sorted([mine, locked]), "the sweep to finish")
                 assert (mine / "upload.part").read_bytes() == b"in progress"
             finally:
@@ -416,6 +422,18 @@ def test_staging_is_swept_periodically(sqlite_url: str, tmp_path: Path) -> None:
         assert list(area.iterdir()) == []
     finally:
         server.stop()
+
+
+def test_a_second_code_upload_at_once_is_refused_naming_code(tmp_path: Path) -> None:
+    area = tmp_path / "code-staging"
+    with (
+        staging.workspace(area, owner="alice", max_per_owner=1, what="code"),
+        pytest.raises(ConflictError) as refused,
+        staging.workspace(area, owner="alice", what="code"),
+    ):
+        pass
+    assert "1 code upload(s) of yours are already in progress" in refused.value.message
+    assert "dataset" not in refused.value.message
 
 
 # ---------------------------------------------------------------------------- serve's log

@@ -19,7 +19,7 @@ from tests.conftest import LiveServer
 from tests.support.factories import auth, create_token, insert_dataset, job_spec, token_id
 from tests.support.fake_agent import FakeAgent
 from torchyard.client import Client, Event
-from torchyard.contract.errors import NotFoundError, RequestValidationError
+from torchyard.contract.errors import AuthenticationError, NotFoundError, RequestValidationError
 
 # The database makes a difference here: every test runs on SQLite and on PostgreSQL.
 pytestmark = pytest.mark.both_databases
@@ -188,6 +188,35 @@ def test_logs_follow_streams_text_until_the_job_ends(setup: Setup) -> None:
     assert offset_out == [text.encode()[7:].decode()]
     # a follow started after the job ended returns the whole text at once
     assert "".join(setup.client.follow_logs(job_id, rank=0)) == text
+
+
+def test_a_revoked_token_ends_its_open_streams(setup: Setup) -> None:
+    job_id = setup.submit()
+    placement = setup.agent.claim()
+    setup.agent.status(placement, "running")
+    setup.agent.log(placement, "rank-0", 0, "first line\n")
+    secret = create_token(setup.admin, "admin", "leaving")
+    with Client(setup.server.url, secret) as leaving:
+        logs, logs_out = in_thread(lambda: "".join(leaving.follow_logs(job_id, rank=0)))
+        events, events_out = in_thread(lambda: list(leaving.events(job_id, metrics=False)))
+        raw = httpx.Client(base_url=setup.server.url, headers=auth(secret), timeout=60)
+        with raw.stream("GET", f"/v1/jobs/{job_id}/events") as opened:
+            assert opened.status_code == 200
+            time.sleep(0.5)
+            assert logs.is_alive() and events.is_alive()  # the job runs on: they wait for more
+            r = setup.admin.delete(f"/v1/tokens/{token_id(setup.admin, secret)}")
+            assert r.status_code == 200, r.text
+            # Each open stream ends although the job is still running; nothing more comes.
+            body = b"".join(opened.iter_bytes())
+        raw.close()
+        logs.join(30)
+        events.join(30)
+        assert not logs.is_alive() and not events.is_alive(), "a revoked token's streams went on"
+    assert b"first line" in body and b"final" not in body
+    assert setup.admin.get(f"/v1/jobs/{job_id}").json()["status"] == "running"
+    # Reconnecting (the clients try) is refused: the token is revoked.
+    for out in (logs_out, events_out):
+        assert out and (isinstance(out[0], AuthenticationError) or "final" not in str(out[0])), out
 
 
 def test_many_followers_share_one_poll_and_hold_no_connection(setup: Setup) -> None:

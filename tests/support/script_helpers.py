@@ -62,6 +62,7 @@ PROBE = textwrap.dedent(
     seen["ancestors"] = ancestors()
     seen["argv"] = sys.argv[1:]
     seen["cwd"] = os.getcwd()
+    seen["pid"] = os.getpid()
     rank = int(os.environ["RANK"])
     print(f"hello from rank {rank}", flush=True)
     dist.init_process_group("gloo")
@@ -95,8 +96,11 @@ def secrets_up_to_agent(seen: dict[str, Any], agent_pid: int) -> list[str]:
     of its ancestors, up to and including the agent (which must be one of them)."""
     chain = [(int(pid), names) for pid, names in seen["ancestors"].items()]
     pids = [pid for pid, _ in chain]
-    assert agent_pid in pids, (agent_pid, chain)
-    below_agent = chain[: pids.index(agent_pid) + 1]
+    if seen.get("pid", 0) < 10 and agent_pid not in pids:
+        below_agent = chain  # in the sandbox's PID namespace: nothing outside it is visible
+    else:
+        assert agent_pid in pids, (agent_pid, chain)
+        below_agent = chain[: pids.index(agent_pid) + 1]
     return [f"{pid}:{name}" for pid, names in below_agent for name in names or () if name in SECRET_NAMES]
 
 

@@ -125,6 +125,15 @@ def safe_member_parts(name: str) -> tuple[str, ...]:
     """
     if not name:
         raise InvalidDatasetError("archive member with an empty name")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        # tarfile keeps bytes that are not UTF-8 as lone surrogates: such a name could be
+        # neither stored, listed nor shown.
+        shown = name.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="replace")
+        raise InvalidDatasetError(
+            f"archive member {shown!r} has a name that is not valid UTF-8; rename it and upload again"
+        ) from None
     if "\\" in name:
         raise InvalidDatasetError(f"archive member {name!r} contains a backslash")
     if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):

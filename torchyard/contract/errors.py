@@ -164,6 +164,13 @@ class EnvironmentBuildError(TorchyardError):
     status_code = 422
 
 
+class SandboxUnavailableError(TorchyardError):
+    """A node without a working sandbox (bubblewrap) was given a script job (SPEC §9)."""
+
+    code = "SandboxUnavailableError"
+    status_code = 409
+
+
 class ServiceUnavailableError(TorchyardError):
     """The API cannot serve the request right now (its database is unreachable); retry later."""
 

@@ -10,6 +10,7 @@ OpenAPI schema documents.
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -205,12 +206,29 @@ def _check_variables(variables: dict[str, str]) -> dict[str, str]:
     return variables
 
 
+_VERSION_CLAUSE = r"(?:~=|===|==|!=|<=|>=|<|>)\s*[A-Za-z0-9.*+!_-]+"
+# A requirement by name, as the package index serves it: name, [extras], version clauses and
+# an environment marker; never a URL or a path (``name @ http://...``, ``file:...``) nor an
+# option, which would fetch from somewhere else than the configured index.
+_REQUIREMENT = re.compile(
+    r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
+    r"(?:\s*\[\s*[A-Za-z0-9._-]+(?:\s*,\s*[A-Za-z0-9._-]+)*\s*\])?"
+    rf"(?:\s*\(?\s*{_VERSION_CLAUSE}(?:\s*,\s*{_VERSION_CLAUSE})*\s*\)?)?"
+    r"(?:\s*;\s*[A-Za-z0-9_.'\"<>=!~ ()-]+)?"
+)
+
+
 def _check_requirements(pip: list[str]) -> list[str]:
     for item in pip:
-        if item.startswith("-"):
+        if item.lstrip().startswith("-"):
             raise ValueError(f"{item!r}: pip options are not accepted, only requirements")
         if any(c in item for c in "\x00\n\r"):
             raise ValueError(f"{item!r}: a requirement is one line")
+        if _REQUIREMENT.fullmatch(item) is None:
+            raise ValueError(
+                f"{item!r}: a requirement names a package of the index (name, [extras], version, "
+                "; marker), without surrounding spaces; no URL, path or 'name @ ...' reference"
+            )
     return pip
 
 

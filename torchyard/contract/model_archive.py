@@ -279,6 +279,8 @@ FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 ONNX_FILE = "model.onnx"
 MAX_CONFIG_BYTES = 1024 * 1024
+# A model's input size: what training accepts (torchyard.contract.jobspec's image_size).
+MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 16, 1024
 
 
 def _config_error(message: str) -> InvalidModelDirectoryError:
@@ -327,8 +329,11 @@ def check_model_config(config: object, files: Iterable[str]) -> dict[str, Any]:
         raise _config_error(f"architecture {arch!r} is not a torchvision classification architecture")
     _check_classes(config)
     size = config.get("image_size")
-    if not isinstance(size, int) or isinstance(size, bool) or not 8 <= size <= 4096:
-        raise _config_error(f"image_size must be a whole number of pixels from 8 to 4096, not {size!r}")
+    if not isinstance(size, int) or isinstance(size, bool) or not MIN_IMAGE_SIZE <= size <= MAX_IMAGE_SIZE:
+        raise _config_error(
+            f"image_size must be a whole number of pixels from {MIN_IMAGE_SIZE} to {MAX_IMAGE_SIZE} "
+            f"(as training's), not {size!r}"
+        )
     _check_channel_stats(config)
     onnx = config.get("onnx")
     if onnx is not None and not isinstance(onnx, dict):

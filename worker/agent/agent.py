@@ -35,6 +35,7 @@ from typing import Any
 
 from torchyard.contract.errors import AuthenticationError, NodeNameInUseError, NotFoundError, TorchyardError
 from torchyard.contract.protocol import ClaimedPlacement
+from worker.agent import sandbox
 from worker.agent.api import Backoff, WorkerApi, is_retryable, retrying
 from worker.agent.identity import NodeLock, load_or_create_agent_key
 from worker.agent.launcher import kill_leftovers
@@ -62,6 +63,8 @@ class AgentOptions:
     grace_s: float = 10.0
     keep_runs: int = DEFAULT_KEEP_RUNS
     log_backlog_bytes: int = DEFAULT_LOG_BACKLOG_BYTES
+    # How long to wait for an earlier agent of this node still stopping (--wait-for-node).
+    node_wait_s: float = 0.0
 
 
 class UnitPool:
@@ -119,6 +122,7 @@ class Agent:
             release=self._release,
             shutdown=self.shutdown,
             log_backlog_bytes=options.log_backlog_bytes,
+            sandbox=sandbox.mode(),
         )
         self.claim_wait = MAX_CLAIM_WAIT_S
 
@@ -132,6 +136,7 @@ class Agent:
             "cpus": self.resources.cpus,
             "gpus": len(self.resources.gpu_ids),
             "socket_ifname": self.ctx.socket_ifname,
+            "sandbox": self.ctx.sandbox,
         }
         answer = retrying(
             lambda: self.api.register(
@@ -152,6 +157,14 @@ class Agent:
             self.ctx.heartbeat_interval_s,
             self.ctx.lease_timeout_s,
         )
+        if self.ctx.sandbox == sandbox.UNAVAILABLE:
+            log.warning(
+                "no sandbox on this node (%s): script jobs are refused; install bubblewrap, or set %s=off",
+                sandbox.unavailable_reason(),
+                sandbox.SANDBOX_VAR,
+            )
+        elif self.ctx.sandbox == sandbox.OFF:
+            log.warning("%s=off: runs are not sandboxed on this node", sandbox.SANDBOX_VAR)
 
     def run(self) -> int:
         """Serve until :meth:`stop` (or SIGTERM/SIGINT when run in the main thread).
@@ -159,7 +172,9 @@ class Agent:
         Raises ``NodeNameInUseError`` when another agent holds the node (here or at the
         API), ``AuthenticationError`` when the API refuses the token.
         """
-        self.node_lock.acquire()  # before anything else: a second agent must not kill our ranks
+        self.node_lock.acquire(
+            self.options.node_wait_s
+        )  # before anything else: a second agent must not kill our ranks
         try:
             return self._serve()
         finally:

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import re
 import secrets
+import time
 from pathlib import Path
 
 from torchyard.contract.errors import NodeNameInUseError
+
+log = logging.getLogger(__name__)
 
 
 def _stem(node_name: str) -> str:
@@ -65,12 +69,29 @@ class NodeLock:
         self.node_name = node_name
         self._fd: int | None = None
 
-    def acquire(self) -> None:
+    def acquire(self, wait_s: float = 0.0) -> None:
+        """Take the lock; with ``wait_s``, wait up to that long for the agent holding it
+        to end (an earlier agent of this node still stopping its runs), else refuse."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        deadline = time.monotonic() + wait_s
+        waiting = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                if time.monotonic() < deadline:
+                    if not waiting:
+                        log.warning(
+                            "the earlier agent of node %s (pid %s) is still stopping: waiting up to %.0f s for it",
+                            self.node_name,
+                            holder,
+                            wait_s,
+                        )
+                        waiting = True
+                    time.sleep(0.2)
+                    continue
             os.close(fd)
             raise NodeNameInUseError(
                 f"another agent of node {self.node_name!r} is running with work directory "

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from torchyard.contract.errors import CommunicationError, RankFailedError, RankKilledError
+from worker.agent.sandbox import Sandbox, exit_code, is_sandbox_process, torch_hub_dir
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class LaunchSpec:
     gpu_ids: tuple[int, ...] = ()  # this placement's GPUs; empty on CPU
     socket_ifname: str | None = None
     extra_env: Mapping[str, str] | None = None
+    # The run's sandbox (None: TORCHYARD_SANDBOX=off, or no bwrap on this node).
+    box: Sandbox | None = None
 
     @property
     def job_file(self) -> Path:
@@ -124,6 +127,11 @@ def rank_env(spec: LaunchSpec, base: Mapping[str, str], marker: str) -> dict[str
     if spec.socket_ifname:
         # gloo (CPU collectives, and NCCL's bootstrap store) binds where peers can reach it.
         env.setdefault("GLOO_SOCKET_IFNAME", spec.socket_ifname)
+    if spec.box is not None:
+        # The agent's home is not in the sandbox: /tmp is the run's own; the offline torch
+        # hub (pretrained weights) is shown read-only where torch looks for it.
+        env["TORCH_HOME"] = str(torch_hub_dir(base).parent)
+        env["HOME"] = "/tmp"
     if spec.extra_env:
         env.update(spec.extra_env)
     return env
@@ -175,7 +183,10 @@ class RankGroup:
     def start(self, output: TextIO) -> int:
         """Start torchrun (its own output goes to ``output``, the launcher log); returns its pid."""
         self.spec.log_dir.mkdir(parents=True, exist_ok=True)
-        guarded = [sys.executable, "-m", "worker.agent.guard", str(os.getpid()), *self.command]
+        command = self.command
+        if self.spec.box is not None:
+            command = self.spec.box.command(command, self.spec.run_dir)
+        guarded = [sys.executable, "-m", "worker.agent.guard", str(os.getpid()), *command]
         self.process = subprocess.Popen(
             guarded,
             cwd=self.spec.run_dir,
@@ -187,14 +198,17 @@ class RankGroup:
         )
         return self.process.pid
 
+    def _code(self, code: int | None) -> int | None:
+        return exit_code(code) if self.spec.box is not None else code
+
     def poll(self) -> int | None:
         assert self.process is not None
-        return self.process.poll()
+        return self._code(self.process.poll())
 
     def wait(self, timeout: float | None = None) -> int | None:
         assert self.process is not None
         try:
-            return self.process.wait(timeout)
+            return self._code(self.process.wait(timeout))
         except subprocess.TimeoutExpired:
             return None
 
@@ -202,6 +216,11 @@ class RankGroup:
         return marked_pids(self.marker)
 
     def _signal_all(self, sig: signal.Signals) -> None:
+        if self.spec.box is not None and sig != signal.SIGKILL:
+            # bwrap ends the whole sandbox at once on SIGTERM: torchrun and the ranks get the
+            # signal (and the grace period); SIGKILL of the sandbox ends whatever is left.
+            _signal_pids([p for p in self.alive_pids() if not is_sandbox_process(p)], sig)
+            return
         if self.process is not None and self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, sig)

@@ -115,6 +115,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"are dropped, with a note (default {DEFAULT_LOG_BACKLOG_BYTES >> 20}; metric points are all kept)",
     )
     parser.add_argument(
+        "--wait-for-node",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait up to this long for an earlier agent of this node and work directory that is still "
+        "stopping (a quick restart) instead of refusing at once (default 0)",
+    )
+    parser.add_argument(
         "--grace-period",
         type=float,
         default=10.0,
@@ -156,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         grace_s=args.grace_period,
         keep_runs=args.keep_runs,
         log_backlog_bytes=max(1, int(args.log_backlog_mb * (1 << 20))),
+        node_wait_s=max(0.0, args.wait_for_node),
     )
     return Agent(options).run()
 

@@ -32,6 +32,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from torchyard.contract.errors import EnvironmentBuildError
+from worker.agent import sandbox
+from worker.agent.launcher import _SECRETS
+from worker.agent.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +70,22 @@ def _site_packages(env_dir: Path) -> Path:
     return env_dir / "lib" / version / "site-packages"
 
 
-def _run(command: list[str], log_file: Path, stop: threading.Event | None) -> int:
+def _run(command: list[str], log_file: Path, stop: threading.Event | None, box: Sandbox | None = None) -> int:
+    env = None
+    if box is not None:
+        # In the sandbox: its processes (setup code of a package built from source) see the
+        # environment's folder only, and all of them end with the build.
+        command = box.command(command, box.writable)
+        env = {k: v for k, v in os.environ.items() if k not in _SECRETS and not k.startswith("TORCHYARD_")}
+        env.update(HOME="/tmp", PIP_NO_CACHE_DIR="1")
     with open(log_file, "ab") as out:
         process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
         )
         deadline = time.monotonic() + BUILD_TIMEOUT_S
         while True:
@@ -81,6 +96,16 @@ def _run(command: list[str], log_file: Path, stop: threading.Event | None) -> in
                     os.killpg(process.pid, 9)
                     process.wait()
                     return -9
+
+
+def _local_find_links() -> list[Path]:
+    """The local folders of the worker's ``PIP_FIND_LINKS`` (shown read-only to the build)."""
+    found = []
+    for entry in os.environ.get("PIP_FIND_LINKS", "").split():
+        path = Path(entry.removeprefix("file://"))
+        if path.is_absolute() and path.exists():
+            found.append(path)
+    return found
 
 
 def _tail(path: Path, lines: int) -> str:
@@ -133,8 +158,10 @@ def ensure_environment(
     *,
     stop: threading.Event | None = None,
     on_build: logging.Logger | None = None,
+    hidden: list[Path] | None = None,
 ) -> tuple[Path, bool]:
-    """The folder of the environment for ``requirements``, and whether this call built it."""
+    """The folder of the environment for ``requirements``, and whether this call built it;
+    pip runs in the node's sandbox (``hidden``: folders it never shows) unless it is off."""
     key = requirements_key(requirements)
     envs_dir.mkdir(parents=True, exist_ok=True)
     final = envs_dir / key
@@ -161,6 +188,11 @@ def ensure_environment(
                 build_log,
                 stop,
             )
+            box = None
+            if sandbox.mode() == sandbox.BWRAP:
+                box = sandbox.Sandbox(
+                    writable=work, hidden=hidden or [envs_dir], read_only=_local_find_links()
+                )
             if code == 0:
                 # The worker's own packages (torch...) stay visible even when it runs in a
                 # venv: its site folders are added as site folders (their .pth files count).
@@ -169,7 +201,7 @@ def ensure_environment(
                 (_site_packages(work) / "_torchyard_worker.pth").write_text("\n".join(lines) + "\n")
                 pip = [sys.executable, "-m", "pip", "--python", str(env_python(work)), "install"]
                 options = ["--disable-pip-version-check", "--no-input"]
-                code = _run([*pip, *options, *requirements], build_log, stop)
+                code = _run([*pip, *options, *requirements], build_log, stop, box)
             if code != 0:
                 tail = _tail(build_log, PIP_TAIL_LINES)
                 raise EnvironmentBuildError(

@@ -8,7 +8,9 @@ lines → the final status goes out (the lease ends there, later writes would be
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import shlex
 import threading
 import time
@@ -19,12 +21,14 @@ from typing import Any
 
 from torchyard.contract.errors import RankFailedError
 from torchyard.contract.protocol import ClaimedPlacement
+from worker.agent import sandbox
 from worker.agent.api import WorkerApi
 from worker.agent.checkpoints import CheckpointUploader
-from worker.agent.launcher import LaunchSpec, RankGroup, collect_failure, rank_log_files
+from worker.agent.launcher import JOB_FILE, LaunchSpec, RankGroup, collect_failure, rank_log_files
 from worker.agent.run_files import DEFAULT_LOG_BACKLOG_BYTES
 from worker.agent.run_inputs import RunInputs, prepare_failure
 from worker.agent.run_outcome import OutcomeReport, StopKind
+from worker.agent.sandbox import Sandbox
 from worker.agent.script_run import ScriptGroup, prepare_script, upload_outputs
 from worker.agent.watchdog import PREEMPT_REQUEST_FILE, PREEMPTED_FILE, HangWatchdog, preempt_grace_s
 
@@ -55,6 +59,8 @@ class AgentContext:
     # Set when the agent shuts down: waits on an unreachable API are cut short then.
     shutdown: threading.Event = field(default_factory=threading.Event)
     log_backlog_bytes: int = DEFAULT_LOG_BACKLOG_BYTES
+    # bwrap, off or unavailable (worker.agent.sandbox): how this node confines its runs.
+    sandbox: str = "off"
 
     @property
     def dataset_cache(self) -> Path:
@@ -371,6 +377,20 @@ class PlacementRun:
             cpus=self.ctx.cpus,
             gpu_ids=self.gpu_ids,
             socket_ifname=self.ctx.socket_ifname,
+            box=self._trainer_sandbox(),
+        )
+
+    def _trainer_sandbox(self) -> Sandbox | None:
+        """The ranks see the run directory, and read-only their datasets, initial model and
+        the offline torch hub (worker.agent.sandbox)."""
+        if self.ctx.sandbox != sandbox.BWRAP:
+            return None
+        job = json.loads((self.run_dir / JOB_FILE).read_text(encoding="utf-8"))
+        inputs = [job.get("train_dir"), job.get("val_dir"), job.get("init_from_dir")]
+        read_only = [Path(p) for p in inputs if isinstance(p, str)]
+        read_only.append(sandbox.torch_hub_dir(os.environ))
+        return Sandbox(
+            writable=self.run_dir, hidden=[self.ctx.work_dir], read_only=read_only, gpus=bool(self.gpu_ids)
         )
 
     def _outcome(

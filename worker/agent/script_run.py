@@ -20,6 +20,7 @@ so children a script started go too.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gzip
 import hashlib
 import logging
@@ -39,9 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from torchyard.contract.errors import SandboxUnavailableError
 from torchyard.contract.jobspec import input_variable
 from torchyard.contract.reports import log_file_stream
-from worker.agent import guard
+from worker.agent import guard, sandbox
 from worker.agent.api import retrying
 from worker.agent.launcher import (
     _SCRUBBED,
@@ -116,6 +118,8 @@ class ScriptLaunch:
     gpu_ids: tuple[int, ...] = ()
     socket_ifname: str | None = None
     grace_s: float = 10.0
+    # The run's sandbox (None: TORCHYARD_SANDBOX=off, the processes run as the agent does).
+    box: sandbox.Sandbox | None = None
 
     @property
     def outputs_dir(self) -> Path:
@@ -193,6 +197,8 @@ def script_env(
         env.setdefault("GLOO_SOCKET_IFNAME", launch.socket_ifname)
     env.update(launch.launch_variables(local_rank))
     env[MARKER_VAR] = marker
+    if launch.box is not None:
+        env["HOME"] = "/tmp"  # the agent's home is not in the sandbox; /tmp is the run's own
     env["TORCHYARD_OUTPUT_DIR"] = str(launch.outputs_dir)
     env["TORCHYARD_LOG_DIR"] = str(launch.logs_dir)
     name = f"rank-{rank}" if local_rank is not None else f"node-{launch.node_rank}"
@@ -285,6 +291,23 @@ class ScriptGroup:
                 if not (proc.cwd / link).exists():
                     (proc.cwd / link).symlink_to(target, target_is_directory=True)
 
+    def _sandboxed(self, proc: ScriptProcess) -> list[str]:
+        box = self.launch.box
+        if box is None:
+            return proc.argv
+        shm = None
+        if len(self.processes) > 1:
+            # Processes of one run on one node share memory (torch's and NCCL's /dev/shm).
+            shm = self.shared_shm
+            shm.mkdir(mode=0o700, exist_ok=True)
+        run_box = dataclasses.replace(box, gpus=bool(self.launch.gpu_ids), shared_shm=shm)
+        return run_box.command(proc.argv, proc.cwd)
+
+    @property
+    def shared_shm(self) -> Path:
+        folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else self.launch.run_dir
+        return folder / f"torchyard-{hashlib.sha256(self.marker.encode()).hexdigest()[:16]}"
+
     def start(self, output: TextIO) -> int:
         """Copy the code, start every process; the first one's pid."""
         self._prepare()
@@ -292,7 +315,7 @@ class ScriptGroup:
             print(f"rank {proc.rank}: {shlex.join(proc.argv)} (in {proc.cwd})", file=output, flush=True)
             with open(proc.log_path, "ab") as out:
                 proc.process = subprocess.Popen(
-                    [sys.executable, "-I", guard.__file__, str(os.getpid()), *proc.argv],
+                    [sys.executable, "-I", guard.__file__, str(os.getpid()), *self._sandboxed(proc)],
                     cwd=proc.cwd,
                     env=proc.env,
                     stdin=subprocess.DEVNULL,
@@ -311,7 +334,7 @@ class ScriptGroup:
         """0 once every process exited 0; the exit code of the first that failed; None while running."""
         running = False
         for proc in self.processes:
-            code = proc.process.poll() if proc.process is not None else None
+            code = self._returncode(proc)
             if code is None:
                 running = True
             elif code != 0:
@@ -332,15 +355,25 @@ class ScriptGroup:
                 return None
             time.sleep(0.05)
 
+    def _returncode(self, proc: ScriptProcess) -> int | None:
+        code = proc.process.poll() if proc.process is not None else None
+        return sandbox.exit_code(code) if self.launch.box is not None else code
+
     def alive_pids(self) -> list[int]:
         return marked_pids(self.marker)
 
     def _signal_all(self, sig: signal.Signals) -> None:
+        pids = self.alive_pids()
+        if self.launch.box is not None and sig != signal.SIGKILL:
+            # bwrap ends the whole sandbox at once on SIGTERM: the script's own processes get
+            # the signal (and the grace period); SIGKILL of the sandbox ends whatever is left.
+            _signal_pids([p for p in pids if not sandbox.is_sandbox_process(p)], sig)
+            return
         for proc in self.processes:
             if proc.process is not None and proc.process.poll() is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.process.pid, sig)
-        _signal_pids(self.alive_pids(), sig)
+        _signal_pids(pids, sig)
 
     def _all_ended(self) -> bool:
         return all(p.process is None or p.process.poll() is not None for p in self.processes)
@@ -362,7 +395,7 @@ class ScriptGroup:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.process.wait(10)
         self.sweep()
-        codes = [p.process.returncode for p in self.processes if p.process is not None]
+        codes = [self._returncode(p) for p in self.processes if p.process is not None]
         return next((c for c in codes if c), codes[0] if codes else None)
 
     def sweep(self, timeout: float = 5.0) -> list[int]:
@@ -371,6 +404,8 @@ class ScriptGroup:
             if proc.process is not None and proc.process.poll() is not None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.process.pid, signal.SIGKILL)
+        if self.launch.box is not None:
+            shutil.rmtree(self.shared_shm, ignore_errors=True)
         left = self.alive_pids()
         if not left:
             return []
@@ -528,6 +563,13 @@ def prepare_script(
     from worker.agent.dataset_cache import fetch_dataset
     from worker.agent.pip_env import ensure_environment
 
+    if ctx.sandbox == sandbox.UNAVAILABLE:
+        raise SandboxUnavailableError(
+            f"node {ctx.node_name} runs no script job without its sandbox: {sandbox.unavailable_reason()}; "
+            f"install bubblewrap there, or start its agent with {sandbox.SANDBOX_VAR}=off to run scripts "
+            "unconfined"
+        )
+
     def fetch(what: str, url: str | None, ref_id: str, sha256: str, cache: Path) -> Path:
         started = time.monotonic()
         folder: Path = retrying(
@@ -558,8 +600,17 @@ def prepare_script(
     env_dir = None
     requirements = list(environment.get("pip") or [])
     if requirements:
-        env_dir, built = ensure_environment(ctx.work_dir / "envs", requirements, stop=stop, on_build=logger)
+        env_dir, built = ensure_environment(
+            ctx.work_dir / "envs", requirements, stop=stop, on_build=logger, hidden=[ctx.work_dir]
+        )
         logger.info("pip environment %s %s", env_dir.name, "built" if built else "reused")
+    box = None
+    if ctx.sandbox == sandbox.BWRAP:
+        box = sandbox.Sandbox(
+            writable=run_dir,
+            hidden=[ctx.work_dir],
+            read_only=[*inputs.values(), *([env_dir] if env_dir else [])],
+        )
     return ScriptLaunch(
         run_dir=run_dir,
         node_name=ctx.node_name,
@@ -577,6 +628,7 @@ def prepare_script(
         env_dir=env_dir,
         socket_ifname=ctx.socket_ifname,
         grace_s=ctx.grace_s,
+        box=box,
     )
 
 

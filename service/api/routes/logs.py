@@ -142,7 +142,14 @@ def get_logs(
         # no connection while it streams.
         resolved = (chosen.number if chosen is not None else None, name)
         return follow_log_response(
-            request, job.id, rank=rank, stream=stream, attempt=attempt, offset=offset, resolved=resolved
+            request,
+            job.id,
+            rank=rank,
+            stream=stream,
+            attempt=attempt,
+            offset=offset,
+            resolved=resolved,
+            user=user,
         )
     piece = reports_service.read_log(session, job, chosen, name, offset, limit_bytes)
     headers = {

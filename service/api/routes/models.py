@@ -38,10 +38,11 @@ from service.services import scoring
 from service.services.artifacts import ModelFile
 from service.services.jobs import get_job
 from service.services.models import ModelFiles
+from service.services.scoring_pool import ScoringPool
 from service.services.tokens import Principal
 from torchyard.contract.errors import ModelNotReadyError, PayloadTooLargeError, RequestValidationError
 from torchyard.contract.model_archive import sha256_of
-from torchyard.scoring import ONNX_FILE, ModelCache
+from torchyard.scoring import ONNX_FILE
 
 router = APIRouter(tags=["models"], route_class=SessionScopedRoute)
 
@@ -51,13 +52,21 @@ _ONNX_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def model_cache(request: Request) -> ModelCache:
-    cache: ModelCache | None = getattr(request.app.state, "model_cache", None)
-    if cache is None:
+def scoring_pool(request: Request) -> ScoringPool:
+    """The app's scoring processes (started on first use, ended with the app)."""
+    pool: ScoringPool | None = getattr(request.app.state, "scoring_pool", None)
+    if pool is None:
         settings: Settings = request.app.state.settings
-        cache = ModelCache(settings.model_cache_models, settings.model_cache_bytes)
-        request.app.state.model_cache = cache
-    return cache
+        pool = ScoringPool(
+            settings.predict_workers,
+            memory_bytes=settings.predict_worker_memory_bytes,
+            cpu_s=settings.predict_cpu_s,
+            timeout_s=settings.predict_timeout_s,
+            max_models=settings.model_cache_models,
+            max_bytes=settings.model_cache_bytes,
+        )
+        request.app.state.scoring_pool = pool
+    return pool
 
 
 @router.post("/v1/models", status_code=status.HTTP_201_CREATED)
@@ -235,14 +244,16 @@ async def predict(
     transform; the model runs through its ONNX export."""
     public, files = await run_in_threadpool(_version_files, db, settings, user, name, version)
     uploads, top_k = await _read_images(request, settings)
-    results = await run_in_threadpool(
-        scoring.predict,
-        model_cache(request),
+    batch = await run_in_threadpool(
+        scoring.prepare_batch,
         files,
         uploads,
-        top_k,
+        public.image_size,
         settings.predict_max_image_pixels,
         settings.predict_max_total_pixels,
+    )
+    results = await scoring_pool(request).predict(
+        files.key, files.folder, batch, top_k, request.is_disconnected
     )
     return PredictResponse(
         name=public.name,

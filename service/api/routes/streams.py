@@ -20,6 +20,7 @@ from service.api.routing import SessionScopedRoute
 from service.db.engine import Database
 from service.services import jobs as jobs_service
 from service.services.job_feed import job_list_events
+from service.services.stream_auth import while_token_valid
 from service.services.streams import Cursor, EventFilter, LogTarget, StreamHub, follow_log, sse_events
 from service.services.tokens import Principal
 from torchyard.contract.reports import MAX_RANK
@@ -65,9 +66,8 @@ async def job_list_stream(db: DatabaseDep, user: CurrentUser) -> StreamingRespon
     """Server-sent ``job`` events whenever one of your jobs changes (status, waiting reason,
     progress): ``{id, name, status, reason, progress, created_at, updated_at, started_at,
     finished_at}``. Only changes after the connection opened; the web UI's jobs list uses it."""
-    return StreamingResponse(
-        job_list_events(db, user), media_type="text/event-stream", headers=_STREAM_HEADERS
-    )
+    body = while_token_valid(db, user, job_list_events(db, user))
+    return StreamingResponse(body, media_type="text/event-stream", headers=_STREAM_HEADERS)
 
 
 def _check_job(db: Database, user: Principal, job_id: str) -> str:
@@ -113,7 +113,7 @@ async def job_events(
     wanted = EventFilter(
         metrics=metrics, logs=logs, ranks=frozenset(rank) if rank is not None else None, agent=agent
     )
-    body = sse_events(hub_for(request.app), checked, start, wanted)
+    body = while_token_valid(db, user, sse_events(hub_for(request.app), checked, start, wanted))
     return StreamingResponse(body, media_type="text/event-stream", headers=_STREAM_HEADERS)
 
 
@@ -126,6 +126,7 @@ def follow_log_response(
     attempt: int | None,
     offset: int,
     resolved: tuple[int | None, str | None] | None = None,
+    user: Principal | None = None,
 ) -> StreamingResponse:
     """The ``follow=true`` answer of ``GET /v1/jobs/{id}/logs``: the stream's text from
     ``offset`` as it arrives, ending when the job is final and every chunk is out.
@@ -138,4 +139,7 @@ def follow_log_response(
         async for data in follow_log(hub_for(request.app), job_id, target, offset, resolved):
             yield data
 
-    return StreamingResponse(body(), media_type="text/plain; charset=utf-8", headers=_STREAM_HEADERS)
+    text: AsyncIterator[bytes] = body()
+    if user is not None:
+        text = while_token_valid(request.app.state.db, user, text)
+    return StreamingResponse(text, media_type="text/plain; charset=utf-8", headers=_STREAM_HEADERS)

@@ -1,7 +1,7 @@
 """``environment.pip`` of script jobs: one virtual environment per requirement set and
 node, built once under a lock for two jobs asking at the same time, over the worker's own
 torch; a failed build is EnvironmentBuildError with pip's words. No network: the package
-is a wheel built here, and the agent runs with PIP_NO_INDEX."""
+is a wheel built here, found through PIP_FIND_LINKS; the agent runs with PIP_NO_INDEX."""
 
 from __future__ import annotations
 
@@ -66,10 +66,10 @@ TORCHRUN = ["torchrun", "--nnodes", "$NNODES", "--nproc-per-node", "$NPROC_PER_N
 def test_one_environment_built_once_for_two_jobs(env: ScriptEnv, tmp_path: Path) -> None:
     """The second job's command is ``torchrun`` (per node): the environment's own, so the
     process it starts has the job's package too (a package the worker does not have)."""
-    agent = env.agent("solo", slots=2, env={"PIP_NO_INDEX": "1"})
     wheel = build_wheel(tmp_path / "wheels")
+    agent = env.agent("solo", slots=2, env={"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(wheel.parent)})
     code = env.upload_code({"uses.py": USES})
-    pip = {"pip": [str(wheel)]}
+    pip = {"pip": ["tinypkg==0.1"]}  # from the wheel folder (PIP_FIND_LINKS)
     jobs = [
         env.submit(code, ["python", "uses.py"], environment=pip),
         env.submit(code, TORCHRUN, environment=pip, distribution={"launch": "per_node"}),
@@ -91,10 +91,9 @@ def test_one_environment_built_once_for_two_jobs(env: ScriptEnv, tmp_path: Path)
 def test_a_failed_build_is_an_environment_build_error(env: ScriptEnv, tmp_path: Path) -> None:
     agent = env.agent("solo", slots=1, env={"PIP_NO_INDEX": "1"})
     code = env.upload_code({"uses.py": USES})
-    missing = tmp_path / "wheels" / "absent-0.1-py3-none-any.whl"
-    job_id = env.submit(code, ["python", "uses.py"], environment={"pip": [str(missing)]})
+    job_id = env.submit(code, ["python", "uses.py"], environment={"pip": ["absent-package==0.1"]})
     job = env.wait(job_id)
     assert job["status"] == "failed"
     assert job["failure"]["code"] == "EnvironmentBuildError", job["failure"]
-    assert "absent-0.1-py3-none-any.whl" in job["failure"]["message"]  # pip's own words
+    assert "absent-package" in job["failure"]["message"]  # pip's own words
     assert [p for p in (agent.work_dir / "envs").iterdir() if not p.name.startswith(".")] == []

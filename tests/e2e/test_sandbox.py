@@ -1,0 +1,151 @@
+"""Each run in its sandbox (worker.agent.sandbox), attacked for real by a script job: it
+looks for the admin token, the worker token, the database, the node key, another user's run
+and a dataset it was not given, by absolute and relative paths, through ``/proc`` and
+through symlinks, and finds none of them; a sleeper it double-forks into a new session with
+an empty environment is gone once the job ends."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from service.config import Settings
+from tests.conftest import fast_leases
+from tests.support.factories import auth
+from tests.support.sandbox_helpers import require_sandbox
+from tests.support.script_helpers import ScriptEnv, script_env
+from tests.support.worker_fixtures import processes_mentioning, upload_dataset, user_client, wait_until_gone
+
+SETTINGS = fast_leases(lease_s=15.0, ports=(26500, 26999))
+
+ATTACK = textwrap.dedent(
+    """
+    import json, os, sys
+
+    targets = json.load(open("targets.json"))
+    marker = sys.argv[1]
+    found = []
+    own = os.path.realpath(os.environ["TORCHYARD_OUTPUT_DIR"])
+
+    def attempt(how, path):
+        try:
+            if os.path.isdir(path):
+                # The folders on the way to its own run directory are all it may see.
+                names = [n for n in os.listdir(path) if not own.startswith(os.path.join(os.path.realpath(path), n) + "/")]
+                if names:
+                    found.append(f"{how}: listed {path}: {names[:5]}")
+                return
+            with open(path, "rb") as fh:
+                fh.read(1)
+            found.append(f"{how}: read {path}")
+        except OSError:
+            pass
+
+    pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    for name, target in targets.items():
+        attempt(f"{name} absolute", target)
+        attempt(f"{name} relative", os.path.relpath(target, os.getcwd()))
+        attempt(f"{name} relative to the outputs", os.path.relpath(target, os.environ["TORCHYARD_OUTPUT_DIR"]))
+        for pid in ["self", *pids]:
+            attempt(f"{name} via /proc/{pid}/root", f"/proc/{pid}/root{target}")
+            attempt(f"{name} via /proc/{pid}/cwd", f"/proc/{pid}/cwd/" + os.path.relpath(target, os.getcwd()))
+        link = f"link-{name}"
+        os.symlink(target, link)
+        attempt(f"{name} via a symlink", link)
+        attempt(f"{name} via a symlink in the outputs", os.path.join("outputs", "..", "..", "..", link))
+    # Secrets in any environment it can read (the agent's token, the database URL).
+    for pid in pids:
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read()
+        except OSError:
+            continue
+        for secret in (b"TORCHYARD_TOKEN=", b"TORCHYARD_DATABASE_URL=", targets["agent_token_prefix"].encode()):
+            if secret in environ:
+                found.append(f"/proc/{pid}/environ holds {secret[:16]!r}")
+    with open(os.path.join(os.environ["TORCHYARD_OUTPUT_DIR"], "found.json"), "w") as fh:
+        json.dump({"found": found, "pids": len(pids)}, fh)
+
+    # A sleeper that escapes every process-group and environment marker: double fork, new
+    # session, empty environment.
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.execve("/bin/sleep", ["sleep", "600", marker], {})
+        os._exit(0)
+    os.wait()
+    print("sleeper started", flush=True)
+    """
+)
+
+VICTIM = """
+import os
+open(os.path.join(os.environ["TORCHYARD_OUTPUT_DIR"], "secret.txt"), "w").write("bob's results")
+"""
+
+
+@pytest.fixture
+def env(make_settings: Any, tmp_path: Path) -> Iterator[ScriptEnv]:
+    require_sandbox()
+    settings: Settings = make_settings(**SETTINGS)
+    with script_env(settings, tmp_path) as e:
+        yield e
+
+
+def test_a_script_job_finds_no_secret_no_other_run_and_leaves_no_process(
+    env: ScriptEnv, tmp_path: Path
+) -> None:
+    from torchyard.sample_data import write_digits
+
+    agent = env.agent("boxed", slots=1)
+    r = env.user.get("/v1/cluster")
+    assert [n["sandbox"] for n in r.json()["nodes"]] == ["bwrap"]
+    # Another user's job ran on the node first: its run directory and its dataset stay there.
+    admin = httpx.Client(base_url=env.server.url, headers=auth(env.server.admin_token), timeout=60)
+    bob = user_client(admin, env.server.url, name="bob")
+    train_dir, val_dir = write_digits(tmp_path / "digits", per_class=2, size=16)
+    bobs_data = upload_dataset(bob, val_dir, "bobs")
+    bob_env = ScriptEnv(env.server, bob, env.token, tmp_path)
+    victim = bob_env.submit(
+        bob_env.upload_code({"v.py": VICTIM}), ["python", "v.py"], inputs={"d": bobs_data["id"]}
+    )
+    assert bob_env.wait(victim)["status"] == "succeeded"
+    bobs_run = next((agent.work_dir / "runs").glob(f"{victim}-*"))
+    bobs_cached = agent.work_dir / "datasets" / bobs_data["sha256"]
+    assert bobs_cached.is_dir()
+    data = upload_dataset(env.user, train_dir, "mine")
+
+    settings = env.server.settings
+    targets = {
+        "admin_token": str(settings.admin_token_path),
+        "data_dir": str(settings.data_dir),
+        "node_key": str(next(agent.work_dir.glob("*.key"))),
+        "work_dir": str(agent.work_dir),
+        "bobs_run": str(bobs_run),
+        "bobs_outputs": str(bobs_run / "outputs" / "secret.txt"),
+        "bobs_dataset_in_cache": str(bobs_cached),
+        "dataset_cache": str(agent.work_dir / "datasets"),
+        "agent_token_prefix": env.token[:12],
+    }
+    database = settings.database_url
+    if database.startswith("sqlite:///"):
+        targets["database"] = database.removeprefix("sqlite:///")
+    marker = "sandbox-sleeper-5e1d"
+    code = env.upload_code({"attack.py": ATTACK, "targets.json": json.dumps(targets)})
+    job_id = env.submit(code, ["python", "attack.py", marker], inputs={"data": data["id"]})
+    job = env.wait(job_id)
+    assert job["status"] == "succeeded", (job, env.log(job_id, rank=0))
+    report = json.loads(env.outputs(job_id)["found.json"])
+    assert report["found"] == [], "\n".join(report["found"])
+    assert report["pids"] <= 3  # its own PID namespace: bwrap, the script (and a child)
+    assert "sleeper started" in env.log(job_id, rank=0)
+    # The run's PID namespace ended with the job, the sleeper with it.
+    assert wait_until_gone(marker) == []
+    assert processes_mentioning(marker) == []
+    bob.close()
+    admin.close()
