@@ -1094,11 +1094,12 @@ def _predict(args: argparse.Namespace) -> int:
     if len(args.paths) < 2:
         raise ValueError("give a model directory and one or more images (or --model NAME[:VERSION] IMAGES)")
     model_dir, images = args.paths[0], args.paths[1:]
+    require("predict", "worker")
+    from torchyard.modeldir import predict
+
     missing = [image for image in images if not Path(image).is_file()]
     if missing:
         raise FileNotFoundError(f"no such image file: {', '.join(missing)}")
-    require("predict", "worker")
-    from torchyard.modeldir import predict
 
     results = predict(model_dir, images, topk=args.topk, device=args.device)
     if args.json:

@@ -518,3 +518,7 @@ class SweepTrial(Base):
     reason: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+    def steps(self) -> dict[int, float]:
+        """The objective's value at each epoch reported so far (JSON keys are text)."""
+        return {int(k): float(v) for k, v in (self.intermediate or {}).items()}

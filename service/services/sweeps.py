@@ -20,17 +20,8 @@ import math
 import re
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import optuna
-from optuna.distributions import (
-    BaseDistribution,
-    CategoricalDistribution,
-    FloatDistribution,
-    IntDistribution,
-)
-from optuna.trial import FrozenTrial, create_trial
-from optuna.trial import TrialState as OptunaState
 from pydantic import ValidationError
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -57,8 +48,10 @@ from service.states import FINAL_STATUSES, JobStatus, Role, SweepStatus, TrialSt
 from torchyard.architectures import CLASSIFICATION_ARCHITECTURES
 from torchyard.contract.errors import NotFoundError, RequestValidationError, TorchyardError
 
+if TYPE_CHECKING:
+    import optuna
+
 log = logging.getLogger(__name__)
-optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 # The largest grid a grid sweep may enumerate.
 MAX_GRID = 10_000
@@ -257,78 +250,14 @@ def _ranges(spec: dict[str, Any]) -> dict[str, FloatRange | IntRange | Categoric
     return {k: adapter.validate_python(v) for k, v in spec["search_space"].items()}
 
 
-def _distribution(rng: FloatRange | IntRange | Categorical) -> BaseDistribution:
-    if isinstance(rng, Categorical):
-        return CategoricalDistribution(rng.choices)
-    if isinstance(rng, IntRange):
-        return IntDistribution(rng.low, rng.high, log=rng.log, step=rng.step)
-    return FloatDistribution(rng.low, rng.high, log=rng.log, step=rng.step)
-
-
-def _sampler(spec: dict[str, Any], number: int) -> optuna.samplers.BaseSampler:
-    # Rebuilt for every decision: the seed moves on with the trial number, so a random
-    # draw is not repeated, and the same history gives the same suggestion.
-    seed = spec["seed"] + number
-    algorithm = spec["algorithm"]
-    if algorithm == "grid":
-        return optuna.samplers.GridSampler(_grid(_ranges(spec)), seed=spec["seed"])
-    if algorithm == "random":
-        return optuna.samplers.RandomSampler(seed=seed)
-    startup = max(2, min(10, spec["max_trials"] // 3))
-    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, constant_liar=True)
-
-
-def _pruner(spec: dict[str, Any]) -> optuna.pruners.BasePruner:
-    rule = spec.get("early_stopping")
-    if rule is None:
-        return optuna.pruners.NopPruner()
-    if rule["type"] == "asha":
-        return optuna.pruners.SuccessiveHalvingPruner(
-            min_resource=rule["min_epochs"], reduction_factor=rule["reduction_factor"]
-        )
-    return optuna.pruners.MedianPruner(
-        n_startup_trials=rule["min_trials"], n_warmup_steps=rule["min_epochs"] - 1, interval_steps=1
-    )
-
-
-def _steps(trial: SweepTrial) -> dict[int, float]:
-    return {int(k): float(v) for k, v in (trial.intermediate or {}).items()}
-
-
 def _study(sweep: Sweep, trials: list[SweepTrial], number: int) -> tuple[optuna.Study, dict[str, int]]:
-    """An in-memory study holding every trial as the tables say; Optuna's trial id by our trial id."""
+    """An in-memory study holding every trial as the tables say (Optuna, imported only here:
+    an API without running sweeps never loads it)."""
+    from service.services.sweep_search import study
+
     spec = sweep.spec
-    study = optuna.create_study(
-        direction=spec["objective"]["goal"], sampler=_sampler(spec, number), pruner=_pruner(spec)
-    )
-    dists = {k: _distribution(r) for k, r in _ranges(spec).items()}
-    ids: dict[str, int] = {}
-    for trial in sorted(trials, key=lambda t: t.number):
-        state = TrialState(trial.state)
-        steps = _steps(trial)
-        value = None
-        if state is TrialState.COMPLETED:
-            ostate = OptunaState.COMPLETE
-            value = trial.value
-        elif state is TrialState.PRUNED:
-            ostate = OptunaState.PRUNED
-        elif state in (TrialState.FAILED, TrialState.CANCELLED):
-            ostate = OptunaState.FAIL
-        else:
-            ostate = OptunaState.RUNNING
-        if ostate is OptunaState.COMPLETE and value is None:
-            ostate = OptunaState.FAIL
-        frozen = create_trial(
-            state=ostate,
-            value=value,
-            params={k: v for k, v in trial.params.items() if k in dists},
-            distributions={k: d for k, d in dists.items() if k in trial.params},
-            intermediate_values=steps,
-            system_attrs=dict(trial.system_attrs or {}),
-        )
-        study.add_trial(frozen)
-        ids[trial.id] = study.trials[-1]._trial_id
-    return study, ids
+    grid = _grid(_ranges(spec)) if spec["algorithm"] == "grid" else None
+    return study(spec, _ranges(spec), grid, trials, number)
 
 
 # --- decisions ------------------------------------------------------------------------------
@@ -382,7 +311,7 @@ def _prune_reason(sweep: Sweep, trials: list[SweepTrial], trial: SweepTrial, epo
         share = {2: "half", 3: "third", 4: "quarter"}.get(factor, f"1/{factor}")
         side = "below" if spec["objective"]["goal"] == "maximize" else "above"
         return f"pruned by ASHA at epoch {epoch}: {metric} {_fmt(value)} {side} the rung's top {share}"
-    others = [_steps(t)[epoch] for t in trials if t.id != trial.id and epoch in _steps(t)]
+    others = [t.steps()[epoch] for t in trials if t.id != trial.id and epoch in t.steps()]
     median = statistics.median(others) if others else float("nan")
     side = "below" if spec["objective"]["goal"] == "maximize" else "above"
     return (
@@ -420,7 +349,7 @@ def _update_trials(session: Session, sweep: Sweep, trials: list[SweepTrial], res
     for trial in live:
         job = jobs[trial.job_id]
         points = _objective_points(session, job.id, metric)
-        known = _steps(trial)
+        known = trial.steps()
         new_epochs = sorted(e for e in points if e not in known or known[e] != points[e])
         state = _trial_state(job)
         if new_epochs and spec.get("early_stopping"):
@@ -456,7 +385,7 @@ class _Judge:
         pruned_at = None
         for epoch in epochs:
             storage.set_trial_intermediate_value(tid, epoch, points[epoch])
-            frozen: FrozenTrial = storage.get_trial(tid)
+            frozen = storage.get_trial(tid)
             if study.pruner.prune(study, frozen) and act:
                 pruned_at = epoch
                 break
@@ -481,7 +410,7 @@ def _prune(session: Session, trial: SweepTrial, job: Job, reason: str, goal: str
     trial.state = TrialState.PRUNED.value
     trial.reason = reason
     trial.epochs = len(trial.intermediate)
-    trial.value = _best(_steps(trial), goal)
+    trial.value = _best(trial.steps(), goal)
     trial.finished_at = utcnow()
     locked = session.scalars(select(Job).where(Job.id == job.id).with_for_update()).one()
     request_cancel(session, locked, reason)
@@ -545,7 +474,9 @@ def _create_trials(
     target = _target_trials(sweep)
     running = sum(1 for t in trials if TrialState(t.state) not in _FINAL_TRIALS)
     owner = _owner(session, sweep)
-    dists = {k: _distribution(r) for k, r in _ranges(sweep.spec).items()}
+    from service.services.sweep_search import distribution
+
+    dists = {k: distribution(r) for k, r in _ranges(sweep.spec).items()}
     while sweep.trials_created < target and running < sweep.max_concurrent_trials:
         number = sweep.trials_created
         study, _ids = _study(sweep, trials, number)

@@ -341,6 +341,10 @@ class TestCommandLine:
         watched, err = watch.communicate(timeout=60)
         assert watch.returncode == 0, err
         lines = watched.rstrip("\n").splitlines()
+        # Step lines (`metrics --watch` on a pipe, while an epoch runs) aside: the table.
+        steps = [line for line in lines if line.startswith("-- ")]
+        assert all(line.startswith("-- epoch") and "  step " in line for line in steps), steps
+        lines = [line for line in lines if not line.startswith("-- ")]
         assert lines[0].split() == [
             "epoch",
             "train.loss",

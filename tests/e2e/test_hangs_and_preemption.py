@@ -24,6 +24,7 @@ import pytest
 
 from tests.e2e.conftest import Env, run_dir
 from tests.support.worker_fixtures import AgentProcess, start_agent, wait_for_node
+from worker.agent.watchdog import host_pid
 from worker.trainer.control import PREEMPT_REQUEST_FILE
 
 pytestmark = pytest.mark.slow
@@ -32,14 +33,18 @@ pytestmark = pytest.mark.slow
 MODEL = {"architecture": "squeezenet1_1"}
 
 
-def _rank_pid(directory: Path, rank: int, timeout: float = 120) -> int:
+def _rank_pid(directory: Path, rank: int, agent: AgentProcess, timeout: float = 120) -> int:
+    """The rank's pid out here: its progress file holds the pid it sees, which in a sandbox's
+    PID namespace is another process's number out here (see worker.agent.watchdog.host_pid)."""
     path = directory / f"progress-rank-{rank}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.is_file() and path.read_text().strip().isdecimal():
-            return int(path.read_text())
+            pid = host_pid(int(path.read_text()), agent.process.pid)
+            if pid is not None:
+                return pid
         time.sleep(0.2)
-    raise AssertionError(f"no {path.name}")
+    raise AssertionError(f"no {path.name} of a live rank under the agent")
 
 
 def _rank_log(directory: Path, local_rank: int) -> str:
@@ -70,7 +75,7 @@ def test_hang_watchdog_dumps_stacks_and_fails_with_hang_error(env: Env) -> None:
     )
     env.wait(job_id, _stepping, timeout=240)
     directory = run_dir(agent, job_id)
-    pid = _rank_pid(directory, 1)
+    pid = _rank_pid(directory, 1, agent)
     os.kill(pid, signal.SIGSTOP)  # rank 1 stops; rank 0 blocks in the next collective
     job = env.wait(job_id, timeout=120)
     assert job["status"] == "failed", job
@@ -164,7 +169,7 @@ def test_preempted_then_killed_job_resumes_exactly(env: Env) -> None:
     _wait_for_text(runs[0] / "agent.log", "checkpoint of epoch 2 uploaded", timeout=120)
     assert "resuming from it" in (runs[0] / "agent.log").read_text()
     # A rank is killed from outside: a retryable RankKilledError, restart 1.
-    os.kill(_rank_pid(runs[0], 1), signal.SIGKILL)
+    os.kill(_rank_pid(runs[0], 1, second), signal.SIGKILL)
     env.wait(job_id, lambda j: len(j["attempts"]) == 3 and j["status"] == "running", timeout=300)
     third = sorted((second.work_dir / "runs").glob(f"{job_id}-a3-*"))
     assert len(third) == 1

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import io
 import os
-import secrets
 import shutil
 import stat
 import tarfile
 import time
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,7 @@ from fastapi.testclient import TestClient
 from service.api.app import create_app
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Attempt, Node, Placement
+from service.db.models import Node, Placement
 from tests.support.dataset_files import (
     all_files,
     count_images,
@@ -554,27 +552,23 @@ def test_register_path_disabled_without_roots(client: TestClient, tmp_path: Path
 
 
 def _place(settings: Settings, job_id: str, node_name: str) -> None:
-    """Put a job's attempt on a node, as the scheduler does (the route checks this)."""
+    """The job's attempt on a node: the service's scheduling loop places a submitted job on a
+    ready node at once; the placement is then moved to the node named (the route checks it)."""
+    from sqlalchemy import select
+
     db = Database(settings.sqlalchemy_url)
     try:
-        with db.transaction() as session:
-            from sqlalchemy import select
-
-            node = session.scalars(select(Node).where(Node.name == node_name)).one()
-            attempt = Attempt(job_id=job_id, number=1, master_addr="127.0.0.1", master_port=29500)
-            session.add(attempt)
-            session.flush()
-            session.add(
-                Placement(
-                    attempt_id=attempt.id,
-                    job_id=job_id,
-                    node_id=node.id,
-                    node_rank=0,
-                    units=1,
-                    lease_token=secrets.token_hex(16),
-                    lease_expires_at=datetime.now(UTC) + timedelta(minutes=5),
-                )
-            )
+        deadline = time.monotonic() + 30
+        while True:
+            with db.transaction() as session:
+                node = session.scalars(select(Node).where(Node.name == node_name)).one()
+                placed = session.scalars(select(Placement).where(Placement.job_id == job_id)).all()
+                for placement in placed:
+                    placement.node_id = node.id
+            if placed:
+                return
+            assert time.monotonic() < deadline, f"job {job_id} was never placed"
+            time.sleep(0.05)
     finally:
         db.dispose()
 
@@ -586,10 +580,10 @@ def test_worker_downloads_verifies_and_caches(live_server: Any, digits: Path, tm
     register_node(admin, worker_token, "node-a", units=2)
     register_node(admin, other_worker, "node-b", units=2)
     ds = upload(admin, make_archive(digits, tmp_path, "tar.gz", wrap="w")).json()
-    job = admin.post("/v1/jobs", json=job_spec(ds["id"], ds["id"])).json()
     wc = httpx.Client(base_url=live_server.url, headers=auth(worker_token), timeout=60)
     url = f"/v1/worker/datasets/{ds['id']}/archive"
     assert wc.get(url).status_code == 403  # no job of this worker uses it yet
+    job = admin.post("/v1/jobs", json=job_spec(ds["id"], ds["id"])).json()
     _place(live_server.settings, job["id"], "node-a")
     assert admin.get(url).status_code == 403  # not a worker token
     assert httpx.get(live_server.url + url, headers=auth(other_worker)).status_code == 403

@@ -248,7 +248,9 @@ class PlacementRun:
         timeout = (self.work.spec.get("resources") or {}).get("hang_timeout_s")
         # Training steps feed the watchdog; an evaluation has none to count.
         if self.work.type == "train" and isinstance(timeout, int | float) and timeout > 0:
-            self.watchdog = HangWatchdog(self.run_dir, float(timeout), spec, self.log)
+            group = self.group
+            root = group.process.pid if isinstance(group, RankGroup) and group.process else None
+            self.watchdog = HangWatchdog(self.run_dir, float(timeout), spec, self.log, root_pid=root)
 
     def _upload_patience(self, state: str) -> float:
         if state == "preempted":

@@ -49,6 +49,48 @@ def _process_state(pid: int) -> str | None:
     return text.rpartition(")")[2].split()[0] if ")" in text else None
 
 
+def _status_fields(pid: int) -> tuple[int, list[int]] | None:
+    """(parent pid, the NSpid chain: this namespace's pid first, the innermost last) of a process."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    ppid, nspids = 0, [pid]
+    for line in text.splitlines():
+        if line.startswith("PPid:"):
+            ppid = int(line.split()[1])
+        elif line.startswith("NSpid:"):
+            nspids = [int(v) for v in line.split()[1:]]
+    return ppid, nspids
+
+
+def host_pid(inner: int, root: int) -> int | None:
+    """The pid, in the agent's PID namespace, of the process under ``root`` (the run's torchrun
+    or its sandbox) whose own pid is ``inner``: the ranks run in the sandbox's PID namespace and
+    write the pid they see there, which means another process out here (never signal that)."""
+    parents: dict[int, int] = {}
+    candidates = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        fields = _status_fields(int(entry.name))
+        if fields is None:
+            continue
+        parents[int(entry.name)] = fields[0]
+        if fields[1][-1] == inner:
+            candidates.append(int(entry.name))
+    for pid in candidates:
+        ancestor = pid
+        for _ in range(64):  # walk up to the run's root (or the top)
+            if ancestor == root:
+                return pid
+            ancestor = parents.get(ancestor, 0)
+            if ancestor <= 1:
+                break
+    return None
+
+
 _STATES = {
     "T": "stopped by a signal",
     "t": "stopped by a debugger",
@@ -64,16 +106,27 @@ class HangWatchdog:
     set-up is done (process group, data, model), so the watchdog counts from there:
     start-up has its own bounds (the rendezvous and process-group timeouts)."""
 
-    def __init__(self, run_dir: Path, timeout_s: float, spec: LaunchSpec, log: logging.Logger) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        timeout_s: float,
+        spec: LaunchSpec,
+        log: logging.Logger,
+        root_pid: int | None = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
+        # The run's top process (torchrun, or the sandbox around it): a rank's pid as written in
+        # its progress file is looked up under it (see :func:`host_pid`).
+        self.root_pid = root_pid
         self.timeout_s = timeout_s
         self.spec = spec
         self.log = log
         self._next_check = 0.0
         self.ranks = [spec.node_rank * spec.nproc + local for local in range(spec.nproc)]
 
-    def _marks(self) -> dict[int, tuple[float, int | None]]:
-        """Each rank's last progress time and pid (ranks without a mark are left out)."""
+    def _marks(self, *, pids: bool = False) -> dict[int, tuple[float, int | None]]:
+        """Each rank's last progress time and (with ``pids``, looked up in this namespace) pid;
+        ranks without a mark are left out."""
         found: dict[int, tuple[float, int | None]] = {}
         for rank in self.ranks:
             path = self.run_dir / f"{PROGRESS_PREFIX}{rank}"
@@ -82,7 +135,12 @@ class HangWatchdog:
                 text = path.read_text(encoding="ascii").strip()
             except (OSError, ValueError):
                 continue
-            found[rank] = (mtime, int(text) if text.isdecimal() else None)
+            pid = int(text) if text.isdecimal() else None
+            if pid is not None and not pids:
+                pid = None
+            elif pid is not None and self.root_pid is not None:
+                pid = host_pid(pid, self.root_pid)
+            found[rank] = (mtime, pid)
         return found
 
     def check(self) -> dict[str, Any] | None:
@@ -97,6 +155,7 @@ class HangWatchdog:
         latest = max(t for t, _ in marks.values())
         if now - latest < self.timeout_s:
             return None
+        marks = self._marks(pids=True)
         parts = []
         for rank in self.ranks:
             mark = marks.get(rank)
@@ -123,7 +182,7 @@ class HangWatchdog:
     def dump_stacks(self) -> None:
         """Every rank writes all its threads' Python stacks into its log (faulthandler on
         SIGUSR1); a stopped rank is continued so it can."""
-        pids = [pid for _, pid in self._marks().values() if pid is not None]
+        pids = [pid for _, pid in self._marks(pids=True).values() if pid is not None]
         for pid in pids:
             for sig in (STACK_DUMP_SIGNAL, signal.SIGCONT):
                 try:
