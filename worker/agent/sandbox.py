@@ -152,14 +152,16 @@ class Sandbox:
         bwrap = _bwrap_path()
         assert bwrap is not None
         args = [bwrap, "--die-with-parent", "--unshare-pid", "--cap-drop", "ALL", *system_binds()]
-        for path in python_paths():
-            args += ["--ro-bind", str(path), str(path)]
         args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
         if self.shared_shm is not None:
             # The processes of one run (each in a sandbox of its own) share their /dev/shm.
             args += ["--bind", str(self.shared_shm), "/dev/shm"]
         else:
             args += ["--tmpfs", "/dev/shm"]
+        # After the private /tmp and /dev/shm: a Python or source tree under /tmp (a checkout
+        # there, an editable install) shows on top of them.
+        for path in python_paths():
+            args += ["--ro-bind", str(path), str(path)]
         if self.gpus:
             devices = [str(p) for p in Path("/dev").glob("nvidia[0-9]*")] + list(_GPU_DEVICES)
             for device in devices:
