@@ -17,9 +17,10 @@ from sqlalchemy import func, select
 from service.config import Settings
 from service.db.engine import Database
 from service.db.migrate import upgrade
-from service.db.models import Attempt, Dataset, Job, Node, Placement, Token, utcnow
+from service.db.models import Attempt, Job, Node, Placement, utcnow
 from service.services.scheduler import run_pass, schedule
 from service.states import JobStatus
+from tests.support.queue_fill import owner_and_dataset
 from tests.support.worker_fixtures import finish_job
 
 # The database makes a difference here: every test runs on SQLite and on PostgreSQL.
@@ -43,24 +44,7 @@ def sched_settings(make_settings: Any) -> Settings:
 @pytest.fixture
 def owner(db: Database) -> tuple[str, str]:
     """A token id and a dataset id for jobs to reference."""
-    with db.transaction() as s:
-        token = Token(name="u", role="user", token_hash="h" * 64)
-        s.add(token)
-        s.flush()
-        ds = Dataset(
-            owner_id=token.id,
-            name="d",
-            source="upload",
-            storage_path="unused",
-            classes=["a", "b"],
-            class_counts={"a": 1, "b": 1},
-            num_images=2,
-            size_bytes=1,
-            sha256="0" * 64,
-        )
-        s.add(ds)
-        s.flush()
-        return token.id, ds.id
+    return owner_and_dataset(db)
 
 
 def add_node(db: Database, owner: tuple[str, str], name: str, units: int, address: str | None = None) -> str:
