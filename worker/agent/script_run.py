@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from torchyard.contract.errors import SandboxUnavailableError
+from torchyard.contract.files import sha256_file
 from torchyard.contract.jobspec import input_variable
 from torchyard.contract.reports import log_file_stream
 from worker.agent import guard, sandbox
@@ -693,11 +694,7 @@ def pack_outputs(
                 info.mode = 0o644
                 info.mtime = 0
                 tf.addfile(info, fh)
-    digest = hashlib.sha256()
-    with open(archive, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest(), archive.stat().st_size, len(members)
+    return sha256_file(archive), archive.stat().st_size, len(members)
 
 
 def upload_outputs(
