@@ -25,6 +25,7 @@ from torchyard.apiclient.models import Failure
 from torchyard.apiclient.registry import ModelVersion, parse_model_ref
 from torchyard.client import Client, Event, Job, JobComparison, MetricPoint, missing_token_message
 from torchyard.contract.errors import AuthenticationError, ConflictError
+from torchyard.contract.jobspec import JobKind
 from torchyard.extras import require
 from torchyard.terminal import (
     EpochLines,
@@ -353,7 +354,7 @@ def _submit(args: argparse.Namespace) -> int:
         print(job.id)
         what = (
             job.model.get("architecture")
-            if isinstance(job.model, dict) and job.type == "train"
+            if isinstance(job.model, dict) and job.type == JobKind.TRAIN
             else f"{job.type} job"
         )
         _note(f"submitted job {job.name!r} ({what}), status {job.status}")
@@ -442,7 +443,7 @@ def print_job(job: Job) -> None:
         print(f"waiting:     {job.reason}")
     if job.failure is not None:
         _print_failure(job.failure)
-    if job.type == "script":
+    if job.type == JobKind.SCRIPT:
         extra = job.model_extra or {}
         print(f"type:        script, {(extra.get('distribution') or {}).get('launch', 'per_process')}")
         print(f"code:        {job.code}")

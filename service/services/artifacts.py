@@ -25,7 +25,7 @@ from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
 from service.db.models import Job, Node, Placement, utcnow
-from service.services.jobs import get_job
+from service.services.job_lookup import get_job
 from service.services.leases import lock_lease, placement_for_lease
 from service.services.tokens import Principal
 from service.states import JobStatus, PlacementStatus

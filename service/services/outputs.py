@@ -27,7 +27,8 @@ from sqlalchemy.orm import Session
 
 from service.db.models import Job, utcnow
 from service.services.artifacts import IncomingModel, ModelFile
-from service.services.jobs import get_job
+from service.services.job_lookup import get_job
+from service.services.kinds import kind_of
 from service.services.leases import lock_lease, placement_for_lease
 from service.services.tokens import Principal
 from service.states import JobStatus
@@ -83,7 +84,7 @@ class OutputsStore:
 
 
 def _check_uploader(job: Job, node_rank: int) -> None:
-    if job.type != "script":
+    if not kind_of(job).keeps_outputs:
         raise ConflictError(f"job {job.id} is a {job.type} job: it has no outputs folder")
     if node_rank != 0 and job.spec.get("outputs") != "all":
         raise PermissionDeniedError("only node rank 0 uploads the outputs (the job keeps node 0's)")
@@ -177,7 +178,7 @@ def publish(
 def outputs_for_user(session: Session, principal: Principal, store: OutputsStore, job_id: str) -> ModelFile:
     """The outputs archive of the principal's script job; 409 until one was uploaded."""
     job = get_job(session, principal, job_id)
-    if job.type != "script":
+    if not kind_of(job).keeps_outputs:
         raise NotFoundError(f"job {job.id} is a {job.type} job: it has no outputs (see its model)")
     if job.outputs_sha256 is None:
         raise OutputsNotReadyError(

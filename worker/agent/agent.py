@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from torchyard.contract.errors import AuthenticationError, NodeNameInUseError, NotFoundError, TorchyardError
-from torchyard.contract.protocol import ClaimedPlacement
+from torchyard.contract.protocol import ClaimedPlacement, StopOrder
 from worker.agent import sandbox
 from worker.agent.api import Backoff, WorkerApi, is_retryable, retrying
 from worker.agent.identity import NodeLock, load_or_create_agent_key
@@ -145,9 +145,9 @@ class Agent:
             f"registering node {self.options.name} at {self.options.api_url}",
             stop=self.shutdown,
         )
-        self.ctx.heartbeat_interval_s = float(answer.get("heartbeat_interval_s") or DEFAULT_HEARTBEAT_S)
-        self.ctx.lease_timeout_s = float(answer.get("lease_timeout_s") or self.ctx.lease_timeout_s)
-        self.claim_wait = min(MAX_CLAIM_WAIT_S, float(answer.get("claim_poll_timeout_s") or MAX_CLAIM_WAIT_S))
+        self.ctx.heartbeat_interval_s = answer.heartbeat_interval_s or DEFAULT_HEARTBEAT_S
+        self.ctx.lease_timeout_s = answer.lease_timeout_s or self.ctx.lease_timeout_s
+        self.claim_wait = min(MAX_CLAIM_WAIT_S, answer.claim_poll_timeout_s or MAX_CLAIM_WAIT_S)
         log.info(
             "node %s registered: %d unit(s) of %s at %s (heartbeat %.1f s, lease %.1f s)",
             self.options.name,
@@ -343,24 +343,22 @@ class Agent:
                 log.warning("heartbeat failed: %s", exc)
             else:
                 try:
-                    self._apply_stop_orders(answer.get("stop") or [], active)
+                    self._apply_stop_orders(answer.stop, active)
                 except Exception:  # the heartbeat must go on whatever happens
                     log.exception("applying stop orders failed")
             self.shutdown.wait(interval)
 
-    def _apply_stop_orders(self, orders: list[dict[str, Any]], active: list[PlacementRun]) -> None:
+    def _apply_stop_orders(self, orders: list[StopOrder], active: list[PlacementRun]) -> None:
         by_lease = {p.lease_token: p for p in active}
         for order in orders:
-            placement = by_lease.get(order.get("lease_token", ""))
+            placement = by_lease.get(order.lease_token)
             if placement is None or placement.stop_event.is_set():
                 continue
-            kind = order.get("reason", "stale")
-            message = order.get("message", "")
-            log.info("job %s: stop (%s): %s", placement.job_id, kind, message)
-            if kind == "preempted":
-                placement.request_preempt(message)
-                continue
-            placement.request_stop(kind if kind in ("cancelled", "attempt_ended") else "stale", message)
+            log.info("job %s: stop (%s): %s", placement.job_id, order.reason, order.message)
+            if order.reason == "preempted":
+                placement.request_preempt(order.message)
+            else:
+                placement.request_stop(order.reason, order.message)
 
     def _reregister(self) -> None:
         try:

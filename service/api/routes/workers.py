@@ -32,6 +32,7 @@ from service.schemas.nodes import NodeDrained, NodeRegister
 from service.services import agents
 from service.services.tokens import Principal
 from torchyard.contract.protocol import (
+    AnyClaimedPlacement,
     ClaimedPlacement,
     HeartbeatRequest,
     HeartbeatResponse,
@@ -115,7 +116,7 @@ def drain_node(
 
 @router.post(
     "/nodes/{name}/claim",
-    response_model=ClaimedPlacement,
+    response_model=AnyClaimedPlacement,
     responses={204: {"description": "No work arrived before the wait ran out."}},
 )
 async def claim(

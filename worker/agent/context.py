@@ -1,0 +1,45 @@
+"""What every placement of one agent shares: the API client, the node, its folders."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from worker.agent.api import WorkerApi
+from worker.agent.run_files import DEFAULT_LOG_BACKLOG_BYTES
+
+
+@dataclass
+class AgentContext:
+    """What every placement of one agent shares."""
+
+    api: WorkerApi
+    node_name: str
+    work_dir: Path
+    cpus: int
+    grace_s: float
+    socket_ifname: str | None
+    lease_timeout_s: float = 15.0
+    heartbeat_interval_s: float = 2.0
+    # Called with each PlacementRun as it ends (its units go back, old runs are pruned).
+    release: Callable[[Any], None] = field(default=lambda run: None)
+    # Set when the agent shuts down: waits on an unreachable API are cut short then.
+    shutdown: threading.Event = field(default_factory=threading.Event)
+    log_backlog_bytes: int = DEFAULT_LOG_BACKLOG_BYTES
+    # bwrap, off or unavailable (worker.agent.sandbox): how this node confines its runs.
+    sandbox: str = "off"
+
+    @property
+    def dataset_cache(self) -> Path:
+        return self.work_dir / "datasets"
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.work_dir / "runs"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.work_dir / "models"
