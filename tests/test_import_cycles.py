@@ -9,55 +9,24 @@ import pytest
 PACKAGES = ("service.services", "worker.agent")
 
 
+def _reachable(graph: grimp.ImportGraph, start: str, inside: set[str]) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for target in graph.find_modules_directly_imported_by(todo.pop()) & inside:
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
 def _circles(graph: grimp.ImportGraph, package: str) -> list[list[str]]:
-    """The strongly connected groups of more than one module below ``package`` (Tarjan)."""
-    modules = sorted(m for m in graph.modules if m.startswith(package + "."))
-    inside = set(modules)
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(start: str) -> None:
-        # Iterative, so a deep import chain cannot exhaust the recursion limit.
-        work = [(start, iter(sorted(graph.find_modules_directly_imported_by(start) & inside)))]
-        index[start] = low[start] = len(index)
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            node, edges = work[-1]
-            for target in edges:
-                if target not in index:
-                    index[target] = low[target] = len(index)
-                    stack.append(target)
-                    on_stack.add(target)
-                    work.append(
-                        (target, iter(sorted(graph.find_modules_directly_imported_by(target) & inside)))
-                    )
-                    break
-                if target in on_stack:
-                    low[node] = min(low[node], index[target])
-            else:
-                work.pop()
-                if work:
-                    parent = work[-1][0]
-                    low[parent] = min(low[parent], low[node])
-                if low[node] == index[node]:
-                    group = []
-                    while True:
-                        member = stack.pop()
-                        on_stack.discard(member)
-                        group.append(member)
-                        if member == node:
-                            break
-                    if len(group) > 1:
-                        found.append(sorted(group))
-
-    for module in modules:
-        if module not in index:
-            visit(module)
-    return found
+    """The groups of two or more modules below ``package`` that import each other, directly
+    or through others."""
+    inside = {m for m in graph.modules if m.startswith(package + ".")}
+    reach = {m: _reachable(graph, m, inside) for m in inside}
+    groups = {tuple(sorted({m} | {o for o in reach[m] if m in reach[o]})) for m in inside if m in reach[m]}
+    return sorted(list(g) for g in groups)
 
 
 @pytest.fixture(scope="module")
