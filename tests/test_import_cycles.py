@@ -1,12 +1,14 @@
-"""No import circles among the service's modules or the agent's (imports made only for
-type checking count: a circle of them is a circle of the design all the same)."""
+"""No import circles among the modules of the service (``service/services`` among them),
+the worker (``worker/agent``) or the torchyard package (the contract, the client and the
+CLI). Imports made only for type checking, or inside functions, count: a circle of them is
+a circle of the design all the same."""
 
 from __future__ import annotations
 
 import grimp
 import pytest
 
-PACKAGES = ("service.services", "worker.agent")
+PACKAGES = ("service", "worker", "torchyard")
 
 
 def _reachable(graph: grimp.ImportGraph, start: str, inside: set[str]) -> set[str]:

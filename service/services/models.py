@@ -29,7 +29,6 @@ from service.schemas.models import ModelPublic, ModelVersionPublic
 from service.services.artifacts import UNPACK_RATIO, ModelStore, fsync_dir
 from service.services.job_lookup import get_job
 from service.services.kinds import kind_of
-from service.services.kinds.evaluate import uses_version
 from service.services.model_versions import get_version
 from service.services.outputs import OutputsStore, extract_folder, outputs_for_user
 from service.services.tokens import Principal
@@ -276,7 +275,7 @@ def live_evaluations(session: Session, row: ModelVersion) -> list[str]:
     """Ids of the unfinished evaluation jobs that use the version."""
     final = [s.value for s in FINAL_STATUSES]
     jobs = session.scalars(select(Job).where(Job.owner_id == row.owner_id, Job.status.not_in(final)))
-    return [j.id for j in jobs if uses_version(j, row.id)]
+    return [j.id for j in jobs if kind_of(j).uses_version(j, row.id)]
 
 
 def delete_version(session: Session, principal: Principal, name: str, version: str) -> ModelVersion:

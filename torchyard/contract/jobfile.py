@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torchyard.contract.jobspec import JobParameters, ModelFields
 
 JOB_FILE = "job.json"
+# The trainer's events (progress, metrics, the result), one JSON object a line, that the agent tails.
+EVENTS_FILE = "events.jsonl"
 
 
 class TrainerTask(StrEnum):

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from torchyard.contract.errors import TorchyardError
+from torchyard.extras import require
 from worker.agent.run_files import DEFAULT_LOG_BACKLOG_BYTES
 from worker.agent.runs import DEFAULT_KEEP_RUNS
 
@@ -183,3 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     except TorchyardError as exc:  # another agent holds the node, the token was refused...
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 1
+
+
+def _worker(args: argparse.Namespace) -> int:
+    require("worker", "worker")
+    return run(args)
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``torchyard worker`` (found through this package's ``torchyard.commands`` entry point)."""
+    worker = sub.add_parser("worker", help="run a worker agent on this node")
+    add_arguments(worker)
+    worker.set_defaults(handler=_worker)

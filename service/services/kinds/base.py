@@ -84,6 +84,10 @@ class Kind(ABC):
         """What a list of jobs shows of it besides the common columns."""
         return {}
 
+    def uses_version(self, job: Job, version_id: str) -> bool:
+        """Whether ``job`` needs the registered model version ``version_id`` while it runs."""
+        return False
+
     def waits_for_every_node(self, job: Job) -> bool:
         """Whether the attempt succeeds only once every node reported success (else node
         rank 0's success ends it)."""

@@ -49,11 +49,6 @@ def check_classes(model_classes: list[str], dataset_classes: list[str]) -> None:
         )
 
 
-def uses_version(job: Job, version_id: str) -> bool:
-    """Whether ``job`` is an evaluation of the model version ``version_id``."""
-    return job.type == Evaluate.kind and job.spec.get("model_version_id") == version_id
-
-
 class Evaluate(Kind):
     kind: ClassVar[JobKind] = JobKind.EVALUATE
     shown_fields = ("model", "batch_size")
@@ -126,6 +121,10 @@ class Evaluate(Kind):
 
     def listed(self, job: Job) -> dict[str, Any]:
         return {"model": (job.spec or {}).get("model")}
+
+    def uses_version(self, job: Job, version_id: str) -> bool:
+        """An evaluation scores the version it names."""
+        return bool(job.spec.get("model_version_id") == version_id)
 
     def result_document(self, job: Job, result: dict[str, Any]) -> dict[str, Any]:
         evaluation = result.get("evaluation")
