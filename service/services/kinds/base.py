@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Attempt, Dataset, Job, JobEvent, Placement
+from service.db.models import Attempt, Dataset, Job, JobEvent, Placement, utcnow
 from service.services.tokens import Principal
 from service.states import JobStatus
 from torchyard.contract.errors import RequestValidationError, TorchyardError
@@ -40,13 +40,36 @@ def claimed_dataset(session: Session, dataset_id: str) -> ClaimedDataset:
     return ClaimedDataset(id=row.id, sha256=row.sha256, classes=list(row.classes), num_images=row.num_images)
 
 
-def queue(session: Session, job: Job) -> Job:
-    """Add a submitted job and its first status event (``queued``); the caller commits."""
+def queue(
+    session: Session,
+    principal: Principal,
+    kind: JobKind,
+    normalized: dict[str, Any],
+    *,
+    priority: int,
+    node_count: int = 1,
+    process_count_per_node: int = 1,
+    **columns: Any,
+) -> Job:
+    """Add a submitted job of ``kind`` (its normalized spec, and the kind's own ``columns``)
+    and its first status event (``queued``); the caller commits."""
+    now = utcnow()
+    job = Job(
+        owner_id=principal.id,
+        type=kind.value,
+        name=normalized["name"],
+        status=JobStatus.QUEUED.value,
+        spec=normalized,
+        node_count=node_count,
+        process_count_per_node=process_count_per_node,
+        priority=priority,
+        created_at=now,
+        updated_at=now,
+        **columns,
+    )
     session.add(job)
     session.flush()
-    session.add(
-        JobEvent(job_id=job.id, status=JobStatus.QUEUED.value, message="submitted", at=job.created_at)
-    )
+    session.add(JobEvent(job_id=job.id, status=JobStatus.QUEUED.value, message="submitted", at=now))
     return job
 
 

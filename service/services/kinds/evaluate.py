@@ -15,14 +15,13 @@ from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Job, utcnow
+from service.db.models import Job
 from service.schemas.jobs import EvaluateJobCreate
 from service.services.cluster import check_resources
 from service.services.datasets import dataset_field
 from service.services.kinds.base import Claim, Kind, claimed_dataset, queue
 from service.services.model_versions import get_version, parse_reference
 from service.services.tokens import Principal
-from service.states import JobStatus
 from torchyard.contract.errors import InvalidDatasetError, NotFoundError
 from torchyard.contract.jobspec import JobKind
 from torchyard.contract.protocol import ClaimedDatasets, EvaluatePlacement, EvaluateSpec
@@ -75,24 +74,15 @@ class Evaluate(Kind):
         normalized["architecture"] = row.architecture
         normalized["classes"] = list(row.classes)
         normalized["image_size"] = row.image_size
-        now = utcnow()
         job = queue(
             session,
-            Job(
-                owner_id=principal.id,
-                type=self.kind.value,
-                name=normalized["name"],
-                status=JobStatus.QUEUED.value,
-                spec=normalized,
-                architecture=row.architecture,
-                validation_dataset_id=dataset.id,
-                init_from_job_id=row.job_id,
-                node_count=1,
-                process_count_per_node=1,
-                priority=spec.priority,
-                created_at=now,
-                updated_at=now,
-            ),
+            principal,
+            self.kind,
+            normalized,
+            priority=spec.priority,
+            architecture=row.architecture,
+            validation_dataset_id=dataset.id,
+            init_from_job_id=row.job_id,
         )
         if commit:
             session.commit()

@@ -15,14 +15,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import CodePackage, Job, JobInput, utcnow
+from service.db.models import CodePackage, Job, JobInput
 from service.schemas.jobs import ScriptJobCreate
 from service.services.cluster import check_resources
 from service.services.code import get_code
 from service.services.datasets import dataset_field
 from service.services.kinds.base import Claim, Kind, claimed_dataset, queue
 from service.services.tokens import Principal
-from service.states import JobStatus
 from torchyard.contract.errors import NotFoundError, RequestValidationError, TorchyardError
 from torchyard.contract.jobspec import JobKind
 from torchyard.contract.protocol import ClaimedCode, ScriptPlacement, ScriptSpec
@@ -52,22 +51,15 @@ class Script(Kind):
         normalized = spec.model_dump(mode="json")
         normalized["inputs"] = {name: row.id for name, row in inputs.items()}
         normalized["name"] = spec.name or f"script-{code.name}"
-        now = utcnow()
         job = queue(
             session,
-            Job(
-                owner_id=principal.id,
-                type=self.kind.value,
-                name=normalized["name"],
-                status=JobStatus.QUEUED.value,
-                spec=normalized,
-                code_id=code.id,
-                node_count=spec.resources.node_count,
-                process_count_per_node=spec.resources.process_count_per_node,
-                priority=spec.priority,
-                created_at=now,
-                updated_at=now,
-            ),
+            principal,
+            self.kind,
+            normalized,
+            priority=spec.priority,
+            node_count=spec.resources.node_count,
+            process_count_per_node=spec.resources.process_count_per_node,
+            code_id=code.id,
         )
         for name, row in inputs.items():
             session.add(JobInput(job_id=job.id, name=name, dataset_id=row.id))

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Job, utcnow
+from service.db.models import Job
 from service.schemas.jobs import TrainJobCreate
 from service.services import checkpoints
 from service.services.cluster import check_resources
@@ -76,25 +76,18 @@ class Train(Kind):
         normalized = spec.model_dump(mode="json")
         normalized.update(train_dataset=train.id, validation_dataset=val.id)
         normalized["name"] = spec.name or f"{spec.model.architecture}-{train.name}"
-        now = utcnow()
         job = queue(
             session,
-            Job(
-                owner_id=principal.id,
-                type=self.kind.value,
-                name=normalized["name"],
-                status=JobStatus.QUEUED.value,
-                spec=normalized,
-                architecture=spec.model.architecture,
-                train_dataset_id=train.id,
-                validation_dataset_id=val.id,
-                init_from_job_id=spec.model.init_from_job,
-                node_count=spec.resources.node_count,
-                process_count_per_node=spec.resources.process_count_per_node,
-                priority=spec.priority,
-                created_at=now,
-                updated_at=now,
-            ),
+            principal,
+            self.kind,
+            normalized,
+            priority=spec.priority,
+            node_count=spec.resources.node_count,
+            process_count_per_node=spec.resources.process_count_per_node,
+            architecture=spec.model.architecture,
+            train_dataset_id=train.id,
+            validation_dataset_id=val.id,
+            init_from_job_id=spec.model.init_from_job,
         )
         if commit:
             session.commit()
