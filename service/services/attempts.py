@@ -478,34 +478,15 @@ def _report_ended(
     now: datetime,
 ) -> None:
     """A final report: the placement is done, and the attempt and job follow."""
-    kind = kind_of(job)
-    if (
-        report.state == "succeeded"
-        and placement.node_rank == 0
-        and kind.keeps_model
-        and job.status in _PLACED_JOB
-        and job.model_sha256 is None
-    ):
-        raise ConflictError("node rank 0 reported success before its model directory was uploaded")
+    if report.state == "succeeded":
+        _check_kept(job, placement)
     placement.status = PlacementStatus.DONE
     placement.finished_at = now
     placement.exit_code = report.exit_code
     if report.state == "succeeded":
-        if attempt.status in _LIVE_ATTEMPT and _attempt_succeeded(session, job, attempt, placement):
-            _end_attempt(attempt, AttemptStatus.SUCCEEDED, now)
-            if job.status in _PLACED_JOB:
-                on = "every node" if kind.waits_for_every_node(job) else node.name
-                transition(session, job, JobStatus.SUCCEEDED, f"{kind.work_name} finished on {on}")
+        _report_succeeded(session, job, attempt, placement, node, now)
     elif report.state == "failed":
-        failure = _failure(report, node.name)
-        if job.status == JobStatus.CANCELLING.value:
-            log.info("job %s: %s failed while cancelling (%s)", job.id, node.name, failure.code)
-        elif attempt.preempt_requested_at is not None and is_retryable(failure.code):
-            # A peer stopping for the preemption broke a collective: part of the preemption.
-            log.info("job %s: %s failed while preempted (%s)", job.id, node.name, failure.code)
-        else:
-            where = f"rank {failure.rank} on {failure.node}" if failure.rank is not None else failure.node
-            fail_attempt(session, job, attempt, failure, f"{failure.code} ({where}): {failure.message}")
+        _report_failed(session, job, attempt, _failure(report, node.name), node)
     if attempt.status in _LIVE_ATTEMPT and (
         report.state == "preempted" or attempt.preempt_requested_at is not None
     ):
@@ -514,6 +495,40 @@ def _report_ended(
             attempt.preempt_requested_at = now
         finish_preemption(session, job, attempt)
     finish_cancellation(session, job)
+
+
+def _check_kept(job: Job, placement: Placement) -> None:
+    """Node rank 0's success comes after what its kind keeps of it (the model directory)."""
+    if (
+        placement.node_rank == 0
+        and kind_of(job).keeps_model
+        and job.status in _PLACED_JOB
+        and job.model_sha256 is None
+    ):
+        raise ConflictError("node rank 0 reported success before its model directory was uploaded")
+
+
+def _report_succeeded(
+    session: Session, job: Job, attempt: Attempt, placement: Placement, node: Node, now: datetime
+) -> None:
+    if attempt.status not in _LIVE_ATTEMPT or not _attempt_succeeded(session, job, attempt, placement):
+        return
+    _end_attempt(attempt, AttemptStatus.SUCCEEDED, now)
+    if job.status in _PLACED_JOB:
+        kind = kind_of(job)
+        on = "every node" if kind.waits_for_every_node(job) else node.name
+        transition(session, job, JobStatus.SUCCEEDED, f"{kind.work_name} finished on {on}")
+
+
+def _report_failed(session: Session, job: Job, attempt: Attempt, failure: Failure, node: Node) -> None:
+    if job.status == JobStatus.CANCELLING.value:
+        log.info("job %s: %s failed while cancelling (%s)", job.id, node.name, failure.code)
+    elif attempt.preempt_requested_at is not None and is_retryable(failure.code):
+        # A peer stopping for the preemption broke a collective: part of the preemption.
+        log.info("job %s: %s failed while preempted (%s)", job.id, node.name, failure.code)
+    else:
+        where = f"rank {failure.rank} on {failure.node}" if failure.rank is not None else failure.node
+        fail_attempt(session, job, attempt, failure, f"{failure.code} ({where}): {failure.message}")
 
 
 def _attempt_succeeded(session: Session, job: Job, attempt: Attempt, placement: Placement) -> bool:

@@ -156,6 +156,23 @@ def _log_item(piece: LogPiece) -> Item:
     )
 
 
+def _exhausted(rows: list[Any], limit: int, upto_seq: int | None) -> bool:
+    """A kind's read is exhausted when it came back short, or reached ``upto``."""
+    return len(rows) < limit or (upto_seq is not None and rows[-1].seq >= upto_seq)
+
+
+def _status_items(session: Session, job_id: str, events: list[JobEvent], drained: bool) -> list[Item]:
+    """The status changes read, up to the final one, which waits until the rest is out."""
+    statuses: list[Item] = []
+    for ev in events:
+        if JobStatus(ev.status).is_final():
+            if drained:
+                statuses.append(_status_item(ev, session.get(Job, job_id)))
+            break
+        statuses.append(_status_item(ev, None))
+    return statuses
+
+
 def read_batch(
     session: Session, job_id: str, after: Cursor, *, upto: Cursor | None = None, limit: int = READ_LIMIT
 ) -> Batch:
@@ -170,27 +187,15 @@ def read_batch(
     events = list(session.scalars(stmt.order_by(JobEvent.seq).limit(limit)))
     metrics = metric_points_after(session, job_id, after.metric, None, limit)
     pieces = log_chunks_after(session, job_id, None, after.log, limit=limit)
-    # A kind is exhausted when its read came back short, or reached ``upto``.
     drained = (
         len(events) < limit
-        and (len(metrics) < limit or (upto is not None and metrics[-1].seq >= upto.metric))
-        and (len(pieces) < limit or (upto is not None and pieces[-1].seq >= upto.log))
+        and _exhausted(metrics, limit, None if upto is None else upto.metric)
+        and _exhausted(pieces, limit, None if upto is None else upto.log)
     )
     if upto is not None:
         metrics = [m for m in metrics if m.seq <= upto.metric]
         pieces = [p for p in pieces if p.seq <= upto.log]
-    statuses: list[Item] = []
-    final = False
-    job = None
-    for ev in events:
-        if JobStatus(ev.status).is_final():
-            if not drained:
-                break  # the final status waits until everything before it is out
-            job = job or session.get(Job, job_id)
-            statuses.append(_status_item(ev, job))
-            final = True
-            break
-        statuses.append(_status_item(ev, None))
+    statuses = _status_items(session, job_id, events, drained)
     # Status changes before the data of the same poll, except the final one, which ends it.
     items = (
         [s for s in statuses if not s.final]
@@ -201,7 +206,7 @@ def read_batch(
     cursor = after
     for item in items:
         cursor = cursor.after(item)
-    return Batch(items, cursor, drained, final)
+    return Batch(items, cursor, drained, any(s.final for s in statuses))
 
 
 @dataclass(frozen=True)
