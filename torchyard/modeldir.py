@@ -40,7 +40,7 @@ from torchvision.transforms import v2 as T
 from torchyard.architectures import CLASSIFICATION_ARCHITECTURES
 from torchyard.contract.dataset_digest import is_ignored_name, is_image_name
 from torchyard.contract.errors import InvalidDatasetError, InvalidModelDirectoryError
-from torchyard.contract.files import sha256_file
+from torchyard.contract.files import sha256_file as sha256_file  # the weights' checksum of a model directory
 from torchyard.contract.model_archive import resolve_model_dir, verify_model_dir
 
 __all__ = ["resolve_model_dir", "verify_model_dir"]  # torch-free, re-exported for the loader's users

@@ -24,7 +24,7 @@ from service.schemas.jobs import (
     TrainJobCreate,
 )
 from service.services import refs
-from service.services.job_lookup import get_job
+from service.services.job_lookup import get_job as get_job  # also the jobs API of the routes
 from service.services.kinds import kind_named, kind_of
 from service.services.tokens import Principal
 from service.states import AttemptStatus, JobStatus, can_transition

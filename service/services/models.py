@@ -29,7 +29,7 @@ from service.schemas.models import ModelPublic, ModelVersionPublic
 from service.services.artifacts import UNPACK_RATIO, ModelStore, fsync_dir
 from service.services.job_lookup import get_job
 from service.services.kinds import kind_of
-from service.services.model_versions import get_version
+from service.services.model_versions import get_version as get_version  # also the routes' lookup
 from service.services.outputs import OutputsStore, extract_folder, outputs_for_user
 from service.services.tokens import Principal
 from service.states import FINAL_STATUSES, JobStatus
