@@ -57,7 +57,7 @@ from service.services.replicas import ClusterHearing, ReplicaRow
 from service.services.scheduler import has_queued_jobs, is_postgres, run_pass
 from service.services.scheduler_loop import SchedulerLoop
 from service.services.wakeup import Wakeup
-from service.states import JobStatus, NodeStatus, PlacementStatus
+from service.states import ENGINE_AGENTS, JobStatus, NodeStatus, PlacementStatus
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,10 @@ def sweep(
             silent_nodes = list(
                 session.scalars(
                     select(Node.id).where(
-                        Node.status == NodeStatus.READY.value, Node.last_heartbeat_at < silent_cutoff
+                        # An engine's nodes are kept by its inventory, not by heartbeats.
+                        Node.engine == ENGINE_AGENTS,
+                        Node.status == NodeStatus.READY.value,
+                        Node.last_heartbeat_at < silent_cutoff,
                     )
                 )
             )
