@@ -621,7 +621,7 @@ def prepare_script(
         nproc=work.process_count_per_node,
         master_addr=work.master_addr,
         master_port=work.master_port,
-        cpus=ctx.cpus,
+        cpus=ctx.cpus_for(work.process_count_per_node),
         command=tuple(spec["command"]),
         launch=(spec.get("distribution") or {}).get("launch", "per_process"),
         variables=dict(environment.get("variables") or {}),
