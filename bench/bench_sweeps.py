@@ -21,6 +21,7 @@ Usage::
 
     python bench/bench_sweeps.py                  # both
     python bench/bench_sweeps.py --mode search --epochs 20
+    python bench/bench_sweeps.py --mode search --epochs 8 --seeds 3 --show-trials   # each trial's curve
     python bench/bench_sweeps.py --mode overhead --trials 60
 """
 
