@@ -102,6 +102,13 @@ def _worker(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _launch(args: argparse.Namespace) -> int:
+    require("launch", "worker")
+    from worker.agent.launch import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torchyard", description="Train PyTorch image classifiers on a cluster."
@@ -154,6 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="run a worker agent on this node")
     add_worker_arguments(worker)
     worker.set_defaults(handler=_worker)
+
+    from worker.agent.main import add_launch_arguments
+
+    launch = sub.add_parser(
+        "launch",
+        help="run one placement of an attempt and exit (what an engine such as Slurm starts on each node)",
+    )
+    add_launch_arguments(launch)
+    launch.set_defaults(handler=_launch)
 
     db = sub.add_parser("db", help="database administration")
     db_sub = db.add_subparsers(dest="db_command", required=True)

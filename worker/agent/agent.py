@@ -40,7 +40,7 @@ from worker.agent.api import Backoff, WorkerApi, is_retryable, retrying
 from worker.agent.identity import NodeLock, load_or_create_agent_key
 from worker.agent.launcher import kill_leftovers
 from worker.agent.node import NodeResources, address_towards, detect_resources, interface_for
-from worker.agent.placement import AgentContext, PlacementRun
+from worker.agent.placement import AgentContext, PlacementRun, apply_stop_orders
 from worker.agent.run_files import DEFAULT_LOG_BACKLOG_BYTES
 from worker.agent.runs import DEFAULT_KEEP_RUNS, prune_runs, shed_results
 from worker.agent.watchdog import preempt_grace_s
@@ -349,18 +349,7 @@ class Agent:
             self.shutdown.wait(interval)
 
     def _apply_stop_orders(self, orders: list[dict[str, Any]], active: list[PlacementRun]) -> None:
-        by_lease = {p.lease_token: p for p in active}
-        for order in orders:
-            placement = by_lease.get(order.get("lease_token", ""))
-            if placement is None or placement.stop_event.is_set():
-                continue
-            kind = order.get("reason", "stale")
-            message = order.get("message", "")
-            log.info("job %s: stop (%s): %s", placement.job_id, kind, message)
-            if kind == "preempted":
-                placement.request_preempt(message)
-                continue
-            placement.request_stop(kind if kind in ("cancelled", "attempt_ended") else "stale", message)
+        apply_stop_orders(orders, active)
 
     def _reregister(self) -> None:
         try:

@@ -138,6 +138,21 @@ class WorkerApi:
             return None
         return ClaimedPlacement.model_validate(self._json(response))
 
+    def check_in(self, attempt_id: str, body: dict[str, Any]) -> ClaimedPlacement:
+        """A one-placement launcher takes its node rank's placement of ``attempt_id``."""
+        response = self.client.post(f"/v1/worker/attempts/{attempt_id}/check-in", json=body)
+        return ClaimedPlacement.model_validate(self._json(response))
+
+    def launch_heartbeat(self, attempt_id: str, node: str, leases: list[str], timeout: float) -> Any:
+        """A launcher renews its placement's lease; the answer's ``stop`` lists stop orders."""
+        response = self.client.post(
+            f"/v1/worker/attempts/{attempt_id}/heartbeat",
+            params={"node": node},
+            json={"leases": leases},
+            timeout=timeout,
+        )
+        return self._json(response)
+
     def report_status(
         self,
         lease_token: str,

@@ -75,6 +75,22 @@ class AgentContext:
         return self.work_dir / "models"
 
 
+def apply_stop_orders(orders: list[dict[str, Any]], active: list[PlacementRun]) -> None:
+    """Pass a heartbeat's stop orders to the placements they name (an agent's or a launcher's)."""
+    by_lease = {p.lease_token: p for p in active}
+    for order in orders:
+        placement = by_lease.get(order.get("lease_token", ""))
+        if placement is None or placement.stop_event.is_set():
+            continue
+        kind = order.get("reason", "stale")
+        message = order.get("message", "")
+        log.info("job %s: stop (%s): %s", placement.job_id, kind, message)
+        if kind == "preempted":
+            placement.request_preempt(message)
+            continue
+        placement.request_stop(kind if kind in ("cancelled", "attempt_ended") else "stale", message)
+
+
 class _RunLog:
     """The launcher log of one placement: a file in the run directory (shipped as the
     ``agent-<node>`` stream) that also reaches the agent's own log."""

@@ -56,6 +56,7 @@ from worker.agent.launcher import (
     _tail,
     marked_pids,
     marker_scope,
+    visible_devices,
 )
 from worker.agent.mlflow_endpoint import TrackingEndpoint, tracking_snapshot
 from worker.agent.tensorboard_scalars import ScalarTailer
@@ -175,6 +176,7 @@ def script_env(
     launch: ScriptLaunch, base: Mapping[str, str], marker: str, local_rank: int | None, rank: int
 ) -> dict[str, str]:
     """One process's environment: never the worker's token nor the agent's own settings."""
+    inherited = base.get("CUDA_VISIBLE_DEVICES")
     env = {
         k: v
         for k, v in base.items()
@@ -188,7 +190,7 @@ def script_env(
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("OMP_NUM_THREADS", str(max(1, launch.cpus // launch.nproc)))
     if launch.gpu_ids:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in launch.gpu_ids)
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(launch.gpu_ids, inherited)
         if launch.socket_ifname:
             env.setdefault("NCCL_SOCKET_IFNAME", launch.socket_ifname)
     else:
