@@ -248,7 +248,7 @@ class ScriptGroup:
             process_env = script_env(launch, base, self.marker, local, rank)
             if self.tracking is not None:
                 name = f"rank-{rank}" if local is not None else f"node-{launch.node_rank}"
-                process_env.update(self.tracking.env_for(rank, name))
+                process_env.update(self.tracking.env_for(rank, name, ranks_from_caller=local is None))
             variables = command_variables(launch, process_env, local)
             argv = [expand(arg, variables) for arg in launch.command]
             if _PYTHON_NAMES.match(argv[0]):
