@@ -95,6 +95,53 @@ class Settings(BaseSettings):
         "outputs, as DELETE /v1/jobs/{id} does) this many seconds after they finished; unset keeps "
         "them until deleted. A job whose model is a registered model version is kept.",
     )
+    engine: Literal["agents", "slurm"] = Field(
+        default="agents",
+        description="What runs the jobs (SPEC §13): agents (torchyard's own worker agents, the default) or "
+        "slurm (an existing Slurm cluster: one sbatch per attempt).",
+    )
+    slurm_partitions: str = Field(
+        default="",
+        description="Slurm engine: the partitions jobs go to and whose nodes make the cluster, comma-separated "
+        "(default: the cluster's default partition).",
+    )
+    slurm_api_url: str | None = Field(
+        default=None,
+        description="Slurm engine: the API's address as compute nodes reach it (required with engine=slurm).",
+    )
+    slurm_launcher: str = Field(
+        default="torchyard launch",
+        description="Slurm engine: the command that starts torchyard's one-placement launcher on a compute node "
+        "(a path in a shared virtual environment, say).",
+    )
+    slurm_sbatch_args: str = Field(
+        default="",
+        description="Slurm engine: extra sbatch options for every job (account, qos, constraint, time), "
+        "split as a shell would.",
+    )
+    slurm_poll_s: float = Field(
+        default=3.0,
+        gt=0,
+        le=60,
+        description="Slurm engine: how often the inventory (sinfo) and the jobs (squeue) are read, by one "
+        "API replica at a time.",
+    )
+    slurm_output_dir: Path | None = Field(
+        default=None,
+        description="Slurm engine: where sbatch writes each job's output (on storage the node running the "
+        "batch script shares with the API; default <data dir>/slurm). Its tail explains an EngineError.",
+    )
+    slurm_work_dir: str = Field(
+        default="",
+        description="Slurm engine: the launcher's datasets cache and run folder on each compute node "
+        "(default: $TMPDIR/torchyard-launch-<uid> there).",
+    )
+    preempt_grace_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds preempted ranks have to checkpoint (also read by agents and launchers); with "
+        "the Slurm engine, sbatch --signal=USR1@<this> asks for it before the time limit.",
+    )
     heartbeat_interval_s: float = Field(default=2.0, gt=0, description="How often workers heartbeat.")
     lease_timeout_s: float = Field(
         default=15.0, gt=0, description="A node or attempt not heard from for this long is lost."
@@ -249,7 +296,16 @@ class Settings(BaseSettings):
                 ".env.example; choose a password of your own (with docker compose: POSTGRES_PASSWORD in "
                 f".env), or set TORCHYARD_ENV=local for a try-out on one machine (TORCHYARD_ENV is {self.env!r})"
             )
+        if self.engine == "slurm" and not self.slurm_api_url:
+            raise ValueError(
+                "TORCHYARD_ENGINE=slurm needs TORCHYARD_SLURM_API_URL: the API's address as compute nodes reach it"
+            )
         return self
+
+    @property
+    def slurm_outputs(self) -> Path:
+        """Where sbatch writes each Slurm job's output."""
+        return self.slurm_output_dir or self.data_dir / "slurm"
 
     @property
     def sqlalchemy_url(self) -> str:

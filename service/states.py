@@ -23,6 +23,8 @@ from torchyard.contract.states import (
 
 __all__ = [
     "ACTIVE_STATUSES",
+    "ENGINE_AGENTS",
+    "ENGINE_SLURM",
     "FINAL_STATUSES",
     "LIVE_ATTEMPT_STATUSES",
     "LIVE_STATUSES",
@@ -37,6 +39,10 @@ __all__ = [
     "can_transition",
     "sql_in",
 ]
+
+# The engines that run attempts (SPEC §13; TORCHYARD_ENGINE).
+ENGINE_AGENTS = "agents"
+ENGINE_SLURM = "slurm"
 
 TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     JobStatus.QUEUED: frozenset({JobStatus.SCHEDULED, JobStatus.CANCELLED, JobStatus.FAILED}),

@@ -22,7 +22,7 @@ Handler = Callable[[argparse.Namespace], int]
 # The parts that add commands of their own (``serve``, ``db``, ``token create``; ``worker``),
 # by their ``torchyard.commands`` entry points; these when the installed metadata has none.
 ENTRY_POINT_GROUP = "torchyard.commands"
-BUILT_IN_PARTS = ("service.commands", "worker.agent.main")
+BUILT_IN_PARTS = ("service.commands", "worker.commands")
 
 
 def command_parts() -> list[ModuleType]:

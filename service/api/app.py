@@ -41,6 +41,7 @@ from service.api.security import SecurityHeadersMiddleware
 from service.config import Settings, get_settings
 from service.db.engine import Database, is_unavailable, postgres_connect_args
 from service.db.migrate import upgrade
+from service.engines import make_engine
 from service.services.datasets import sweep_staging_periodically
 from service.services.reaper import ListeningClock, run_reaper
 from service.services.scheduler_loop import SchedulerLoop
@@ -138,7 +139,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Nodes are judged lost only after a full lease period of this replica listening.
         app.state.listening = ListeningClock()
         # Scheduling passes, one at a time, out of the request path.
-        app.state.scheduling = SchedulerLoop(app.state.db, settings, app.state.wakeup).start()
+        # What runs the jobs (SPEC §13): torchyard's agents, or an existing Slurm cluster.
+        engine = make_engine(settings)
+        await asyncio.to_thread(engine.start)
+        app.state.engine = engine
+        app.state.scheduling = SchedulerLoop(app.state.db, settings, app.state.wakeup, engine).start()
         # PostgreSQL: work placed by any replica wakes the claims parked here.
         listener = None
         if not app.state.db.is_sqlite:

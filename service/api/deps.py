@@ -129,6 +129,20 @@ def require_worker(principal: Annotated[Principal, Depends(get_principal)]) -> P
     return principal
 
 
+def require_agent(principal: Annotated[Principal, Depends(require_worker)]) -> Principal:
+    """A worker token of a resident agent: a launch token (one attempt's) may not speak for a node."""
+    if principal.attempt_id is not None:
+        raise PermissionDeniedError("a launch token reaches only its own attempt's placements")
+    return principal
+
+
+def require_launcher(principal: Annotated[Principal, Depends(require_worker)]) -> Principal:
+    """A launch token (SPEC §13): the one-placement launcher of one attempt."""
+    if principal.attempt_id is None:
+        raise PermissionDeniedError("this route needs the launch token of an attempt")
+    return principal
+
+
 def get_agent_key(
     key: Annotated[
         str | None,
@@ -145,6 +159,8 @@ ReadSessionDep = Annotated[Session, Depends(get_read_session)]
 CurrentUser = Annotated[Principal, Depends(require_user)]
 AdminUser = Annotated[Principal, Depends(require_admin)]
 WorkerDep = Annotated[Principal, Depends(require_worker)]
+AgentDep = Annotated[Principal, Depends(require_agent)]
+LauncherDep = Annotated[Principal, Depends(require_launcher)]
 WakeupDep = Annotated[Wakeup, Depends(get_wakeup)]
 SchedulingDep = Annotated[SchedulerLoop, Depends(get_scheduling)]
 AgentKeyDep = Annotated[str | None, Depends(get_agent_key)]

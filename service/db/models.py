@@ -98,6 +98,8 @@ class Token(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     # Refreshed at most once a minute (see ``service.services.tokens.LAST_USED_RESOLUTION``).
     last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # A launch token (SPEC §13): it speaks only for this attempt's placements.
+    attempt_id: Mapped[str | None] = mapped_column(String(32), index=True)
 
 
 class Dataset(Base):
@@ -285,6 +287,9 @@ class Node(Base):
     drained_by: Mapped[str | None] = mapped_column(String(16))
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # Who keeps the row: "agents" (a resident agent registers and heartbeats) or an
+    # engine's inventory ("slurm": mirrored from sinfo).
+    engine: Mapped[str] = mapped_column(String(16), default="agents", server_default="agents")
 
 
 _live_attempt = sql_in(LIVE_ATTEMPT_STATUSES)
@@ -305,6 +310,13 @@ class Attempt(Base):
             sqlite_where=text(f"status IN {_live_attempt}"),
             postgresql_where=text(f"status IN {_live_attempt}"),
         ),
+        # What an engine's poll reads: attempts whose engine job may still exist.
+        Index(
+            "ix_attempts_engine_open",
+            "engine",
+            sqlite_where=text("engine <> 'agents' AND engine_state IS NULL"),
+            postgresql_where=text("engine <> 'agents' AND engine_state IS NULL"),
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
@@ -317,6 +329,13 @@ class Attempt(Base):
     failure_message: Mapped[str | None] = mapped_column(Text)
     # Set when a node of the attempt is drained: every node is told to checkpoint and stop.
     preempt_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # The engine that runs it ("agents", "slurm"), its job id there once submitted, that
+    # job's final state once the engine reports it ended (None while it may still run), and
+    # the engine's last word on it (a pending reason, the tail of its output).
+    engine: Mapped[str] = mapped_column(String(16), default="agents", server_default="agents")
+    engine_job_id: Mapped[str | None] = mapped_column(String(64))
+    engine_state: Mapped[str | None] = mapped_column(String(32))
+    engine_reason: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -180,6 +180,11 @@ class AttemptPublic(BaseModel):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     nodes: list[str] = Field(default=[], description="Names of the attempt's nodes, by node rank.")
+    engine: str = Field(default="agents", description="What ran the attempt: agents or slurm.")
+    engine_job_id: str | None = Field(
+        default=None, description="The engine's job id (Slurm's) of the attempt."
+    )
+    engine_state: str | None = Field(default=None, description="The engine job's final state once it ended.")
     end_reason: EndReason | None = Field(default=None, description="Null while the attempt is live.")
     placements: list[PlacementPublic] = []
 

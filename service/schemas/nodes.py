@@ -62,9 +62,19 @@ class NodePublic(BaseModel):
     )
     running_attempts: list[str] = Field(default=[], description="Ids of the attempts holding units here.")
     attempts: list[NodeAttemptPublic] = []
+    engine: str = Field(
+        default="agents",
+        description="Who keeps the node: agents (a torchyard agent), slurm (Slurm's inventory).",
+    )
+    engine_state: str | None = Field(
+        default=None, description="The engine's own state of the node (Slurm's)."
+    )
 
 
 class ClusterPublic(BaseModel):
+    engine: str = Field(
+        default="agents", description="What runs the jobs: agents or slurm (TORCHYARD_ENGINE)."
+    )
     max_nodes: int = Field(description="Largest node_count a job may ask for.")
     max_nodes_source: str = Field(
         description="setting: TORCHYARD_MAX_NODES; ready_nodes: the number of nodes not lost."

@@ -16,7 +16,7 @@ from service.db.engine import Database
 from service.db.models import Node
 from service.schemas.nodes import NodeDrained, NodeRegister
 from service.services import attempts, drain, nodes
-from service.services.reaper import lose_node_placements
+from service.services.reaper import lose_node_placements, unfinished_placements
 from service.services.tokens import Principal
 from service.states import NodeStatus
 from torchyard.contract.protocol import (
@@ -29,7 +29,8 @@ from torchyard.contract.protocol import (
 def register(
     session: Session, db: Database, settings: Settings, worker: Principal, body: NodeRegister
 ) -> Node:
-    """Register (or re-register) the node and commit; then whatever it ran before is lost."""
+    """Register (or re-register) the node and commit; then whatever its earlier agent was
+    running is lost."""
     node = nodes.register_node(
         session,
         worker,
@@ -41,8 +42,14 @@ def register(
         agent_key=body.agent_key,
         lease_timeout_s=settings.lease_timeout_s,
     )
+    # What the node's earlier agent ran, read while the node's row is locked. A placement it
+    # never claimed has no process behind it: the new agent claims it as its own (after a
+    # quick restart the scheduler may have placed a job on the node a moment before), and
+    # so does work placed once this registration commits.
+    earlier = unfinished_placements(session, node.id, claimed_only=True)
     session.commit()
-    lose_node_placements(db, node.id, f"the worker agent on node {node.name} restarted")
+    if earlier:
+        lose_node_placements(db, node.id, f"the worker agent on node {node.name} restarted", rows=earlier)
     return node
 
 

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 
 from service.db.models import Job, Node, Placement, utcnow
 from service.services.job_lookup import get_job
-from service.services.leases import lock_lease, placement_for_lease
+from service.services.leases import lock_lease, placement_for_lease, speaks_for
 from service.services.tokens import Principal
 from service.states import JobStatus, PlacementStatus
 from torchyard.contract.errors import (
@@ -239,7 +239,7 @@ def model_for_worker(session: Session, principal: Principal, store: ModelStore, 
         select(Placement.id)
         .join(Node, Node.id == Placement.node_id)
         .join(Job, Job.id == Placement.job_id)
-        .where(Node.token_id == principal.id, or_(ran_it, fine_tunes_from_it))
+        .where(speaks_for(principal), or_(ran_it, fine_tunes_from_it))
         .limit(1)
     ).first()
     if placed is None:

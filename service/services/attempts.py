@@ -24,6 +24,7 @@ Rules:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -41,7 +42,14 @@ from service.services.leases import lock_lease
 from service.services.nodes import get_own_node, touch_node
 from service.services.scheduler import is_postgres
 from service.services.tokens import Principal
-from service.states import LIVE_ATTEMPT_STATUSES, AttemptStatus, JobStatus, NodeStatus, PlacementStatus
+from service.states import (
+    ENGINE_AGENTS,
+    LIVE_ATTEMPT_STATUSES,
+    AttemptStatus,
+    JobStatus,
+    NodeStatus,
+    PlacementStatus,
+)
 from torchyard.contract.errors import (
     ConflictError,
     JobTimeoutError,
@@ -175,6 +183,9 @@ def finish_preemption(session: Session, job: Job, attempt: Attempt) -> bool:
     its job goes back to ``queued`` (reason ``preempted``, no restart counted); True if it did."""
     if attempt.status not in _LIVE_ATTEMPT or attempt.preempt_requested_at is None:
         return False
+    if attempt.engine != ENGINE_AGENTS and attempt.engine_state is None:
+        # An engine's job (Slurm's) says how it ended: preempted, or cancelled from outside.
+        return False
     open_count = session.scalar(
         select(func.count(Placement.id)).where(
             Placement.attempt_id == attempt.id, Placement.status != PlacementStatus.DONE
@@ -183,7 +194,11 @@ def finish_preemption(session: Session, job: Job, attempt: Attempt) -> bool:
     if open_count:
         return False
     _end_attempt(attempt, AttemptStatus.PREEMPTED, utcnow())
-    attempt.failure_message = "preempted: a node of the attempt was drained"
+    attempt.failure_message = (
+        "preempted: a node of the attempt was drained"
+        if attempt.engine == ENGINE_AGENTS
+        else f"preempted: {attempt.engine} stopped its job ({attempt.engine_state})"
+    )
     if job.status in _PLACED_JOB:
         requeue(session, job, "preempted")
         log.info("job %s: attempt %d preempted, back to the queue", job.id, attempt.number)
@@ -333,6 +348,34 @@ def heartbeat(
     """Renew the node and the leases it lists; say which placements must stop. The caller commits."""
     node = get_own_node(session, principal, node_name, for_update=True)
     touch_node(session, node)
+    renewed, stop = renew_leases(
+        session,
+        settings,
+        leases,
+        owns=lambda placement: placement.node_id == node.id,
+        draining=node.status != NodeStatus.READY.value,
+    )
+    return HeartbeatResponse(
+        node=node.name,
+        status=node.status,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        lease_timeout_s=settings.lease_timeout_s,
+        renewed=renewed,
+        stop=stop,
+    )
+
+
+def renew_leases(
+    session: Session,
+    settings: Settings,
+    leases: list[str],
+    *,
+    owns: Callable[[Placement], bool],
+    draining: bool = False,
+) -> tuple[list[LeaseRenewal], list[StopOrder]]:
+    """Renew the listed leases the caller ``owns`` (another's count as unknown) and say which
+    placements must stop: finished, cancelling, preempted (``draining``: the node of a
+    resident agent is drained), or of an attempt that ended."""
     now = utcnow()
     expires = now + timedelta(seconds=settings.lease_timeout_s)
     wanted = set(leases)
@@ -353,7 +396,7 @@ def heartbeat(
     seen: set[str] = set()
     for placement, attempt, job_status in rows:
         token = placement.lease_token
-        if placement.node_id != node.id:
+        if not owns(placement):
             continue  # another node's token: treated as unknown below
         seen.add(token)
         if placement.status == PlacementStatus.DONE:
@@ -380,9 +423,7 @@ def heartbeat(
                     message="the job is being cancelled",
                 )
             )
-        elif attempt.status in _LIVE_ATTEMPT and (
-            attempt.preempt_requested_at is not None or node.status != NodeStatus.READY.value
-        ):
+        elif attempt.status in _LIVE_ATTEMPT and (attempt.preempt_requested_at is not None or draining):
             if attempt.preempt_requested_at is None:
                 attempt.preempt_requested_at = now
             stop.append(
@@ -406,14 +447,7 @@ def heartbeat(
             )
     for token in sorted(wanted - seen):
         stop.append(StopOrder(lease_token=token, reason="stale", message="unknown lease token"))
-    return HeartbeatResponse(
-        node=node.name,
-        status=node.status,
-        heartbeat_interval_s=settings.heartbeat_interval_s,
-        lease_timeout_s=settings.lease_timeout_s,
-        renewed=renewed,
-        stop=stop,
-    )
+    return renewed, stop
 
 
 # --- status reports ----------------------------------------------------------------------

@@ -34,7 +34,11 @@ from torchyard.contract.errors import ResourceLimitError
 def ready_node_filter(settings: Settings, now: datetime) -> ColumnElement[bool]:
     """SQL condition for a ready node: status ready and a heartbeat within the lease timeout."""
     fresh_after = now - timedelta(seconds=settings.lease_timeout_s)
-    return and_(Node.status == NodeStatus.READY.value, Node.last_heartbeat_at >= fresh_after)
+    return and_(
+        Node.engine == settings.engine,
+        Node.status == NodeStatus.READY.value,
+        Node.last_heartbeat_at >= fresh_after,
+    )
 
 
 def node_status(node: Node, settings: Settings, now: datetime, *, busy: bool = False) -> NodeStatus:
@@ -82,7 +86,10 @@ def submission_limits(session: Session, settings: Settings, now: datetime | None
     seen_after = now - timedelta(seconds=settings.node_memory_s)
     seen, largest = session.execute(
         select(func.count(Node.id), func.coalesce(func.max(Node.units), 0)).where(
-            or_(ready_node_filter(settings, now), Node.last_heartbeat_at >= seen_after)
+            or_(
+                ready_node_filter(settings, now),
+                and_(Node.engine == settings.engine, Node.last_heartbeat_at >= seen_after),
+            )
         )
     ).one()
     largest = max(int(largest), ready.max_units_per_node)
@@ -216,7 +223,7 @@ def cluster_view(session: Session, settings: Settings, principal: Principal) -> 
     limits = cluster_limits(session, settings, now)
     usage = node_usage(session)
     nodes: list[NodePublic] = []
-    for node in session.scalars(select(Node).order_by(Node.name)):
+    for node in session.scalars(select(Node).where(Node.engine == settings.engine).order_by(Node.name)):
         shares = usage.get(node.id, [])
         held = sum(s.units for s in shares)
         status = node_status(node, settings, now, busy=bool(shares))
@@ -233,6 +240,8 @@ def cluster_view(session: Session, settings: Settings, principal: Principal) -> 
                 seconds_since_heartbeat=round(max(0.0, (now - node.last_heartbeat_at).total_seconds()), 3),
                 registered_at=node.registered_at,
                 sandbox=_sandbox(node),
+                engine=node.engine,
+                engine_state=(node.info or {}).get("state") if node.engine != "agents" else None,
                 running_attempts=[s.attempt_id for s in shares],
                 attempts=[
                     NodeAttemptPublic(
@@ -249,6 +258,7 @@ def cluster_view(session: Session, settings: Settings, principal: Principal) -> 
         )
     ready = [n for n in nodes if n.status == NodeStatus.READY.value]
     return ClusterPublic(
+        engine=settings.engine,
         max_nodes=limits.max_nodes,
         max_nodes_source=limits.max_nodes_source,
         max_units_per_node=limits.max_units_per_node,

@@ -27,6 +27,7 @@ from service.datasets.tarstream import DatasetTar
 from service.db.models import CodePackage, Job, Node, Placement, utcnow
 from service.schemas.code import CodePublic
 from service.services import refs
+from service.services.leases import speaks_for
 from service.services.tokens import Principal
 from service.states import ACTIVE_STATUSES, PlacementStatus
 from torchyard.contract.archive import ExtractionLimits, extract_archive
@@ -217,7 +218,7 @@ def code_for_worker(session: Session, principal: Principal, code_id: str) -> Cod
         .join(Node, Node.id == Placement.node_id)
         .join(Job, Job.id == Placement.job_id)
         .where(
-            Node.token_id == principal.id,
+            speaks_for(principal),
             Placement.status != PlacementStatus.DONE,
             Job.code_id == row.id,
         )

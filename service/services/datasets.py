@@ -33,6 +33,7 @@ from service.datasets.validate import ValidatedDataset, validate_image_directory
 from service.db.models import Dataset, Job, JobInput, Node, Placement, utcnow
 from service.schemas.datasets import DatasetPublic, DatasetRegister
 from service.services import refs
+from service.services.leases import speaks_for
 from service.services.tokens import Principal
 from service.states import ACTIVE_STATUSES, PlacementStatus
 from torchyard.contract.archive import ExtractionLimits, extract_archive
@@ -374,7 +375,7 @@ def dataset_for_worker(session: Session, principal: Principal, dataset_id: str) 
         .join(Node, Node.id == Placement.node_id)
         .join(Job, Job.id == Placement.job_id)
         .where(
-            Node.token_id == principal.id,
+            speaks_for(principal),
             Placement.status != PlacementStatus.DONE,
             or_(
                 Job.train_dataset_id == row.id,

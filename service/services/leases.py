@@ -11,7 +11,7 @@ So an agent whose reports waited out an API restart is still heard.
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, select
 from sqlalchemy.orm import Session
 
 from service.db.models import Job, Node, Placement
@@ -21,17 +21,21 @@ from torchyard.contract.errors import StaleLeaseError
 from torchyard.contract.headers import LEASE_HEADER
 
 
+def speaks_for(principal: Principal) -> ColumnElement[bool]:
+    """SQL condition on ``Placement``: a placement this worker token may speak for (its nodes'
+    placements; a launch token's, its attempt's only)."""
+    if principal.attempt_id is not None:
+        return Placement.attempt_id == principal.attempt_id
+    return Placement.node_id.in_(select(Node.id).where(Node.token_id == principal.id))
+
+
 def placement_for_lease(
     session: Session, principal: Principal, lease_token: str | None, *, for_update: bool = False
 ) -> Placement:
     """The live placement holding ``lease_token`` for this worker, or StaleLeaseError."""
     if not lease_token:
         raise StaleLeaseError(f"missing {LEASE_HEADER} header")
-    stmt = (
-        select(Placement)
-        .join(Node, Node.id == Placement.node_id)
-        .where(Placement.lease_token == lease_token, Node.token_id == principal.id)
-    )
+    stmt = select(Placement).where(Placement.lease_token == lease_token, speaks_for(principal))
     if for_update:
         stmt = stmt.with_for_update(of=Placement)
     placement = session.scalars(stmt).first()

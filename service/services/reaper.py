@@ -57,7 +57,7 @@ from service.services.replicas import ClusterHearing, ReplicaRow
 from service.services.scheduler import has_queued_jobs, is_postgres, run_pass
 from service.services.scheduler_loop import SchedulerLoop
 from service.services.wakeup import Wakeup
-from service.states import JobStatus, NodeStatus, PlacementStatus
+from service.states import ENGINE_AGENTS, JobStatus, NodeStatus, PlacementStatus
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,10 @@ def sweep(
             silent_nodes = list(
                 session.scalars(
                     select(Node.id).where(
-                        Node.status == NodeStatus.READY.value, Node.last_heartbeat_at < silent_cutoff
+                        # An engine's nodes are kept by its inventory, not by heartbeats.
+                        Node.engine == ENGINE_AGENTS,
+                        Node.status == NodeStatus.READY.value,
+                        Node.last_heartbeat_at < silent_cutoff,
                     )
                 )
             )
@@ -255,18 +258,36 @@ def _time_out_overruns(db: Database, now: datetime, result: SweepResult) -> None
                 log.warning("job %s timed out after %s s", job_id, limit)
 
 
+def unfinished_placements(
+    session: Session, node_id: str, *, claimed_only: bool = False
+) -> list[tuple[str, str]]:
+    """(job id, placement id) of every placement of the node that is not done (with
+    ``claimed_only``, of those an agent has claimed: the ones with processes behind them)."""
+    wanted = (
+        [PlacementStatus.RUNNING] if claimed_only else [PlacementStatus.ASSIGNED, PlacementStatus.RUNNING]
+    )
+    rows = session.execute(
+        select(Placement.job_id, Placement.id).where(
+            Placement.node_id == node_id, Placement.status.in_(wanted)
+        )
+    ).all()
+    return [(job_id, placement_id) for job_id, placement_id in rows]
+
+
 def lose_node_placements(
-    db: Database, node_id: str, message: str, known: dict[str, str] | None = None
+    db: Database,
+    node_id: str,
+    message: str,
+    known: dict[str, str] | None = None,
+    rows: list[tuple[str, str]] | None = None,
 ) -> int:
     """Every placement of the node that is not done is lost (its job fails, ``message``
     naming the node): the node went silent, or its agent restarted without its ranks.
-    ``known`` gives a placement's own message where it was lost for a reason of its own."""
-    with db.read_session() as session:
-        rows = session.execute(
-            select(Placement.job_id, Placement.id).where(
-                Placement.node_id == node_id, Placement.status != PlacementStatus.DONE
-            )
-        ).all()
+    ``known`` gives a placement's own message where it was lost for a reason of its own;
+    ``rows`` (from :func:`unfinished_placements`) limits it to the placements read then."""
+    if rows is None:
+        with db.read_session() as session:
+            rows = unfinished_placements(session, node_id)
     by_job: dict[str, list[str]] = {}
     for job_id, placement_id in rows:
         by_job.setdefault(job_id, []).append(placement_id)

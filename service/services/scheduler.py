@@ -78,7 +78,7 @@ def _ports_in_use(session: Session, address: str) -> set[int]:
     return set(session.scalars(select(Attempt.master_port).where(Attempt.master_addr == address, live)))
 
 
-def _pick_port(session: Session, settings: Settings, address: str, taken: dict[str, set[int]]) -> int | None:
+def pick_port(session: Session, settings: Settings, address: str, taken: dict[str, set[int]]) -> int | None:
     used = _ports_in_use(session, address) | taken.setdefault(address, set())
     # A random free port, not the lowest: a just-finished attempt's port may still be
     # in TIME_WAIT on that host.
@@ -289,7 +289,7 @@ def _try_place(
     chosen = _choose(nodes, job.node_count, job.process_count_per_node)
     if chosen is None:
         return _wait_reason(job, nodes)
-    port = _pick_port(session, settings, chosen[0].address, taken_ports)
+    port = pick_port(session, settings, chosen[0].address, taken_ports)
     if port is None:
         return (
             f"waiting for a free rendezvous port on {chosen[0].address} "

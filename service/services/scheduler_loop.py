@@ -23,7 +23,8 @@ import threading
 
 from service.config import Settings
 from service.db.engine import Database, is_unavailable
-from service.services.scheduler import run_pass
+from service.engines.agents import AgentsEngine
+from service.engines.base import Engine
 from service.services.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,13 @@ _RETRY_S = 0.5
 class SchedulerLoop:
     """Coalesced scheduling passes in a thread of their own (see the module's docstring)."""
 
-    def __init__(self, db: Database, settings: Settings, wakeup: Wakeup) -> None:
+    def __init__(
+        self, db: Database, settings: Settings, wakeup: Wakeup, engine: Engine | None = None
+    ) -> None:
         self._db = db
+        # What a pass runs: the gang scheduler of the built-in agents, or another engine's pass
+        # (service.engines), which also runs every ``engine.period_s`` unasked (it polls).
+        self._engine: Engine = engine or AgentsEngine()
         self._settings = settings
         self._wakeup = wakeup
         self._cond = threading.Condition()
@@ -92,13 +98,15 @@ class SchedulerLoop:
     def _run(self) -> None:
         while True:
             with self._cond:
+                period = self._engine.period_s
                 while self._requested <= self._done and not self._stopping:
-                    self._cond.wait()
+                    if not self._cond.wait(period) and period is not None:
+                        break  # an engine that polls: a pass is due anyway
                 if self._stopping:
                     return
                 target = self._requested
             try:
-                result = run_pass(self._db, self._settings)
+                result = self._engine.run_pass(self._db, self._settings)
             except Exception as exc:
                 if is_unavailable(exc):
                     log.warning("scheduling pass failed: the database is unreachable; retrying")

@@ -34,6 +34,8 @@ class Principal:
     name: str
     role: Role
     last_used_at: datetime | None = field(default=None, compare=False)
+    # A launch token's attempt (SPEC §13): it speaks only for that attempt's placements.
+    attempt_id: str | None = None
 
     @property
     def is_admin(self) -> bool:
@@ -67,7 +69,13 @@ def authenticate(session: Session, token: str | None) -> Principal:
     # comparison itself depends on how much of a guessed token is right.
     if row is None or not hmac.compare_digest(row.token_hash, digest) or row.revoked_at is not None:
         raise AuthenticationError("invalid or revoked token")
-    return Principal(id=row.id, name=row.name, role=Role(row.role), last_used_at=row.last_used_at)
+    return Principal(
+        id=row.id,
+        name=row.name,
+        role=Role(row.role),
+        last_used_at=row.last_used_at,
+        attempt_id=row.attempt_id,
+    )
 
 
 def use_is_due(principal: Principal, now: datetime) -> bool:
@@ -126,7 +134,8 @@ def record_use(session: Session, token_id: str, now: datetime) -> bool:
 
 def list_tokens(session: Session, *, include_revoked: bool = True) -> list[Token]:
     """Every token, oldest first."""
-    stmt = select(Token).order_by(Token.created_at, Token.id)
+    # Launch tokens live and die with their attempt: they are not the admin's to manage.
+    stmt = select(Token).where(Token.attempt_id.is_(None)).order_by(Token.created_at, Token.id)
     if not include_revoked:
         stmt = stmt.where(Token.revoked_at.is_(None))
     return list(session.scalars(stmt))

@@ -40,6 +40,15 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (an exited child nobody reaped is a zombie, not live)."""
+    try:
+        stat_fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return stat_fields[0] != "Z"
+
+
 class Serve:
     def __init__(self, tmp: Path) -> None:
         self.data_dir = tmp / "data"
@@ -48,8 +57,11 @@ class Serve:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
         # No token anywhere: the CLI finds the admin token in the data directory.
         self.env.update(TORCHYARD_DATA_DIR=str(self.data_dir), TORCHYARD_URL=f"http://127.0.0.1:{self.port}")
-        with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(
+        self.process = self._start("wb")
+
+    def _start(self, mode: str) -> subprocess.Popen[bytes]:
+        with open(self.log, mode) as out:
+            return subprocess.Popen(
                 [sys.executable, "-m", "torchyard.cli", "serve", "--with-worker", "--port", str(self.port),
                  "--worker-slots", "2"],
                 env=self.env, stdout=out, stderr=subprocess.STDOUT,
@@ -80,6 +92,14 @@ class Serve:
                     return cluster
             assert time.monotonic() < deadline, f"not ready: {r.stderr}\n{self.tail()}"
             time.sleep(0.5)
+
+    def kill_and_restart(self) -> None:
+        """SIGKILL ``serve`` and start it again at once on the same port and data directory,
+        as an operator's quick restart: its worker, told by the kernel that its parent died,
+        is still stopping its runs when the new ``serve`` starts its own."""
+        self.process.kill()
+        self.process.wait(10)
+        self.process = self._start("ab")
 
     def stop(self) -> int:
         if self.process.poll() is None:
@@ -155,6 +175,56 @@ def test_the_readmes_using_it_session_runs_as_pasted(serve: Serve, tmp_path: Pat
     ]
     assert len(predictions) == 2, ran.stdout  # the local model directory, then the service
     assert re.search(r"^digits:\d+$", ran.stdout, re.M), ran.stdout
+
+
+def test_a_quick_restart_of_serve_while_a_job_runs_loses_neither_the_node_nor_the_job(
+    serve: Serve, tmp_path: Path
+) -> None:
+    """``serve`` SIGKILLed and started again at once while a job trains: the old worker, still
+    preempting its placement, holds the node's lock; the new worker waits for it instead of
+    exiting with NodeNameInUseError, registers, and the job resumes from its checkpoint and
+    succeeds, its preemption not counted as a restart."""
+    serve.wait_ready()
+    train_dir, val_dir = write_digits(tmp_path / "digits", per_class=6, size=16)
+    serve.ok("datasets", "upload", str(train_dir), "--name", "restart-train")
+    serve.ok("datasets", "upload", str(val_dir), "--name", "restart-val")
+    job_id = serve.ok(
+        "submit", "--train", "restart-train", "--val", "restart-val", "--arch", "resnet18",
+        "--image-size", "16", "--epochs", "3", "--batch-size", "8", "--lr", "0.05",
+        "--name", "quick-restart",
+    ).strip()  # fmt: skip
+    deadline = time.monotonic() + 300
+    while json.loads(serve.ok("show", job_id, "--json"))["status"] != "running":
+        assert time.monotonic() < deadline, serve.tail()
+        time.sleep(0.5)
+    old_workers = [  # serve's worker agent, its child
+        pid
+        for pid in processes_mentioning(f"--work-dir {serve.data_dir}-worker")
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(serve.process.pid)
+    ]
+    assert old_workers, "no worker agent process"
+
+    serve.kill_and_restart()
+    deadline = time.monotonic() + 600
+    while True:
+        shown = serve.cli("show", job_id, "--json")  # refused while the new serve starts
+        job = json.loads(shown.stdout) if shown.returncode == 0 else {"status": "unknown"}
+        if job["status"] in ("succeeded", "failed", "cancelled"):
+            break
+        assert time.monotonic() < deadline, serve.tail()
+        time.sleep(1)
+    assert job["status"] == "succeeded", (job, serve.tail())
+    assert job["restarts"] == 0 and len(job["attempts"]) >= 2, json.dumps(job["attempts"])
+    # The old worker has finished stopping; the node is the new worker's, which holds its lock.
+    assert not [pid for pid in old_workers if _running(pid)]
+    cluster = serve.wait_ready()
+    assert cluster["ready_nodes"] == 1
+    (lock,) = Path(f"{serve.data_dir}-worker").glob("*.lock")
+    holder = int(lock.read_text())
+    assert holder not in old_workers and _running(holder)
+    worker_log = (serve.data_dir / "logs" / "local-worker.log").read_text(errors="replace")
+    assert "is still stopping: waiting up to" in worker_log, worker_log[-3000:]
+    assert "NodeNameInUse" not in worker_log + serve.log.read_text(errors="replace")
 
 
 def test_train_follow_download_and_predict_with_the_cli(serve: Serve, tmp_path: Path) -> None:

@@ -364,6 +364,22 @@ def test_unclaimed_placement_expires_and_a_restarted_agent_loses_its_placements(
         "traceback": None,
     }
 
+    # A placement the earlier agent never claimed has no process behind it: the agent that
+    # registers again claims it, and the job runs with no restart counted.
+    job_id = cluster.submit(node_count=1, process_count_per_node=1)
+    job = cluster.wait_for(job_id, lambda j: j["status"] == "scheduled")
+    node = job["nodes"][0]
+    r = cluster.worker.post(
+        "/v1/worker/nodes", json={"name": node, "address": "127.0.0.1", "units": 2, "accelerator": "cpu"}
+    )
+    assert r.status_code == 200
+    assert cluster.job(job_id)["status"] == "scheduled"
+    work = cluster.claim(node)
+    assert work["job_id"] == job_id
+    cluster.status(work["lease_token"], "running")
+    job = cluster.job(job_id)
+    assert job["status"] == "running" and job["restarts"] == 0 and len(job["attempts"]) == 1
+
 
 def test_submission_wakes_a_waiting_claim_without_polling(make_settings: Any, settings: Settings) -> None:
     # No reaper pass and no database re-check within the test's horizon: only the

@@ -24,10 +24,12 @@ class ApiProcess:
         port: int | None = None,
         settings: dict[str, str] | None = None,
         name: str = "api",
+        host: str = "127.0.0.1",
     ) -> None:
         self.data_dir = data_dir
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.host = host
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
         self.log_path = data_dir.parent / f"{name}-{self.port}.log"
         base = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
         self.env = {**base, "TORCHYARD_DATA_DIR": str(data_dir), **(settings or {})}
@@ -41,7 +43,16 @@ class ApiProcess:
         self.starts += 1
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "torchyard.cli", "serve", "--port", str(self.port)],
+                [
+                    sys.executable,
+                    "-m",
+                    "torchyard.cli",
+                    "serve",
+                    "--host",
+                    self.host,
+                    "--port",
+                    str(self.port),
+                ],
                 env=self.env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,

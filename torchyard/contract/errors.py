@@ -171,6 +171,15 @@ class SandboxUnavailableError(TorchyardError):
     status_code = 409
 
 
+class EngineError(TorchyardError):
+    """An engine's job (Slurm's, SPEC §13) ended without any report from torchyard's launcher
+    (a wrong launcher path, a node without torchyard), or the engine refused it; the message
+    carries the engine's state and the tail of its output. Not retried."""
+
+    code = "EngineError"
+    status_code = 409
+
+
 class ServiceUnavailableError(TorchyardError):
     """The API cannot serve the request right now (its database is unreachable); retry later."""
 

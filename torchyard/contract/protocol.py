@@ -246,3 +246,21 @@ class PlacementStatusResponse(BaseModel):
     placement_status: str
     stop: bool = Field(description="True when the agent must stop this placement's ranks.")
     reason: str | None = None
+
+
+class LaunchCheckIn(StrictModel):
+    """A one-placement launcher (SPEC §13) checking in for its share of an attempt.
+
+    The first launcher of an attempt to check in binds every placement: node rank ``i``
+    is ``nodes[i]``, and the rendezvous is at node rank 0's address."""
+
+    node: str = Field(min_length=1, max_length=200, description="This node's name (Slurm's SLURMD_NODENAME).")
+    node_rank: int = Field(ge=0, le=100_000, description="This node's rank (Slurm's SLURM_NODEID).")
+    nodes: list[str] = Field(
+        min_length=1,
+        max_length=100_000,
+        description="Every node of the allocation in node-rank order (Slurm's expanded SLURM_JOB_NODELIST).",
+    )
+    address: str = Field(
+        min_length=1, max_length=255, description="The address other nodes reach this one at."
+    )

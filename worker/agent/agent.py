@@ -40,7 +40,7 @@ from worker.agent.api import Backoff, WorkerApi, is_retryable, retrying
 from worker.agent.identity import NodeLock, load_or_create_agent_key
 from worker.agent.launcher import kill_leftovers
 from worker.agent.node import NodeResources, address_towards, detect_resources, interface_for
-from worker.agent.placement import AgentContext, PlacementRun
+from worker.agent.placement import AgentContext, PlacementRun, apply_stop_orders
 from worker.agent.run_files import DEFAULT_LOG_BACKLOG_BYTES
 from worker.agent.runs import DEFAULT_KEEP_RUNS, prune_runs, shed_results
 from worker.agent.watchdog import preempt_grace_s
@@ -123,6 +123,7 @@ class Agent:
             shutdown=self.shutdown,
             log_backlog_bytes=options.log_backlog_bytes,
             sandbox=sandbox.mode(),
+            node_units=self.resources.units,
         )
         self.claim_wait = MAX_CLAIM_WAIT_S
 
@@ -349,16 +350,7 @@ class Agent:
             self.shutdown.wait(interval)
 
     def _apply_stop_orders(self, orders: list[StopOrder], active: list[PlacementRun]) -> None:
-        by_lease = {p.lease_token: p for p in active}
-        for order in orders:
-            placement = by_lease.get(order.lease_token)
-            if placement is None or placement.stop_event.is_set():
-                continue
-            log.info("job %s: stop (%s): %s", placement.job_id, order.reason, order.message)
-            if order.reason == "preempted":
-                placement.request_preempt(order.message)
-            else:
-                placement.request_stop(order.reason, order.message)
+        apply_stop_orders(orders, active)
 
     def _reregister(self) -> None:
         try:

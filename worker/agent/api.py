@@ -89,6 +89,25 @@ class WorkerApi:
             return None
         return CLAIMED_PLACEMENT.validate_python(self._json(response))
 
+    def check_in(
+        self, attempt_id: str, body: dict[str, Any]
+    ) -> TrainPlacement | ScriptPlacement | EvaluatePlacement:
+        """A one-placement launcher takes its node rank's placement of ``attempt_id``."""
+        response = self.client.post(f"/v1/worker/attempts/{attempt_id}/check-in", json=body)
+        return CLAIMED_PLACEMENT.validate_python(self._json(response))
+
+    def launch_heartbeat(
+        self, attempt_id: str, node: str, leases: list[str], timeout: float
+    ) -> HeartbeatResponse:
+        """A launcher renews its placement's lease; the answer's ``stop`` lists stop orders."""
+        response = self.client.post(
+            f"/v1/worker/attempts/{attempt_id}/heartbeat",
+            params={"node": node},
+            json={"leases": leases},
+            timeout=timeout,
+        )
+        return HeartbeatResponse.model_validate(self._json(response))
+
     def report_status(
         self,
         lease_token: str,

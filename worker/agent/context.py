@@ -31,6 +31,16 @@ class AgentContext:
     log_backlog_bytes: int = DEFAULT_LOG_BACKLOG_BYTES
     # bwrap, off or unavailable (worker.agent.sandbox): how this node confines its runs.
     sandbox: str = "off"
+    # The node's processing units; 0 when the whole of ``cpus`` is this one placement's (a
+    # launcher in an allocation of its own).
+    node_units: int = 0
+
+    def cpus_for(self, units: int) -> int:
+        """A placement's share of the node's CPUs, by the units it holds: two 1-unit jobs on a
+        2-slot, 2-core node get a core each, not two threads each on the same two cores."""
+        if self.node_units <= 0:
+            return self.cpus
+        return max(1, self.cpus * units // self.node_units)
 
     @property
     def dataset_cache(self) -> Path:

@@ -49,8 +49,8 @@ _SCRUBBED = (
     "TORCHELASTIC_RUN_ID",
     "CUDA_VISIBLE_DEVICES",
 )
-# Secrets of the agent (and of a service it runs beside) that no rank may see.
-_SECRETS = ("TORCHYARD_TOKEN", "TORCHYARD_DATABASE_URL")
+# Secrets of the agent or launcher (and of a service it runs beside) that no rank may see.
+_SECRETS = ("TORCHYARD_TOKEN", "TORCHYARD_LAUNCH_TOKEN", "TORCHYARD_DATABASE_URL")
 
 
 @dataclass(frozen=True)
@@ -107,8 +107,22 @@ def torchrun_command(spec: LaunchSpec) -> list[str]:
     ]
 
 
+def visible_devices(gpu_ids: tuple[int, ...], inherited: str | None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a placement's GPUs.
+
+    ``gpu_ids`` index the GPUs this process sees, so when it was itself given a
+    ``CUDA_VISIBLE_DEVICES`` (by Slurm, or an admin restricting the agent) they are positions
+    in that list, never physical indexes: a 1-GPU Slurm job given GPU 1 keeps GPU 1.
+    """
+    if inherited is None or not inherited.strip():
+        return ",".join(str(i) for i in gpu_ids)
+    visible = [d.strip() for d in inherited.split(",") if d.strip()]
+    return ",".join(visible[i] if i < len(visible) else str(i) for i in gpu_ids)
+
+
 def rank_env(spec: LaunchSpec, base: Mapping[str, str], marker: str) -> dict[str, str]:
     """torchrun's environment: it passes it on to every rank. Never the worker token."""
+    inherited = base.get("CUDA_VISIBLE_DEVICES")
     env = {k: v for k, v in base.items() if k not in _SCRUBBED and k not in _SECRETS}
     env[MARKER_VAR] = marker
     env["TORCHYARD_NODE_NAME"] = spec.node_name
@@ -116,7 +130,7 @@ def rank_env(spec: LaunchSpec, base: Mapping[str, str], marker: str) -> dict[str
     env["OMP_NUM_THREADS"] = str(max(1, spec.cpus // spec.nproc))
     if spec.gpu_ids:
         # One GPU per local rank: LOCAL_RANK indexes this placement's GPUs.
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in spec.gpu_ids)
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(spec.gpu_ids, inherited)
         env["TORCHYARD_DEVICE"] = "cuda"
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         if spec.socket_ifname:

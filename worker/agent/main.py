@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 from torchyard.contract.errors import TorchyardError
-from torchyard.extras import require
 from worker.agent.run_files import DEFAULT_LOG_BACKLOG_BYTES
 from worker.agent.runs import DEFAULT_KEEP_RUNS
 
@@ -21,25 +20,26 @@ TOKEN_ENV = "TORCHYARD_TOKEN"
 # Where a re-executed agent reads its token from (a pipe's descriptor; see below).
 TOKEN_FD_ENV = "TORCHYARD_TOKEN_FD"
 # Variables the agent's own environment must not hold while it runs scripts.
-SECRET_ENVS = ("TORCHYARD_TOKEN", "TORCHYARD_DATABASE_URL")
+SECRET_ENVS = ("TORCHYARD_TOKEN", "TORCHYARD_LAUNCH_TOKEN", "TORCHYARD_DATABASE_URL")
 _MAX_TOKEN_BYTES = 4096
 _PR_SET_DUMPABLE = 4
 
 
-def drop_secrets_from_environment() -> None:
+def drop_secrets_from_environment(token_env: str = TOKEN_ENV) -> None:
     """Start the agent again without its secrets in its environment (the token through a pipe).
 
     ``os.environ.pop`` changes only the interpreter's copy: the kernel keeps the environment
     a process started with, and ``/proc/<pid>/environ`` shows it to every process of the
     same user, the scripts the agent runs included. So an agent that finds a secret there
     ``exec``s itself (same pid, same arguments) with an environment that lacks it, the token
-    written to a pipe it inherits. Returns only when there is nothing to drop.
+    (of ``token_env``: the worker token, or a launcher's launch token) written to a pipe it
+    inherits. Returns only when there is nothing to drop.
     """
     if not any(name in os.environ for name in SECRET_ENVS) or not sys.orig_argv:
         return
-    token = os.environ.get(TOKEN_ENV, "").strip().encode()
+    token = os.environ.get(token_env, "").strip().encode()
     if len(token) > _MAX_TOKEN_BYTES:  # more than a pipe holds unread; no token is that long
-        raise SystemExit(f"error: ${TOKEN_ENV} is longer than {_MAX_TOKEN_BYTES} bytes")
+        raise SystemExit(f"error: ${token_env} is longer than {_MAX_TOKEN_BYTES} bytes")
     read_end, write_end = os.pipe()
     os.write(write_end, token)
     os.close(write_end)
@@ -51,7 +51,7 @@ def drop_secrets_from_environment() -> None:
     os.execve(sys.executable, sys.orig_argv, env)
 
 
-def _token_from_pipe() -> str:
+def token_from_pipe() -> str:
     """The token a re-executed agent was handed (empty when it was not re-executed)."""
     fd = os.environ.pop(TOKEN_FD_ENV, "")
     if not fd.isdigit():
@@ -131,6 +131,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """``torchyard launch``'s options (the one-placement launcher, :mod:`worker.agent.launch`)."""
+    parser.add_argument("--api", required=True, help="URL of the API service as this node reaches it")
+    parser.add_argument("--attempt", required=True, help="the attempt's id (its launch token must match)")
+    parser.add_argument(
+        "--node", default=None, help="this node's name (default: $SLURMD_NODENAME, else the host name)"
+    )
+    parser.add_argument(
+        "--node-rank", type=int, default=None, help="this node's rank (default: $SLURM_NODEID)"
+    )
+    parser.add_argument(
+        "--nodes",
+        default=None,
+        help="the allocation's nodes in node-rank order, comma-separated (default: $SLURM_JOB_NODELIST expanded)",
+    )
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="address other nodes reach this one at (default: the one facing the API)",
+    )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="datasets cache and run directory (default: $TMPDIR/torchyard-launch-<uid>)",
+    )
+    parser.add_argument(
+        "--grace-period",
+        type=float,
+        default=10.0,
+        help="seconds between SIGTERM and SIGKILL when stopping ranks",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the agent until SIGTERM/SIGINT."""
     from worker.agent.agent import Agent, AgentOptions
@@ -139,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     drop_secrets_from_environment()
     refuse_inspection()
-    piped = _token_from_pipe()
+    piped = token_from_pipe()
     token = args.token or piped
     if not token:
         log.error("no worker token: pass --token or set %s", TOKEN_ENV)
@@ -184,15 +218,3 @@ def main(argv: list[str] | None = None) -> int:
     except TorchyardError as exc:  # another agent holds the node, the token was refused...
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 1
-
-
-def _worker(args: argparse.Namespace) -> int:
-    require("worker", "worker")
-    return run(args)
-
-
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``torchyard worker`` (found through this package's ``torchyard.commands`` entry point)."""
-    worker = sub.add_parser("worker", help="run a worker agent on this node")
-    add_arguments(worker)
-    worker.set_defaults(handler=_worker)

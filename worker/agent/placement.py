@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from torchyard.contract.errors import RankFailedError
-from torchyard.contract.protocol import ClaimedPlacement
+from torchyard.contract.protocol import ClaimedPlacement, StopOrder
 from worker.agent.checkpoints import CheckpointUploader
 from worker.agent.context import AgentContext
 from worker.agent.kinds import KindRun, run_for
@@ -27,7 +27,7 @@ from worker.agent.run_outcome import OutcomeReport, StopKind
 from worker.agent.script_run import ScriptGroup
 from worker.agent.watchdog import PREEMPT_REQUEST_FILE, HangWatchdog, preempt_grace_s
 
-__all__ = ["AGENT_LOG", "AgentContext", "PlacementRun"]
+__all__ = ["AGENT_LOG", "AgentContext", "PlacementRun", "apply_stop_orders"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,20 @@ AGENT_LOG = "agent.log"
 REPORTER_FLUSH_S = 24 * 3600.0
 # How long a failed attempt's node waits for its newest checkpoint to be uploaded.
 CHECKPOINT_FLUSH_S = 60.0
+
+
+def apply_stop_orders(orders: list[StopOrder], active: list[PlacementRun]) -> None:
+    """Pass a heartbeat's stop orders to the placements they name (an agent's or a launcher's)."""
+    by_lease = {p.lease_token: p for p in active}
+    for order in orders:
+        placement = by_lease.get(order.lease_token)
+        if placement is None or placement.stop_event.is_set():
+            continue
+        log.info("job %s: stop (%s): %s", placement.job_id, order.reason, order.message)
+        if order.reason == "preempted":
+            placement.request_preempt(order.message)
+        else:
+            placement.request_stop(order.reason, order.message)
 
 
 class _RunLog:

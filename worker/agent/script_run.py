@@ -57,6 +57,7 @@ from worker.agent.launcher import (
     _tail,
     marked_pids,
     marker_scope,
+    visible_devices,
 )
 from worker.agent.mlflow_endpoint import TrackingEndpoint, tracking_snapshot
 from worker.agent.tensorboard_scalars import ScalarTailer
@@ -177,6 +178,7 @@ def script_env(
     launch: ScriptLaunch, base: Mapping[str, str], marker: str, local_rank: int | None, rank: int
 ) -> dict[str, str]:
     """One process's environment: never the worker's token nor the agent's own settings."""
+    inherited = base.get("CUDA_VISIBLE_DEVICES")
     env = {
         k: v
         for k, v in base.items()
@@ -190,7 +192,7 @@ def script_env(
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("OMP_NUM_THREADS", str(max(1, launch.cpus // launch.nproc)))
     if launch.gpu_ids:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in launch.gpu_ids)
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(launch.gpu_ids, inherited)
         if launch.socket_ifname:
             env.setdefault("NCCL_SOCKET_IFNAME", launch.socket_ifname)
     else:
@@ -248,7 +250,7 @@ class ScriptGroup:
             process_env = script_env(launch, base, self.marker, local, rank)
             if self.tracking is not None:
                 name = f"rank-{rank}" if local is not None else f"node-{launch.node_rank}"
-                process_env.update(self.tracking.env_for(rank, name))
+                process_env.update(self.tracking.env_for(rank, name, ranks_from_caller=local is None))
             variables = command_variables(launch, process_env, local)
             argv = [expand(arg, variables) for arg in launch.command]
             if _PYTHON_NAMES.match(argv[0]):
@@ -619,7 +621,7 @@ def prepare_script(
         nproc=work.process_count_per_node,
         master_addr=work.master_addr,
         master_port=work.master_port,
-        cpus=ctx.cpus,
+        cpus=ctx.cpus_for(work.process_count_per_node),
         command=tuple(spec.command),
         launch=spec.distribution.launch,
         variables=dict(spec.environment.variables),

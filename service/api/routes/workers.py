@@ -16,8 +16,10 @@ from fastapi import APIRouter, Query, Request, Response, status
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import (
+    AgentDep,
     AgentKeyDep,
     DatabaseDep,
+    LauncherDep,
     LeaseHeader,
     SchedulingDep,
     SessionDep,
@@ -29,13 +31,14 @@ from service.api.routing import SessionScopedRoute
 from service.config import Settings
 from service.db.engine import Database
 from service.schemas.nodes import NodeDrained, NodeRegister
-from service.services import agents
+from service.services import agents, launches
 from service.services.tokens import Principal
 from torchyard.contract.protocol import (
     AnyClaimedPlacement,
     ClaimedPlacement,
     HeartbeatRequest,
     HeartbeatResponse,
+    LaunchCheckIn,
     NodeRegistered,
     PlacementStatusReport,
     PlacementStatusResponse,
@@ -56,7 +59,7 @@ def register_node(
     db: DatabaseDep,
     settings: SettingsDep,
     scheduling: SchedulingDep,
-    worker: WorkerDep,
+    worker: AgentDep,
 ) -> NodeRegistered:
     """Register (or re-register) this agent's node; the answer carries the timing it must keep.
 
@@ -85,7 +88,7 @@ def heartbeat(
     session: SessionDep,
     settings: SettingsDep,
     scheduling: SchedulingDep,
-    worker: WorkerDep,
+    worker: AgentDep,
     agent_key: AgentKeyDep,
 ) -> HeartbeatResponse:
     """Keep the node ready and renew the leases it lists; ``stop`` names placements whose ranks
@@ -103,7 +106,7 @@ def drain_node(
     db: DatabaseDep,
     settings: SettingsDep,
     scheduling: SchedulingDep,
-    worker: WorkerDep,
+    worker: AgentDep,
     agent_key: AgentKeyDep,
 ) -> NodeDrained:
     """The agent drains its own node (it got SIGTERM: a spot node reclaimed, a pod evicted): the
@@ -126,7 +129,7 @@ async def claim(
     settings: SettingsDep,
     wakeup: WakeupDep,
     scheduling: SchedulingDep,
-    worker: WorkerDep,
+    worker: AgentDep,
     agent_key: AgentKeyDep,
     wait: Annotated[float, Query(ge=0, le=3600, description="Seconds to wait for work (long-poll).")] = 0.0,
 ) -> Any:
@@ -198,3 +201,26 @@ def report_status(
     if ended:
         scheduling.request()  # the placement's units are free
     return answer
+
+
+@router.post("/attempts/{attempt_id}/check-in", response_model=AnyClaimedPlacement)
+def launch_check_in(
+    attempt_id: str, body: LaunchCheckIn, session: SessionDep, settings: SettingsDep, launcher: LauncherDep
+) -> ClaimedPlacement:
+    """A one-placement launcher (SPEC §13) takes its node rank's placement of the attempt its
+    launch token belongs to; the first one to check in binds every node rank to the
+    allocation's nodes. 409 when the attempt is over or the rank already checked in."""
+    return launches.check_in(session, settings, launcher, attempt_id, body)
+
+
+@router.post("/attempts/{attempt_id}/heartbeat")
+def launch_heartbeat(
+    attempt_id: str,
+    body: HeartbeatRequest,
+    session: SessionDep,
+    settings: SettingsDep,
+    launcher: LauncherDep,
+    node: Annotated[str, Query(max_length=200, description="The launcher's node, for the answer.")] = "",
+) -> HeartbeatResponse:
+    """A launcher renews its placement's lease; ``stop`` says when its ranks must stop."""
+    return launches.heartbeat(session, settings, launcher, attempt_id, node, body.leases)

@@ -86,7 +86,7 @@ class TrainerRun(KindRun):
             nproc=h.units,
             master_addr=w.master_addr,
             master_port=w.master_port,
-            cpus=h.ctx.cpus,
+            cpus=h.ctx.cpus_for(h.units),
             gpu_ids=h.gpu_ids,
             socket_ifname=h.ctx.socket_ifname,
             box=self._sandbox(),

@@ -1,0 +1,353 @@
+"""The Slurm engine (SPEC §13) on a real Slurm cluster: Debian's slurmctld, slurmd and munge,
+two nodes in network namespaces (:mod:`tests.support.slurm_cluster`), the API as a real
+``torchyard serve`` with ``TORCHYARD_ENGINE=slurm``, the launcher started by ``srun``.
+
+One cluster and one API for the whole module; the tests run in order and each leaves
+Slurm's queue empty of its jobs. Workloads are the smallest that show the behaviour:
+digits at 16 px for 2 epochs, or scripts that only print."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.api_process import ApiProcess
+from tests.support.factories import auth
+from tests.support.script_helpers import code_archive
+from tests.support.slurm_cluster import SlurmCluster, require_slurm
+from tests.support.worker_fixtures import upload_digits, user_client, wait_for_job
+
+pytestmark = [pytest.mark.slow]
+
+PARAMETERS = {"epochs": 2, "image_size": 16, "batch_size": 16, "print_frequency": 2, "random_seed": 3}
+
+
+@dataclass
+class SlurmEnv:
+    cluster: SlurmCluster
+    api: ApiProcess
+    user: httpx.Client
+    launcher: Path
+    digits: tuple[str, str]
+    reference: dict[int, float] | None = None
+
+    def submit(self, body: dict[str, Any]) -> str:
+        r = self.user.post("/v1/jobs", json=body)
+        assert r.status_code == 201, r.text
+        job_id: str = r.json()["id"]
+        return job_id
+
+    def train(self, nodes: int = 1, **parameters: Any) -> str:
+        train, val = self.digits
+        return self.submit(
+            {
+                "name": "digits",
+                "model": {"architecture": "resnet18"},
+                "train_dataset": train,
+                "validation_dataset": val,
+                "parameters": {**PARAMETERS, **parameters},
+                "resources": {"node_count": nodes, "process_count_per_node": 1},
+            }
+        )
+
+    def script(self, command: list[str], nodes: int = 1, launch: str = "per_process", **extra: Any) -> str:
+        r = self.user.post(
+            "/v1/code",
+            data={"name": "probe"},
+            files={"file": ("src.tar.gz", code_archive({"probe.py": PROBE}), "application/gzip")},
+        )
+        assert r.status_code == 201, r.text
+        return self.submit(
+            {
+                "type": "script",
+                "code": r.json()["id"],
+                "command": command,
+                "distribution": {"launch": launch},
+                "resources": {"node_count": nodes, "process_count_per_node": 1, "max_restarts": 0},
+                **extra,
+            }
+        )
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        r = self.user.get(f"/v1/jobs/{job_id}")
+        assert r.status_code == 200, r.text
+        body: dict[str, Any] = r.json()
+        return body
+
+    def wait(
+        self, job_id: str, predicate: Callable[[dict[str, Any]], bool] | None = None, timeout: float = 90
+    ) -> dict[str, Any]:
+        try:
+            if predicate is None:
+                return wait_for_job(self.user, job_id, timeout=timeout)
+            return wait_for_job(self.user, job_id, predicate, timeout=timeout)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n--- api log\n{self.api.log()[-5000:]}\n{self.outputs()}") from None
+
+    def outputs(self) -> str:
+        parts = []
+        for path in sorted((self.api.data_dir / "slurm").glob("*.out"))[-4:]:
+            parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-3000:]}")
+        return "\n".join(parts)
+
+    def top1(self, job_id: str) -> dict[int, float]:
+        r = self.user.get(f"/v1/jobs/{job_id}/metrics", params={"name": "val.top1", "limit": 1000})
+        assert r.status_code == 200, r.text
+        return {p["epoch"]: p["value"] for p in r.json()["items"]}
+
+    def slurm_jobs(self, job_id: str) -> list[dict[str, str]]:
+        """Slurm's jobs of one torchyard job that still pend or run."""
+        return self.cluster.active(f"torchyard-{job_id}-")
+
+    def wait_slurm_empty(self, job_id: str, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while self.slurm_jobs(job_id):
+            assert time.monotonic() < deadline, (self.slurm_jobs(job_id), self.api.log()[-3000:])
+            time.sleep(0.2)
+
+    def fill(self, partition: str = "low", seconds: int = 120) -> str:
+        """An outside job taking every GPU of both nodes."""
+        out = self.cluster.command(
+            "sbatch", "--parsable", "-p", partition, "-N", "2", "--gres=gpu:2", "-J", "outside",
+            f"--output={self.cluster.root}/outside-%j.out", "--wrap", f"sleep {seconds}",
+        )  # fmt: skip
+        job_id = out.strip()
+        deadline = time.monotonic() + 20
+        while self.cluster.squeue()[-1]["state"] != "RUNNING" and partition == "low":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        return job_id
+
+
+PROBE = """
+import os, sys, time
+keys = ("NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "NNODES", "NPROC_PER_NODE")
+print(" ".join(f"{k}={os.environ.get(k)}" for k in keys), flush=True)
+time.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 0)
+"""
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmEnv]:
+    require_slurm()
+    root = tmp_path_factory.mktemp("slurm")
+    started = time.monotonic()
+    cluster = SlurmCluster(root=root / "cluster").start()
+    up = time.monotonic() - started
+    launcher = root / "launcher.sh"
+    launcher.write_text(f'#!/bin/sh\nexec {sys.executable} -m worker.agent.launch "$@"\n')
+    launcher.chmod(0o755)
+    api = ApiProcess(
+        root / "data",
+        None,
+        host=cluster.gateway,
+        settings={
+            "TORCHYARD_ENGINE": "slurm",
+            "TORCHYARD_SLURM_PARTITIONS": "low",
+            "TORCHYARD_SLURM_LAUNCHER": str(launcher),
+            "TORCHYARD_SLURM_POLL_S": "0.5",
+            "TORCHYARD_SLURM_WORK_DIR": str(root / "nodes"),
+            "TORCHYARD_PREEMPT_GRACE_S": "8",
+            "TORCHYARD_HEARTBEAT_INTERVAL_S": "0.5",
+            "TORCHYARD_LEASE_TIMEOUT_S": "4",
+            "TORCHYARD_REAPER_INTERVAL_S": "0.2",
+            "TORCHYARD_MASTER_PORT_MIN": "27500",
+            "TORCHYARD_MASTER_PORT_MAX": "27599",
+            "SLURM_CONF": str(cluster.conf),
+        },
+    )
+    api.env["TORCHYARD_SLURM_API_URL"] = api.url
+    try:
+        api.start().wait_ready()
+        admin = httpx.Client(base_url=api.url, headers=auth(api.admin_token), timeout=60)
+        user = user_client(admin, api.url)
+        digits = upload_digits(user, root / "digits", per_class=12, size=16)
+        env = SlurmEnv(cluster, api, user, launcher, digits)
+        print(f"Slurm cluster up in {up:.2f} s", file=sys.stderr)
+        yield env
+        user.close()
+        admin.close()
+    finally:
+        api.kill()
+        started = time.monotonic()
+        cluster.close()
+        print(f"Slurm cluster down in {time.monotonic() - started:.2f} s", file=sys.stderr)
+
+
+def test_cluster_lists_the_slurm_nodes_with_their_units(slurm: SlurmEnv) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        cluster = slurm.user.get("/v1/cluster").json()
+        if cluster["ready_nodes"] == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert cluster["engine"] == "slurm" and cluster["max_nodes"] == 2
+    nodes = {n["name"]: n for n in cluster["nodes"]}
+    assert sorted(nodes) == ["n1", "n2"]
+    for name, node in nodes.items():
+        assert node["engine"] == "slurm" and node["status"] == "ready"
+        assert node["units"] == 2 and node["accelerator"] == "gpu"  # the gres column: gpu:2
+        assert node["address"] == slurm.cluster.node(name).address
+
+
+def test_a_job_larger_than_any_partition_is_refused(slurm: SlurmEnv) -> None:
+    train, val = slurm.digits
+    for resources, field in (
+        ({"node_count": 3, "process_count_per_node": 1}, "resources.node_count"),
+        ({"node_count": 1, "process_count_per_node": 3}, "resources.process_count_per_node"),
+    ):
+        body = {"model": {"architecture": "resnet18"}, "train_dataset": train, "validation_dataset": val,
+                "parameters": PARAMETERS, "resources": resources}  # fmt: skip
+        r = slurm.user.post("/v1/jobs", json=body)
+        assert r.status_code == 422, r.text
+        assert r.json()["code"] == "ResourceLimitError" and field in r.text
+    assert slurm.cluster.active("torchyard-") == []
+
+
+def test_two_node_training_job_succeeds_on_both_nodes(slurm: SlurmEnv) -> None:
+    job_id = slurm.train(nodes=2)
+    job = slurm.wait(job_id, timeout=120)
+    assert job["status"] == "succeeded", job
+    (attempt,) = job["attempts"]
+    assert sorted(attempt["nodes"]) == ["n1", "n2"] and attempt["engine"] == "slurm"
+    assert (
+        attempt["engine_job_id"] and attempt["master_addr"] == slurm.cluster.node(attempt["nodes"][0]).address
+    )
+    slurm.reference = slurm.top1(job_id)
+    assert sorted(slurm.reference) == [1, 2]
+    assert slurm.user.get(f"/v1/jobs/{job_id}/model").status_code == 200
+    slurm.wait_slurm_empty(job_id)
+
+
+def test_pending_reasons_cancel_outside_scancel_and_api_restart(slurm: SlurmEnv) -> None:
+    outside = slurm.fill()
+    first = slurm.script(["python", "probe.py"])
+    second = slurm.script(["python", "probe.py"])
+    slurm.wait(first, lambda j: "Resources" in (j.get("reason") or ""), timeout=30)
+    job = slurm.wait(second, lambda j: "Priority" in (j.get("reason") or ""), timeout=30)
+    assert job["status"] == "scheduled" and job["reason"].startswith("waiting in Slurm (job ")
+
+    # Cancel while pending: cancelled, and nothing of it left in Slurm.
+    assert slurm.user.post(f"/v1/jobs/{first}/cancel").status_code == 200
+    assert slurm.wait(first)["status"] == "cancelled"
+    slurm.wait_slurm_empty(first)
+
+    # scancel from outside torchyard: cancelled, not submitted again.
+    (pending,) = slurm.slurm_jobs(second)
+    slurm.cluster.command("scancel", pending["id"])
+    job = slurm.wait(second)
+    assert job["status"] == "cancelled" and len(job["attempts"]) == 1, job
+
+    # The API stops after sbatch but before it recorded the Slurm job: nothing is submitted twice.
+    third = slurm.script(["python", "probe.py"])
+    job = slurm.wait(third, lambda j: bool(j["attempts"] and j["attempts"][0]["engine_job_id"]), timeout=30)
+    slurm_id = job["attempts"][0]["engine_job_id"]
+    slurm.api.kill()
+    with sqlite3.connect(slurm.api.data_dir / "torchyard.db") as db:
+        db.execute("UPDATE attempts SET engine_job_id = NULL WHERE job_id = ?", (third,))
+    slurm.api.start().wait_ready()
+    job = slurm.wait(third, lambda j: j["attempts"][0]["engine_job_id"] is not None, timeout=30)
+    assert job["attempts"][0]["engine_job_id"] == slurm_id
+    time.sleep(1.5)  # a few more polls
+    assert [j["id"] for j in slurm.cluster.squeue(f"torchyard-{third}-1")] == [slurm_id]
+    assert slurm.user.post(f"/v1/jobs/{third}/cancel").status_code == 200
+    assert slurm.wait(third)["status"] == "cancelled"
+    slurm.cluster.command("scancel", outside)
+    slurm.wait_slurm_empty(third)
+
+
+def test_cancel_while_running_leaves_no_slurm_job_and_no_process(slurm: SlurmEnv) -> None:
+    job_id = slurm.script(["python", "probe.py", "600"])
+    job = slurm.wait(job_id, lambda j: j["status"] == "running", timeout=60)
+    attempt = job["attempts"][0]["id"]
+    assert slurm.user.post(f"/v1/jobs/{job_id}/cancel").status_code == 200
+    assert slurm.wait(job_id, timeout=60)["status"] == "cancelled"
+    slurm.wait_slurm_empty(job_id)
+    deadline = time.monotonic() + 20
+    while _processes_with(attempt) or _processes_with("probe.py 600"):
+        assert time.monotonic() < deadline, _processes_with(attempt)
+        time.sleep(0.2)
+
+
+def test_script_jobs_in_both_launch_modes(slurm: SlurmEnv) -> None:
+    per_process = slurm.script(["python", "probe.py"], nodes=2, launch="per_process")
+    per_node = slurm.script(["python", "probe.py"], nodes=2, launch="per_node")
+    for job_id, wanted in ((per_process, "RANK=1 WORLD_SIZE=2"), (per_node, "NNODES=2 NPROC_PER_NODE=1")):
+        job = slurm.wait(job_id, timeout=90)
+        assert job["status"] == "succeeded", job
+        logs = slurm.user.get(f"/v1/jobs/{job_id}/logs", params={"rank": 1}).text
+        assert wanted in logs and "NODE_RANK=1" in logs, logs
+        slurm.wait_slurm_empty(job_id)
+
+
+def test_preemption_by_a_higher_priority_partition_resumes_exactly(slurm: SlurmEnv) -> None:
+    assert slurm.reference is not None, "needs the two-node run's metrics"
+    job_id = slurm.train(nodes=2)
+    slurm.wait(job_id, lambda j: 1 in slurm.top1(job_id),
+               timeout=120)  # fmt: skip
+    preemptor = slurm.fill(partition="high", seconds=2)
+    job = slurm.wait(job_id, timeout=150)
+    assert job["status"] == "succeeded", job
+    assert job["restarts"] == 0
+    assert job["attempts"][0]["status"] == "preempted", job["attempts"]
+    assert slurm.top1(job_id) == slurm.reference
+    assert preemptor
+    slurm.wait_slurm_empty(job_id)
+
+
+def test_wrong_launcher_path_is_an_engine_error_not_retried(slurm: SlurmEnv) -> None:
+    hidden = slurm.launcher.with_suffix(".moved")
+    shutil.move(slurm.launcher, hidden)
+    try:
+        job_id = slurm.script(["python", "probe.py"])
+        job = slurm.wait(job_id, timeout=60)
+    finally:
+        shutil.move(hidden, slurm.launcher)
+    assert job["status"] == "failed" and job["failure"]["code"] == "EngineError", job
+    assert str(slurm.launcher) in job["failure"]["message"] and "No such file" in job["failure"]["message"]
+    assert len(job["attempts"]) == 1
+
+
+def test_a_node_cut_off_is_worker_lost_and_the_job_resumes(slurm: SlurmEnv) -> None:
+    job_id = slurm.train(nodes=1, epochs=3)
+    job = slurm.wait(job_id, lambda j: 1 in slurm.top1(j["id"]), timeout=120)
+    (node,) = job["attempts"][0]["nodes"]
+    slurm.cluster.link(node, up=False)
+    try:
+        job = slurm.wait(job_id, lambda j: len(j["attempts"]) >= 2, timeout=60)
+        first = job["attempts"][0]
+        assert first["end_reason"]["code"] == "WorkerLostError" and node in first["end_reason"]["message"], (
+            first
+        )
+        job = slurm.wait(job_id, timeout=150)
+    finally:
+        slurm.cluster.link(node, up=True)
+        slurm.cluster.resume(node)
+    assert job["status"] == "succeeded" and job["restarts"] == 1, job
+    assert job["attempts"][1]["nodes"] != [node]
+    assert sorted(slurm.top1(job_id)) == [1, 2, 3]
+
+
+def _processes_with(text: str) -> list[str]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd:
+            found.append(f"{entry.name}: {cmd}")
+    return found

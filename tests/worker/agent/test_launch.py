@@ -1,0 +1,146 @@
+"""The one-placement launcher (``torchyard launch``, SPEC §13): what an engine starts on a
+compute node to run one placement of one attempt, with a launch token scoped to it.
+
+The attempt is handed over here the way an engine does it (``launches.start_attempt``);
+the launcher runs as a real process against a live API and runs a real script job."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import select
+
+from service.db.engine import Database
+from service.db.models import Job, Token
+from service.services import launches
+from tests.conftest import fast_leases
+from tests.support.factories import auth
+from tests.support.script_helpers import script_env
+from worker.agent.launcher import rank_env, visible_devices
+
+PROBE = """
+import json, os, sys
+from torchyard.run import log_metric
+out = os.environ["TORCHYARD_OUTPUT_DIR"]
+seen = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "TORCHYARD_LAUNCH_TOKEN",
+                                        "TORCHYARD_TOKEN")}
+open(os.path.join(out, "seen.json"), "w").write(json.dumps(seen))
+log_metric("probe", 1.0, step=1)
+print("probe ran")
+"""
+
+
+def _hand_over(settings: Any, job_id: str) -> tuple[str, str]:
+    """What an engine does at submission: an attempt without placements, and its launch token."""
+    db = Database(settings.sqlalchemy_url)
+    try:
+        with db.session() as session:
+            job = session.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
+            attempt, token = launches.start_attempt(session, job, "slurm", "handed to a test engine")
+            session.commit()
+            return attempt.id, token
+    finally:
+        db.dispose()
+
+
+def _launch(url: str, attempt: str, token: str, work: Path, *extra: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "TORCHYARD_"))}
+    env["TORCHYARD_LAUNCH_TOKEN"] = token
+    argv = [sys.executable, "-m", "worker.agent.launch", "--api", url, "--attempt", attempt]
+    argv += ["--node", "ln1", "--node-rank", "0", "--nodes", "ln1", "--work-dir", str(work), *extra]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_visible_devices_keep_what_the_engine_gave() -> None:
+    # Slurm gave this process GPU 1 only: its first visible GPU is GPU 1, not GPU 0.
+    assert visible_devices((0,), "1") == "1"
+    assert visible_devices((0, 1), "5,7") == "5,7"
+    assert visible_devices((1,), "GPU-aaa,GPU-bbb") == "GPU-bbb"
+    assert visible_devices((0, 1), None) == "0,1"
+
+
+def test_rank_environment_keeps_the_inherited_gpus(tmp_path: Path) -> None:
+    from worker.agent.launcher import LaunchSpec
+
+    spec = LaunchSpec(
+        run_dir=tmp_path, node_name="n1", node_rank=0, node_count=1, nproc=1, master_addr="a",
+        master_port=1, cpus=2, gpu_ids=(0,),
+    )  # fmt: skip
+    env = rank_env(spec, {"CUDA_VISIBLE_DEVICES": "1", "TORCHYARD_LAUNCH_TOKEN": "secret"}, "m")
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["TORCHYARD_DEVICE"] == "cuda"
+    assert "TORCHYARD_LAUNCH_TOKEN" not in env
+
+
+@pytest.mark.slow
+def test_launcher_runs_one_placement_with_a_token_scoped_to_its_attempt(
+    make_settings: Any, tmp_path: Path
+) -> None:
+    settings = make_settings(**fast_leases(ports=(27400, 27449)))
+    with script_env(settings, tmp_path) as env:
+        admin = httpx.Client(base_url=env.server.url, headers=auth(env.server.admin_token), timeout=30)
+        worker = httpx.Client(base_url=env.server.url, headers=auth(env.token), timeout=30)
+        # A node the limits count, drained so that no agent scheduling takes the job.
+        r = worker.post("/v1/worker/nodes", json={"name": "ln1", "address": "127.0.0.1", "units": 1,
+                                                  "accelerator": "cpu", "info": {}})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert admin.post("/v1/cluster/nodes/ln1/drain").status_code == 200
+        code = env.upload_code({"probe.py": PROBE})
+        job_id = env.submit(code, ["python", "probe.py"])
+        attempt_id, token = _hand_over(settings, job_id)
+        other_job = env.submit(code, ["python", "probe.py"])
+        other_attempt, _ = _hand_over(settings, other_job)
+
+        launcher = httpx.Client(base_url=env.server.url, headers=auth(token), timeout=30)
+        # The launch token speaks for its attempt only: no node routes, no other attempt.
+        body = {"name": "ln9", "address": "127.0.0.1", "units": 1, "accelerator": "cpu", "info": {}}
+        assert launcher.post("/v1/worker/nodes", json=body).status_code == 403
+        assert launcher.post("/v1/worker/nodes/ln1/claim").status_code == 403
+        check = {"node": "ln1", "node_rank": 0, "nodes": ["ln1"], "address": "127.0.0.1"}
+        denied = launcher.post(f"/v1/worker/attempts/{other_attempt}/check-in", json=check)
+        assert denied.status_code == 403, denied.text
+        assert launcher.get("/v1/jobs").status_code == 403
+        # A worker token is no launch token.
+        assert worker.post(f"/v1/worker/attempts/{attempt_id}/check-in", json=check).status_code == 403
+        # Launch tokens are the attempts', not the admin's list.
+        names = [t["name"] for t in admin.get("/v1/tokens").json()["items"]]
+        assert not any(n.startswith("launch ") for n in names)
+
+        started = time.monotonic()
+        proc = _launch(env.server.url, attempt_id, token, tmp_path / "work")
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, out
+        job = env.wait(job_id, timeout=60)
+        assert job["status"] == "succeeded", (job, out)
+        assert time.monotonic() - started < 180
+        seen = json.loads(env.outputs(job_id)["seen.json"])
+        assert seen["RANK"] == "0" and seen["WORLD_SIZE"] == "1" and seen["MASTER_ADDR"] == "127.0.0.1"
+        assert seen["TORCHYARD_LAUNCH_TOKEN"] is None and seen["TORCHYARD_TOKEN"] is None
+        assert "probe ran" in env.log(job_id, rank=0)
+        points = env.user.get(f"/v1/jobs/{job_id}/metrics", params={"name": "probe"}).json()["items"]
+        assert [p["value"] for p in points] == [1.0]
+        (attempt,) = job["attempts"]
+        assert attempt["nodes"] == ["ln1"] and attempt["status"] == "succeeded"
+
+        # The placement is taken: a second launcher of the same rank runs nothing.
+        again = launcher.post(f"/v1/worker/attempts/{attempt_id}/check-in", json=check)
+        assert again.status_code == 409, again.text
+        # The other attempt's launcher, cancelled before it checked in, exits without running.
+        assert env.user.post(f"/v1/jobs/{other_job}/cancel").status_code == 200
+        db = Database(settings.sqlalchemy_url)
+        try:
+            with db.read_session() as session:
+                tokens = session.scalars(select(Token).where(Token.attempt_id == other_attempt)).all()
+                assert len(tokens) == 1 and tokens[0].role == "worker"
+        finally:
+            db.dispose()
+        admin.close()
+        worker.close()
+        launcher.close()
