@@ -191,14 +191,19 @@ def latest_ref(session: Session, store: CheckpointStore | None, job_id: str) -> 
                     continue
             except OSError:
                 continue
-        return CheckpointRef(
-            epoch=row.epoch,
-            step=row.step,
-            sha256=row.sha256,
-            size_bytes=row.size_bytes,
-            attempt=row.attempt_number,
-        )
+        return checkpoint_ref(row)
     return None
+
+
+def checkpoint_ref(row: Checkpoint) -> CheckpointRef:
+    """What the protocol says of a stored checkpoint."""
+    return CheckpointRef(
+        epoch=row.epoch,
+        step=row.step,
+        sha256=row.sha256,
+        size_bytes=row.size_bytes,
+        attempt=row.attempt_number,
+    )
 
 
 def remove_ended_jobs_files(db: Database, store: CheckpointStore) -> int:

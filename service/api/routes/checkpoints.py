@@ -58,13 +58,7 @@ def _record(
     row = checkpoints.record_checkpoint(
         session, worker, store, job_id, lease, incoming, sha256=sha256, epoch=epoch, step=step
     )
-    return CheckpointRef(
-        epoch=row.epoch,
-        step=row.step,
-        sha256=row.sha256,
-        size_bytes=row.size_bytes,
-        attempt=row.attempt_number,
-    )
+    return checkpoints.checkpoint_ref(row)
 
 
 @router.put(

@@ -44,15 +44,16 @@ def queue(
     session: Session,
     principal: Principal,
     kind: JobKind,
+    request: Any,
     normalized: dict[str, Any],
-    *,
-    priority: int,
-    node_count: int = 1,
-    process_count_per_node: int = 1,
     **columns: Any,
 ) -> Job:
-    """Add a submitted job of ``kind`` (its normalized spec, and the kind's own ``columns``)
-    and its first status event (``queued``); the caller commits."""
+    """Add a submitted job of ``kind``: its normalized spec, the priority and resources of its
+    ``request`` (one process on one node without them) and the kind's own ``columns``; and
+    its first status event (``queued``). The caller commits."""
+    resources = getattr(request, "resources", None)
+    node_count = resources.node_count if resources is not None else 1
+    process_count_per_node = resources.process_count_per_node if resources is not None else 1
     now = utcnow()
     job = Job(
         owner_id=principal.id,
@@ -62,7 +63,7 @@ def queue(
         spec=normalized,
         node_count=node_count,
         process_count_per_node=process_count_per_node,
-        priority=priority,
+        priority=request.priority,
         created_at=now,
         updated_at=now,
         **columns,

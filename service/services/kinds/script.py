@@ -51,16 +51,7 @@ class Script(Kind):
         normalized = spec.model_dump(mode="json")
         normalized["inputs"] = {name: row.id for name, row in inputs.items()}
         normalized["name"] = spec.name or f"script-{code.name}"
-        job = queue(
-            session,
-            principal,
-            self.kind,
-            normalized,
-            priority=spec.priority,
-            node_count=spec.resources.node_count,
-            process_count_per_node=spec.resources.process_count_per_node,
-            code_id=code.id,
-        )
+        job = queue(session, principal, self.kind, spec, normalized, code_id=code.id)
         for name, row in inputs.items():
             session.add(JobInput(job_id=job.id, name=name, dataset_id=row.id))
         if commit:
