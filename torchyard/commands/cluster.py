@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from torchyard.commands.common import _client, _print_json
+from torchyard.commands.common import _answer, _client, _print_json
 from torchyard.terminal import (
     format_table,
     format_time,
@@ -43,11 +43,7 @@ def _node_drain(args: argparse.Namespace) -> int:
 def _node_undrain(args: argparse.Namespace) -> int:
     with _client(args) as client:
         node = client.undrain_node(args.node)
-    if args.json:
-        _print_json(node)
-    else:
-        print(f"node {node.name} {node.status}")
-    return 0
+    return _answer(args, node, f"node {node.name} {node.status}")
 
 
 def register(

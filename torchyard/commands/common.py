@@ -74,6 +74,15 @@ def _print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, sort_keys=False))
 
 
+def _answer(args: argparse.Namespace, value: Any, text: object) -> int:
+    """A command's answer: ``value`` as JSON with ``--json``, else ``text``; exit code 0."""
+    if args.json:
+        _print_json(value)
+    else:
+        print(text)
+    return 0
+
+
 def _note(text: str) -> None:
     """A message for the person at the terminal (stderr, so stdout stays clean for pipes)."""
     print(text, file=sys.stderr, flush=True)

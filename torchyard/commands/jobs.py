@@ -13,6 +13,7 @@ from torchyard.apiclient.models import Failure
 from torchyard.client import Client, Job
 from torchyard.commands.common import (
     _JOB_HELP,
+    _answer,
     _client,
     _note,
     _print_json,
@@ -294,11 +295,11 @@ def _show(args: argparse.Namespace) -> int:
 def _delete(args: argparse.Namespace) -> int:
     with _client(args) as client:
         deleted = client.delete_job(args.id)
-    if args.json:
-        _print_json(deleted)
-    else:
-        print(f"deleted job {deleted['id']} ({deleted['name']}): its metrics, logs, checkpoints and files")
-    return 0
+    return _answer(
+        args,
+        deleted,
+        f"deleted job {deleted['id']} ({deleted['name']}): its metrics, logs, checkpoints and files",
+    )
 
 
 def _tag(args: argparse.Namespace) -> int:
@@ -313,21 +314,13 @@ def _tag(args: argparse.Namespace) -> int:
         else:
             tags += [t for t in args.tags if t not in tags]
         job = client.update_job(job.id, tags=tags)
-    if args.json:
-        _print_json(job)
-    else:
-        print(f"{job.id} tags: {', '.join(job.tags) or '-'}")
-    return 0
+    return _answer(args, job, f"{job.id} tags: {', '.join(job.tags) or '-'}")
 
 
 def _note_command(args: argparse.Namespace) -> int:
     with _client(args) as client:
         job = client.update_job(args.id, note=args.text or None)
-    if args.json:
-        _print_json(job)
-    else:
-        print(f"{job.id} note: {job.note or '-'}")
-    return 0
+    return _answer(args, job, f"{job.id} note: {job.note or '-'}")
 
 
 def _clone(args: argparse.Namespace) -> int:
@@ -369,11 +362,7 @@ def _download_outputs(args: argparse.Namespace) -> int:
         default = Path(args.path).name if args.path else f"outputs-{job.id}.tar.gz"
         out = Path(args.output) if args.output else Path(default)
         path = client.download_outputs(job.id, out, path=args.path)
-    if args.json:
-        _print_json({"job": job.id, "path": str(path), "sha256": job.outputs_sha256})
-    else:
-        print(path)
-    return 0
+    return _answer(args, {"job": job.id, "path": str(path), "sha256": job.outputs_sha256}, path)
 
 
 def _download(args: argparse.Namespace) -> int:

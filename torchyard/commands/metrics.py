@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from torchyard.client import Client, Event, JobComparison, MetricPoint
-from torchyard.commands.common import _JOB_HELP, _client, _print_json
+from torchyard.commands.common import _JOB_HELP, _answer, _client, _print_json
 from torchyard.terminal import (
     EpochLines,
     EpochTable,
@@ -55,11 +55,7 @@ def _metrics(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     with _client(args) as client:
         comparison = client.compare(args.ids, metrics=args.metric)
-    if args.json:
-        _print_json(comparison)
-    else:
-        print(comparison_text(comparison))
-    return 0
+    return _answer(args, comparison, comparison_text(comparison))
 
 
 def _shown(value: Any) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from torchyard.apiclient.registry import ModelVersion, parse_model_ref
-from torchyard.commands.common import _client, _note, _print_json
+from torchyard.commands.common import _answer, _client, _note, _print_json
 from torchyard.commands.jobs import print_job
 from torchyard.terminal import (
     describe_status,
@@ -134,11 +134,7 @@ def _model_delete(args: argparse.Namespace) -> int:
         raise ValueError("name the version to delete: NAME:VERSION")
     with _client(args) as client:
         deleted = client.delete_model_version(name, version)
-    if args.json:
-        _print_json(deleted.model_dump(mode="json"))
-    else:
-        print(f"deleted {deleted.name}:{deleted.version}")
-    return 0
+    return _answer(args, deleted.model_dump(mode="json"), f"deleted {deleted.name}:{deleted.version}")
 
 
 def _model_download(args: argparse.Namespace) -> int:
@@ -151,11 +147,7 @@ def _model_download(args: argparse.Namespace) -> int:
         else:
             out = Path(args.output or f"{found.name}-{found.version}")
             path = client.download_model(found.job_id, out)
-    if args.json:
-        _print_json({"model": found.name, "version": found.version, "path": str(path)})
-    else:
-        print(path)
-    return 0
+    return _answer(args, {"model": found.name, "version": found.version, "path": str(path)}, path)
 
 
 def register_model_commands(

@@ -7,6 +7,7 @@ from typing import Any
 
 from torchyard.apiclient.sweeps import Sweep, Trial
 from torchyard.commands.common import (
+    _answer,
     _client,
     _note,
     _print_json,
@@ -123,11 +124,7 @@ def _list(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     with _client(args) as client:
         sweep = client.get_sweep(args.id)
-    if args.json:
-        _print_json(sweep)
-        return 0
-    print(sweep_text(sweep))
-    return 0
+    return _answer(args, sweep, sweep_text(sweep))
 
 
 def _trials(args: argparse.Namespace) -> int:
@@ -147,11 +144,7 @@ def _trials(args: argparse.Namespace) -> int:
 def _cancel(args: argparse.Namespace) -> int:
     with _client(args) as client:
         sweep = client.cancel_sweep(args.id)
-    if args.json:
-        _print_json(sweep)
-        return 0
-    print(f"sweep {sweep.id} {sweep.status}")
-    return 0
+    return _answer(args, sweep, f"sweep {sweep.id} {sweep.status}")
 
 
 def register(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from torchyard.commands.common import _client, _print_json, client_options
+from torchyard.commands.common import _answer, _client, _print_json, client_options
 from torchyard.terminal import (
     format_table,
     format_time,
@@ -47,11 +47,9 @@ def _token_revoke(args: argparse.Namespace) -> int:
                 raise ValueError(f"no token has the id {args.token_ref!r}, and no valid token that name")
             args.token_ref = named[0].id
         token = client.revoke_token(args.token_ref)
-    if args.json:
-        _print_json(token)
-    else:
-        print(f"revoked token {token.id} ({token.name}, {token.role}): requests with it now get 401")
-    return 0
+    return _answer(
+        args, token, f"revoked token {token.id} ({token.name}, {token.role}): requests with it now get 401"
+    )
 
 
 def register_token_commands(
