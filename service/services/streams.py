@@ -22,17 +22,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import event
+from sqlalchemy import Insert, event
 from starlette.concurrency import run_in_threadpool
 
 from service.db.engine import Database, is_unavailable
+from service.db.models import JobEvent, LogChunk, Metric
 from service.services.stream_items import READ_LIMIT, Batch, Cursor, Heads, Item, read_batch, read_heads
 
 __all__ = ["READ_LIMIT", "Cursor", "Item", "JobFeed", "StreamHub", "database_outage", "with_read_session"]
@@ -46,7 +46,8 @@ BUFFER_ITEMS = 5_000
 BUFFER_LOG_BYTES = 16 * 1024 * 1024
 FEED_LINGER_S = 5.0
 
-_WATCHED_INSERT = re.compile(r"^\s*INSERT\s+INTO\s+\"?(job_events|metrics|log_chunks)\b", re.IGNORECASE)
+# The tables whose inserts are a follower's items (a status change, a metric point, a log chunk).
+_WATCHED_TABLES = frozenset(t.__tablename__ for t in (JobEvent, Metric, LogChunk))
 
 
 def database_outage(exc: BaseException) -> bool:
@@ -216,13 +217,13 @@ class StreamHub:
     def start(self) -> None:
         """Listen for inserts made through this process's engine, to wake the polls at once."""
         self._loop = asyncio.get_running_loop()
-        event.listen(self.db.engine, "after_cursor_execute", self._after_execute)
+        event.listen(self.db.engine, "after_execute", self._after_execute)
         event.listen(self.db.engine, "checkin", self._on_checkin)
         self._listening = True
 
     async def close(self) -> None:
         if self._listening:
-            event.remove(self.db.engine, "after_cursor_execute", self._after_execute)
+            event.remove(self.db.engine, "after_execute", self._after_execute)
             event.remove(self.db.engine, "checkin", self._on_checkin)
             self._listening = False
         for feed in list(self.feeds.values()):
@@ -232,8 +233,9 @@ class StreamHub:
                     await feed.task
         self.feeds.clear()
 
-    def _after_execute(self, conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        if _WATCHED_INSERT.match(statement):
+    def _after_execute(self, conn: Any, statement: Any, *_args: Any) -> None:
+        # The statement as built (the ORM's flush and the reports' bulk inserts alike), not its SQL text.
+        if isinstance(statement, Insert) and statement.table.name in _WATCHED_TABLES:
             conn.info["torchyard_stream_write"] = True
 
     def _on_checkin(self, _dbapi_conn: Any, record: Any) -> None:
