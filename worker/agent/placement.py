@@ -61,6 +61,9 @@ class AgentContext:
     log_backlog_bytes: int = DEFAULT_LOG_BACKLOG_BYTES
     # bwrap, off or unavailable (worker.agent.sandbox): how this node confines its runs.
     sandbox: str = "off"
+    # The engine signals every process of the run (Slurm): torchrun and the ranks ignore its
+    # SIGTERM and SIGUSR1, which reach the launcher as a preemption (LaunchSpec.shielded).
+    shielded: bool = False
 
     @property
     def dataset_cache(self) -> Path:
@@ -396,6 +399,7 @@ class PlacementRun:
             gpu_ids=self.gpu_ids,
             socket_ifname=self.ctx.socket_ifname,
             box=self._trainer_sandbox(),
+            shielded=self.ctx.shielded,
         )
 
     def _trainer_sandbox(self) -> Sandbox | None:
