@@ -21,6 +21,7 @@ Usage::
 
     python bench/bench_sweeps.py                  # both
     python bench/bench_sweeps.py --mode search --epochs 20
+    python bench/bench_sweeps.py --mode search --epochs 8 --seeds 3 --show-trials   # each trial's curve
     python bench/bench_sweeps.py --mode overhead --trials 60
 """
 
@@ -219,7 +220,7 @@ def _advance(session: Any, job: Job, trainers: dict[str, Trainer], done: dict[st
         attempt.status, attempt.finished_at = "succeeded", now
 
 
-def search(epochs: int, seeds: list[int]) -> None:
+def search(epochs: int, seeds: list[int], show_trials: bool = False) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         url = f"sqlite:///{tmp}/bench.db"
         db, settings, principal, dataset = _setup(url, Path(tmp) / "data")
@@ -249,6 +250,10 @@ def search(epochs: int, seeds: list[int]) -> None:
                 spent = sum(t.epochs for t in trials)
                 pruned = sum(t.state == "pruned" for t in trials)
                 rows.append((seed, name, len(trials), pruned, best, spent, seconds))
+                if show_trials:
+                    for t in sorted(trials, key=lambda t: t.number):
+                        curve = " ".join(f"{t.steps()[e]:.3f}" for e in sorted(t.steps()))
+                        print(f"  #{t.number:<2} {t.params} {t.state:9} {t.epochs:>2} epochs: {curve}")
                 print(
                     f"seed {seed} {name}: {len(trials)} trials, {pruned} pruned, best {best:.4f}, "
                     f"{spent} epochs, {seconds:.1f} s",
@@ -361,12 +366,13 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--trials", type=int, default=40)
+    parser.add_argument("--show-trials", action="store_true", help="print every trial's curve")
     args = parser.parse_args()
     import logging
 
     logging.basicConfig(level=logging.WARNING)
     if args.mode in ("search", "both"):
-        search(args.epochs, args.seeds)
+        search(args.epochs, args.seeds, args.show_trials)
     if args.mode in ("overhead", "both"):
         with tempfile.TemporaryDirectory() as tmp:
             for algorithm in ("random", "tpe"):

@@ -17,6 +17,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+# Under pytest-xdist (``make test``: one test process per core), torch in each test process
+# computes on one thread: its in-process training then never spins against the other
+# processes' work on the same cores. Set before anything imports torch; the ranks the agents
+# start get their own share from the agent (worker.agent.placement.AgentContext.cpus_for).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+
 import pytest
 import sqlalchemy as sa
 import uvicorn

@@ -15,6 +15,7 @@ and at submission for the first trials.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import re
@@ -60,6 +61,11 @@ _SPEC_SECTIONS = {"train": ("parameters", "model", "resources"), "script": ("res
 # Model fields a search may vary (the weights to start from are not a hyperparameter).
 _MODEL_KEYS = {"architecture", "pretrained", "memory_efficient"}
 _FINAL_TRIALS = {TrialState.COMPLETED, TrialState.PRUNED, TrialState.FAILED, TrialState.CANCELLED}
+# Trials whose parameters a later trial may be given again: they said nothing about them.
+_RETRIED = {TrialState.FAILED.value, TrialState.CANCELLED.value}
+# Proposals asked for one trial before one that no trial has had yet is taken (a search
+# space smaller than the sweep's trials runs out of new points).
+MAX_REDRAWS = 50
 
 
 def _invalid(field_name: str, message: str, allowed: str | None = None) -> RequestValidationError:
@@ -345,21 +351,41 @@ def _update_trials(session: Session, sweep: Sweep, trials: list[SweepTrial], res
     if not live:
         return
     jobs = {j.id: j for j in session.scalars(select(Job).where(Job.id.in_([t.job_id for t in live])))}
-    judge = _Judge(sweep, trials)
+    pending = []
     for trial in live:
         job = jobs[trial.job_id]
         points = _objective_points(session, job.id, metric)
         known = trial.steps()
-        new_epochs = sorted(e for e in points if e not in known or known[e] != points[e])
-        state = _trial_state(job)
-        if new_epochs and spec.get("early_stopping"):
-            pruned_at = judge.run(trial, points, new_epochs, act=state is TrialState.RUNNING)
-            if pruned_at is not None:
-                trial.intermediate = {str(e): v for e, v in points.items() if e <= pruned_at}
-                reason = _prune_reason(sweep, trials, trial, pruned_at, points[pruned_at])
-                _prune(session, trial, job, reason, goal)
-                result.pruned.append(job.id)
+        new_epochs = [e for e in sorted(points) if e not in known or known[e] != points[e]]
+        pending.append((trial, job, points, new_epochs, _trial_state(job)))
+    pruned_at: dict[str, int] = {}
+    if spec.get("early_stopping"):
+        # The epochs reported since the last round arrived together as far as the sweep can
+        # tell: they are judged epoch by epoch and, within an epoch, best value first. So of k
+        # trials reaching a rung at once only those in the rule's top share go on, as if
+        # they had been judged side by side, not the first few by trial number (an
+        # asynchronous rule promotes whoever reaches a rung first while it stands alone).
+        sign = -1.0 if goal == "maximize" else 1.0
+        arrivals = sorted(
+            (epoch, sign * points[epoch], trial.number, i)
+            for i, (trial, _job, points, new_epochs, _state) in enumerate(pending)
+            for epoch in new_epochs
+        )
+        judge = _Judge(sweep, trials)
+        for epoch, _value, _number, i in arrivals:
+            trial, _job, points, _new, state = pending[i]
+            if trial.id in pruned_at:
                 continue
+            if judge.step(trial, epoch, points[epoch], act=state is TrialState.RUNNING):
+                pruned_at[trial.id] = epoch
+    for trial, job, points, _new, state in pending:
+        at = pruned_at.get(trial.id)
+        if at is not None:
+            trial.intermediate = {str(e): v for e, v in points.items() if e <= at}
+            reason = _prune_reason(sweep, trials, trial, at, points[at])
+            _prune(session, trial, job, reason, goal)
+            result.pruned.append(job.id)
+            continue
         trial.intermediate = {str(e): v for e, v in sorted(points.items())}
         trial.epochs = len(points)
         trial.value = _best(points, goal)
@@ -374,23 +400,18 @@ class _Judge:
         self.study: optuna.Study | None = None
         self.ids: dict[str, int] = {}
 
-    def run(self, trial: SweepTrial, points: dict[int, float], epochs: list[int], *, act: bool) -> int | None:
-        """Feed the trial's new epochs to the rule, one by one; the epoch it is pruned at, if
-        ``act`` (a live job). Every epoch goes through the rule, a finished trial's too: the rule
+    def step(self, trial: SweepTrial, epoch: int, value: float, *, act: bool) -> bool:
+        """Feed one new epoch of the trial to the rule; whether it is pruned there, if ``act``
+        (a live job). Every epoch goes through the rule, a finished trial's too: the rule
         records on each trial what it reached (ASHA's rungs), which later trials are judged by."""
         if self.study is None:
             self.study, self.ids = _study(self.sweep, self.trials, self.sweep.trials_created)
         study = self.study
         storage, tid = study._storage, self.ids[trial.id]
-        pruned_at = None
-        for epoch in epochs:
-            storage.set_trial_intermediate_value(tid, epoch, points[epoch])
-            frozen = storage.get_trial(tid)
-            if study.pruner.prune(study, frozen) and act:
-                pruned_at = epoch
-                break
+        storage.set_trial_intermediate_value(tid, epoch, value)
+        pruned = bool(study.pruner.prune(study, storage.get_trial(tid))) and act
         trial.system_attrs = dict(storage.get_trial(tid).system_attrs)
-        return pruned_at
+        return pruned
 
 
 def _finish(trial: SweepTrial, job: Job, state: TrialState, metric: str) -> None:
@@ -467,6 +488,25 @@ def _target_trials(sweep: Sweep) -> int:
     return sweep.max_trials if size is None else min(size, sweep.max_trials)
 
 
+def _space_size(sweep: Sweep) -> int | None:
+    """How many points the search space holds (None: a float range without a step)."""
+    size = 1
+    for rng in _ranges(sweep.spec).values():
+        if isinstance(rng, Categorical):
+            size *= len(rng.choices)
+        elif isinstance(rng, IntRange):
+            size *= (rng.high - rng.low) // rng.step + 1
+        elif rng.step is not None:
+            size *= math.floor((rng.high - rng.low) / rng.step + 1e-9) + 1
+        else:
+            return None
+    return size
+
+
+def _params_key(params: dict[str, Any]) -> str:
+    return json.dumps(params, sort_keys=True)
+
+
 def _create_trials(
     session: Session, settings: Settings, sweep: Sweep, trials: list[SweepTrial], result: DriveResult
 ) -> None:
@@ -480,10 +520,19 @@ def _create_trials(
     while sweep.trials_created < target and running < sweep.max_concurrent_trials:
         number = sweep.trials_created
         study, _ids = _study(sweep, trials, number)
-        asked = study.ask(dists)
-        if asked.number != number:
-            raise RuntimeError(f"sweep {sweep.id}: the study numbered trial {number} as {asked.number}")
-        params = {k: asked.params[k] for k in dists}
+        tried = {_params_key(t.params) for t in trials if t.state not in _RETRIED}
+        size = _space_size(sweep)
+        redraws = 1 if size is not None and len(tried) >= size else MAX_REDRAWS
+        for _ in range(redraws):
+            asked = study.ask(dists)
+            params = {k: asked.params[k] for k in dists}
+            if _params_key(params) not in tried:
+                break
+            # Parameters a trial already has would train the same curve again. The proposal
+            # stays running in this in-memory study, where TPE's constant liar counts it as
+            # a poor result and the random sampler draws on: the next proposal moves away.
+        else:
+            log.info("sweep %s: trial %s repeats parameters already tried (%s)", sweep.id, number, params)
         attrs = dict(study._storage.get_trial(asked._trial_id).system_attrs)
         raw = _trial_spec(sweep, params)
         spec = JOB_CREATE.validate_python(raw)

@@ -297,3 +297,78 @@ def test_mlflow_tensorboard_and_logs_of_an_unmodified_script_1x2(env: ScriptEnv)
     for rank in (0, 1):
         assert f"not kept: model-{rank}.pt was written in the working copy of rank-{rank}" in agent_log
         assert f"logs: state-{rank}.bin is not a log stream (not a text file" in agent_log
+
+
+LIGHTNING = """
+import os, sys
+import lightning as L
+import mlflow
+import torch
+from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger
+
+
+class Linear(L.LightningModule):
+    def __init__(self, lr=0.1):
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+devices = int(sys.argv[1])
+torch.manual_seed(0)
+x = torch.randn(64, 4)
+data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+trainer = L.Trainer(
+    accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_epochs=1,
+    log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+    enable_model_summary=False,
+    logger=[MLFlowLogger(experiment_name="lightning", prefix="mlflow"),
+            TensorBoardLogger("tb_logs", prefix="tb")],
+)
+trainer.fit(Linear(), torch.utils.data.DataLoader(data, batch_size=8))
+# Lightning's loggers write from rank 0 only; a rank may still call MLflow itself.
+with mlflow.start_run(run_name=f"rank{trainer.global_rank}"):
+    mlflow.log_metric("rank_seen", float(trainer.global_rank))
+"""
+
+
+def test_lightning_mlflow_and_tensorboard_loggers_1_and_2_processes(env: ScriptEnv) -> None:
+    """SPEC §14: Lightning's ``MLFlowLogger`` and ``TensorBoardLogger``, unchanged, in a
+    1-process job and a 2-process ``per_node`` job (``torchrun`` starting Lightning's DDP
+    ranks): what they log is the job's metrics, with the rank of the process that logged."""
+    pytest.importorskip("lightning")
+    env.agent("solo", slots=3)
+    code = env.upload_code({"fit.py": LIGHTNING})
+    one = env.submit(
+        code, ["python", "fit.py", "1"], resources={"node_count": 1, "process_count_per_node": 1}
+    )
+    two = env.submit(
+        code,
+        ["torchrun", "--nnodes", "$NNODES", "--nproc-per-node", "$NPROC_PER_NODE", "--node-rank",
+         "$NODE_RANK", "--master-addr", "$MASTER_ADDR", "--master-port", "$MASTER_PORT", "fit.py",
+         "$NPROC_PER_NODE"],
+        distribution={"launch": "per_node"},
+        resources={"node_count": 1, "process_count_per_node": 2},
+    )  # fmt: skip
+    for job_id, steps, ranks in ((one, 8, [0]), (two, 4, [0, 1])):
+        job = env.wait(job_id)
+        assert job["status"] == "succeeded", (job, env.log(job_id, stream="agent"))
+        mlflow_loss = _metrics(env, job_id, "mlflow-train_loss")
+        tb_loss = _metrics(env, job_id, "tb-train_loss")
+        # 64 samples in batches of 8, split between the ranks; rank 0 logs every step.
+        assert [(r, s) for r, s, _ in mlflow_loss] == [(0, s) for s in range(steps)], mlflow_loss
+        assert [(r, s) for r, s, _ in tb_loss] == [(0, s) for s in range(steps)], tb_loss
+        assert [v for _, _, v in tb_loss] == pytest.approx([v for _, _, v in mlflow_loss], rel=1e-6)
+        # Each rank's own MLflow call carries its rank (per_node: the RANK torchrun gave it).
+        assert _metrics(env, job_id, "rank_seen") == [(r, 0, float(r)) for r in ranks]
+        assert job["tracking"]["params"]["lr"] == "0.1"
+        assert {r["experiment"] for r in job["tracking"]["runs"]} >= {"lightning"}

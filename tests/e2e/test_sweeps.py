@@ -1,10 +1,11 @@
 """Sweeps for real (SPEC §15): a ``torchyard serve`` process (SIGKILLed and restarted mid-sweep)
-and one real agent serve the whole module. Every trial is a script job that trains a
+and one real agent serve the whole module. Most trials are script jobs that train a
 logistic regression with torch on the digits (16 px, 120 training and 30 validation images,
-uploaded as datasets) at the learning rate the sweep gives it as ``$LR``, and reports
-``val.top1`` each epoch: a few seconds per trial, where the built-in trainer's take minutes
-on this hardware (the trainer's metrics reach a sweep the same way, through the metrics
-table).
+uploaded as datasets) at the learning rate the sweep gives it as ``$LR``, and report
+``val.top1`` each epoch: a few seconds per trial. One sweep runs the built-in trainer
+(two trials of the smallest torchvision model at 16 px for two epochs), whose per-epoch
+metrics reach the sweep the same way, through the metrics table, and registers its best
+trial's model.
 """
 
 from __future__ import annotations
@@ -275,3 +276,58 @@ def test_cancel_stops_every_trial_and_leaves_no_process(senv: SweepEnv) -> None:
     time.sleep(1.0)  # a few reaper passes: a cancelled sweep asks for no trial
     after = senv.get(sweep["id"])
     assert len(after["trials"]) == 2 and {t["state"] for t in after["trials"]} == {"cancelled"}
+
+
+def test_train_trials_are_judged_by_the_trainers_epochs_and_the_best_registers_as_a_model(
+    senv: SweepEnv,
+) -> None:
+    """Trials of the built-in trainer: the objective is the best of the points the trainer
+    reports each epoch (``val.loss``, minimized: it moves every epoch even where two epochs of
+    this tiny run leave ``val.top1`` at chance), and the best trial's job registers as any
+    job's model."""
+    job = {
+        "type": "train",
+        "model": {"architecture": "shufflenet_v2_x0_5"},  # 0.35 M parameters
+        "train_dataset": senv.train,
+        "validation_dataset": senv.val,
+        "parameters": {
+            "epochs": 2,
+            "patience": 2,
+            "image_size": 16,
+            "batch_size": 16,
+            "augmentation": "none",
+        },
+        "resources": {"node_count": 1, "process_count_per_node": 1},
+    }
+    sweep = senv.sweep(
+        name="digits-train",
+        job=job,
+        search_space={"parameters.learning_rate": {"type": "categorical", "choices": [0.05, 0.0001]}},
+        objective={"metric": "val.loss", "goal": "minimize"},
+        algorithm="grid",
+        max_trials=2,
+        max_concurrent_trials=2,
+    )
+    done = senv.wait(sweep["id"], lambda s: s["status"] != "running", timeout=300)
+    assert done["status"] == "succeeded", done
+    for trial in done["trials"]:
+        assert trial["state"] == "completed" and trial["epochs"] == 2, trial
+        points = senv.user.get(f"/v1/jobs/{trial['job_id']}/metrics", params={"name": "val.loss"}).json()
+        by_epoch = {p["epoch"]: p["value"] for p in points["items"]}
+        assert sorted(by_epoch) == [1, 2]
+        assert trial["intermediate"] == {str(e): v for e, v in by_epoch.items()}
+        assert trial["value"] == min(by_epoch.values())
+        trained = senv.user.get(f"/v1/jobs/{trial['job_id']}").json()
+        lr = trial["params"]["parameters.learning_rate"]
+        assert trained["parameters"]["learning_rate"] == lr and trained["type"] == "train"
+    best = done["best_trial"]
+    assert best["value"] == min(t["value"] for t in done["trials"])
+    # The best trial's model is registered as any job's and comes back from the registry.
+    r = senv.user.post("/v1/models", json={"name": "digits-best", "job_id": best["job_id"]})
+    assert r.status_code == 201, r.text
+    version = r.json()
+    assert version["job_id"] == best["job_id"] and version["architecture"] == "shufflenet_v2_x0_5"
+    assert version["classes"] == [str(i) for i in range(10)]
+    got = senv.user.get(f"/v1/models/digits-best/versions/{version['version']}")
+    assert got.status_code == 200, got.text
+    assert got.json()["job_id"] == best["job_id"] and got.json()["sha256"] == version["sha256"]

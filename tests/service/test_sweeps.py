@@ -324,6 +324,58 @@ def test_grid_sweep_visits_each_point_once_and_ends(
     assert points == [(lr, bs) for lr in (0.01, 0.02, 0.03) for bs in (16, 32)]
 
 
+def test_trials_reaching_a_rung_in_one_round_are_judged_best_first(
+    client: TestClient, settings: Settings, user: tuple[str, str], db: Database
+) -> None:
+    """Four trials report epoch 1 between two decision rounds: ASHA (top half) keeps the best
+    of them, not every one that happens to stand best when judged in trial-number order."""
+    token, dataset = user
+    body = _body(
+        dataset,
+        early_stopping={"type": "asha", "min_epochs": 1, "reduction_factor": 2},
+        max_trials=4,
+        max_concurrent_trials=4,
+    )
+    sweep = client.post("/v1/sweeps", json=body, headers=auth(token)).json()
+    jobs = _trial_jobs(db, sweep["id"])
+    for job, value in zip(jobs, [0.2, 0.3, 0.9, 0.1], strict=True):
+        _report(db, job.id, [value])
+    result = sweeps_service.drive(db, settings)
+    assert sorted(result.pruned) == sorted([jobs[0].id, jobs[1].id, jobs[3].id])
+    states = [t["state"] for t in _get(client, token, sweep["id"])["trials"]]
+    assert states == ["pruned", "pruned", "running", "pruned"]
+
+
+@pytest.mark.parametrize("algorithm", ["random", "tpe"])
+def test_no_two_trials_get_the_same_parameters_while_new_ones_are_left(
+    client: TestClient, settings: Settings, user: tuple[str, str], db: Database, algorithm: str
+) -> None:
+    """A trial with the parameters of an earlier one would train the same curve again: each
+    trial gets parameters no trial had, until the space has none left."""
+    token, dataset = user
+    body = _body(
+        dataset,
+        algorithm=algorithm,
+        search_space={
+            "parameters.learning_rate": {"type": "categorical", "choices": [0.001, 0.01, 0.1, 1.0]}
+        },
+        max_trials=6,
+        max_concurrent_trials=2,
+    )
+    sweep = client.post("/v1/sweeps", json=body, headers=auth(token)).json()
+    values = {0.001: 0.2, 0.01: 0.5, 0.1: 0.9, 1.0: 0.1}
+    for _ in range(8):
+        for job in _trial_jobs(db, sweep["id"]):
+            if job.status == "queued":
+                _report(db, job.id, [values[job.spec["parameters"]["learning_rate"]]], end="succeeded")
+        sweeps_service.drive(db, settings)
+    done = _get(client, token, sweep["id"])
+    assert done["status"] == "succeeded" and len(done["trials"]) == 6
+    rates = [t["params"]["parameters.learning_rate"] for t in done["trials"]]
+    assert sorted(rates[:4]) == [0.001, 0.01, 0.1, 1.0]  # all four before any comes again
+    assert set(rates[4:]) <= set(values)
+
+
 def test_cancel_stops_every_trial_and_asks_for_no_more(
     client: TestClient, settings: Settings, user: tuple[str, str], db: Database
 ) -> None:

@@ -123,6 +123,7 @@ class Agent:
             shutdown=self.shutdown,
             log_backlog_bytes=options.log_backlog_bytes,
             sandbox=sandbox.mode(),
+            node_units=self.resources.units,
         )
         self.claim_wait = MAX_CLAIM_WAIT_S
 

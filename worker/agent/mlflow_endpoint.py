@@ -8,6 +8,13 @@ Hugging Face's MLflow callback use. Every process of the placement gets
 its own, which tells the endpoint the process's rank); a request without a token of this
 placement is 401, so a script reaches its own job's runs and nothing else.
 
+In the ``per_node`` launch mode the node's one command starts its ranks itself (``torchrun``
+…), and they all inherit the node's token. Their points carry the rank of the process that
+calls: the endpoint finds the process holding the other end of the connection (its socket
+in ``/proc/net/tcp``, then the process with that socket open) and reads ``RANK`` from its
+environment (the variable ``torchrun`` gives each rank), once per connection; where that
+cannot be read, the node's first rank.
+
 What it is told goes where the rest of a script's reports go, through files the
 placement's reporter already ships exactly once:
 
@@ -38,6 +45,7 @@ import os
 import re
 import secrets
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -126,6 +134,18 @@ class _Process:
     metrics_path: Path
     used_steps: dict[str, set[int]] = field(default_factory=dict)
     top_step: dict[str, int] = field(default_factory=dict)
+    # per_node: the node's command starts its ranks; each caller's rank is its RANK.
+    ranks_from_caller: bool = False
+    by_rank: dict[int, _Process] = field(default_factory=dict)
+
+    def as_rank(self, rank: int | None) -> _Process:
+        """The process as one rank of a node's command sees it (its own steps per metric)."""
+        if not self.ranks_from_caller or rank is None or rank == self.rank:
+            return self
+        found = self.by_rank.get(rank)
+        if found is None:
+            found = self.by_rank[rank] = _Process(rank, self.name, self.metrics_path)
+        return found
 
 
 class TrackingStore:
@@ -145,11 +165,13 @@ class TrackingStore:
 
     # --- who is asking -------------------------------------------------------------------
 
-    def add_process(self, rank: int, name: str) -> str:
-        """A token for one process (its rank is the rank of the points it logs)."""
+    def add_process(self, rank: int, name: str, *, ranks_from_caller: bool = False) -> str:
+        """A token for one process (its rank is the rank of the points it logs), or with
+        ``ranks_from_caller`` for a node's command whose ranks share it (each caller's
+        ``RANK``, ``rank`` where the caller's cannot be read)."""
         token = secrets.token_urlsafe(24)
         path = self.run_dir / "metrics" / f"mlflow-{name}.jsonl"
-        self.processes[token] = _Process(rank, name, path)
+        self.processes[token] = _Process(rank, name, path, ranks_from_caller=ranks_from_caller)
         return token
 
     def process(self, token: str | None) -> _Process | None:
@@ -609,6 +631,10 @@ class _Handler(BaseHTTPRequestHandler):
                 raise MlflowError(
                     "a token of this job is needed (MLFLOW_TRACKING_TOKEN)", "UNAUTHENTICATED", 401
                 )
+            if proc.ranks_from_caller:
+                rank = self._caller_rank()
+                with self.server.store.lock:
+                    proc = proc.as_rank(rank)
             path = urlsplit(self.path).path
             prefix = next((p for p in API_PREFIXES if path.startswith(p)), None)
             if prefix is None:
@@ -620,6 +646,12 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception:
             log.exception("MLflow endpoint: %s %s failed", method, self.path)
             self._answer(500, {"error_code": "INTERNAL_ERROR", "message": "the call failed on the node"})
+
+    def _caller_rank(self) -> int | None:
+        """The ``RANK`` of the process at the other end of this connection (looked up once)."""
+        if not hasattr(self, "_rank"):
+            self._rank = caller_rank(self.client_address, self.server.server_address)
+        return self._rank
 
     def _read(self, method: str) -> dict[str, Any]:
         if method == "GET":
@@ -670,9 +702,11 @@ class TrackingEndpoint:
         self._thread = threading.Thread(target=server.serve_forever, name="mlflow-endpoint", daemon=True)
         self._thread.start()
 
-    def env_for(self, rank: int, name: str) -> dict[str, str]:
-        """The variables that point one process's MLflow client here."""
-        return {"MLFLOW_TRACKING_URI": self.uri, "MLFLOW_TRACKING_TOKEN": self.store.add_process(rank, name)}
+    def env_for(self, rank: int, name: str, *, ranks_from_caller: bool = False) -> dict[str, str]:
+        """The variables that point one process's MLflow client here (``ranks_from_caller``:
+        a node's command whose ranks, started by it, share them)."""
+        token = self.store.add_process(rank, name, ranks_from_caller=ranks_from_caller)
+        return {"MLFLOW_TRACKING_URI": self.uri, "MLFLOW_TRACKING_TOKEN": token}
 
     def stop(self) -> None:
         if self._server is not None:
@@ -680,6 +714,63 @@ class TrackingEndpoint:
             self._server.server_close()
         if self._thread is not None:
             self._thread.join(5)
+
+
+# --- who is calling ------------------------------------------------------------------------
+
+MAX_RANK = 1 << 20
+
+
+def _proc_net_address(host: str, port: int) -> str:
+    """An IPv4 address as ``/proc/net/tcp`` prints it (the address in the machine's byte order)."""
+    (number,) = struct.unpack("=I", socket.inet_aton(host))
+    return f"{number:08X}:{port:04X}"
+
+
+def socket_owner(client: tuple[Any, ...], server: tuple[Any, ...]) -> int | None:
+    """The pid of a process of this user holding the client end of a loopback TCP connection."""
+    local, remote = _proc_net_address(client[0], client[1]), _proc_net_address(server[0], server[1])
+    inode = None
+    with contextlib.suppress(OSError), open("/proc/net/tcp") as table:
+        for line in table:
+            fields = line.split()
+            if len(fields) > 9 and fields[1] == local and fields[2] == remote:
+                inode = fields[9]
+                break
+    if inode is None or inode == "0":
+        return None
+    wanted, uid = f"socket:[{inode}]", os.getuid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if entry.stat().st_uid != uid:
+                continue
+            for fd in os.scandir(f"/proc/{entry.name}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd.path) == wanted:
+                        return int(entry.name)
+    return None
+
+
+def caller_rank(client: tuple[Any, ...], server: tuple[Any, ...]) -> int | None:
+    """``RANK`` in the environment of the process at the client end of a loopback connection
+    (None where there is no such process of this user, or no rank in its environment)."""
+    pid = socket_owner(client, server)
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+    except OSError:
+        return None
+    for item in environ.split(b"\0"):
+        if item.startswith(b"RANK="):
+            value = item[5:].decode(errors="replace")
+            if value.isdigit() and int(value) < MAX_RANK:
+                return int(value)
+            return None
+    return None
 
 
 def tracking_snapshot(run_dir: Path) -> Callable[[], bytes | None]:

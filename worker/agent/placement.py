@@ -64,6 +64,16 @@ class AgentContext:
     # The engine signals every process of the run (Slurm): torchrun and the ranks ignore its
     # SIGTERM and SIGUSR1, which reach the launcher as a preemption (LaunchSpec.shielded).
     shielded: bool = False
+    # The node's processing units; 0 when the whole of ``cpus`` is this one placement's (a
+    # launcher in an allocation of its own).
+    node_units: int = 0
+
+    def cpus_for(self, units: int) -> int:
+        """A placement's share of the node's CPUs, by the units it holds: two 1-unit jobs on a
+        2-slot, 2-core node get a core each, not two threads each on the same two cores."""
+        if self.node_units <= 0:
+            return self.cpus
+        return max(1, self.cpus * units // self.node_units)
 
     @property
     def dataset_cache(self) -> Path:
@@ -395,7 +405,7 @@ class PlacementRun:
             nproc=self.units,
             master_addr=w.master_addr,
             master_port=w.master_port,
-            cpus=self.ctx.cpus,
+            cpus=self.ctx.cpus_for(self.units),
             gpu_ids=self.gpu_ids,
             socket_ifname=self.ctx.socket_ifname,
             box=self._trainer_sandbox(),

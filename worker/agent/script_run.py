@@ -248,7 +248,7 @@ class ScriptGroup:
             process_env = script_env(launch, base, self.marker, local, rank)
             if self.tracking is not None:
                 name = f"rank-{rank}" if local is not None else f"node-{launch.node_rank}"
-                process_env.update(self.tracking.env_for(rank, name))
+                process_env.update(self.tracking.env_for(rank, name, ranks_from_caller=local is None))
             variables = command_variables(launch, process_env, local)
             argv = [expand(arg, variables) for arg in launch.command]
             if _PYTHON_NAMES.match(argv[0]):
@@ -621,7 +621,7 @@ def prepare_script(
         nproc=work.process_count_per_node,
         master_addr=work.master_addr,
         master_port=work.master_port,
-        cpus=ctx.cpus,
+        cpus=ctx.cpus_for(work.process_count_per_node),
         command=tuple(spec["command"]),
         launch=(spec.get("distribution") or {}).get("launch", "per_process"),
         variables=dict(environment.get("variables") or {}),

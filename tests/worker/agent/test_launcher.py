@@ -335,3 +335,27 @@ def test_failures_are_classified_for_the_restart_policy(tmp_path: Path) -> None:
     log = tmp_path / "agent.log"
     log.write_text("torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError: timed out\n")
     assert collect_failure(spec, 1, log)["code"] == "CommunicationError"
+
+
+def test_a_placement_gets_its_units_share_of_the_nodes_cpus(tmp_path: Path) -> None:
+    """Threads per rank follow the placement's units, not the whole node: two 1-unit jobs on a
+    2-slot, 2-core node run one thread each instead of two each on the same cores."""
+    agent = Agent(
+        AgentOptions(api_url="http://127.0.0.1:9", token="t", name="n", work_dir=tmp_path),
+        NodeResources(units=2, cpus=2, gpu_ids=(), accelerator="cpu"),
+    )
+    work = ClaimedPlacement.model_construct(
+        job_id="j", lease_token="lease-j", node_rank=0, node_count=1, process_count_per_node=1,
+        attempt_number=1, master_addr="127.0.0.1", master_port=29500,
+    )  # fmt: skip
+    run = PlacementRun(agent.ctx, work, agent.units.take(1), gpu_ids=())
+    assert agent.ctx.cpus_for(1) == 1 and agent.ctx.cpus_for(2) == 2
+    share = agent.ctx.cpus_for(run.units)
+    assert rank_env(_spec(tmp_path, cpus=share, nproc=1), {}, "m")["OMP_NUM_THREADS"] == "1"
+    big = Agent(
+        AgentOptions(api_url="http://127.0.0.1:9", token="t", name="b", work_dir=tmp_path / "b"),
+        NodeResources(units=4, cpus=16, gpu_ids=(), accelerator="cpu"),
+    )
+    assert [big.ctx.cpus_for(u) for u in (1, 2, 4)] == [4, 8, 16]
+    agent.api.close()
+    big.api.close()

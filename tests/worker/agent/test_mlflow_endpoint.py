@@ -241,3 +241,53 @@ def test_bad_huge_and_foreign_requests_get_mlflow_errors_and_change_nothing(
         ]
     finally:
         other.stop()
+
+
+PER_NODE_SCRIPT = """
+import os, mlflow
+rank = int(os.environ["RANK"])
+with mlflow.start_run(run_name=f"rank{rank}"):
+    for step in range(3):
+        mlflow.log_metric("loss", 10 * rank + step, step=step)
+    mlflow.log_metric("again", 1.0)  # no step: 0, then the next one above, per rank
+    mlflow.log_metric("again", 2.0)
+"""
+
+
+def test_per_node_ranks_started_by_torchrun_log_with_their_own_rank(
+    endpoint: TrackingEndpoint, tmp_path: Path
+) -> None:
+    """``per_node``: the node's one command is ``torchrun``, its two ranks inherit the node's
+    token, and each point carries the rank of the process that logged it (its ``RANK``);
+    a process with no ``RANK`` (the command itself) logs as the node's first rank."""
+    env = {**os.environ, **endpoint.env_for(4, "node-2", ranks_from_caller=True)}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    (tmp_path / "log.py").write_text(PER_NODE_SCRIPT)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run(
+        [*torchrun, "log.py"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    # This test's own process has no RANK.
+    assert "RANK" not in os.environ
+    token = env["MLFLOW_TRACKING_TOKEN"]
+    r = _call(endpoint, "POST", "runs/create", token, json={"experiment_id": "0", "run_name": "node"})
+    run_id = r.json()["run"]["info"]["run_id"]
+    r = _call(endpoint, "POST", "runs/log-metric", token, json={"run_id": run_id, "key": "loss", "value": 99})
+    assert r.status_code == 200, r.text
+    points = _lines(endpoint.store.run_dir / "metrics" / "mlflow-node-2.jsonl")
+    by_rank = {
+        rank: sorted((str(p["name"]), p["step"], p["value"]) for p in points if p["rank"] == rank)
+        for rank in sorted({int(str(p["rank"])) for p in points})
+    }
+    assert sorted(by_rank) == [0, 1, 4]
+    for rank in (0, 1):
+        # Each rank's steps are its own: neither rank's step 0 pushes the other's on.
+        assert by_rank[rank] == [
+            ("again", 0, 1.0), ("again", 1, 2.0),
+            ("loss", 0, 10.0 * rank), ("loss", 1, 10.0 * rank + 1), ("loss", 2, 10.0 * rank + 2),
+        ]  # fmt: skip
+    assert by_rank[4] == [("loss", 0, 99.0)]
+    runs = json.loads((endpoint.store.run_dir / TRACKING_FILE).read_text())["runs"]
+    assert sorted((r["name"], r["rank"]) for r in runs) == [("node", 4), ("rank0", 0), ("rank1", 1)]
