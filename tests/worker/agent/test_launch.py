@@ -27,7 +27,7 @@ from tests.support.factories import auth
 from tests.support.script_helpers import script_env
 from worker.agent import guard
 from worker.agent.launch import allocated_cpus
-from worker.agent.launcher import LaunchSpec, rank_env, visible_devices
+from worker.agent.launcher import LaunchSpec, RankGroup, rank_env, visible_devices
 
 PROBE = """
 import json, os, sys
@@ -126,6 +126,52 @@ def test_shielded_ranks_and_their_loader_workers_ignore_the_engines_sigterm() ->
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "still here" in out, out
+
+
+RANK_SLEEPS = """
+import sys, time
+open(sys.argv[1], "w").write("up")
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_shielded_torchrun_outlives_sigterm_and_stops_on_sigint(tmp_path: Path) -> None:
+    """Real torchrun under ``guard --shield``: Slurm's SIGTERM to every process leaves it and
+    its rank running; the launcher's stop (SIGINT) ends both at once, long before the grace."""
+    run_dir = tmp_path / "work" / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    (tmp_path / "rank.py").write_text(RANK_SLEEPS)
+    spec = LaunchSpec(
+        run_dir=run_dir, node_name="n1", node_rank=0, node_count=1, nproc=1, master_addr="127.0.0.1",
+        master_port=1, cpus=1, shielded=True,
+    )  # fmt: skip
+    group = RankGroup(spec)
+    up = run_dir / "rank-up"
+    group.command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                     str(tmp_path / "rank.py"), str(up)]  # fmt: skip
+    with open(tmp_path / "torchrun.log", "w") as out:
+        group.start(out)
+    try:
+        deadline = time.monotonic() + 120
+        while not up.exists():
+            assert group.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "torchrun.log"
+            ).read_text()
+            time.sleep(0.1)
+        pids = group.alive_pids()
+        assert len(pids) >= 2  # torchrun and its rank
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)  # what Slurm does at a preemption
+        time.sleep(1)
+        assert group.poll() is None and sorted(group.alive_pids()) == sorted(pids)
+        started = time.monotonic()
+        group.stop(grace=60)
+        assert time.monotonic() - started < 30 and group.alive_pids() == []
+        assert "sending SIGKILL" not in (tmp_path / "torchrun.log").read_text()
+    finally:
+        if group.poll() is None:
+            group.stop(grace=1)
 
 
 def test_shielded_rank_environment_keeps_torchrun_off_sigterm(tmp_path: Path) -> None:
