@@ -31,6 +31,9 @@ class AgentContext:
     log_backlog_bytes: int = DEFAULT_LOG_BACKLOG_BYTES
     # bwrap, off or unavailable (worker.agent.sandbox): how this node confines its runs.
     sandbox: str = "off"
+    # The engine signals every process of the run (Slurm): torchrun and the ranks ignore its
+    # SIGTERM and SIGUSR1, which reach the launcher as a preemption (LaunchSpec.shielded).
+    shielded: bool = False
     # The node's processing units; 0 when the whole of ``cpus`` is this one placement's (a
     # launcher in an allocation of its own).
     node_units: int = 0

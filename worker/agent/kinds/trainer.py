@@ -90,6 +90,7 @@ class TrainerRun(KindRun):
             gpu_ids=h.gpu_ids,
             socket_ifname=h.ctx.socket_ifname,
             box=self._sandbox(),
+            shielded=h.ctx.shielded,
         )
 
     def _sandbox(self) -> Sandbox | None:
