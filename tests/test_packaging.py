@@ -124,7 +124,7 @@ def test_serve_module_never_imports_torch() -> None:
     out = run_python(
         """
         import json, sys
-        import torchyard.serving, service.api.app, service.services.jobs, service.datasets
+        import service.serving, service.api.app, service.services.jobs, service.datasets
         print(json.dumps({"loaded": sorted(m for m in ("torch", "torchvision") if m in sys.modules)}))
         """
     )

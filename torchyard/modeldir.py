@@ -22,7 +22,6 @@ too, so the trainer and :func:`evaluate_dir` read a dataset the same way.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -41,6 +40,7 @@ from torchvision.transforms import v2 as T
 from torchyard.architectures import CLASSIFICATION_ARCHITECTURES
 from torchyard.contract.dataset_digest import is_ignored_name, is_image_name
 from torchyard.contract.errors import InvalidDatasetError, InvalidModelDirectoryError
+from torchyard.contract.files import sha256_file as sha256_file  # the weights' checksum of a model directory
 from torchyard.contract.model_archive import resolve_model_dir, verify_model_dir
 
 __all__ = ["resolve_model_dir", "verify_model_dir"]  # torch-free, re-exported for the loader's users
@@ -193,14 +193,6 @@ def eval_transform(config: dict[str, Any]) -> Callable[[Image.Image], torch.Tens
 
 
 # --------------------------------------------------------------------------- writing
-
-
-def sha256_file(path: str | Path, chunk_size: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(chunk_size):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def plain_state_dict(model: nn.Module | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

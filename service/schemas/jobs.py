@@ -13,6 +13,7 @@ from torchyard.contract.jobspec import (
     DEFAULT_JOB_TYPE,
     DistributionFields,
     EnvironmentFields,
+    JobKind,
     JobParameters,
     ModelFields,
     ResourceFields,
@@ -118,11 +119,11 @@ def job_type_of(value: Any) -> str:
     return found if isinstance(found, str) else DEFAULT_JOB_TYPE
 
 
-# Every job type's request model, by its ``type``. A new type adds its model here.
+# Every job kind's request model, by its ``type``. A new kind adds its model here.
 JOB_CREATE_MODELS: dict[str, type[StrictModel]] = {
-    "train": TrainJobCreate,
-    "script": ScriptJobCreate,
-    "evaluate": EvaluateJobCreate,
+    JobKind.TRAIN: TrainJobCreate,
+    JobKind.SCRIPT: ScriptJobCreate,
+    JobKind.EVALUATE: EvaluateJobCreate,
 }
 
 JobCreate = Annotated[

@@ -25,7 +25,7 @@ from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
 from service.db.models import Job, Node, Placement, utcnow
-from service.services.jobs import get_job
+from service.services.job_lookup import get_job
 from service.services.leases import lock_lease, placement_for_lease, speaks_for
 from service.services.tokens import Principal
 from service.states import JobStatus, PlacementStatus
@@ -151,15 +151,17 @@ def _check_uploader(job: Job, node_rank: int) -> None:
         raise ConflictError(f"job {job.id} is {job.status}: its model can no longer be uploaded")
 
 
-def check_model_upload(
-    incoming: IncomingModel, announced_sha256: str, actual_sha256: str
-) -> dict[str, ArchivedFile]:
-    """The received archive matches the announced checksum and is a valid model archive."""
-    if actual_sha256 != announced_sha256:
+def check_sha256_matches(announced: str, actual: str) -> None:
+    """422 when the received body is not what its ``X-Torchyard-Sha256`` header announced."""
+    if actual != announced:
         raise RequestValidationError(
-            f"sha256 mismatch: the header announced {announced_sha256}, the body hashes to {actual_sha256}",
-            details={"expected": announced_sha256, "received": actual_sha256},
+            f"sha256 mismatch: the header announced {announced}, the body hashes to {actual}",
+            details={"expected": announced, "received": actual},
         )
+
+
+def check_model_upload(incoming: IncomingModel) -> dict[str, ArchivedFile]:
+    """The received archive (its checksum already checked) is a valid model archive."""
     return inspect_model_archive(incoming.path, max_unpacked_bytes=incoming.max_bytes * UNPACK_RATIO)
 
 

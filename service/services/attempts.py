@@ -33,10 +33,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Attempt, CodePackage, Dataset, Job, JobInput, Node, Placement, utcnow
+from service.db.models import Attempt, Job, Node, Placement, utcnow
 from service.schemas.jobs import Failure
-from service.services import checkpoints
 from service.services.jobs import transition
+from service.services.kinds import kind_of
+from service.services.kinds.base import Claim
 from service.services.leases import lock_lease
 from service.services.nodes import get_own_node, touch_node
 from service.services.scheduler import is_postgres
@@ -58,9 +59,6 @@ from torchyard.contract.errors import (
 )
 from torchyard.contract.jobspec import DEFAULT_MAX_RESTARTS
 from torchyard.contract.protocol import (
-    ClaimedCode,
-    ClaimedDataset,
-    ClaimedDatasets,
     ClaimedPlacement,
     HeartbeatResponse,
     LeaseRenewal,
@@ -250,16 +248,9 @@ def preempt_node_attempts(session: Session, node: Node) -> list[str]:
 
 
 def claimed_placement(session: Session, placement: Placement, settings: Settings) -> ClaimedPlacement:
+    """What the node that claimed ``placement`` needs to launch it (its kind's payload)."""
     job = session.get_one(Job, placement.job_id)
     attempt = session.get_one(Attempt, placement.attempt_id)
-    spec = job.spec
-
-    def dataset(dataset_id: str) -> ClaimedDataset:
-        row = session.get_one(Dataset, dataset_id)
-        return ClaimedDataset(
-            id=row.id, sha256=row.sha256, classes=list(row.classes), num_images=row.num_images
-        )
-
     common: dict[str, Any] = {
         "job_id": job.id,
         "job_name": job.name,
@@ -273,46 +264,11 @@ def claimed_placement(session: Session, placement: Placement, settings: Settings
         "world_size": job.node_count * job.process_count_per_node,
         "master_addr": attempt.master_addr,
         "master_port": attempt.master_port,
-        "type": job.type,
         "restarts": job.restarts or 0,
         "heartbeat_interval_s": settings.heartbeat_interval_s,
         "lease_timeout_s": settings.lease_timeout_s,
     }
-    if job.type == "script":
-        assert job.code_id is not None  # the script_fields constraint
-        code = session.get_one(CodePackage, job.code_id)
-        inputs = session.scalars(select(JobInput).where(JobInput.job_id == job.id).order_by(JobInput.name))
-        keys = ("command", "distribution", "environment", "outputs", "resources")
-        return ClaimedPlacement(
-            **common,
-            spec={k: spec[k] for k in keys if k in spec},
-            code=ClaimedCode(id=code.id, sha256=code.sha256, files=code.files),
-            inputs={row.name: dataset(row.dataset_id) for row in inputs},
-        )
-    if job.type == "evaluate":
-        assert job.validation_dataset_id is not None
-        evaluated = dataset(job.validation_dataset_id)
-        return ClaimedPlacement(
-            **common,
-            spec={
-                "model": {"architecture": spec["architecture"]},
-                "parameters": {"image_size": spec["image_size"], "batch_size": spec["batch_size"]},
-                "resources": spec["resources"],
-            },
-            datasets=ClaimedDatasets(train=evaluated, validation=evaluated),
-            classes=list(spec["classes"]),
-            init_from_job=job.init_from_job_id,
-        )
-    assert job.train_dataset_id is not None and job.validation_dataset_id is not None
-    train = dataset(job.train_dataset_id)
-    return ClaimedPlacement(
-        **common,
-        spec={"model": spec["model"], "parameters": spec["parameters"], "resources": spec["resources"]},
-        datasets=ClaimedDatasets(train=train, validation=dataset(job.validation_dataset_id)),
-        classes=sorted(train.classes),
-        init_from_job=job.init_from_job_id,
-        checkpoint=checkpoints.latest_ref(session, checkpoints.CheckpointStore(settings.data_dir), job.id),
-    )
+    return kind_of(job).claimed(session, job, Claim(attempt, placement, common, settings))
 
 
 @dataclass
@@ -556,34 +512,15 @@ def _report_ended(
     now: datetime,
 ) -> None:
     """A final report: the placement is done, and the attempt and job follow."""
-    if (
-        report.state == "succeeded"
-        and placement.node_rank == 0
-        and job.type == "train"
-        and job.status in _PLACED_JOB
-        and job.model_sha256 is None
-    ):
-        raise ConflictError("node rank 0 reported success before its model directory was uploaded")
+    if report.state == "succeeded":
+        _check_kept(job, placement)
     placement.status = PlacementStatus.DONE
     placement.finished_at = now
     placement.exit_code = report.exit_code
     if report.state == "succeeded":
-        if attempt.status in _LIVE_ATTEMPT and _attempt_succeeded(session, job, attempt, placement):
-            _end_attempt(attempt, AttemptStatus.SUCCEEDED, now)
-            if job.status in _PLACED_JOB:
-                what = {"train": "training", "evaluate": "the evaluation"}.get(job.type, "the script")
-                on = "every node" if _waits_for_every_node(job) else node.name
-                transition(session, job, JobStatus.SUCCEEDED, f"{what} finished on {on}")
+        _report_succeeded(session, job, attempt, placement, node, now)
     elif report.state == "failed":
-        failure = _failure(report, node.name)
-        if job.status == JobStatus.CANCELLING.value:
-            log.info("job %s: %s failed while cancelling (%s)", job.id, node.name, failure.code)
-        elif attempt.preempt_requested_at is not None and is_retryable(failure.code):
-            # A peer stopping for the preemption broke a collective: part of the preemption.
-            log.info("job %s: %s failed while preempted (%s)", job.id, node.name, failure.code)
-        else:
-            where = f"rank {failure.rank} on {failure.node}" if failure.rank is not None else failure.node
-            fail_attempt(session, job, attempt, failure, f"{failure.code} ({where}): {failure.message}")
+        _report_failed(session, job, attempt, _failure(report, node.name), node)
     if attempt.status in _LIVE_ATTEMPT and (
         report.state == "preempted" or attempt.preempt_requested_at is not None
     ):
@@ -594,9 +531,38 @@ def _report_ended(
     finish_cancellation(session, job)
 
 
-def _waits_for_every_node(job: Job) -> bool:
-    """A script job keeping every node's outputs succeeds once every node has uploaded them."""
-    return job.type == "script" and (job.spec or {}).get("outputs") == "all"
+def _check_kept(job: Job, placement: Placement) -> None:
+    """Node rank 0's success comes after what its kind keeps of it (the model directory)."""
+    if (
+        placement.node_rank == 0
+        and kind_of(job).keeps_model
+        and job.status in _PLACED_JOB
+        and job.model_sha256 is None
+    ):
+        raise ConflictError("node rank 0 reported success before its model directory was uploaded")
+
+
+def _report_succeeded(
+    session: Session, job: Job, attempt: Attempt, placement: Placement, node: Node, now: datetime
+) -> None:
+    if attempt.status not in _LIVE_ATTEMPT or not _attempt_succeeded(session, job, attempt, placement):
+        return
+    _end_attempt(attempt, AttemptStatus.SUCCEEDED, now)
+    if job.status in _PLACED_JOB:
+        kind = kind_of(job)
+        on = "every node" if kind.waits_for_every_node(job) else node.name
+        transition(session, job, JobStatus.SUCCEEDED, f"{kind.work_name} finished on {on}")
+
+
+def _report_failed(session: Session, job: Job, attempt: Attempt, failure: Failure, node: Node) -> None:
+    if job.status == JobStatus.CANCELLING.value:
+        log.info("job %s: %s failed while cancelling (%s)", job.id, node.name, failure.code)
+    elif attempt.preempt_requested_at is not None and is_retryable(failure.code):
+        # A peer stopping for the preemption broke a collective: part of the preemption.
+        log.info("job %s: %s failed while preempted (%s)", job.id, node.name, failure.code)
+    else:
+        where = f"rank {failure.rank} on {failure.node}" if failure.rank is not None else failure.node
+        fail_attempt(session, job, attempt, failure, f"{failure.code} ({where}): {failure.message}")
 
 
 def _attempt_succeeded(session: Session, job: Job, attempt: Attempt, placement: Placement) -> bool:
@@ -607,7 +573,7 @@ def _attempt_succeeded(session: Session, job: Job, attempt: Attempt, placement: 
     of it is left open (each node reports success after its upload; a failure or a lost
     node fails the attempt first, a drain preempts it).
     """
-    if not _waits_for_every_node(job):
+    if not kind_of(job).waits_for_every_node(job):
         return placement.node_rank == 0
     if attempt.preempt_requested_at is not None:
         return False

@@ -14,7 +14,6 @@ server made: an agent can never read another job's checkpoint.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -33,13 +32,13 @@ from service.services.leases import lock_lease, placement_for_lease
 from service.services.tokens import Principal
 from service.states import JobStatus
 from torchyard.contract.errors import ConflictError, NotFoundError, PermissionDeniedError, StaleLeaseError
+from torchyard.contract.files import sha256_file
 from torchyard.contract.protocol import CheckpointRef
 
 log = logging.getLogger(__name__)
 
 KEEP = 2
 _JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_HASH_CHUNK = 1 << 20
 
 
 class CheckpointStore:
@@ -140,14 +139,10 @@ def _records(session: Session, job_id: str) -> list[Checkpoint]:
 
 
 def _sha256_of(path: Path) -> str | None:
-    digest = hashlib.sha256()
     try:
-        with open(path, "rb") as fh:
-            while chunk := fh.read(_HASH_CHUNK):
-                digest.update(chunk)
+        return sha256_file(path)
     except OSError:
         return None
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -196,14 +191,19 @@ def latest_ref(session: Session, store: CheckpointStore | None, job_id: str) -> 
                     continue
             except OSError:
                 continue
-        return CheckpointRef(
-            epoch=row.epoch,
-            step=row.step,
-            sha256=row.sha256,
-            size_bytes=row.size_bytes,
-            attempt=row.attempt_number,
-        )
+        return checkpoint_ref(row)
     return None
+
+
+def checkpoint_ref(row: Checkpoint) -> CheckpointRef:
+    """What the protocol says of a stored checkpoint."""
+    return CheckpointRef(
+        epoch=row.epoch,
+        step=row.step,
+        sha256=row.sha256,
+        size_bytes=row.size_bytes,
+        attempt=row.attempt_number,
+    )
 
 
 def remove_ended_jobs_files(db: Database, store: CheckpointStore) -> int:

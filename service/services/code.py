@@ -9,7 +9,6 @@ uploads of the same folder share one copy. Hidden files and folders (``.git``,
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import shutil
@@ -40,6 +39,7 @@ from torchyard.contract.errors import (
     NotFoundError,
     PermissionDeniedError,
 )
+from torchyard.contract.files import locked
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +69,8 @@ def upload_workspace(settings: Settings, principal: Principal) -> AbstractContex
 def _store_lock(settings: Settings) -> Iterator[None]:
     store = code_dir(settings)
     store.mkdir(parents=True, exist_ok=True)
-    with open(store / ".lock", "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    with locked(store / ".lock"):
+        yield
 
 
 def create_from_archive(

@@ -14,7 +14,6 @@ never sees its copy removed by a deletion.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
 import os
 import shutil
@@ -46,6 +45,7 @@ from torchyard.contract.errors import (
     PermissionDeniedError,
     RequestValidationError,
 )
+from torchyard.contract.files import locked
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +100,8 @@ def allowed_roots(settings: Settings) -> list[Path]:
 def _store_lock(settings: Settings) -> Iterator[None]:
     store = datasets_dir(settings)
     store.mkdir(parents=True, exist_ok=True)
-    with open(store / ".lock", "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    with locked(store / ".lock"):
+        yield
 
 
 # ---------------------------------------------------------------------------- creation

@@ -40,7 +40,7 @@ from service.db.models import (
 )
 from service.services.artifacts import ModelStore
 from service.services.checkpoints import CheckpointStore
-from service.services.jobs import get_job
+from service.services.job_lookup import get_job
 from service.services.outputs import OutputsStore
 from service.services.tokens import Principal
 from service.states import FINAL_STATUSES, JobStatus

@@ -7,7 +7,6 @@ between reads. Per-job detail (metrics, logs) is the per-job events stream's bus
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
@@ -18,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.db.engine import Database
 from service.db.models import Job
+from service.services.kinds import kind_of
 from service.services.tokens import Principal
 
 LIST_POLL_INTERVAL_S = 1.0
@@ -38,16 +38,6 @@ def latest_update(session: Session, principal: Principal) -> datetime | None:
     return value
 
 
-def _type_fields(job: Job) -> dict[str, Any]:
-    """What the list shows of a job of each type: an evaluation's model, a script's command."""
-    spec: dict[str, Any] = job.spec or {}
-    if job.type == "evaluate":
-        return {"model": spec.get("model")}
-    if job.type == "script":
-        return {"command": spec.get("command")}
-    return {}
-
-
 def changed_since(session: Session, principal: Principal, since: datetime | None) -> list[dict[str, Any]]:
     """The principal's jobs updated after ``since``, oldest change first, as list rows."""
     stmt = _owned(principal)
@@ -63,7 +53,7 @@ def changed_since(session: Session, principal: Principal, since: datetime | None
             "reason": job.wait_reason,
             "progress": job.progress,
             "best": job.best,
-            **_type_fields(job),
+            **kind_of(job).listed(job),
             "created_at": job.created_at.isoformat(),
             "updated_at": job.updated_at.isoformat(),
             "started_at": job.started_at.isoformat() if job.started_at else None,
@@ -78,16 +68,16 @@ def _read(db: Database, fn: Any, *args: Any) -> Any:
         return fn(session, *args)
 
 
-async def job_list_events(
+async def job_changes(
     db: Database,
     principal: Principal,
     *,
     interval: float = LIST_POLL_INTERVAL_S,
     keepalive: float = LIST_KEEPALIVE_S,
-) -> AsyncIterator[bytes]:
-    """Server-sent ``job`` events, one per changed job, until the client goes away."""
+) -> AsyncIterator[dict[str, Any] | None]:
+    """Each change of the principal's jobs as a list row, until the client goes away; None
+    after ``keepalive`` seconds without one (the stream says it is alive)."""
     since = await run_in_threadpool(_read, db, latest_update, principal)
-    yield b"retry: 2000\n\n"
     quiet = 0.0
     while True:
         await asyncio.sleep(interval)
@@ -96,9 +86,9 @@ async def job_list_events(
             quiet = 0.0
             since = datetime.fromisoformat(changes[-1]["updated_at"])
             for change in changes:
-                yield f"event: job\ndata: {json.dumps(change, separators=(',', ':'))}\n\n".encode()
+                yield change
         else:
             quiet += interval
             if quiet >= keepalive:
                 quiet = 0.0
-                yield b": keep-alive\n\n"
+                yield None

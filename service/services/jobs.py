@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import ColumnElement, delete, select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Attempt, Checkpoint, Job, JobEvent, JobInput, Node, Placement, utcnow
+from service.db.models import Attempt, Checkpoint, Job, JobEvent, Node, Placement, utcnow
 from service.schemas.jobs import (
     JOB_CREATE,
     JOB_CREATE_MODELS,
@@ -24,49 +24,11 @@ from service.schemas.jobs import (
     TrainJobCreate,
 )
 from service.services import refs
-from service.services.cluster import check_resources
-from service.services.code import get_code
-from service.services.datasets import dataset_field, resolve_job_datasets
+from service.services.job_lookup import get_job as get_job  # also the jobs API of the routes
+from service.services.kinds import kind_named, kind_of
 from service.services.tokens import Principal
 from service.states import AttemptStatus, JobStatus, can_transition
-from torchyard.architectures import CLASSIFICATION_ARCHITECTURES, closest_architecture
-from torchyard.contract.errors import (
-    IllegalTransitionError,
-    InvalidModelDirectoryError,
-    NotFoundError,
-)
-
-
-def check_model(session: Session, principal: Principal, spec: TrainJobCreate) -> None:
-    arch = spec.model.architecture
-    if arch not in CLASSIFICATION_ARCHITECTURES:
-        suggestion = closest_architecture(arch)
-        hint = (
-            f"did you mean {suggestion}?"
-            if suggestion
-            else "use a torchvision classification model name such as resnet18, resnet50 or densenet121"
-        )
-        details: dict[str, Any] = {"field": "model.architecture", "value": arch}
-        if suggestion:
-            details["suggestion"] = suggestion
-        raise InvalidModelDirectoryError(f"unknown architecture {arch!r}: {hint}", details=details)
-    if spec.model.memory_efficient and not arch.startswith("densenet"):
-        raise InvalidModelDirectoryError(
-            "model.memory_efficient applies to DenseNet architectures only",
-            details={"field": "model.memory_efficient", "value": True},
-        )
-    if spec.model.init_from_job is not None:
-        source = session.get(Job, spec.model.init_from_job)
-        if source is None or (not principal.is_admin and source.owner_id != principal.id):
-            raise InvalidModelDirectoryError(f"init_from_job {spec.model.init_from_job!r}: no such job")
-        if source.status != JobStatus.SUCCEEDED.value:
-            raise InvalidModelDirectoryError(
-                f"init_from_job {source.id!r} is {source.status}: only a succeeded job has a model directory"
-            )
-        if source.architecture != arch:
-            raise InvalidModelDirectoryError(
-                f"init_from_job {source.id!r} trained {source.architecture}, not {arch}"
-            )
+from torchyard.contract.errors import IllegalTransitionError
 
 
 def submit_job(
@@ -74,101 +36,14 @@ def submit_job(
     settings: Settings,
     principal: Principal,
     spec: TrainJobCreate | ScriptJobCreate | EvaluateJobCreate,
+    *,
+    commit: bool = True,
 ) -> Job:
-    """Validate a spec of any job type, then queue it (committed)."""
-    if isinstance(spec, EvaluateJobCreate):
-        # Evaluations look up registered models, whose module imports this one.
-        from service.services.evaluations import submit_evaluate_job
-
-        return submit_evaluate_job(session, settings, principal, spec)
-    if isinstance(spec, ScriptJobCreate):
-        return submit_script_job(session, settings, principal, spec)
-    return submit_train_job(session, settings, principal, spec)
+    """Validate a spec of any kind against what it names, then queue it (``commit=False``:
+    the caller commits, with what else it writes)."""
+    return kind_named(spec.type).submit(session, settings, principal, spec, commit=commit)
 
 
-def _queue(session: Session, job: Job) -> Job:
-    session.add(job)
-    session.flush()
-    session.add(
-        JobEvent(job_id=job.id, status=JobStatus.QUEUED.value, message="submitted", at=job.created_at)
-    )
-    return job
-
-
-def submit_script_job(
-    session: Session, settings: Settings, principal: Principal, spec: ScriptJobCreate, *, commit: bool = True
-) -> Job:
-    """A script job (SPEC §9): the code package and every input dataset must be the
-    submitter's (another user's is a 404 naming the field), and the resources fit the cluster."""
-    code = get_code(session, principal, spec.code, exact=True, lock="share")
-    inputs = {}
-    for name, dataset_ref in spec.inputs.items():
-        inputs[name] = dataset_field(session, principal, dataset_ref, f"inputs.{name}")
-    check_resources(session, settings, spec.resources.node_count, spec.resources.process_count_per_node)
-    normalized = spec.model_dump(mode="json")
-    normalized["inputs"] = {name: row.id for name, row in inputs.items()}
-    normalized["name"] = spec.name or f"script-{code.name}"
-    now = utcnow()
-    job = _queue(
-        session,
-        Job(
-            owner_id=principal.id,
-            type="script",
-            name=normalized["name"],
-            status=JobStatus.QUEUED.value,
-            spec=normalized,
-            code_id=code.id,
-            node_count=spec.resources.node_count,
-            process_count_per_node=spec.resources.process_count_per_node,
-            priority=spec.priority,
-            created_at=now,
-            updated_at=now,
-        ),
-    )
-    for name, row in inputs.items():
-        session.add(JobInput(job_id=job.id, name=name, dataset_id=row.id))
-    if commit:
-        session.commit()
-    return job
-
-
-def submit_train_job(
-    session: Session, settings: Settings, principal: Principal, spec: TrainJobCreate, *, commit: bool = True
-) -> Job:
-    """Validate a training spec against models, datasets and the cluster, then queue it
-    (``commit=False``: the caller commits, with what else it writes)."""
-    check_model(session, principal, spec)
-    train, val = resolve_job_datasets(session, principal, spec.train_dataset, spec.validation_dataset)
-    check_resources(session, settings, spec.resources.node_count, spec.resources.process_count_per_node)
-    normalized = spec.model_dump(mode="json")
-    normalized.update(train_dataset=train.id, validation_dataset=val.id)
-    normalized["name"] = spec.name or f"{spec.model.architecture}-{train.name}"
-    now = utcnow()
-    job = _queue(
-        session,
-        Job(
-            owner_id=principal.id,
-            type="train",
-            name=normalized["name"],
-            status=JobStatus.QUEUED.value,
-            spec=normalized,
-            architecture=spec.model.architecture,
-            train_dataset_id=train.id,
-            validation_dataset_id=val.id,
-            init_from_job_id=spec.model.init_from_job,
-            node_count=spec.resources.node_count,
-            process_count_per_node=spec.resources.process_count_per_node,
-            priority=spec.priority,
-            created_at=now,
-            updated_at=now,
-        ),
-    )
-    if commit:
-        session.commit()
-    return job
-
-
-# Each job type's submission: checks its own fields, stores the job with its ``type``.
 def transition(
     session: Session,
     job: Job,
@@ -211,31 +86,6 @@ def transition(
         session.execute(delete(Checkpoint).where(Checkpoint.job_id == job.id))
 
 
-def get_job(session: Session, principal: Principal, job_id: str, *, for_update: bool = False) -> Job:
-    """The job, if the principal may see it; another user's job is a 404.
-
-    ``job_id`` may also be the job's name or a unique prefix of its id, among the jobs
-    the principal may list (see :mod:`service.services.refs`)."""
-
-    def by_id(wanted: str) -> Job | None:
-        stmt = select(Job).where(Job.id == wanted, Job.deleted_at.is_(None))
-        return session.scalars(stmt.with_for_update() if for_update else stmt).first()
-
-    job = by_id(job_id) if refs.comparable(job_id) else None
-    if job is None or (not principal.is_admin and job.owner_id != principal.id):
-        visible: list[ColumnElement[bool]] = [Job.deleted_at.is_(None)]
-        if not principal.is_admin:
-            visible.append(Job.owner_id == principal.id)
-        found = refs.resolve(session, Job, visible, job_id, "job")
-        job = None if found is None else by_id(found)
-        if job is None:
-            raise NotFoundError(
-                f"job {job_id!r} not found (no job you may see has this id, name or id prefix)"
-                + refs.not_found_hint(job_id)
-            )
-    return job
-
-
 def list_jobs(
     session: Session,
     principal: Principal,
@@ -276,14 +126,6 @@ def request_cancel(session: Session, job: Job, reason: str) -> bool:
         return False
     job.cancel_reason = reason
     return True
-
-
-# The spec fields each job type shows in its JobPublic (besides name, resources, priority).
-_TYPE_FIELDS: dict[str, tuple[str, ...]] = {
-    "train": ("model", "parameters"),
-    "script": ("command", "distribution", "inputs", "environment", "outputs"),
-    "evaluate": ("model", "batch_size"),
-}
 
 
 def attempts_public(session: Session, job_ids: list[str]) -> dict[str, list[AttemptPublic]]:
@@ -348,19 +190,8 @@ def job_public(
     if attempts is None:
         attempts = attempts_public(session, [job.id])[job.id]
     nodes = [p.node for p in attempts[-1].placements] if attempts else []
-    # Each type shows its own spec fields; the common ones are set below.
-    own = {k: v for k, v in spec.items() if k in _TYPE_FIELDS.get(job.type, ())}
-    if job.type == "train":
-        own.update(train_dataset=job.train_dataset_id, validation_dataset=job.validation_dataset_id)
-    elif job.type == "script":
-        own.update(
-            code=job.code_id,
-            outputs_sha256=job.outputs_sha256,
-            outputs_size=job.outputs_size,
-            tracking=job.tracking,
-        )
-    elif job.type == "evaluate":
-        own.update(dataset=job.validation_dataset_id)
+    # Each kind shows its own fields; the common ones are set below.
+    own = kind_of(job).shown(job)
     return JobPublic(
         **own,
         id=job.id,

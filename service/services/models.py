@@ -27,7 +27,9 @@ from service.config import Settings
 from service.db.models import Job, ModelVersion, utcnow
 from service.schemas.models import ModelPublic, ModelVersionPublic
 from service.services.artifacts import UNPACK_RATIO, ModelStore, fsync_dir
-from service.services.jobs import get_job
+from service.services.job_lookup import get_job
+from service.services.kinds import kind_of
+from service.services.model_versions import get_version as get_version  # also the routes' lookup
 from service.services.outputs import OutputsStore, extract_folder, outputs_for_user
 from service.services.tokens import Principal
 from service.states import FINAL_STATUSES, JobStatus
@@ -36,7 +38,6 @@ from torchyard.contract.errors import (
     InvalidModelDirectoryError,
     ModelNotReadyError,
     NotFoundError,
-    RequestValidationError,
 )
 from torchyard.contract.model_archive import (
     CONFIG_FILE,
@@ -51,10 +52,6 @@ from torchyard.contract.onnx_graph import OnnxGraphError, check_operators
 from torchyard.scoring import ONNX_FILE
 
 log = logging.getLogger(__name__)
-
-LATEST = "latest"
-EVALUATE = "evaluate"
-SCRIPT = "script"
 
 
 @dataclass(frozen=True)
@@ -101,39 +98,13 @@ def unpacked_job_model(settings: Settings, job: Job) -> Path:
     return store.unpacked(job.id, job.model_sha256, settings.model_max_bytes * UNPACK_RATIO)
 
 
-def _is_evaluation(job: Job) -> bool:
-    return job.type == EVALUATE
-
-
-def _check_kind(job: Job, path: str | None) -> None:
-    """A training job is registered without ``path``, a script job with one; nothing else."""
-    if job.type == "train" and path is not None:
-        raise RequestValidationError(
-            "path (--path with torchyard model register) names a folder in a script job's outputs; "
-            "this job is a training job: register it without path",
-            details={"field": "path"},
-        )
-    if job.type == SCRIPT and path is None:
-        raise RequestValidationError(
-            f"job {job.id} is a script job: name the folder of its outputs that holds the model "
-            'directory: "path" in the request, --path with torchyard model register (e.g. model)',
-            details={"field": "path"},
-        )
-    if job.type not in ("train", SCRIPT):
-        raise RequestValidationError(
-            f"job {job.id} is a {job.type} job: only a training job's model directory, or a model "
-            "directory in a script job's outputs, can be registered",
-            details={"field": "job_id"},
-        )
-
-
 def register_model(
     session: Session, settings: Settings, principal: Principal, name: str, job_ref: str, path: str | None
 ) -> ModelVersion:
     """Register the model directory of a succeeded training job, or the one a succeeded
     script job wrote to the folder ``path`` of its outputs, as the next version of ``name``."""
     job = get_job(session, principal, job_ref)
-    _check_kind(job, path)
+    kind_of(job).check_registration(job, path)
     if job.status != JobStatus.SUCCEEDED.value:
         raise ModelNotReadyError(
             f"job {job.id} is {job.status}: only a succeeded job's model can be registered"
@@ -300,42 +271,11 @@ def get_model(session: Session, principal: Principal, name: str) -> ModelPublic:
     return _model_public(session, name, rows)
 
 
-def parse_version(version: str) -> int | None:
-    """``latest`` (None) or a positive version number; anything else is a 422."""
-    if version == LATEST:
-        return None
-    if not version.isdigit() or int(version) < 1 or len(version) > 9:
-        raise RequestValidationError(
-            f"version must be a positive number or 'latest', not {version!r}", details={"field": "version"}
-        )
-    return int(version)
-
-
-def get_version(session: Session, principal: Principal, name: str, version: str) -> ModelVersion:
-    number = parse_version(version)
-    stmt = select(ModelVersion).where(
-        ModelVersion.owner_id == principal.id, ModelVersion.name == name, ModelVersion.deleted_at.is_(None)
-    )
-    if number is not None:
-        stmt = stmt.where(ModelVersion.version == number)
-    row = session.scalars(stmt.order_by(ModelVersion.version.desc()).limit(1)).first()
-    if row is None:
-        shown = f"{name}:{version}"
-        raise NotFoundError(f"model version {shown!r} not found")
-    return row
-
-
-def parse_reference(reference: str) -> tuple[str, str]:
-    """``name:version`` (or ``name``, meaning latest) as ``(name, version)``."""
-    name, _, version = reference.partition(":")
-    return name, version or LATEST
-
-
 def live_evaluations(session: Session, row: ModelVersion) -> list[str]:
     """Ids of the unfinished evaluation jobs that use the version."""
     final = [s.value for s in FINAL_STATUSES]
     jobs = session.scalars(select(Job).where(Job.owner_id == row.owner_id, Job.status.not_in(final)))
-    return [j.id for j in jobs if _is_evaluation(j) and j.spec.get("model_version_id") == row.id]
+    return [j.id for j in jobs if kind_of(j).uses_version(j, row.id)]
 
 
 def delete_version(session: Session, principal: Principal, name: str, version: str) -> ModelVersion:

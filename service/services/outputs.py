@@ -12,9 +12,7 @@ names only), then moved into place with one rename. Single files asked for with
 
 from __future__ import annotations
 
-import fcntl
 import gzip
-import hashlib
 import io
 import logging
 import os
@@ -29,7 +27,8 @@ from sqlalchemy.orm import Session
 
 from service.db.models import Job, utcnow
 from service.services.artifacts import IncomingModel, ModelFile
-from service.services.jobs import get_job
+from service.services.job_lookup import get_job
+from service.services.kinds import kind_of
 from service.services.leases import lock_lease, placement_for_lease
 from service.services.tokens import Principal
 from service.states import JobStatus
@@ -43,6 +42,7 @@ from torchyard.contract.errors import (
     RequestValidationError,
     StaleLeaseError,
 )
+from torchyard.contract.files import locked, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -79,16 +79,12 @@ class OutputsStore:
     @contextmanager
     def lock(self, job_id: str) -> Iterator[None]:
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / f".{job_id}.lock", "a+b") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        with locked(self.root / f".{job_id}.lock"):
+            yield
 
 
 def _check_uploader(job: Job, node_rank: int) -> None:
-    if job.type != "script":
+    if not kind_of(job).keeps_outputs:
         raise ConflictError(f"job {job.id} is a {job.type} job: it has no outputs folder")
     if node_rank != 0 and job.spec.get("outputs") != "all":
         raise PermissionDeniedError("only node rank 0 uploads the outputs (the job keeps node 0's)")
@@ -104,13 +100,9 @@ def authorize_upload(session: Session, principal: Principal, job_id: str, lease_
     _check_uploader(session.get_one(Job, job_id), placement.node_rank)
 
 
-def check_archive(path: Path, announced: str, actual: str, max_unpacked: int) -> int:
-    """The upload is what was announced and a plain .tar.gz of files and folders; its file count."""
-    if announced != actual:
-        raise RequestValidationError(
-            f"sha256 mismatch: the header announced {announced}, the body hashes to {actual}",
-            details={"expected": announced, "received": actual},
-        )
+def check_archive(path: Path, max_unpacked: int) -> int:
+    """The upload (its checksum already checked) is a plain .tar.gz of files and folders;
+    its file count."""
     files = total = 0
     try:
         with tarfile.open(path, "r:gz") as tf:
@@ -129,14 +121,6 @@ def check_archive(path: Path, announced: str, actual: str, max_unpacked: int) ->
     except (tarfile.TarError, OSError, EOFError, gzip.BadGzipFile) as exc:
         raise RequestValidationError(f"the outputs archive cannot be read: {exc}") from None
     return files
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _combine(store: OutputsStore, job_id: str, target: Path) -> None:
@@ -179,7 +163,7 @@ def publish(
             tmp = store.incoming / f"combined-{job_id}.tar.gz"
             _combine(store, job_id, tmp)
             os.replace(tmp, target)
-            digest, size = _sha256(target), target.stat().st_size
+            digest, size = sha256_file(target), target.stat().st_size
         else:
             os.replace(incoming.path, target)
             digest, size = sha256, incoming.size
@@ -194,7 +178,7 @@ def publish(
 def outputs_for_user(session: Session, principal: Principal, store: OutputsStore, job_id: str) -> ModelFile:
     """The outputs archive of the principal's script job; 409 until one was uploaded."""
     job = get_job(session, principal, job_id)
-    if job.type != "script":
+    if not kind_of(job).keeps_outputs:
         raise NotFoundError(f"job {job.id} is a {job.type} job: it has no outputs (see its model)")
     if job.outputs_sha256 is None:
         raise OutputsNotReadyError(
@@ -239,7 +223,7 @@ def output_file(store: OutputsStore, archive: ModelFile, job_id: str, wanted: st
                 raise NotFoundError(
                     f"the outputs of job {job_id} hold no file {rel!r}", details={"path": rel}
                 )
-    return ModelFile(path=dest, sha256=_sha256(dest), size=dest.stat().st_size, filename=parts[-1])
+    return ModelFile(path=dest, sha256=sha256_file(dest), size=dest.stat().st_size, filename=parts[-1])
 
 
 def _folder_parts(wanted: str) -> tuple[str, ...]:

@@ -30,13 +30,13 @@ from sqlalchemy.orm import Session, aliased
 
 from service.db.models import Attempt, Job, LogChunk, Metric, Node, Placement, utcnow
 from service.schemas.reports import LogStream, LogStreams, MetricPoint
+from service.services.kinds import kind_of
 from service.services.leases import lock_lease
 from service.services.tokens import Principal
 from service.states import LIVE_ATTEMPT_STATUSES, JobStatus
 from torchyard.contract.errors import NotFoundError, RequestValidationError
 from torchyard.contract.metrics import VAL_METRICS
 from torchyard.contract.reports import (
-    FILE_STREAM_PREFIX,
     ProgressIn,
     ReportAccepted,
     ReportBatch,
@@ -77,8 +77,7 @@ def _node_streams(session: Session, job: Job, placement: Placement) -> tuple[ran
 
 
 def _check_tracking(job: Job, tracking: TrackingIn, world_size: int) -> None:
-    if job.type != "script":
-        raise RequestValidationError("tracking: only script jobs report MLflow runs")
+    kind_of(job).check_tracking(job)
     for i, run in enumerate(tracking.runs):
         if run.rank >= world_size:
             raise RequestValidationError(
@@ -99,16 +98,13 @@ def _check_batch(session: Session, job: Job, placement: Placement, batch: Report
         return
     ranks, agent_stream = _node_streams(session, job, placement)
     allowed = {f"rank-{r}" for r in ranks} | {agent_stream}
+    kind = kind_of(job)
     for i, chunk in enumerate(batch.logs):
-        if chunk.stream in allowed:
+        if chunk.stream in allowed or kind.accepts_log_stream(chunk.stream, placement.node_rank):
             continue
-        if job.type == "script" and file_stream_node_rank(chunk.stream) == placement.node_rank:
-            continue  # a file under the node's ./logs
         raise RequestValidationError(
             f"logs[{i}]: stream {chunk.stream!r} is not one of this node's streams "
-            f"({', '.join(sorted(allowed))}"
-            + (f", {FILE_STREAM_PREFIX}{placement.node_rank}/<path>" if job.type == "script" else "")
-            + ")"
+            f"({', '.join(sorted(allowed))}{kind.log_streams_hint(placement.node_rank)})"
         )
 
 

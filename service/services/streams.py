@@ -1,5 +1,5 @@
-"""Live followers of a job: server-sent events and ``logs?follow=true``, without a thread
-or a database connection per client.
+"""The feed of a job's live followers: what wakes them, without a thread or a database
+connection per client.
 
 One :class:`JobFeed` per followed job (per API process) polls the database with a
 short-lived session in the threadpool, appends what is new (status changes from
@@ -10,258 +10,54 @@ poll. Writes made through this process wake the polls at once (an engine listene
 notices inserts into the three tables), so local followers see them within
 milliseconds, and idle feeds poll less often.
 
-Positions are a :class:`Cursor` of three sequence numbers (status, metric, log). Every
-report of a job is written under the job's row lock, so within one job ``seq`` order
-is commit order and "everything after this cursor" never skips a late commit. A
-server-sent event's id is the cursor after that event (``s<seq>.m<seq>.l<seq>``): a
-client that reconnects with ``Last-Event-ID`` resumes exactly after it, with no gap and
-no duplicate. A subscriber that falls behind the buffer (or resumes from further back)
-catches up from the database in pages, then joins the buffer again.
-
-The final status of a job is always the last item: a poll that reaches it while more
-metric points or log chunks are pending delivers those first.
+Positions are a :class:`~service.services.stream_items.Cursor` (what the items are and
+how they are read: :mod:`service.services.stream_items`). A subscriber that falls behind
+the buffer (or resumes from further back) catches up from the database in pages, then
+joins the buffer again. The readers are the API's server-sent events
+(:mod:`service.api.sse`) and ``logs?follow=true`` (:mod:`service.services.log_follow`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import re
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
-from functools import cached_property
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import event, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy import Insert, event
 from starlette.concurrency import run_in_threadpool
 
 from service.db.engine import Database, is_unavailable
-from service.db.models import Attempt, Job, JobEvent, LogChunk, Metric
-from service.services.reports import (
-    LogPiece,
-    log_chunks_after,
-    metric_points_after,
-    read_log,
-    resolve_attempt,
-)
-from service.states import JobStatus
-from torchyard.contract.errors import RequestValidationError
+from service.db.models import JobEvent, LogChunk, Metric
+from service.services.stream_items import READ_LIMIT, Batch, Cursor, Heads, Item, read_batch, read_heads
+
+__all__ = ["READ_LIMIT", "Cursor", "Item", "JobFeed", "StreamHub", "database_outage", "with_read_session"]
 
 log = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.25
 IDLE_POLL_INTERVAL_S = 1.0
 IDLE_AFTER_S = 10.0
-READ_LIMIT = 1000
 BUFFER_ITEMS = 5_000
 BUFFER_LOG_BYTES = 16 * 1024 * 1024
-KEEPALIVE_S = 15.0
 FEED_LINGER_S = 5.0
-LOG_READ_BYTES = 256 * 1024
 
-_CURSOR = re.compile(r"^s([0-9]{1,19})\.m([0-9]{1,19})\.l([0-9]{1,19})$")
-_SEQ_MAX = 2**63 - 1  # seq columns are 64-bit
-_WATCHED_INSERT = re.compile(r"^\s*INSERT\s+INTO\s+\"?(job_events|metrics|log_chunks)\b", re.IGNORECASE)
+# The tables whose inserts are a follower's items (a status change, a metric point, a log chunk).
+_WATCHED_TABLES = frozenset(t.__tablename__ for t in (JobEvent, Metric, LogChunk))
 
 
-# --------------------------------------------------------------------------- positions and items
-
-
-@dataclass(frozen=True)
-class Cursor:
-    """The last delivered ``seq`` of each kind (0: nothing yet)."""
-
-    status: int = 0
-    metric: int = 0
-    log: int = 0
-
-    def encode(self) -> str:
-        return f"s{self.status}.m{self.metric}.l{self.log}"
-
-    @classmethod
-    def decode(cls, text: str | None) -> Cursor:
-        """Parse a ``Last-Event-ID``; empty means the beginning."""
-        if not text:
-            return cls()
-        match = _CURSOR.match(text.strip())
-        seqs = [int(g) for g in match.groups()] if match else []
-        if match is None or max(seqs) > _SEQ_MAX:
-            raise RequestValidationError(
-                f"Last-Event-ID {text[:80]!r} is not an event id of this service (s<n>.m<n>.l<n>)",
-                details={"field": "Last-Event-ID"},
-            )
-        return cls(*seqs)
-
-    def covers(self, other: Cursor) -> bool:
-        """Whether this position is at or past ``other`` for every kind."""
-        return self.status >= other.status and self.metric >= other.metric and self.log >= other.log
-
-    def after(self, item: Item) -> Cursor:
-        if item.seq <= getattr(self, item.kind):
-            return self
-        return replace(self, **{item.kind: item.seq})
-
-
-@dataclass(frozen=True)
-class Item:
-    """One thing that happened to a job, in the order followers receive it."""
-
-    kind: str  # "status", "metric" or "log"
-    seq: int
-    data: dict[str, Any]
-    final: bool = False
-    stream: str | None = None
-    attempt: int | None = None
-    offset: int = 0
-    text: str = ""
-
-    @property
-    def weight(self) -> int:
-        return len(self.text) + 64
-
-    @cached_property
-    def payload(self) -> str:
-        """``data`` as JSON, encoded once however many followers send it."""
-        return json.dumps(self.data, separators=(",", ":"), allow_nan=False)
-
-
-@dataclass
-class Batch:
-    items: list[Item]
-    cursor: Cursor
-    drained: bool  # nothing more to read up to ``upto`` (or now)
-    final: bool  # the job's final status is among the items
-
-
-def _status_item(ev: JobEvent, job: Job | None) -> Item:
-    status = JobStatus(ev.status)
-    data: dict[str, Any] = {
-        "seq": ev.seq,
-        "status": ev.status,
-        "message": ev.message,
-        "at": ev.at.isoformat(),
-    }
-    if status is JobStatus.QUEUED and ev.message != "submitted":
-        # Back in the queue: a restart after a retryable failure, or a preemption.
-        data["requeued"] = True
-    final = status.is_final()
-    if final and job is not None:
-        data["final"] = True
-        data["failure"] = (
-            None
-            if job.failure_code is None
-            else {
-                "code": job.failure_code,
-                "message": job.failure_message,
-                "rank": job.failure_rank,
-                "node": job.failure_node,
-            }
-        )
-        data["best"] = job.best
-        data["result"] = job.result
-        data["model_sha256"] = job.model_sha256
-    return Item("status", ev.seq, data, final=final)
-
-
-def _metric_item(point: Any) -> Item:
-    data = point.model_dump(mode="json")
-    return Item("metric", point.seq, data)
-
-
-def _log_item(piece: LogPiece) -> Item:
-    rank = int(piece.stream.removeprefix("rank-")) if piece.stream.startswith("rank-") else None
-    data = {
-        "seq": piece.seq,
-        "stream": piece.stream,
-        "rank": rank,
-        "attempt": piece.attempt,
-        "offset": piece.offset,
-        "text": piece.data,
-    }
-    return Item(
-        "log",
-        piece.seq,
-        data,
-        stream=piece.stream,
-        attempt=piece.attempt,
-        offset=piece.offset,
-        text=piece.data,
-    )
-
-
-def read_batch(
-    session: Session, job_id: str, after: Cursor, *, upto: Cursor | None = None, limit: int = READ_LIMIT
-) -> Batch:
-    """What happened to the job after ``after`` (and not past ``upto``), final status last.
-
-    Status changes are read first: every metric point and log chunk committed before a
-    final status is then visible to the reads that follow, so none is left behind it.
-    """
-    stmt = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.seq > after.status)
-    if upto is not None:
-        stmt = stmt.where(JobEvent.seq <= upto.status)
-    events = list(session.scalars(stmt.order_by(JobEvent.seq).limit(limit)))
-    metrics = metric_points_after(session, job_id, after.metric, None, limit)
-    pieces = log_chunks_after(session, job_id, None, after.log, limit=limit)
-    # A kind is exhausted when its read came back short, or reached ``upto``.
-    drained = (
-        len(events) < limit
-        and (len(metrics) < limit or (upto is not None and metrics[-1].seq >= upto.metric))
-        and (len(pieces) < limit or (upto is not None and pieces[-1].seq >= upto.log))
-    )
-    if upto is not None:
-        metrics = [m for m in metrics if m.seq <= upto.metric]
-        pieces = [p for p in pieces if p.seq <= upto.log]
-    statuses: list[Item] = []
-    final = False
-    job = None
-    for ev in events:
-        if JobStatus(ev.status).is_final():
-            if not drained:
-                break  # the final status waits until everything before it is out
-            job = job or session.get(Job, job_id)
-            statuses.append(_status_item(ev, job))
-            final = True
-            break
-        statuses.append(_status_item(ev, None))
-    # Status changes before the data of the same poll, except the final one, which ends it.
-    items = (
-        [s for s in statuses if not s.final]
-        + [_metric_item(m) for m in metrics]
-        + [_log_item(p) for p in pieces]
-    )
-    items += [s for s in statuses if s.final]
-    cursor = after
-    for item in items:
-        cursor = cursor.after(item)
-    return Batch(items, cursor, drained, final)
-
-
-@dataclass(frozen=True)
-class Heads:
-    cursor: Cursor  # the job's current last seq of each kind
-    items: int  # how many items the job has so far
-    final: bool  # its final status is recorded
-
-
-def read_heads(session: Session, job_id: str) -> Heads:
-    """Where the job's history ends now, how long it is, and whether it is over."""
-    values = []
-    count = 0
-    for table in (JobEvent, Metric, LogChunk):
-        last, n = session.execute(
-            select(func.max(table.seq), func.count()).where(table.job_id == job_id)
-        ).one()
-        values.append(int(last or 0))
-        count += int(n)
-    job_status = session.scalar(select(Job.status).where(Job.id == job_id))
-    final = job_status is not None and JobStatus(job_status).is_final()
-    return Heads(Cursor(*values), count, final)
+def database_outage(exc: BaseException) -> bool:
+    """``exc`` (or what caused it) says the database could not be reached."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if is_unavailable(seen):
+            return True
+        seen = seen.__cause__
+    return False
 
 
 # --------------------------------------------------------------------------- the shared feed
@@ -315,7 +111,7 @@ class JobFeed:
 
     async def run(self) -> None:
         try:
-            heads: Heads = await run_in_threadpool(_with_read_session, self.hub.db, read_heads, self.job_id)
+            heads: Heads = await run_in_threadpool(with_read_session, self.hub.db, read_heads, self.job_id)
             if heads.items <= BUFFER_ITEMS // 2:
                 # A short history is read into the buffer once: followers that start from
                 # the beginning (the usual case) then need no database read of their own.
@@ -341,8 +137,9 @@ class JobFeed:
             self.hub._forget(self)
 
     async def _read_batch(self) -> Batch:
+        job_id, head, limit = self.job_id, self.head, READ_LIMIT
         batch: Batch = await run_in_threadpool(
-            _with_read_session, self.hub.db, read_batch, self.job_id, self.head
+            with_read_session, self.hub.db, lambda s: read_batch(s, job_id, head, limit=limit)
         )
         return batch
 
@@ -399,7 +196,7 @@ class JobFeed:
             self.hub._forget(self)
 
 
-def _with_read_session(db: Database, fn: Callable[..., Any], *args: Any) -> Any:
+def with_read_session(db: Database, fn: Callable[..., Any], *args: Any) -> Any:
     with db.read_session() as session:
         return fn(session, *args)
 
@@ -420,13 +217,13 @@ class StreamHub:
     def start(self) -> None:
         """Listen for inserts made through this process's engine, to wake the polls at once."""
         self._loop = asyncio.get_running_loop()
-        event.listen(self.db.engine, "after_cursor_execute", self._after_execute)
+        event.listen(self.db.engine, "after_execute", self._after_execute)
         event.listen(self.db.engine, "checkin", self._on_checkin)
         self._listening = True
 
     async def close(self) -> None:
         if self._listening:
-            event.remove(self.db.engine, "after_cursor_execute", self._after_execute)
+            event.remove(self.db.engine, "after_execute", self._after_execute)
             event.remove(self.db.engine, "checkin", self._on_checkin)
             self._listening = False
         for feed in list(self.feeds.values()):
@@ -436,8 +233,9 @@ class StreamHub:
                     await feed.task
         self.feeds.clear()
 
-    def _after_execute(self, conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        if _WATCHED_INSERT.match(statement):
+    def _after_execute(self, conn: Any, statement: Any, *_args: Any) -> None:
+        # The statement as built (the ORM's flush and the reports' bulk inserts alike), not its SQL text.
+        if isinstance(statement, Insert) and statement.table.name in _WATCHED_TABLES:
             conn.info["torchyard_stream_write"] = True
 
     def _on_checkin(self, _dbapi_conn: Any, record: Any) -> None:
@@ -522,9 +320,9 @@ class _FeedReader:
         upto = self.feed.base
         job_id = self.job_id
         batch = await run_in_threadpool(
-            _with_read_session,
+            with_read_session,
             self.db,
-            lambda s, c=self.cursor, u=upto: read_batch(s, job_id, c, upto=u),
+            lambda s, c=self.cursor, u=upto: read_batch(s, job_id, c, upto=u, limit=READ_LIMIT),
         )
         for item in batch.items:
             self._deliver(item)
@@ -567,259 +365,3 @@ class _FeedReader:
             return
         if feed.version == version:
             await changed.wait()
-
-
-# --------------------------------------------------------------------------- server-sent events
-
-
-@dataclass(frozen=True)
-class EventFilter:
-    """Which items an events subscriber wants beside status changes."""
-
-    metrics: bool = True
-    logs: bool = True
-    ranks: frozenset[int] | None = None  # log streams of these ranks (None: all)
-    agent: bool = True  # the agents' launcher logs
-
-    def wants(self, item: Item) -> bool:
-        if item.kind == "status":
-            return True
-        if item.kind == "metric":
-            return self.metrics
-        if not self.logs or item.stream is None:
-            return False
-        if item.stream.startswith("agent-"):
-            return self.agent
-        return self.ranks is None or item.data.get("rank") in self.ranks
-
-
-def _sse(kind: str, payload: str, event_id: str | None = None) -> bytes:
-    head = f"id: {event_id}\n" if event_id is not None else ""
-    return f"{head}event: {kind}\ndata: {payload}\n\n".encode()
-
-
-async def _with_keepalive(source: AsyncIterator[bytes], interval: float) -> AsyncIterator[bytes]:
-    """``source``'s chunks, plus a comment line whenever it is silent for ``interval``."""
-    iterator = source.__aiter__()
-    pending: asyncio.Task[bytes] | None = None
-    try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(iterator.__anext__())
-            done, _ = await asyncio.wait({pending}, timeout=interval)
-            if not done:
-                yield b": keep-alive\n\n"
-                continue
-            try:
-                chunk = pending.result()
-            except StopAsyncIteration:
-                return
-            pending = None
-            yield chunk
-    finally:
-        if pending is not None and not pending.done():
-            pending.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
-                await pending
-        aclose = getattr(iterator, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-
-async def sse_events(
-    hub: StreamHub, job_id: str, start: Cursor, wanted: EventFilter, *, keepalive: float = KEEPALIVE_S
-) -> AsyncIterator[bytes]:
-    """The ``text/event-stream`` body of ``GET /v1/jobs/{id}/events``."""
-
-    async def events() -> AsyncIterator[bytes]:
-        yield b"retry: 1000\n\n"
-        delivered_final = False
-        last = start
-        try:
-            async for item, cursor in hub.follow(job_id, start):
-                last = cursor
-                if wanted.wants(item):
-                    yield _sse(item.kind, item.payload, cursor.encode())
-                delivered_final = delivered_final or item.final
-        except Exception as exc:
-            if not _database_outage(exc):
-                raise
-            # No "end": the client reconnects with Last-Event-ID (503 until the database is
-            # back) and continues with no gap and no duplicate.
-            log.warning("events of job %s: the database is unreachable, closing the stream", job_id)
-            yield b": the database is unreachable; reconnect with Last-Event-ID\n\n"
-            return
-        if not delivered_final:
-            # Resumed after the final status: say so, so the client stops reconnecting.
-            yield _sse("end", json.dumps({"final": True, "cursor": last.encode()}))
-
-    async for chunk in _with_keepalive(events(), keepalive):
-        yield chunk
-
-
-# --------------------------------------------------------------------------- logs?follow=true
-
-
-@dataclass(frozen=True)
-class LogTarget:
-    """Which log a text follower reads: a stream name (``rank-N``, ``agent``, ``agent-<node>``),
-    pinned to one attempt or following the job's latest."""
-
-    rank: int | None
-    stream: str | None
-    attempt: int | None
-
-
-def _open_log(
-    session: Session, job_id: str, target: LogTarget, attempt_number: int | None
-) -> tuple[int | None, str | None]:
-    from service.services.reports import resolve_stream
-
-    job = session.get_one(Job, job_id)
-    attempt = resolve_attempt(session, job, attempt_number if attempt_number is not None else target.attempt)
-    stream = resolve_stream(session, job, attempt, rank=target.rank, stream=target.stream)
-    return (attempt.number if attempt is not None else None), stream
-
-
-def _read_log(
-    session: Session, job_id: str, attempt_number: int, stream: str, offset: int
-) -> tuple[bytes, int, bool]:
-    job = session.get_one(Job, job_id)
-    attempt = session.scalars(
-        select(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt_number)
-    ).one()
-    piece = read_log(session, job, attempt, stream, offset, LOG_READ_BYTES)
-    return piece.data, piece.next_offset, piece.complete
-
-
-async def follow_log(
-    hub: StreamHub,
-    job_id: str,
-    target: LogTarget,
-    offset: int,
-    resolved: tuple[int | None, str | None] | None = None,
-) -> AsyncIterator[bytes]:
-    """One log stream's bytes from ``offset`` as they arrive, until the job is final and
-    every chunk is out (or, pinned to an attempt, until that attempt has ended).
-    Following the latest attempt, a retried job's next attempt is followed from its start.
-    ``resolved`` is the (attempt number, stream name) the caller already looked up."""
-    db = hub.db
-    feed = hub.feed(job_id)
-    await feed.ready.wait()
-    # Live items after this point come from the feed; what came before, from the database.
-    live = hub.follow(job_id, feed.head)
-    opened: tuple[int | None, str | None]
-    if resolved is None:
-        opened = await run_in_threadpool(_with_read_session, db, _open_log, job_id, target, None)
-    else:
-        opened = resolved
-    reader = _LogReader(db, job_id, target, opened, offset)
-    try:
-        # A database outage cuts the body (no clean end, which would read as "complete"): the
-        # follower asks again from the offset it reached.
-        async for data in _follow_log_body(reader, live, target):
-            yield data
-    finally:
-        await live.aclose()
-
-
-def _database_outage(exc: BaseException) -> bool:
-    """``exc`` (or what caused it) says the database could not be reached."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if is_unavailable(seen):
-            return True
-        seen = seen.__cause__
-    return False
-
-
-async def _follow_log_body(
-    reader: _LogReader, live: AsyncGenerator[tuple[Item, Cursor], None], target: LogTarget
-) -> AsyncIterator[bytes]:
-    """What the follower reads: the stored text, then live pieces until the end."""
-    async for data in reader.read_stored():
-        yield data
-    if reader.ended and target.attempt is not None:
-        return
-    async for item, _cursor in live:
-        if item.kind == "status":
-            async for data in reader.on_status(item):
-                yield data
-            if reader.stopped:
-                return
-            continue
-        piece = reader.live_piece(item)
-        if piece is not None:
-            yield piece
-
-
-class _LogReader:
-    """Where a log follower stands: the attempt and stream it reads, and the byte offset."""
-
-    def __init__(
-        self,
-        db: Database,
-        job_id: str,
-        target: LogTarget,
-        resolved: tuple[int | None, str | None],
-        offset: int,
-    ) -> None:
-        self.db = db
-        self.job_id = job_id
-        self.target = target
-        self.attempt, self.stream = resolved
-        self.position = offset
-        self.ended = False  # the attempt is over and nothing more will come
-        self.stopped = False  # the follow is over
-
-    async def read_stored(self) -> AsyncIterator[bytes]:
-        """The stream from ``position`` to what is stored now; sets ``ended`` when the
-        attempt is over and nothing more will come."""
-        while self.attempt is not None and self.stream is not None:
-            data, self.position, complete = await run_in_threadpool(
-                _with_read_session, self.db, _read_log, self.job_id, self.attempt, self.stream, self.position
-            )
-            if data:
-                yield data
-            if len(data) < LOG_READ_BYTES:
-                self.ended = complete
-                return
-
-    async def on_status(self, item: Item) -> AsyncIterator[bytes]:
-        """A status change: the rest of the log if the follow ends here, or the start of a
-        newer attempt's log when following the latest attempt."""
-        status = item.data.get("status")
-        if item.final or (self.target.attempt is not None and status == JobStatus.QUEUED):
-            self.stopped = True
-            async for data in self.read_stored():
-                yield data
-            return
-        if self.target.attempt is None and status in (JobStatus.SCHEDULED, JobStatus.RUNNING):
-            newer, new_stream = await run_in_threadpool(
-                _with_read_session, self.db, _open_log, self.job_id, self.target, None
-            )
-            if newer != self.attempt or (new_stream is not None and self.stream is None):
-                if self.attempt is not None and newer != self.attempt:
-                    self.position = 0  # a retry: its streams start afresh
-                self.attempt, self.stream = newer, new_stream
-                async for data in self.read_stored():
-                    yield data
-
-    def live_piece(self, item: Item) -> bytes | None:
-        """The new bytes of a live log item of the followed stream, or None."""
-        if (
-            item.kind != "log"
-            or self.stream is None
-            or item.stream != self.stream
-            or item.attempt != self.attempt
-        ):
-            return None
-        raw = item.text.encode("utf-8")
-        end = item.offset + len(raw)
-        if end <= self.position:
-            return None
-        # Bytes that never arrived (a batch an agent had to drop) are skipped, as plain reads do.
-        self.position = max(self.position, item.offset)
-        piece = raw[self.position - item.offset :]
-        self.position = end
-        return piece

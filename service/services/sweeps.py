@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Job, Metric, Sweep, SweepTrial, Token, utcnow
-from service.schemas.jobs import JOB_CREATE, ScriptJobCreate, TrainJobCreate
+from service.schemas.jobs import JOB_CREATE, JOB_CREATE_MODELS, ScriptJobCreate, TrainJobCreate
 from service.schemas.sweeps import (
     MAX_KEYS,
     Categorical,
@@ -42,12 +42,13 @@ from service.schemas.sweeps import (
     TrialPublic,
 )
 from service.services import refs
-from service.services.jobs import request_cancel, submit_script_job, submit_train_job
+from service.services.jobs import request_cancel, submit_job
 from service.services.reports import not_superseded
 from service.services.tokens import Principal
 from service.states import FINAL_STATUSES, JobStatus, Role, SweepStatus, TrialState
 from torchyard.architectures import CLASSIFICATION_ARCHITECTURES
 from torchyard.contract.errors import NotFoundError, RequestValidationError, TorchyardError
+from torchyard.contract.jobspec import DEFAULT_JOB_TYPE, JOB_TYPES, JobKind
 
 if TYPE_CHECKING:
     import optuna
@@ -57,7 +58,10 @@ log = logging.getLogger(__name__)
 # The largest grid a grid sweep may enumerate.
 MAX_GRID = 10_000
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_SPEC_SECTIONS = {"train": ("parameters", "model", "resources"), "script": ("resources",)}
+_SPEC_SECTIONS: dict[str, tuple[str, ...]] = {
+    JobKind.TRAIN: ("parameters", "model", "resources"),
+    JobKind.SCRIPT: ("resources",),
+}
 # Model fields a search may vary (the weights to start from are not a hyperparameter).
 _MODEL_KEYS = {"architecture", "pretrained", "memory_efficient"}
 _FINAL_TRIALS = {TrialState.COMPLETED, TrialState.PRUNED, TrialState.FAILED, TrialState.CANCELLED}
@@ -84,7 +88,7 @@ def _parse_job(raw: dict[str, Any]) -> TrainJobCreate | ScriptJobCreate:
         spec = JOB_CREATE.validate_python(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
-        loc = [str(p) for p in first["loc"] if str(p) not in ("train", "script", "evaluate")]
+        loc = [str(p) for p in first["loc"] if str(p) not in JOB_TYPES]
         where = ".".join(["job", *loc])
         message = f"unknown field {where!r}" if first["type"] == "extra_forbidden" else str(first["msg"])
         raise _invalid(where, message, _allowed_at(raw, loc)) from exc
@@ -95,7 +99,7 @@ def _parse_job(raw: dict[str, Any]) -> TrainJobCreate | ScriptJobCreate:
 
 def _field_info(job_type: str, path: list[str]) -> Any:
     """The pydantic field a dotted path of a job spec names, or None."""
-    current: Any = TrainJobCreate if job_type == "train" else ScriptJobCreate
+    current: Any = JOB_CREATE_MODELS[job_type]
     info = None
     for part in path:
         fields = getattr(current, "model_fields", None)
@@ -107,8 +111,8 @@ def _field_info(job_type: str, path: list[str]) -> Any:
 
 
 def _allowed_at(raw: dict[str, Any], path: list[str]) -> str | None:
-    job_type = raw.get("type", "train") if isinstance(raw, dict) else "train"
-    info = _field_info(job_type if job_type in _SPEC_SECTIONS else "train", path)
+    job_type = raw.get("type", DEFAULT_JOB_TYPE) if isinstance(raw, dict) else DEFAULT_JOB_TYPE
+    info = _field_info(job_type if job_type in _SPEC_SECTIONS else DEFAULT_JOB_TYPE, path)
     extra = getattr(info, "json_schema_extra", None)
     return str(extra["allowed"]) if isinstance(extra, dict) and "allowed" in extra else None
 
@@ -166,7 +170,7 @@ def _check_key(spec: TrainJobCreate | ScriptJobCreate, raw_job: dict[str, Any], 
     )
     if not known:
         hint = ", ".join(f"{s}.<field>" for s in sections)
-        if spec.type == "script":
+        if isinstance(spec, ScriptJobCreate):
             hint += ", command_args.<NAME>"
         raise _invalid(where, f"unknown key {key!r}: not a field of a {spec.type} job a search may set", hint)
     _check_type(spec.type, key, rng)
@@ -536,11 +540,7 @@ def _create_trials(
         attrs = dict(study._storage.get_trial(asked._trial_id).system_attrs)
         raw = _trial_spec(sweep, params)
         spec = JOB_CREATE.validate_python(raw)
-        if isinstance(spec, ScriptJobCreate):
-            job = submit_script_job(session, settings, owner, spec, commit=False)
-        else:
-            assert isinstance(spec, TrainJobCreate)
-            job = submit_train_job(session, settings, owner, spec, commit=False)
+        job = submit_job(session, settings, owner, spec, commit=False)
         job.sweep_id = sweep.id
         job.trial_number = number
         trial = SweepTrial(

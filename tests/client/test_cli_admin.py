@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from service.serving import _bind
 from tests.conftest import free_port
 from tests.support.factories import auth
-from torchyard.serving import _bind
 
 # The database makes a difference here: every test runs on SQLite and on PostgreSQL.
 pytestmark = pytest.mark.both_databases

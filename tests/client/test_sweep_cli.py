@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from torchyard.apiclient.sweeps import Sweep
-from torchyard.sweep_commands import build_sweep_spec, sweep_text, trials_table
+from torchyard.commands.sweeps import build_sweep_spec, sweep_text, trials_table
 
 SWEEP_YAML = """
 name: digits-lr

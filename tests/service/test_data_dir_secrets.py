@@ -33,7 +33,7 @@ def test_the_sqlite_database_and_the_admin_token_are_0600(tmp_path: Path) -> Non
 
 def test_serve_makes_itself_non_dumpable() -> None:
     code = (
-        "import ctypes; from torchyard.serving import refuse_inspection; refuse_inspection(); "
+        "import ctypes; from service.serving import refuse_inspection; refuse_inspection(); "
         f"print(ctypes.CDLL(None).prctl({_PR_GET_DUMPABLE}, 0, 0, 0, 0))"
     )
     done = subprocess.run(

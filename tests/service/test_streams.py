@@ -310,3 +310,25 @@ def test_followers_behind_a_small_buffer_catch_up_in_pages(
     middle = late[len(late) // 2]
     resumed = collect(setup.client, job_id, last_event_id=middle.id)
     assert by_kind(late[: len(late) // 2 + 1] + resumed) == expected
+
+
+def test_writes_made_here_wake_the_feeds_at_once(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A status change (the ORM's flush), a metric point and a log chunk (the reports' bulk
+    inserts) written through this process nudge the job feeds as their transaction ends;
+    a write to no followed table (a job's tags) does not."""
+    hub = setup.server.server.config.app.state.stream_hub
+    nudges: list[float] = []
+    monkeypatch.setattr(hub, "nudge", lambda: nudges.append(time.monotonic()))
+
+    def nudged_by(write: Callable[[], Any]) -> bool:
+        nudges.clear()
+        write()
+        return bool(nudges)
+
+    assert nudged_by(setup.submit)
+    placement = setup.agent.claim()
+    assert nudged_by(lambda: setup.agent.status(placement, "running"))
+    assert nudged_by(lambda: setup.agent.metric(placement, "train.loss", 1.0, 1, 1))
+    assert nudged_by(lambda: setup.agent.log(placement, "rank-0", 0, "a line\n"))
+    job_id = placement["job_id"]
+    assert not nudged_by(lambda: setup.admin.patch(f"/v1/jobs/{job_id}", json={"tags": ["x"]}))

@@ -15,6 +15,7 @@ class AdminCalls:
         self._transport = transport
 
     def health(self) -> dict[str, Any]:
+        """``GET /healthz`` (needs no token)."""
         body: dict[str, Any] = self._transport.json("GET", "/healthz")
         return body
 
@@ -23,25 +24,31 @@ class AdminCalls:
         return body
 
     def create_token(self, name: str, role: str = "user") -> CreatedToken:
+        """Create a token (admin only); the plain token is in the result, shown once."""
         body = self._transport.json("POST", "/v1/tokens", json={"name": name, "role": role})
         return CreatedToken.model_validate(body)
 
     def list_tokens(self, *, include_revoked: bool = True) -> list[TokenInfo]:
+        """Every token (admin only): id, name, role, created, last used, revoked."""
         body = self._transport.json(
             "GET", "/v1/tokens", params={"include_revoked": str(include_revoked).lower()}
         )
         return [TokenInfo.model_validate(item) for item in body["items"]]
 
     def revoke_token(self, token_id: str) -> TokenInfo:
+        """Revoke a token (admin only, idempotent): it gets 401 from now on."""
         return TokenInfo.model_validate(self._transport.json("DELETE", f"/v1/tokens/{segment(token_id)}"))
 
     def cluster(self) -> Cluster:
+        """Nodes, their processing units and health, and the cluster's limits."""
         return Cluster.model_validate(self._transport.json("GET", "/v1/cluster"))
 
     def drain_node(self, node: str) -> NodeDrained:
+        """Drain a node by id or name (admin only): no new work; its jobs checkpoint and requeue."""
         body = self._transport.json("POST", f"/v1/cluster/nodes/{segment(node)}/drain")
         return NodeDrained.model_validate(body)
 
     def undrain_node(self, node: str) -> NodeDrained:
+        """Make a drained node ready again (admin only)."""
         body = self._transport.json("POST", f"/v1/cluster/nodes/{segment(node)}/undrain")
         return NodeDrained.model_validate(body)

@@ -161,6 +161,7 @@ class CodeCalls:
         return CodePackage.model_validate(self._transport.json("GET", f"/v1/code/{segment(code_id)}"))
 
     def delete_code(self, code_id: str) -> None:
+        """Delete a code package (409 ``ConflictError`` while a live job uses it)."""
         self._transport.request("DELETE", f"/v1/code/{segment(code_id)}")
 
     def download_outputs(self, job_id: str, dest: str | Path, *, path: str | None = None) -> Path:

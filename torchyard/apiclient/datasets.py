@@ -87,6 +87,8 @@ class DatasetCalls:
         progress: ProgressCallback | None = None,
         timeout: float = 3600.0,
     ) -> Dataset:
+        """Upload an ImageDirectory: a folder (packed to .tar.gz on the fly, in a temp file)
+        or an archive file (.zip, .tar, .tar.gz/.tgz) as it is."""
         source = Path(path)
         name = name or source.name.split(".")[0] or "dataset"
         with tempfile.TemporaryDirectory(prefix="torchyard-upload-") as tmp:
@@ -114,6 +116,7 @@ class DatasetCalls:
         return Dataset.model_validate(data)
 
     def register_dataset(self, name: str, path: str, **options: Any) -> Dataset:
+        """Register a folder on shared storage (under one of the service's dataset roots)."""
         body = {"name": name, "path": path, **options}
         return Dataset.model_validate(
             self._transport.json(
@@ -126,6 +129,7 @@ class DatasetCalls:
         return Page[Dataset].model_validate(self._transport.json("GET", "/v1/datasets", params=params))
 
     def iter_datasets(self) -> Iterator[Dataset]:
+        """Every dataset visible to the token, following the pages."""
         cursor: str | None = None
         while True:
             page = self.list_datasets(limit=200, cursor=cursor)
@@ -138,9 +142,11 @@ class DatasetCalls:
         return Dataset.model_validate(self._transport.json("GET", f"/v1/datasets/{segment(dataset_id)}"))
 
     def delete_dataset(self, dataset_id: str) -> None:
+        """Delete a dataset (409 ``ConflictError`` while a live job uses it)."""
         self._transport.request("DELETE", f"/v1/datasets/{segment(dataset_id)}")
 
     def find_dataset(self, ref: str) -> Dataset:
+        """A dataset by id, name or unique id prefix; of several with that exact name, the newest."""
         try:
             return self.get_dataset(ref)
         except TorchyardError as exc:

@@ -20,6 +20,7 @@ class JobCalls:
         self._transport = transport
 
     def submit_job(self, spec: Mapping[str, Any]) -> Job:
+        """Submit a job spec (SPEC §5 shape); returns the normalized job, status ``queued``."""
         return Job.model_validate(self._transport.json("POST", "/v1/jobs", json=dict(spec)))
 
     def list_jobs(
@@ -51,6 +52,7 @@ class JobCalls:
         return Job.model_validate(self._transport.json("GET", f"/v1/jobs/{segment(job_id)}"))
 
     def cancel_job(self, job_id: str) -> Job:
+        """Idempotent cancel; the job ends ``cancelled`` once its ranks are stopped."""
         return Job.model_validate(self._transport.json("POST", f"/v1/jobs/{segment(job_id)}/cancel"))
 
     def update_job(self, job_id: str, **fields: Any) -> Job:
@@ -58,15 +60,21 @@ class JobCalls:
         return Job.model_validate(self._transport.json("PATCH", f"/v1/jobs/{segment(job_id)}", json=fields))
 
     def delete_job(self, job_id: str) -> dict[str, Any]:
+        """Delete a finished job with its metrics, logs, checkpoints and files (409 while it
+        runs, or while its model is a registered model version)."""
         result: dict[str, Any] = self._transport.json("DELETE", f"/v1/jobs/{segment(job_id)}")
         return result
 
     def clone_job(self, job_id: str) -> Job:
+        """Submit a job's spec again as a new job; returns the new job, status ``queued``."""
         return Job.model_validate(self._transport.json("POST", f"/v1/jobs/{segment(job_id)}/clone"))
 
     def compare(
         self, job_ids: Sequence[str], *, metrics: Sequence[str] | None = None, points: int | None = None
     ) -> JobComparison:
+        """Up to 20 jobs side by side (ids, names or id prefixes): parameters (``differing``
+        names the keys that are not the same in all), and per metric the best and final value
+        with its epoch and the reduced series."""
         params: dict[str, Any] = {"ids": ",".join(job_ids)}
         if metrics:
             params["metrics"] = ",".join(metrics)
@@ -83,6 +91,8 @@ class JobCalls:
         limit: int | None = None,
         include_superseded: bool = False,
     ) -> MetricPage:
+        """One page of metric points after the ``after`` cursor (with ``include_superseded``,
+        also the points of epochs a later attempt redid)."""
         params: dict[str, Any] = {}
         if include_superseded:
             params["include_superseded"] = "true"
@@ -105,6 +115,7 @@ class JobCalls:
     def iter_metrics(
         self, job_id: str, *, name: str | Sequence[str] | None = None, after: int | None = None
     ) -> Iterator[MetricPoint]:
+        """Every metric point recorded so far (after ``after``), following the pages."""
         cursor = after
         while True:
             page = self.metrics(job_id, name=name, after=cursor, limit=1000)

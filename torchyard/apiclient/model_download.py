@@ -10,6 +10,7 @@ from typing import IO
 
 import httpx
 
+from torchyard.apiclient.models import Job
 from torchyard.apiclient.transport import ProgressCallback, Transport, raise_for, segment
 from torchyard.contract.errors import InvalidModelDirectoryError
 from torchyard.contract.model_archive import extract_model_archive
@@ -73,9 +74,13 @@ def _append_body(
 class ModelDownloads:
     """``GET /v1/jobs/{id}/model`` into a verified model directory."""
 
-    def __init__(self, transport: Transport, model_sha256: Callable[[str], str | None]) -> None:
+    def __init__(self, transport: Transport) -> None:
         self._transport = transport
-        self._model_sha256 = model_sha256
+
+    def _model_sha256(self, job_id: str) -> str | None:
+        """The sha256 of the job's model archive (None until it has one)."""
+        job = Job.model_validate(self._transport.json("GET", f"/v1/jobs/{segment(job_id)}"))
+        return job.model_sha256
 
     def download_model(
         self,
@@ -86,6 +91,13 @@ class ModelDownloads:
         keep_archive: bool = False,
         on_resume: Callable[[int], None] | None = None,
     ) -> Path:
+        """Download a succeeded job's model directory into ``dest`` and verify it.
+
+        The archive is written to ``<dest>.tar.gz.part``; an interrupted download is
+        resumed from there with an HTTP Range request (if the model is still the same
+        one, by its ETag). The complete archive must match its sha256 (the ETag), is
+        unpacked safely, and its manifest is verified before ``dest`` appears.
+        """
         target = Path(dest)
         if target.exists() and (not target.is_dir() or any(target.iterdir())):
             raise FileExistsError(f"{target} already exists and is not empty")

@@ -53,6 +53,8 @@ class RegistryCalls:
         self._transport = transport
 
     def register_model(self, name: str, job_id: str, path: str | None = None) -> ModelVersion:
+        """Register a succeeded training job's model (or, with ``path``, the model directory in
+        that folder of a succeeded script job's outputs) as the next version of ``name``."""
         body: dict[str, Any] = {"name": name, "job_id": job_id}
         if path is not None:
             body["path"] = path
@@ -72,7 +74,7 @@ class RegistryCalls:
         return ModelVersion.model_validate(self._transport.json("DELETE", _version_path(name, version)))
 
     def predict(
-        self, name: str, version: str | int, images: Sequence[str | Path], *, top_k: int = 3
+        self, name: str, images: Sequence[str | Path], *, version: str | int = "latest", top_k: int = 3
     ) -> list[dict[str, Any]]:
         """Score image files with a registered model: per image, ``{"file", "top": [{"label",
         "probability"}, ...]}`` in the order given (sent in batches of :data:`PREDICT_BATCH`)."""

@@ -151,6 +151,9 @@ class StreamCalls:
         tail: int | None = None,
         since: datetime | None = None,
     ) -> str:
+        """The log text of one stream (rank ``rank``, default 0; or ``stream``, e.g. the agent log)
+        of attempt ``attempt`` (default: the latest); only its last ``tail`` lines, or the text
+        that arrived ``since`` a time, when given."""
         params = log_params(rank, stream, offset, attempt, tail=tail, since=since)
         return self._transport.request("GET", f"/v1/jobs/{segment(job_id)}/logs", params=params).text
 
@@ -166,6 +169,9 @@ class StreamCalls:
         tail: int | None = None,
         since: datetime | None = None,
     ) -> Iterator[str]:
+        """Log text as it arrives, until the job ends (or attempt ``attempt`` ends); reconnects
+        where it left off. Following the latest attempt, a restarted job's next attempt follows.
+        ``tail``/``since`` start at the last lines, or at the text that arrived since a time."""
         position = offset
         if tail is not None or since is not None:
             # Where the last lines (or the text since) begin: then follow from there.
@@ -207,6 +213,13 @@ class StreamCalls:
         timeout: float | None = None,
         reconnects: int = 20,
     ) -> Iterator[Event]:
+        """Server-sent events of a job, until its final status (the last event).
+
+        A dropped connection is resumed from the last event id, so no event is lost
+        or repeated. ``metrics``/``logs`` select the kinds beside status changes;
+        ``ranks`` limits the log streams. With ``timeout``, ``TimeoutError`` is raised
+        when the job is not over after that many seconds.
+        """
         params: dict[str, Any] = {"metrics": str(metrics).lower(), "logs": str(logs).lower()}
         if ranks is not None:
             params["rank"] = list(ranks)

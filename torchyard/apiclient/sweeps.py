@@ -53,6 +53,7 @@ class SweepCalls:
         self._transport = transport
 
     def submit_sweep(self, spec: Mapping[str, Any]) -> Sweep:
+        """Start a hyperparameter search (SPEC §15 shape); its first trials are queued as jobs."""
         return Sweep.model_validate(self._transport.json("POST", "/v1/sweeps", json=dict(spec)))
 
     def list_sweeps(
@@ -72,7 +73,9 @@ class SweepCalls:
         return Page[Sweep].model_validate(self._transport.json("GET", "/v1/sweeps", params=params))
 
     def get_sweep(self, sweep_id: str) -> Sweep:
+        """The sweep (id, name or id prefix) with every trial and ``best_trial``."""
         return Sweep.model_validate(self._transport.json("GET", f"/v1/sweeps/{segment(sweep_id)}"))
 
     def cancel_sweep(self, sweep_id: str) -> Sweep:
+        """Idempotent: no more trials, and every live trial's job is cancelled."""
         return Sweep.model_validate(self._transport.json("POST", f"/v1/sweeps/{segment(sweep_id)}/cancel"))

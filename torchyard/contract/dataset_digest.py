@@ -21,13 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from torchyard.contract.errors import InvalidDatasetError
+from torchyard.contract.files import sha256_file
 
 #: File name extensions of the supported image formats (lower case, with the dot).
 IMAGE_EXTENSIONS: frozenset[str] = frozenset(
     {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff"}
 )
-
-_CHUNK = 1024 * 1024
 
 
 def is_ignored_name(name: str) -> bool:
@@ -90,13 +89,8 @@ def list_files(root: Path, *, link_roots: Sequence[Path] | None = None) -> list[
     return out
 
 
-def file_sha256(path: Path) -> str:
-    """The sha256 of a file's bytes, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+# A file's checksum in a dataset's manifest.
+file_sha256 = sha256_file
 
 
 def manifest_sha256(entries: Iterable[tuple[str, str]]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -136,20 +137,28 @@ class ResourceFields(BaseModel):
     )
 
 
-# --- job types ------------------------------------------------------------------------------
+# --- job kinds -------------------------------------------------------------------------------
 #
 # A job spec's ``type`` selects what runs: ``train`` (the built-in trainer, the default
-# when ``type`` is left out) or ``script`` (the user's own code, SPEC §9). A new type adds
-# its name here, its request model beside the others in ``service/schemas/jobs.py`` (the
-# discriminated union ``JobCreate`` and ``JOB_CREATE_MODELS``), its checks and the fields
-# it shows in ``service/services/jobs.py`` (``SUBMITTERS``, ``_TYPE_FIELDS``), what a claim
-# carries in ``service/services/attempts.py`` (``claimed_placement``) and its launch in
-# ``worker/agent/placement.py``. ``jobs.type`` has no CHECK constraint: the API refuses
-# unknown types, so a new type needs no migration of its own for that column.
+# when ``type`` is left out), ``script`` (the user's own code, SPEC §9) or ``evaluate`` (a
+# registered model scored on a labeled dataset, SPEC §10). A new kind adds its name here,
+# its request model in ``service/schemas/jobs.py`` (``JobCreate``, ``JOB_CREATE_MODELS``),
+# its claimed placement in ``torchyard/contract/protocol.py``, one module in
+# ``service/services/kinds/`` (submit-time checks, claim payload, success rule, what is
+# kept) and one in ``worker/agent/kinds/`` (prepare, launch, outcome). ``jobs.type`` has no
+# CHECK constraint: the API refuses unknown kinds, so a new kind needs no migration.
 
-JobType = Literal["train", "script"]
-JOB_TYPES: tuple[str, ...] = ("train", "script", "evaluate")
-DEFAULT_JOB_TYPE = "train"
+
+class JobKind(StrEnum):
+    """What a job runs (its ``type``)."""
+
+    TRAIN = "train"
+    SCRIPT = "script"
+    EVALUATE = "evaluate"
+
+
+JOB_TYPES: tuple[str, ...] = tuple(kind.value for kind in JobKind)
+DEFAULT_JOB_TYPE = JobKind.TRAIN.value
 
 Launch = Literal["per_process", "per_node"]
 OutputsScope = Literal["node0", "all"]

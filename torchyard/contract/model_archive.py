@@ -31,6 +31,7 @@ from typing import IO, Any, BinaryIO
 from torchyard.architectures import CLASSIFICATION_ARCHITECTURES
 from torchyard.contract.dataset_digest import is_ignored_name
 from torchyard.contract.errors import InvalidModelDirectoryError
+from torchyard.contract.files import sha256_file
 from torchyard.contract.headers import SHA256_HEADER  # noqa: F401 - part of this module's interface
 
 TOP_FOLDER = "model"
@@ -51,12 +52,8 @@ class ArchivedFile:
     sha256: str
 
 
-def sha256_of(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+# The archive's checksum is the file's (kept under this name for the archive's readers).
+sha256_of = sha256_file
 
 
 def parse_manifest(text: str) -> dict[str, str]:

@@ -5,11 +5,18 @@ agent parses the answers with them (tolerantly: fields a newer API adds are igno
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, TypeAdapter
 
 from torchyard.contract.base import StrictModel
+from torchyard.contract.jobspec import (
+    DistributionFields,
+    EnvironmentFields,
+    JobKind,
+    JobParameters,
+    OutputsScope,
+)
 
 LeaseToken = str
 
@@ -91,8 +98,62 @@ class CheckpointRef(BaseModel):
     attempt: int = Field(description="The attempt number that wrote it.")
 
 
+class PlacementResources(BaseModel):
+    """A claimed job's resources and limits (unset: no limit)."""
+
+    node_count: int = 1
+    process_count_per_node: int = 1
+    max_runtime_s: int | None = None
+    max_restarts: int | None = None
+    hang_timeout_s: int | None = None
+
+
+class PlacementModel(BaseModel):
+    """The model a trainer run builds (a training job's, or the evaluated version's)."""
+
+    architecture: str
+    pretrained: bool = False
+    memory_efficient: bool = False
+    init_from_job: str | None = None
+
+
+class TrainSpec(BaseModel):
+    """What a training job's placement runs: the trainer with these model and parameters."""
+
+    model: PlacementModel
+    parameters: JobParameters = Field(default_factory=JobParameters)
+    resources: PlacementResources = Field(default_factory=PlacementResources)
+
+
+class EvaluateParameters(BaseModel):
+    image_size: int
+    batch_size: int
+
+
+class EvaluateSpec(BaseModel):
+    """What an evaluation's placement runs: the trainer in evaluation mode."""
+
+    model: PlacementModel
+    parameters: EvaluateParameters
+    resources: PlacementResources = Field(default_factory=PlacementResources)
+
+
+class ScriptSpec(BaseModel):
+    """What a script job's placement runs: the user's command (SPEC §9)."""
+
+    command: list[str]
+    distribution: DistributionFields = Field(default_factory=DistributionFields)
+    environment: EnvironmentFields = Field(default_factory=EnvironmentFields)
+    outputs: OutputsScope = "node0"
+    resources: PlacementResources = Field(default_factory=PlacementResources)
+
+
 class ClaimedPlacement(BaseModel):
-    """Everything one node needs to launch its share of an attempt."""
+    """Everything one node needs to launch its share of an attempt, whatever the job's kind.
+
+    A claim answers with one of its kinds (:data:`AnyClaimedPlacement`, told apart by
+    ``type``); each narrows ``type`` and ``spec`` and makes its own inputs required.
+    """
 
     job_id: str
     job_name: str
@@ -106,10 +167,10 @@ class ClaimedPlacement(BaseModel):
     world_size: int
     master_addr: str
     master_port: int
-    type: str = Field(default="train", description="The job's type: train or script.")
-    spec: dict[str, Any] = Field(
-        description="The job's normalized spec: model, parameters and resources of a training job; "
-        "command, distribution, environment, outputs and resources of a script job."
+    type: JobKind = Field(default=JobKind.TRAIN, description="The job's kind: train, script or evaluate.")
+    spec: TrainSpec | ScriptSpec | EvaluateSpec = Field(
+        description="The job's normalized spec: model, parameters and resources of a training job or "
+        "an evaluation; command, distribution, environment, outputs and resources of a script job."
     )
     datasets: ClaimedDatasets | None = Field(default=None, description="A training job's datasets.")
     classes: list[str] = []
@@ -124,6 +185,38 @@ class ClaimedPlacement(BaseModel):
     restarts: int = Field(default=0, description="Restarts used so far (preemptions not counted).")
     heartbeat_interval_s: float
     lease_timeout_s: float
+
+
+class TrainPlacement(ClaimedPlacement):
+    """A training job's placement: the trainer on two datasets, maybe from a checkpoint."""
+
+    type: Literal[JobKind.TRAIN] = JobKind.TRAIN
+    spec: TrainSpec
+    datasets: ClaimedDatasets
+
+
+class EvaluatePlacement(ClaimedPlacement):
+    """An evaluation's placement: the model of ``init_from_job`` scored on one dataset."""
+
+    type: Literal[JobKind.EVALUATE] = JobKind.EVALUATE
+    spec: EvaluateSpec
+    datasets: ClaimedDatasets
+
+
+class ScriptPlacement(ClaimedPlacement):
+    """A script job's placement: a code package, its input datasets and a command."""
+
+    type: Literal[JobKind.SCRIPT] = JobKind.SCRIPT
+    spec: ScriptSpec
+    code: ClaimedCode
+
+
+AnyClaimedPlacement = Annotated[
+    TrainPlacement | ScriptPlacement | EvaluatePlacement, Field(discriminator="type")
+]
+CLAIMED_PLACEMENT: TypeAdapter[TrainPlacement | ScriptPlacement | EvaluatePlacement] = TypeAdapter(
+    AnyClaimedPlacement
+)
 
 
 class FailureReport(StrictModel):

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from torchyard.contract.errors import AuthenticationError, NodeNameInUseError, NotFoundError, TorchyardError
-from torchyard.contract.protocol import ClaimedPlacement
+from torchyard.contract.protocol import ClaimedPlacement, StopOrder
 from worker.agent import sandbox
 from worker.agent.api import Backoff, WorkerApi, is_retryable, retrying
 from worker.agent.identity import NodeLock, load_or_create_agent_key
@@ -146,9 +146,9 @@ class Agent:
             f"registering node {self.options.name} at {self.options.api_url}",
             stop=self.shutdown,
         )
-        self.ctx.heartbeat_interval_s = float(answer.get("heartbeat_interval_s") or DEFAULT_HEARTBEAT_S)
-        self.ctx.lease_timeout_s = float(answer.get("lease_timeout_s") or self.ctx.lease_timeout_s)
-        self.claim_wait = min(MAX_CLAIM_WAIT_S, float(answer.get("claim_poll_timeout_s") or MAX_CLAIM_WAIT_S))
+        self.ctx.heartbeat_interval_s = answer.heartbeat_interval_s or DEFAULT_HEARTBEAT_S
+        self.ctx.lease_timeout_s = answer.lease_timeout_s or self.ctx.lease_timeout_s
+        self.claim_wait = min(MAX_CLAIM_WAIT_S, answer.claim_poll_timeout_s or MAX_CLAIM_WAIT_S)
         log.info(
             "node %s registered: %d unit(s) of %s at %s (heartbeat %.1f s, lease %.1f s)",
             self.options.name,
@@ -344,12 +344,12 @@ class Agent:
                 log.warning("heartbeat failed: %s", exc)
             else:
                 try:
-                    self._apply_stop_orders(answer.get("stop") or [], active)
+                    self._apply_stop_orders(answer.stop, active)
                 except Exception:  # the heartbeat must go on whatever happens
                     log.exception("applying stop orders failed")
             self.shutdown.wait(interval)
 
-    def _apply_stop_orders(self, orders: list[dict[str, Any]], active: list[PlacementRun]) -> None:
+    def _apply_stop_orders(self, orders: list[StopOrder], active: list[PlacementRun]) -> None:
         apply_stop_orders(orders, active)
 
     def _reregister(self) -> None:

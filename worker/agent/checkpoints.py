@@ -30,6 +30,7 @@ from typing import BinaryIO
 import httpx
 
 from torchyard.contract.errors import StaleLeaseError, TorchyardError, error_from_body
+from torchyard.contract.files import sha256_fileobj
 from torchyard.contract.headers import (
     CHECKPOINT_EPOCH_HEADER,
     CHECKPOINT_STEP_HEADER,
@@ -49,14 +50,6 @@ _DOWNLOAD_TRIES = 4
 
 def _url(job_id: str) -> str:
     return f"/v1/worker/jobs/{job_id}/checkpoint"
-
-
-def _sha256_of(fh: BinaryIO) -> str:
-    digest = hashlib.sha256()
-    fh.seek(0)
-    while chunk := fh.read(_CHUNK):
-        digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _chunks(fh: BinaryIO) -> Iterator[bytes]:
@@ -151,7 +144,7 @@ class CheckpointUploader:
             stat = os.fstat(fh.fileno())
             size = stat.st_size
             described = _describes(info, stat)
-            sha256 = str(info.get("sha256")) if described else _sha256_of(fh)
+            sha256 = str(info.get("sha256")) if described else sha256_fileobj(fh, rewind=True)
             if sha256 != info.get("sha256"):
                 return  # replaced between the description and the open: the next poll takes the newer
             epoch = int(str(info.get("epoch", 0)))
@@ -171,7 +164,7 @@ class CheckpointUploader:
                 headers=headers,
                 timeout=httpx.Timeout(300.0, connect=10.0),
             )
-            if response.status_code == 422 and described and _sha256_of(fh) != sha256:
+            if response.status_code == 422 and described and sha256_fileobj(fh, rewind=True) != sha256:
                 # The file is not what its description says (changed in place, or a reused
                 # inode): never send it again; the trainer's next checkpoint is awaited.
                 self._bad.add(sha256)

@@ -9,14 +9,11 @@ the first one's copy. A copy is never modified once in place.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -24,6 +21,7 @@ import httpx
 from torchyard.contract.archive import ExtractionLimits, extract_archive
 from torchyard.contract.dataset_digest import dataset_sha256
 from torchyard.contract.errors import InvalidDatasetError, error_from_body
+from torchyard.contract.files import locked
 from torchyard.contract.headers import SHA256_HEADER
 
 log = logging.getLogger(__name__)
@@ -31,16 +29,6 @@ log = logging.getLogger(__name__)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 1024 * 1024
 STAGING = ".staging"
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def sweep_staging(cache_dir: Path) -> int:
@@ -55,19 +43,15 @@ def sweep_staging(cache_dir: Path) -> int:
         sha256 = entry.name.split("-", 1)[0]
         if not _SHA256.match(sha256):
             continue  # not written by a fetch
-        with open(Path(cache_dir) / f".{sha256}.lock", "a+b") as lock:
-            try:
-                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a fetch of this dataset is running
-            try:
+        try:
+            with locked(Path(cache_dir) / f".{sha256}.lock", blocking=False):
                 if entry.is_dir() and not entry.is_symlink():
                     shutil.rmtree(entry, ignore_errors=True)
                 else:
                     entry.unlink(missing_ok=True)
                 removed += 1
-            finally:
-                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+        except BlockingIOError:
+            continue  # a fetch of this dataset is running
     if removed:
         log.info("removed %d interrupted dataset download(s) from %s", removed, staging)
     return removed
@@ -124,7 +108,7 @@ def fetch_dataset(
     sweep_staging(cache_dir)
     if (hit := cached_dataset(cache_dir, sha256)) is not None:
         return hit
-    with _locked(cache_dir / f".{sha256}.lock"):
+    with locked(cache_dir / f".{sha256}.lock"):
         if (hit := cached_dataset(cache_dir, sha256)) is not None:
             return hit  # another fetcher finished while we waited
         # Everything this fetch writes lives in one folder named for the dataset, so a

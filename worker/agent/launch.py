@@ -188,7 +188,7 @@ class Launcher:
                 log.warning("heartbeat failed: %s", exc)
             else:
                 try:
-                    apply_stop_orders(answer.get("stop") or [], [placement])
+                    apply_stop_orders(answer.stop, [placement])
                 except Exception:  # the heartbeat must go on whatever happens
                     log.exception("applying stop orders failed")
             self.done.wait(interval)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from torchyard.contract.errors import CommunicationError, RankFailedError, RankKilledError
+from torchyard.contract.jobfile import JOB_FILE
 from worker.agent import guard
 from worker.agent.sandbox import Sandbox, exit_code, is_sandbox_process, torch_hub_dir
 
@@ -34,7 +35,6 @@ log = logging.getLogger(__name__)
 
 MARKER_VAR = "TORCHYARD_RUN_MARKER"
 TORCHRUN_LOGS = "torchrun-logs"
-JOB_FILE = "job.json"
 TRACEBACK_TAIL_LINES = 40
 # Inherited variables that would confuse torchrun or its ranks.
 _SCRUBBED = (

@@ -16,7 +16,6 @@ written after pip succeeded; a failed build leaves nothing behind and is an
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -27,11 +26,10 @@ import sys
 import sysconfig
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from torchyard.contract.errors import EnvironmentBuildError
+from torchyard.contract.files import locked
 from worker.agent import sandbox
 from worker.agent.launcher import _SECRETS
 from worker.agent.sandbox import Sandbox
@@ -49,16 +47,6 @@ def requirements_key(requirements: list[str]) -> str:
     """The cache key of a requirement set (order and duplicates do not matter)."""
     wanted = {"python": sys.version, "requirements": sorted(set(requirements))}
     return hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()[:32]
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def env_python(env_dir: Path) -> Path:
@@ -167,7 +155,7 @@ def ensure_environment(
     final = envs_dir / key
     if (final / READY_MARKER).exists() and (final / SCRIPTS_MARKER).exists():
         return final, False
-    with _locked(envs_dir / f".{key}.lock"):
+    with locked(envs_dir / f".{key}.lock"):
         if (final / READY_MARKER).exists():
             if not (final / SCRIPTS_MARKER).exists():
                 add_console_scripts(final)  # built by an older worker

@@ -15,9 +15,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from torchyard.contract.jobfile import EVENTS_FILE
 from torchyard.contract.metrics import METRIC_NAMES, is_metric_name
 from torchyard.contract.reports import FILE_STREAM_PREFIX
-from worker.trainer.events import EVENTS_FILE
 
 log = logging.getLogger("worker.agent.reporting")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -10,11 +9,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchyard.contract.errors import NotFoundError, RankFailedError, StaleLeaseError, TorchyardError
-from torchyard.contract.protocol import ClaimedPlacement
+from torchyard.contract.jobfile import (
+    JOB_FILE,
+    DatasetRef,
+    Datasets,
+    JobConfig,
+    ModelSpec,
+    Parameters,
+    TrainerTask,
+)
+from torchyard.contract.protocol import EvaluatePlacement, TrainPlacement
 from worker.agent.api import retrying
 
 if TYPE_CHECKING:
-    from worker.agent.placement import AgentContext
+    from worker.agent.context import AgentContext
+    from worker.agent.lease import LeaseSession
 
 ROLES = ("train", "validation")
 FETCH_DEADLINE_S = 600
@@ -26,19 +35,24 @@ class RunInputs:
     def __init__(
         self,
         ctx: AgentContext,
-        work: ClaimedPlacement,
+        work: TrainPlacement | EvaluatePlacement,
         run_dir: Path,
         stop: threading.Event,
         log: logging.Logger,
+        *,
+        session: LeaseSession,
+        task: TrainerTask,
     ) -> None:
         self.ctx = ctx
         self.work = work
         self.run_dir = run_dir
         self.stop = stop
         self.log = log
+        self.session = session
+        self.task = task
 
-    def prepare(self) -> Path:
-        """Datasets (cached per node), the initial model if any, then ``job.json``."""
+    def prepare(self) -> JobConfig:
+        """Datasets (cached per node), the initial model if any, then ``job.json`` (what it says)."""
         dirs = {role: self._fetch_dataset(role) for role in ROLES}
         init_dir = None
         if self.work.init_from_job:
@@ -46,11 +60,12 @@ class RunInputs:
         if self.work.checkpoint is not None and self.work.node_rank == 0:
             # Only global rank 0 (on node rank 0) reads it; it shares the state with the others.
             self._fetch_checkpoint()
-        path = self.run_dir / "job.json"
+        job = self._job_document(dirs, init_dir)
+        path = self.run_dir / JOB_FILE
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self._job_document(dirs, init_dir), indent=2), encoding="utf-8")
+        tmp.write_text(job.to_json(), encoding="utf-8")
         tmp.replace(path)
-        return path
+        return job
 
     def _fetch_dataset(self, role: str) -> Path:
         from worker.agent.dataset_cache import fetch_dataset
@@ -84,14 +99,12 @@ class RunInputs:
         return dest
 
     def _fetch_checkpoint(self) -> None:
-        from worker.agent.checkpoints import download_checkpoint
-
         ref = self.work.checkpoint
         assert ref is not None
         started = time.monotonic()
         try:
             got = retrying(
-                lambda: download_checkpoint(self.ctx.api.client, self.work.job_id, self.lease, self.run_dir),
+                lambda: self.session.download_checkpoint(self.run_dir),
                 f"downloading the checkpoint of job {self.work.job_id}",
                 stop=self.stop,
                 deadline=time.monotonic() + FETCH_DEADLINE_S,
@@ -110,34 +123,30 @@ class RunInputs:
             got.get("sha256"),
         )
 
-    @property
-    def lease(self) -> str:
-        return self.work.lease_token
-
-    def _job_document(self, dirs: dict[str, Path], init_dir: Path | None) -> dict[str, Any]:
+    def _job_document(self, dirs: dict[str, Path], init_dir: Path | None) -> JobConfig:
         w = self.work
-        model = w.spec["model"]
-        return {
-            "job_id": w.job_id,
-            "attempt_id": w.attempt_id,
-            "model": {
-                "architecture": model["architecture"],
-                "pretrained": bool(model.get("pretrained", False)),
-                "memory_efficient": bool(model.get("memory_efficient", False)),
-            },
-            "init_from_dir": str(init_dir) if init_dir is not None else None,
-            "parameters": w.spec["parameters"],
-            "train_dir": str(dirs["train"]),
-            "val_dir": str(dirs["validation"]),
-            "classes": list(w.classes),
-            "datasets": {
-                role: {"id": getattr(w.datasets, role).id, "sha256": getattr(w.datasets, role).sha256}
-                for role in ROLES
-            },
-            "output_dir": str(self.run_dir),
-            "loader_workers": None,
-            "task": "evaluate" if w.type == "evaluate" else "train",
-        }
+        model = w.spec.model
+        return JobConfig(
+            job_id=w.job_id,
+            attempt_id=w.attempt_id,
+            model=ModelSpec(
+                architecture=model.architecture,
+                pretrained=model.pretrained,
+                memory_efficient=model.memory_efficient,
+            ),
+            init_from_dir=str(init_dir) if init_dir is not None else None,
+            parameters=Parameters.model_validate(w.spec.parameters.model_dump()),
+            train_dir=str(dirs["train"]),
+            val_dir=str(dirs["validation"]),
+            classes=list(w.classes),
+            datasets=Datasets(
+                train=DatasetRef(id=w.datasets.train.id, sha256=w.datasets.train.sha256),
+                validation=DatasetRef(id=w.datasets.validation.id, sha256=w.datasets.validation.sha256),
+            ),
+            output_dir=str(self.run_dir),
+            loader_workers=None,
+            task=self.task,
+        )
 
 
 def prepare_failure(exc: Exception, node_name: str, log: logging.Logger) -> dict[str, Any]:

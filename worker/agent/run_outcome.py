@@ -19,7 +19,8 @@ from torchyard.contract.errors import (
 from worker.agent.api import retrying
 
 if TYPE_CHECKING:
-    from worker.agent.placement import AgentContext
+    from worker.agent.context import AgentContext
+    from worker.agent.lease import LeaseSession
 
 StopKind = Literal["cancelled", "attempt_ended", "stale", "shutdown", "preempted"]
 RequestStop = Callable[[StopKind, str], None]
@@ -34,14 +35,13 @@ class OutcomeReport:
     def __init__(
         self,
         ctx: AgentContext,
-        job_id: str,
-        lease_token: str,
+        session: LeaseSession,
         request_stop: RequestStop,
         log: logging.Logger,
     ) -> None:
         self.ctx = ctx
-        self.job_id = job_id
-        self.lease_token = lease_token
+        self.session = session
+        self.job_id = session.job_id
         self.request_stop = request_stop
         self.log = log
         self.final_state: str | None = None
@@ -62,7 +62,7 @@ class OutcomeReport:
     def report_running(self, stop: threading.Event) -> None:
         try:
             answer = retrying(
-                lambda: self.ctx.api.report_status(self.lease_token, "running"),
+                lambda: self.session.report_status("running"),
                 f"reporting job {self.job_id} running",
                 stop=stop,
                 deadline=time.monotonic() + self._patience(),
@@ -73,13 +73,11 @@ class OutcomeReport:
         except Exception as exc:
             self.log.warning("could not report the ranks running (%s); the heartbeat keeps the lease", exc)
             return
-        if answer.get("stop"):
-            self.request_stop("cancelled", answer.get("reason") or "the API asked to stop")
+        if answer.stop:
+            self.request_stop("cancelled", answer.reason or "the API asked to stop")
 
     def upload_model(self, run_dir: Path) -> dict[str, Any] | None:
         """Upload node rank 0's model directory; the failure to report if that went wrong."""
-        from worker.agent.reporting import upload_model
-
         model_dir = run_dir / "model"
         if not model_dir.is_dir():
             return self._model_failure(
@@ -87,13 +85,7 @@ class OutcomeReport:
             )
         started = time.monotonic()
         try:
-            sha256 = upload_model(
-                self.ctx.api.client,
-                self.job_id,
-                self.lease_token,
-                model_dir,
-                outage_deadline=self.outage_deadline(),
-            )
+            sha256 = self.session.upload_model(model_dir, outage_deadline=self.outage_deadline())
         except StaleLeaseError as exc:
             self.request_stop("stale", exc.message)
             return None
@@ -128,9 +120,7 @@ class OutcomeReport:
         self.final_state = state
         try:
             answer = retrying(
-                lambda: self.ctx.api.report_status(
-                    self.lease_token, state, exit_code=exit_code, failure=failure
-                ),
+                lambda: self.session.report_status(state, exit_code=exit_code, failure=failure),
                 f"reporting job {self.job_id} {state}",
                 deadline=time.monotonic() + self._patience(),
             )
@@ -141,4 +131,4 @@ class OutcomeReport:
             self.log.error("job %s: could not report %s: %s", self.job_id, state, exc)
             return
         self.recorded = True
-        self.log.info("job %s: reported %s; the job is %s", self.job_id, state, answer.get("job_status"))
+        self.log.info("job %s: reported %s; the job is %s", self.job_id, state, answer.job_status)

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from torchyard.contract.errors import SandboxUnavailableError
+from torchyard.contract.files import sha256_file
 from torchyard.contract.jobspec import input_variable
 from torchyard.contract.reports import log_file_stream
 from worker.agent import guard, sandbox
@@ -62,8 +63,9 @@ from worker.agent.mlflow_endpoint import TrackingEndpoint, tracking_snapshot
 from worker.agent.tensorboard_scalars import ScalarTailer
 
 if TYPE_CHECKING:
-    from torchyard.contract.protocol import ClaimedPlacement
-    from worker.agent.placement import AgentContext
+    from torchyard.contract.protocol import ScriptPlacement
+    from worker.agent.context import AgentContext
+    from worker.agent.lease import LeaseSession
 
 log = logging.getLogger(__name__)
 
@@ -558,7 +560,7 @@ def _link_tree(src: Path, dest: Path) -> None:
 
 
 def prepare_script(
-    ctx: AgentContext, work: ClaimedPlacement, run_dir: Path, stop: threading.Event, logger: logging.Logger
+    ctx: AgentContext, work: ScriptPlacement, run_dir: Path, stop: threading.Event, logger: logging.Logger
 ) -> ScriptLaunch:
     """Fetch the code and the inputs into the node's caches, build the pip environment if
     asked for, and describe the launch."""
@@ -583,7 +585,6 @@ def prepare_script(
         logger.info("%s %s ready in %.2f s", what, ref_id, time.monotonic() - started)
         return folder
 
-    assert work.code is not None
     code_dir = fetch(
         "code package",
         f"/v1/worker/code/{work.code.id}/archive",
@@ -598,9 +599,8 @@ def prepare_script(
         inputs[name].parent.mkdir(parents=True, exist_ok=True)
         _link_tree(cached, inputs[name])
     spec = work.spec
-    environment = spec.get("environment") or {}
     env_dir = None
-    requirements = list(environment.get("pip") or [])
+    requirements = list(spec.environment.pip)
     if requirements:
         env_dir, built = ensure_environment(
             ctx.work_dir / "envs", requirements, stop=stop, on_build=logger, hidden=[ctx.work_dir]
@@ -622,9 +622,9 @@ def prepare_script(
         master_addr=work.master_addr,
         master_port=work.master_port,
         cpus=ctx.cpus_for(work.process_count_per_node),
-        command=tuple(spec["command"]),
-        launch=(spec.get("distribution") or {}).get("launch", "per_process"),
-        variables=dict(environment.get("variables") or {}),
+        command=tuple(spec.command),
+        launch=spec.distribution.launch,
+        variables=dict(spec.environment.variables),
         inputs=inputs,
         code_dir=code_dir,
         env_dir=env_dir,
@@ -695,11 +695,7 @@ def pack_outputs(
                 info.mode = 0o644
                 info.mtime = 0
                 tf.addfile(info, fh)
-    digest = hashlib.sha256()
-    with open(archive, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest(), archive.stat().st_size, len(members)
+    return sha256_file(archive), archive.stat().st_size, len(members)
 
 
 def upload_outputs(
@@ -714,19 +710,30 @@ def upload_outputs(
 ) -> str:
     """Pack and upload the outputs; an unreachable API is waited for until ``outage_deadline``
     (monotonic), as the other reports wait, so an API restart loses no outputs."""
-    from worker.agent.model_transfer import put_archive
+    from worker.agent.lease import LeaseSession
 
+    session = LeaseSession(ctx.api, job_id, lease_token)
+    return upload_outputs_of(session, folder, logs, note, outage_deadline=outage_deadline)
+
+
+def upload_outputs_of(
+    session: LeaseSession,
+    folder: Path,
+    logs: Path | None = None,
+    note: Callable[[str], None] | None = None,
+    *,
+    outage_deadline: float | None = None,
+) -> str:
+    """Pack the outputs (and ``logs``) beside ``folder`` and upload them under the session's
+    lease; the archive's sha256."""
     archive = folder.parent / "outputs.tar.gz"
     try:
         sha256, size, count = pack_outputs(folder, archive, logs, note)
-        put_archive(
-            ctx.api.client,
-            f"/v1/worker/jobs/{job_id}/outputs",
+        session.upload_outputs(
             archive,
             sha256,
             size,
-            lease_token,
-            f"job {job_id}: outputs ({count} files)",
+            f"job {session.job_id}: outputs ({count} files)",
             outage_deadline=outage_deadline,
         )
     finally:

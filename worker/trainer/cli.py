@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = load_job(args.config)
         output_dir = Path(job.output_dir)
-        if job.task == "evaluate":
+        if job.evaluates:
             run_evaluation(job, env)
         else:
             run_job(job, env)

@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from torchyard.contract.jobfile import EVENTS_FILE
 from torchyard.contract.metrics import METRIC_NAMES
 
-EVENTS_FILE = "events.jsonl"
+__all__ = ["EVENTS_FILE", "EventWriter", "NullEventWriter"]
 
 
 class EventWriter:

@@ -13,37 +13,19 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Request, Response
-from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import CurrentUser, DatabaseDep, LeaseHeader, SettingsDep, WorkerDep
-from service.api.files import file_response, receive_body, refuse_oversized
+from service.api.files import file_response
 from service.api.routing import SessionScopedRoute
+from service.api.uploads import receive_fenced_upload
 from service.db.engine import Database
 from service.schemas.reports import ModelUploaded
 from service.services import artifacts
-from service.services.artifacts import IncomingModel, ModelFile, ModelStore
+from service.services.artifacts import ModelFile, ModelStore
 from service.services.tokens import Principal
 from torchyard.contract.model_archive import SHA256_HEADER
 
 router = APIRouter(route_class=SessionScopedRoute)
-
-
-def _authorize_upload(db: Database, worker: Principal, job_id: str, lease: str | None) -> None:
-    with db.read_session() as session:
-        artifacts.authorize_model_upload(session, worker, job_id, lease)
-
-
-def _publish(
-    db: Database,
-    worker: Principal,
-    store: ModelStore,
-    job_id: str,
-    lease: str | None,
-    incoming: IncomingModel,
-    sha256: str,
-) -> None:
-    with db.session() as session:
-        artifacts.publish_model(session, worker, store, job_id, lease, incoming, sha256)
 
 
 @router.put(
@@ -66,17 +48,24 @@ async def upload_model(
     disk, its sha256 must match the header (422 otherwise, nothing kept) and the archive
     must hold a complete model directory whose files match its manifest."""
     announced = artifacts.check_sha256_header(sha256)
-    await run_in_threadpool(_authorize_upload, db, worker, job_id, lease)
-    refuse_oversized(request, settings.model_max_bytes, "model archive")
     store = ModelStore(settings.data_dir)
-    incoming = await run_in_threadpool(store.start_upload, settings.model_max_bytes)
-    try:
-        actual = await receive_body(request, incoming)
-        files = await run_in_threadpool(artifacts.check_model_upload, incoming, announced, actual)
-        await run_in_threadpool(_publish, db, worker, store, job_id, lease, incoming, actual)
-    finally:
-        await run_in_threadpool(incoming.discard)
-    return ModelUploaded(sha256=actual, size=incoming.size, files={n: f.sha256 for n, f in files.items()})
+    upload = await receive_fenced_upload(
+        request,
+        db,
+        what="model archive",
+        announced=announced,
+        limit=settings.model_max_bytes,
+        authorize=lambda session: artifacts.authorize_model_upload(session, worker, job_id, lease),
+        start=store.start_upload,
+        check=artifacts.check_model_upload,
+        publish=lambda session, incoming, actual: artifacts.publish_model(
+            session, worker, store, job_id, lease, incoming, actual
+        ),
+    )
+    files = upload.checked
+    return ModelUploaded(
+        sha256=upload.sha256, size=upload.size, files={n: f.sha256 for n, f in files.items()}
+    )
 
 
 def _worker_model(db: Database, worker: Principal, store: ModelStore, job_id: str) -> ModelFile:

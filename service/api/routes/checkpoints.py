@@ -12,11 +12,13 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Request, Response
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import DatabaseDep, LeaseHeader, SettingsDep, WorkerDep
-from service.api.files import file_response, receive_body, refuse_oversized
+from service.api.files import file_response
 from service.api.routing import SessionScopedRoute
+from service.api.uploads import receive_fenced_upload
 from service.db.engine import Database
 from service.services import artifacts, checkpoints
 from service.services.artifacts import IncomingModel
@@ -42,13 +44,8 @@ def _position(value: str | None, name: str, *, required: bool) -> int | None:
     return int(text)
 
 
-def _authorize(db: Database, worker: Principal, job_id: str, lease: str | None) -> None:
-    with db.read_session() as session:
-        checkpoints.authorize_upload(session, worker, job_id, lease)
-
-
 def _record(
-    db: Database,
+    session: Session,
     worker: Principal,
     store: CheckpointStore,
     job_id: str,
@@ -58,17 +55,10 @@ def _record(
     epoch: int,
     step: int | None,
 ) -> CheckpointRef:
-    with db.session() as session:
-        row = checkpoints.record_checkpoint(
-            session, worker, store, job_id, lease, incoming, sha256=sha256, epoch=epoch, step=step
-        )
-        return CheckpointRef(
-            epoch=row.epoch,
-            step=row.step,
-            sha256=row.sha256,
-            size_bytes=row.size_bytes,
-            attempt=row.attempt_number,
-        )
+    row = checkpoints.record_checkpoint(
+        session, worker, store, job_id, lease, incoming, sha256=sha256, epoch=epoch, step=step
+    )
+    return checkpoints.checkpoint_ref(row)
 
 
 @router.put(
@@ -103,23 +93,21 @@ async def upload_checkpoint(
     epoch_value = _position(epoch, CHECKPOINT_EPOCH_HEADER, required=True)
     assert epoch_value is not None
     step_value = _position(step, CHECKPOINT_STEP_HEADER, required=False)
-    await run_in_threadpool(_authorize, db, worker, job_id, lease)
-    limit = settings.checkpoint_max_bytes
-    refuse_oversized(request, limit, "checkpoint")
     store = CheckpointStore(settings.data_dir)
-    incoming = await run_in_threadpool(store.start_upload, limit)
-    try:
-        actual = await receive_body(request, incoming)
-        if actual != announced:
-            raise RequestValidationError(
-                f"sha256 mismatch: the header announced {announced}, the body hashes to {actual}",
-                details={"expected": announced, "received": actual},
-            )
-        return await run_in_threadpool(
-            _record, db, worker, store, job_id, lease, incoming, actual, epoch_value, step_value
-        )
-    finally:
-        await run_in_threadpool(incoming.discard)
+    upload = await receive_fenced_upload(
+        request,
+        db,
+        what="checkpoint",
+        announced=announced,
+        limit=settings.checkpoint_max_bytes,
+        authorize=lambda session: checkpoints.authorize_upload(session, worker, job_id, lease),
+        start=store.start_upload,
+        check=lambda incoming: None,
+        publish=lambda session, incoming, actual: _record(
+            session, worker, store, job_id, lease, incoming, actual, epoch_value, step_value
+        ),
+    )
+    return upload.published
 
 
 def _latest(

@@ -10,6 +10,7 @@ from service.schemas.jobs import JobComparison, JobCreate, JobList, JobPublic, J
 from service.services import compare as compare_service
 from service.services import job_delete
 from service.services import jobs as jobs_service
+from service.services.kinds import kind_of
 from service.states import JobStatus
 from torchyard.contract.errors import ConflictError, NotFoundError
 
@@ -129,25 +130,12 @@ def get_result(job_id: str, session: ReadSessionDep, user: CurrentUser) -> dict[
     and F1 and confusion matrix; a training job's summary (best epoch, best and final
     metrics). 409 until the job has reported it."""
     job = jobs_service.get_job(session, user, job_id)
+    kind = kind_of(job)
     if job.result is None:
-        if job.type == "script":
-            raise NotFoundError(
-                f"job {job.id} is a script job: it has no result; its files are its outputs "
-                f"(GET /v1/jobs/{job.id}/outputs, torchyard download {job.id} --outputs)"
-            )
+        never = kind.missing_result(job)
+        if never is not None:
+            raise never
         if JobStatus(job.status).is_final():
             raise NotFoundError(f"job {job.id} is {job.status}: it has no result and will not have one")
         raise ConflictError(f"job {job.id} is {job.status}: it has no result yet")
-    result = dict(job.result)
-    evaluation = result.pop("evaluation", None)
-    if job.type == "evaluate" and isinstance(evaluation, dict):
-        spec = job.spec
-        return {
-            "job_id": job.id,
-            "type": job.type,
-            "status": job.status,
-            "model": spec.get("model"),
-            "dataset": job.validation_dataset_id,
-            **evaluation,
-        }
-    return {"job_id": job.id, "type": job.type, "status": job.status, **result}
+    return kind.result_document(job, dict(job.result))

@@ -37,9 +37,11 @@ from service.services import models as models_service
 from service.services import scoring
 from service.services.artifacts import ModelFile
 from service.services.jobs import get_job
+from service.services.kinds import kind_of
 from service.services.models import ModelFiles
 from service.services.scoring_pool import ScoringPool
 from service.services.tokens import Principal
+from service.states import JobStatus
 from torchyard.contract.errors import ModelNotReadyError, PayloadTooLargeError, RequestValidationError
 from torchyard.contract.model_archive import sha256_of
 from torchyard.scoring import ONNX_FILE
@@ -132,7 +134,7 @@ def download_version_onnx(
 def _job_onnx(db: Database, settings: Settings, user: Principal, job_id: str) -> ModelFile:
     with db.read_session() as session:
         job = get_job(session, user, job_id)
-        if job.status != "succeeded" or job.type != "train":
+        if job.status != JobStatus.SUCCEEDED.value or not kind_of(job).keeps_model:
             raise ModelNotReadyError(f"job {job.id} is {job.status}: it has no model directory to export")
         folder = models_service.unpacked_job_model(settings, job)
         name = f"{job.name}-{job.id}.onnx"

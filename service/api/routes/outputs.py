@@ -13,14 +13,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from pydantic import BaseModel
-from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import CurrentUser, DatabaseDep, LeaseHeader, SettingsDep, WorkerDep
-from service.api.files import file_response, receive_body, refuse_oversized
+from service.api.files import file_response
 from service.api.routing import SessionScopedRoute
+from service.api.uploads import receive_fenced_upload
 from service.db.engine import Database
 from service.services import outputs
-from service.services.artifacts import IncomingModel, ModelFile, check_sha256_header
+from service.services.artifacts import ModelFile, check_sha256_header
 from service.services.outputs import OutputsStore
 from service.services.tokens import Principal
 from torchyard.contract.headers import SHA256_HEADER
@@ -32,24 +32,6 @@ class OutputsUploaded(BaseModel):
     sha256: str
     size: int
     files: int
-
-
-def _authorize(db: Database, worker: Principal, job_id: str, lease: str | None) -> None:
-    with db.read_session() as session:
-        outputs.authorize_upload(session, worker, job_id, lease)
-
-
-def _publish(
-    db: Database,
-    worker: Principal,
-    store: OutputsStore,
-    job_id: str,
-    lease: str | None,
-    incoming: IncomingModel,
-    sha: str,
-) -> None:
-    with db.session() as session:
-        outputs.publish(session, worker, store, job_id, lease, incoming, sha)
 
 
 @router.put(
@@ -71,18 +53,22 @@ async def upload_outputs(
     """Upload a node's output folder as .tar.gz (streamed to disk, checksum and members
     checked, nothing kept on any refusal)."""
     announced = check_sha256_header(sha256)
-    await run_in_threadpool(_authorize, db, worker, job_id, lease)
     limit = settings.max_outputs_bytes
-    refuse_oversized(request, limit, "outputs archive")
     store = OutputsStore(settings.data_dir)
-    incoming = await run_in_threadpool(store.start_upload, limit)
-    try:
-        actual = await receive_body(request, incoming)
-        files = await run_in_threadpool(outputs.check_archive, incoming.path, announced, actual, limit * 4)
-        await run_in_threadpool(_publish, db, worker, store, job_id, lease, incoming, actual)
-    finally:
-        await run_in_threadpool(incoming.discard)
-    return OutputsUploaded(sha256=actual, size=incoming.size, files=files)
+    upload = await receive_fenced_upload(
+        request,
+        db,
+        what="outputs archive",
+        announced=announced,
+        limit=limit,
+        authorize=lambda session: outputs.authorize_upload(session, worker, job_id, lease),
+        start=store.start_upload,
+        check=lambda incoming: outputs.check_archive(incoming.path, limit * 4),
+        publish=lambda session, incoming, actual: outputs.publish(
+            session, worker, store, job_id, lease, incoming, actual
+        ),
+    )
+    return OutputsUploaded(sha256=upload.sha256, size=upload.size, files=upload.checked)
 
 
 def _user_outputs(db: Database, user: Principal, store: OutputsStore, job_id: str) -> ModelFile:

@@ -17,11 +17,13 @@ from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import CurrentUser, DatabaseDep
 from service.api.routing import SessionScopedRoute
+from service.api.sse import EventFilter, sse_events, sse_job_list
 from service.db.engine import Database
 from service.services import jobs as jobs_service
-from service.services.job_feed import job_list_events
+from service.services.log_follow import LogTarget, follow_log
 from service.services.stream_auth import while_token_valid
-from service.services.streams import Cursor, EventFilter, LogTarget, StreamHub, follow_log, sse_events
+from service.services.stream_items import Cursor
+from service.services.streams import StreamHub
 from service.services.tokens import Principal
 from torchyard.contract.reports import MAX_RANK
 
@@ -66,7 +68,7 @@ async def job_list_stream(db: DatabaseDep, user: CurrentUser) -> StreamingRespon
     """Server-sent ``job`` events whenever one of your jobs changes (status, waiting reason,
     progress): ``{id, name, status, reason, progress, created_at, updated_at, started_at,
     finished_at}``. Only changes after the connection opened; the web UI's jobs list uses it."""
-    body = while_token_valid(db, user, job_list_events(db, user))
+    body = while_token_valid(db, user, sse_job_list(db, user))
     return StreamingResponse(body, media_type="text/event-stream", headers=_STREAM_HEADERS)
 
 

@@ -34,6 +34,7 @@ from service.schemas.nodes import NodeDrained, NodeRegister
 from service.services import agents, launches
 from service.services.tokens import Principal
 from torchyard.contract.protocol import (
+    AnyClaimedPlacement,
     ClaimedPlacement,
     HeartbeatRequest,
     HeartbeatResponse,
@@ -118,7 +119,7 @@ def drain_node(
 
 @router.post(
     "/nodes/{name}/claim",
-    response_model=ClaimedPlacement,
+    response_model=AnyClaimedPlacement,
     responses={204: {"description": "No work arrived before the wait ran out."}},
 )
 async def claim(
@@ -202,7 +203,7 @@ def report_status(
     return answer
 
 
-@router.post("/attempts/{attempt_id}/check-in")
+@router.post("/attempts/{attempt_id}/check-in", response_model=AnyClaimedPlacement)
 def launch_check_in(
     attempt_id: str, body: LaunchCheckIn, session: SessionDep, settings: SettingsDep, launcher: LauncherDep
 ) -> ClaimedPlacement:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from service.serving import LOCAL_WORKER_NODE_WAIT_S, LocalWorker
 from torchyard.contract.errors import NodeNameInUseError
-from torchyard.serving import LOCAL_WORKER_NODE_WAIT_S, LocalWorker
 from worker.agent.identity import NodeLock
 
 HOLDER = """

@@ -6,20 +6,22 @@ import argparse
 from typing import Any
 
 from torchyard.apiclient.sweeps import Sweep, Trial
+from torchyard.commands.common import (
+    _answer,
+    _client,
+    _note,
+    _print_json,
+    _resolve_datasets,
+    load_spec,
+    parse_value,
+    set_path,
+)
 from torchyard.terminal import format_table, format_time
-
-
-def _commands() -> Any:
-    # The job commands' helpers (client, spec files, --set); imported late, as they import this.
-    from torchyard import commands
-
-    return commands
 
 
 def build_sweep_spec(args: argparse.Namespace) -> dict[str, Any]:
     """The sweep file, then ``--name``, then ``--set`` overrides (``job.parameters.epochs=2``)."""
-    c = _commands()
-    spec = c.load_spec(args.spec)
+    spec = load_spec(args.spec)
     if args.name is not None:
         spec["name"] = args.name
     for item in args.set or []:
@@ -33,9 +35,9 @@ def build_sweep_spec(args: argparse.Namespace) -> dict[str, Any]:
             path, _, field = rest.rpartition(".")
             if not path:
                 raise ValueError(f"--set {key}: give search_space.<key>.<field>")
-            space.setdefault(path, {})[field] = c.parse_value(raw)
+            space.setdefault(path, {})[field] = parse_value(raw)
         else:
-            c.set_path(spec, key.strip(), c.parse_value(raw))
+            set_path(spec, key.strip(), parse_value(raw))
     return spec
 
 
@@ -79,31 +81,29 @@ def sweep_text(sweep: Sweep) -> str:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    c = _commands()
     spec = build_sweep_spec(args)
-    with c._client(args) as client:
+    with _client(args) as client:
         job = spec.get("job")
         if isinstance(job, dict):
-            c._resolve_datasets(client, job)
+            _resolve_datasets(client, job)
         if args.dry_run:
-            c._print_json(spec)
+            _print_json(spec)
             return 0
         sweep = client.submit_sweep(spec)
     if args.json:
-        c._print_json(sweep)
+        _print_json(sweep)
         return 0
     print(sweep.id)
-    c._note(f"submitted sweep {sweep.name!r}: {sweep.algorithm}, up to {sweep.max_trials} trials")
-    c._note(f"follow it with: torchyard sweep show {sweep.id}   or   torchyard sweep trials {sweep.id}")
+    _note(f"submitted sweep {sweep.name!r}: {sweep.algorithm}, up to {sweep.max_trials} trials")
+    _note(f"follow it with: torchyard sweep show {sweep.id}   or   torchyard sweep trials {sweep.id}")
     return 0
 
 
 def _list(args: argparse.Namespace) -> int:
-    c = _commands()
-    with c._client(args) as client:
+    with _client(args) as client:
         items = client.list_sweeps(status=args.status, limit=args.limit).items
     if args.json:
-        c._print_json(items)
+        _print_json(items)
         return 0
     rows = [
         (
@@ -122,23 +122,17 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    c = _commands()
-    with c._client(args) as client:
+    with _client(args) as client:
         sweep = client.get_sweep(args.id)
-    if args.json:
-        c._print_json(sweep)
-        return 0
-    print(sweep_text(sweep))
-    return 0
+    return _answer(args, sweep, sweep_text(sweep))
 
 
 def _trials(args: argparse.Namespace) -> int:
-    c = _commands()
-    with c._client(args) as client:
+    with _client(args) as client:
         sweep = client.get_sweep(args.id)
     trials = list(sweep.trials or [])
     if args.json:
-        c._print_json(trials)
+        _print_json(trials)
         return 0
     if args.sort == "value":
         sign = -1 if sweep.objective.get("goal", "maximize") == "maximize" else 1
@@ -148,17 +142,12 @@ def _trials(args: argparse.Namespace) -> int:
 
 
 def _cancel(args: argparse.Namespace) -> int:
-    c = _commands()
-    with c._client(args) as client:
+    with _client(args) as client:
         sweep = client.cancel_sweep(args.id)
-    if args.json:
-        c._print_json(sweep)
-        return 0
-    print(f"sweep {sweep.id} {sweep.status}")
-    return 0
+    return _answer(args, sweep, f"sweep {sweep.id} {sweep.status}")
 
 
-def register_sweep_commands(
+def register(
     sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
 ) -> None:
     sweep = sub.add_parser("sweep", help="hyperparameter searches: submit, list, show, trials, cancel")

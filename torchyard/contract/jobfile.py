@@ -1,0 +1,99 @@
+"""``job.json``: what the agent writes into a trainer run's folder and the trainer reads.
+
+The agent writes it from :class:`JobConfig` and the trainer reads it back into the same
+model; unknown keys are tolerated (and logged by the trainer), so a newer agent does not
+break an older trainer.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from torchyard.contract.jobspec import JobParameters, ModelFields
+
+JOB_FILE = "job.json"
+# The trainer's events (progress, metrics, the result), one JSON object a line, that the agent tails.
+EVENTS_FILE = "events.jsonl"
+
+
+class TrainerTask(StrEnum):
+    """What the trainer program does with a run: train a model, or score one (SPEC §10)."""
+
+    TRAIN = "train"
+    EVALUATE = "evaluate"
+
+
+class _Section(BaseModel):
+    # Unknown keys are tolerated (and logged) so a newer agent does not break an older trainer.
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class ModelSpec(ModelFields, _Section):
+    pass
+
+
+class Parameters(JobParameters, _Section):
+    """Training parameters, with the ranges and defaults of SPEC §2 (torchyard.contract.jobspec)."""
+
+
+class DatasetRef(_Section):
+    id: str
+    sha256: str | None = None
+
+
+class Datasets(_Section):
+    train: DatasetRef
+    validation: DatasetRef
+
+
+class JobConfig(_Section):
+    job_id: str
+    attempt_id: str = ""
+    model: ModelSpec
+    init_from_dir: str | None = None
+    parameters: Parameters = Field(default_factory=lambda: Parameters.model_validate({}))
+    train_dir: str
+    val_dir: str
+    classes: list[str] = Field(min_length=1)
+    datasets: Datasets | None = None
+    output_dir: str
+    loader_workers: int | None = Field(None, ge=0)
+    # "evaluate": score the model in init_from_dir on val_dir instead of training (SPEC §10).
+    task: TrainerTask = TrainerTask.TRAIN
+
+    @model_validator(mode="after")
+    def _classes_unique(self) -> JobConfig:
+        if len(set(self.classes)) != len(self.classes):
+            raise ValueError("classes contains duplicates")
+        return self
+
+    @property
+    def evaluates(self) -> bool:
+        """The run scores a model instead of training one."""
+        return self.task is TrainerTask.EVALUATE
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def unknown_fields(self) -> list[str]:
+        """Dotted names of keys this trainer does not know (they are ignored)."""
+        found = [f"{key}" for key in (self.model_extra or {})]
+        for name in ("model", "parameters", "datasets"):
+            section = getattr(self, name)
+            if section is not None:
+                found += [f"{name}.{key}" for key in (section.model_extra or {})]
+        return found
+
+    def summary(self) -> dict[str, Any]:
+        """What rank 0 logs at start: everything but the bulky class list."""
+        data = self.model_dump(exclude={"classes"})
+        data["num_classes"] = self.num_classes
+        return data
+
+    def to_json(self) -> str:
+        """The file's text."""
+        return self.model_dump_json(indent=2)

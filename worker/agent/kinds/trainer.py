@@ -1,0 +1,142 @@
+"""The built-in trainer under torchrun: what training jobs and evaluations share.
+
+Prepare fetches the datasets, the initial model and the checkpoint and writes
+``job.json``; launch starts torchrun with its reporter (and node rank 0's checkpoint
+uploader); the outcome reads the ranks' failure files when torchrun failed.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+from typing import ClassVar
+
+from torchyard.contract.jobfile import JobConfig, TrainerTask
+from torchyard.contract.protocol import EvaluatePlacement, TrainPlacement
+from worker.agent import sandbox
+from worker.agent.kinds.base import Failure, KindRun, PlacementHost
+from worker.agent.launcher import LaunchSpec, RankGroup, collect_failure, rank_log_files
+from worker.agent.reporting import RunReporter
+from worker.agent.run_inputs import RunInputs
+from worker.agent.sandbox import Sandbox
+from worker.agent.watchdog import PREEMPTED_FILE
+
+
+class TrainerRun(KindRun):
+    """A placement that runs the trainer program on every rank."""
+
+    task: ClassVar[TrainerTask]
+    hands_back_when_draining = True
+
+    def __init__(self, host: PlacementHost) -> None:
+        super().__init__(host)
+        work = host.work
+        assert isinstance(work, TrainPlacement | EvaluatePlacement)
+        self.work = work
+        self.job: JobConfig | None = None
+        self.spec: LaunchSpec | None = None
+
+    def describe(self) -> None:
+        h, w = self.host, self.work
+        h.log.info(
+            "job %s attempt %d: node rank %d of %d, %d process(es) per node, rendezvous %s:%d, run dir %s",
+            h.job_id,
+            w.attempt_number,
+            h.node_rank,
+            w.node_count,
+            h.units,
+            w.master_addr,
+            w.master_port,
+            h.run_dir,
+        )
+
+    def prepare(self) -> None:
+        h = self.host
+        self.job = RunInputs(
+            h.ctx, self.work, h.run_dir, h.stop_event, h.log, session=h.session, task=self.task
+        ).prepare()
+
+    def launch(self, agent_log: Path) -> tuple[RankGroup, RunReporter | None]:
+        h = self.host
+        spec = self.spec = self._launch_spec()
+        group = RankGroup(spec)
+        h.group = group
+        with open(agent_log, "a", encoding="utf-8") as out:
+            pid = group.start(out)
+        h.log.info("torchrun started (pid %d): %s", pid, shlex.join(group.command))
+        reporter = h.start_reporter(lambda: rank_log_files(spec), agent_log)
+        self.start_guards(spec, group)
+        return group, reporter
+
+    def start_guards(self, spec: LaunchSpec, group: RankGroup) -> None:
+        """Node rank 0's checkpoint uploader."""
+        h = self.host
+        if h.node_rank == 0:
+            h.uploader = h.session.checkpoint_uploader(h.run_dir, h.log)
+            h.uploader.start()
+
+    def _launch_spec(self) -> LaunchSpec:
+        h, w = self.host, self.work
+        return LaunchSpec(
+            run_dir=h.run_dir,
+            node_name=h.ctx.node_name,
+            node_rank=h.node_rank,
+            node_count=w.node_count,
+            nproc=h.units,
+            master_addr=w.master_addr,
+            master_port=w.master_port,
+            cpus=h.ctx.cpus_for(h.units),
+            gpu_ids=h.gpu_ids,
+            socket_ifname=h.ctx.socket_ifname,
+            box=self._sandbox(),
+            shielded=h.ctx.shielded,
+        )
+
+    def _sandbox(self) -> Sandbox | None:
+        """The ranks see the run directory, and read-only their datasets, initial model and
+        the offline torch hub (worker.agent.sandbox)."""
+        h = self.host
+        if h.ctx.sandbox != sandbox.BWRAP:
+            return None
+        assert self.job is not None
+        inputs = [self.job.train_dir, self.job.val_dir, self.job.init_from_dir]
+        read_only = [Path(p) for p in inputs if isinstance(p, str)]
+        read_only.append(sandbox.torch_hub_dir(os.environ))
+        return Sandbox(writable=h.run_dir, hidden=[h.ctx.work_dir], read_only=read_only, gpus=bool(h.gpu_ids))
+
+    def succeeded(self) -> Failure | None:
+        """What the ranks' success still needs (an upload): the failure if that went wrong."""
+        return None
+
+    def outcome(self, exit_code: int | None, agent_log: Path) -> tuple[str, Failure | None]:
+        h = self.host
+        h.log.info("torchrun ended: exit code %s", exit_code)
+        if h.stop_event.is_set():
+            return "stopped", None
+        if h.hang is not None:
+            return "failed", h.hang
+        if h.preempt_event.is_set():
+            if not (h.run_dir / PREEMPTED_FILE).is_file():
+                h.log.warning("the ranks did not finish their preemption checkpoint: the latest one counts")
+            return "preempted", None
+        if exit_code == 0:
+            failure = self.succeeded()
+            return ("failed", failure) if failure is not None else ("succeeded", None)
+        assert self.spec is not None
+        failure = collect_failure(self.spec, exit_code, agent_log)
+        h.log.error(
+            "job %s failed: %s (rank %s on %s): %s",
+            h.job_id,
+            failure["code"],
+            failure.get("rank"),
+            failure.get("node"),
+            failure["message"],
+        )
+        if failure.get("secondary") and self.work.node_count > 1:
+            # Probably the echo of a failure elsewhere: give the node where it started
+            # time to report it (or the API time to notice that node is gone).
+            patience = h.ctx.lease_timeout_s + 2 * h.ctx.heartbeat_interval_s
+            h.log.info("waiting up to %.0f s for the root cause to be reported elsewhere", patience)
+            h.stop_event.wait(patience)
+        return ("stopped", None) if h.stop_event.is_set() else ("failed", failure)
