@@ -343,11 +343,23 @@ class Agent:
             except Exception as exc:
                 log.warning("heartbeat failed: %s", exc)
             else:
+                self._follow_timing(answer)
                 try:
                     self._apply_stop_orders(answer.get("stop") or [], active)
                 except Exception:  # the heartbeat must go on whatever happens
                     log.exception("applying stop orders failed")
             self.shutdown.wait(interval)
+
+    def _follow_timing(self, answer: dict[str, Any]) -> None:
+        """The API hands out the heartbeat interval and lease in every answer: they grow with
+        the cluster's size (an agent registered while it was small slows down now)."""
+        interval = answer.get("heartbeat_interval_s")
+        lease = answer.get("lease_timeout_s")
+        if isinstance(interval, int | float) and interval > 0 and interval != self.ctx.heartbeat_interval_s:
+            log.info("heartbeat every %.1f s from now on (lease %s s)", interval, lease)
+            self.ctx.heartbeat_interval_s = float(interval)
+        if isinstance(lease, int | float) and lease > 0:
+            self.ctx.lease_timeout_s = float(lease)
 
     def _apply_stop_orders(self, orders: list[dict[str, Any]], active: list[PlacementRun]) -> None:
         apply_stop_orders(orders, active)

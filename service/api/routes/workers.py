@@ -13,6 +13,7 @@ import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response, status
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import (
@@ -30,8 +31,10 @@ from service.api.deps import (
 from service.api.routing import SessionScopedRoute
 from service.config import Settings
 from service.db.engine import Database
+from service.db.models import Node
 from service.schemas.nodes import NodeDrained, NodeRegister
 from service.services import agents, launches
+from service.services.node_timing import NodeTiming
 from service.services.tokens import Principal
 from torchyard.contract.protocol import (
     ClaimedPlacement,
@@ -52,7 +55,8 @@ router = APIRouter(prefix="/v1/worker", tags=["worker"], route_class=SessionScop
 
 
 @router.post("/nodes")
-def register_node(
+async def register_node(
+    request: Request,
     body: NodeRegister,
     session: SessionDep,
     db: DatabaseDep,
@@ -68,20 +72,35 @@ def register_node(
     first registered it, and to one live agent (``agent_key``) at a time: anyone else
     gets 409 ``NodeNameInUseError`` and changes nothing.
     """
-    node = agents.register(session, db, settings, worker, body)
+    node, timing = await run_in_threadpool(_register, request, session, db, settings, worker, body)
     scheduling.request()  # new (or freed) capacity
     return NodeRegistered(
         id=node.id,
         name=node.name,
         status=node.status,
-        heartbeat_interval_s=settings.heartbeat_interval_s,
-        lease_timeout_s=settings.lease_timeout_s,
+        heartbeat_interval_s=timing.heartbeat_interval_s,
+        lease_timeout_s=timing.lease_timeout_s,
         claim_poll_timeout_s=settings.claim_poll_timeout_s,
     )
 
 
+def _register(
+    request: Request,
+    session: Session,
+    db: Database,
+    settings: Settings,
+    worker: Principal,
+    body: NodeRegister,
+) -> tuple[Node, Settings]:
+    """Register the node, then count the nodes again: the answer carries the heartbeat
+    interval and lease for the cluster with this node in it (:mod:`service.services.node_timing`)."""
+    node = agents.register(session, db, settings, worker, body)
+    timing: NodeTiming = request.app.state.timing
+    return node, timing.refresh(db)
+
+
 @router.post("/nodes/{name}/heartbeat")
-def heartbeat(
+async def heartbeat(
     name: str,
     body: HeartbeatRequest,
     session: SessionDep,
@@ -91,15 +110,20 @@ def heartbeat(
     agent_key: AgentKeyDep,
 ) -> HeartbeatResponse:
     """Keep the node ready and renew the leases it lists; ``stop`` names placements whose ranks
-    must be stopped now (job cancelling, attempt failed elsewhere, lease stale)."""
-    answer, revived = agents.heartbeat(session, settings, worker, name, agent_key, body.leases)
+    must be stopped now (job cancelling, attempt failed elsewhere, lease stale).
+
+    The hottest route (every node, every few seconds): one trip to a worker thread for its
+    one transaction, nothing else off the event loop."""
+    answer, revived = await run_in_threadpool(
+        agents.heartbeat, session, settings, worker, name, agent_key, body.leases
+    )
     if revived:
         scheduling.request()
     return answer
 
 
 @router.post("/nodes/{name}/drain")
-def drain_node(
+async def drain_node(
     name: str,
     session: SessionDep,
     db: DatabaseDep,
@@ -111,7 +135,7 @@ def drain_node(
     """The agent drains its own node (it got SIGTERM: a spot node reclaimed, a pod evicted): the
     node takes no new work, and its placements get ``preempted`` stop orders at the next
     heartbeat. A new agent registering the node makes it ready again."""
-    answer = agents.drain_own_node(session, db, settings, worker, name, agent_key)
+    answer = await run_in_threadpool(agents.drain_own_node, session, db, settings, worker, name, agent_key)
     scheduling.request()  # preempted jobs are queued again
     return answer
 
@@ -184,7 +208,7 @@ async def _take_assigned(
 
 
 @router.post("/placements/status")
-def report_status(
+async def report_status(
     body: PlacementStatusReport,
     session: SessionDep,
     db: DatabaseDep,
@@ -196,7 +220,7 @@ def report_status(
     """Report a placement's state: ``running`` once its ranks started, then ``succeeded``
     (node rank 0 after uploading the model), ``failed`` (with the failure) or ``cancelled``
     (ranks stopped on request). ``stop`` in the answer tells the agent to stop its ranks."""
-    answer, ended = agents.report_status(session, db, settings, worker, lease, body)
+    answer, ended = await run_in_threadpool(agents.report_status, session, db, settings, worker, lease, body)
     if ended:
         scheduling.request()  # the placement's units are free
     return answer
