@@ -157,17 +157,37 @@ async def require_admin(principal: Annotated[Principal, Depends(get_principal)])
     return principal
 
 
-async def require_worker(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+def check_worker(principal: Principal) -> Principal:
     if principal.role is not Role.WORKER:
         raise PermissionDeniedError("this route needs a worker token")
     return principal
 
 
-async def require_agent(principal: Annotated[Principal, Depends(require_worker)]) -> Principal:
+def check_agent(principal: Principal) -> Principal:
     """A worker token of a resident agent: a launch token (one attempt's) may not speak for a node."""
+    check_worker(principal)
     if principal.attempt_id is not None:
         raise PermissionDeniedError("a launch token reaches only its own attempt's placements")
     return principal
+
+
+async def require_worker(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+    return check_worker(principal)
+
+
+async def require_agent(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+    return check_agent(principal)
+
+
+async def get_token(request: Request, credentials: BearerCredentials) -> str | None:
+    """The bearer token as sent, not checked yet: for a hot route that checks it in the same
+    worker-thread trip as its own work (:func:`agent_of`)."""
+    return _token(credentials) if credentials is not None else _cookie_token(request)
+
+
+def agent_of(db: Database, token: str | None) -> Principal:
+    """The resident agent behind ``token`` (as :data:`AgentDep`), read in the caller's thread."""
+    return check_agent(_authenticate(db, token))
 
 
 async def require_launcher(principal: Annotated[Principal, Depends(require_worker)]) -> Principal:
@@ -198,4 +218,5 @@ LauncherDep = Annotated[Principal, Depends(require_launcher)]
 WakeupDep = Annotated[Wakeup, Depends(get_wakeup)]
 SchedulingDep = Annotated[SchedulerLoop, Depends(get_scheduling)]
 AgentKeyDep = Annotated[str | None, Depends(get_agent_key)]
+TokenDep = Annotated[str | None, Depends(get_token)]
 LeaseHeader = Annotated[str | None, Header(alias=LEASE_HEADER, description="The placement's lease token.")]

@@ -25,15 +25,17 @@ from service.api.deps import (
     SchedulingDep,
     SessionDep,
     SettingsDep,
+    TokenDep,
     WakeupDep,
     WorkerDep,
+    agent_of,
 )
 from service.api.routing import SessionScopedRoute
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Node
 from service.schemas.nodes import NodeDrained, NodeRegister
-from service.services import agents, launches
+from service.services import agents, attempts, launches
 from service.services.node_timing import NodeTiming
 from service.services.tokens import Principal
 from torchyard.contract.protocol import (
@@ -103,23 +105,30 @@ def _register(
 async def heartbeat(
     name: str,
     body: HeartbeatRequest,
-    session: SessionDep,
+    db: DatabaseDep,
     settings: SettingsDep,
     scheduling: SchedulingDep,
-    worker: AgentDep,
+    token: TokenDep,
     agent_key: AgentKeyDep,
 ) -> HeartbeatResponse:
     """Keep the node ready and renew the leases it lists; ``stop`` names placements whose ranks
     must be stopped now (job cancelling, attempt failed elsewhere, lease stale).
 
-    The hottest route (every node, every few seconds): one trip to a worker thread for its
-    one transaction, nothing else off the event loop."""
-    answer, revived = await run_in_threadpool(
-        agents.heartbeat, session, settings, worker, name, agent_key, body.leases
-    )
+    The hottest route (every node, every few seconds): the token is checked (as for every
+    worker route) and the heartbeat's transaction made in one trip to a worker thread; a
+    trip costs most when the machine is busy (a wait for a thread and for the GIL)."""
+    answer, revived = await run_in_threadpool(_heartbeat, db, settings, token, name, agent_key, body.leases)
     if revived:
         scheduling.request()
     return answer
+
+
+def _heartbeat(
+    db: Database, settings: Settings, token: str | None, name: str, agent_key: str | None, leases: list[str]
+) -> tuple[HeartbeatResponse, bool]:
+    worker = agent_of(db, token)
+    with db.session() as session:
+        return agents.heartbeat(session, settings, worker, name, agent_key, leases)
 
 
 @router.post("/nodes/{name}/drain")
@@ -152,7 +161,7 @@ async def claim(
     settings: SettingsDep,
     wakeup: WakeupDep,
     scheduling: SchedulingDep,
-    worker: AgentDep,
+    token: TokenDep,
     agent_key: AgentKeyDep,
     wait: Annotated[float, Query(ge=0, le=3600, description="Seconds to wait for work (long-poll).")] = 0.0,
 ) -> Any:
@@ -167,7 +176,8 @@ async def claim(
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(wait, settings.claim_poll_timeout_s)
-    check = await run_in_threadpool(agents.claim_once, db, settings, worker, name, agent_key, True)
+    # The token checked and the first look made in one trip to a worker thread.
+    worker, check = await run_in_threadpool(_first_claim, db, settings, token, name, agent_key)
     if check.placement is not None:
         return check.placement
     node_id = check.node_id
@@ -194,6 +204,13 @@ async def claim(
             return Response(status_code=status.HTTP_204_NO_CONTENT)
         timeout = remaining if wakeup.reliable else min(remaining, settings.claim_recheck_interval_s)
         notified = await wakeup.wait(node_id, generation, min(timeout, _DISCONNECT_CHECK_S))
+
+
+def _first_claim(
+    db: Database, settings: Settings, token: str | None, name: str, agent_key: str | None
+) -> tuple[Principal, attempts.ClaimCheck]:
+    worker = agent_of(db, token)
+    return worker, agents.claim_once(db, settings, worker, name, agent_key, True)
 
 
 async def _take_assigned(
