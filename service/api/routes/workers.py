@@ -10,8 +10,10 @@ gets 409 ``NodeNameInUseError`` (another agent holds the node now).
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Annotated, Any
 
+import anyio
 from fastapi import APIRouter, Query, Request, Response, status
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
@@ -52,6 +54,18 @@ from torchyard.contract.protocol import (
 _DISCONNECT_CHECK_S = 5.0
 # The longest a claim waits for a scheduling pass this replica owes before its first answer.
 _OWED_PASS_WAIT_S = 5.0
+# Worker threads kept for heartbeats alone: a heartbeat never queues for a thread behind
+# other work (a herd of claims, a burst of submissions), so leases are renewed on time.
+HEARTBEAT_THREADS = 4
+# A long-poll at least this long ends at a random point of its last fifth: nodes that
+# registered together do not all come back at the same moment, every time.
+_JITTER_FROM_S = 10.0
+
+
+def heartbeat_lane() -> anyio.CapacityLimiter:
+    """The threads of :data:`HEARTBEAT_THREADS` (one set per event loop: an API process)."""
+    return anyio.CapacityLimiter(HEARTBEAT_THREADS)
+
 
 router = APIRouter(prefix="/v1/worker", tags=["worker"], route_class=SessionScopedRoute)
 
@@ -103,6 +117,7 @@ def _register(
 
 @router.post("/nodes/{name}/heartbeat")
 async def heartbeat(
+    request: Request,
     name: str,
     body: HeartbeatRequest,
     db: DatabaseDep,
@@ -117,7 +132,16 @@ async def heartbeat(
     The hottest route (every node, every few seconds): the token is checked (as for every
     worker route) and the heartbeat's transaction made in one trip to a worker thread; a
     trip costs most when the machine is busy (a wait for a thread and for the GIL)."""
-    answer, revived = await run_in_threadpool(_heartbeat, db, settings, token, name, agent_key, body.leases)
+    answer, revived = await anyio.to_thread.run_sync(
+        _heartbeat,
+        db,
+        settings,
+        token,
+        name,
+        agent_key,
+        body.leases,
+        limiter=request.app.state.heartbeat_lane,
+    )
     if revived:
         scheduling.request()
     return answer
@@ -175,7 +199,10 @@ async def claim(
     wait re-read the node's placements every ``claim_recheck_interval_s``.
     """
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + min(wait, settings.claim_poll_timeout_s)
+    wait = min(wait, settings.claim_poll_timeout_s)
+    if wait >= _JITTER_FROM_S:
+        wait *= random.uniform(0.8, 1.0)
+    deadline = loop.time() + wait
     # The token checked and the first look made in one trip to a worker thread.
     worker, check = await run_in_threadpool(_first_claim, db, settings, token, name, agent_key)
     if check.placement is not None:
