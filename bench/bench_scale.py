@@ -51,6 +51,7 @@ from tests.support.factories import auth, insert_dataset, job_spec
 from tests.support.queue_fill import fill_queue
 
 CLAIM_WAIT_S = 20.0
+CLAIM_SPREAD_S = 5.0  # the nodes' first claims spread over this long
 
 
 # Five scheduling passes (after one not timed) on the database named by argv[1], their
@@ -133,7 +134,8 @@ class Sim:
                 self.beat_errors += 1
             await asyncio.sleep(max(0.0, self.interval[name] - (time.monotonic() - start)))
 
-    async def claims(self, name: str) -> None:
+    async def claims(self, name: str, offset: float) -> None:
+        await asyncio.sleep(offset)  # agents start one by one, not all in the same millisecond
         while not self.stop.is_set():
             try:
                 r = await self.http.post(f"/v1/worker/nodes/{name}/claim", params={"wait": CLAIM_WAIT_S})
@@ -199,7 +201,9 @@ async def run(args: argparse.Namespace, url: str, db_url: str, data_dir: Path) -
     await sim.register()
     registered_s = time.monotonic() - started
     tasks = [asyncio.create_task(sim.heartbeats(n, i / args.nodes)) for i, n in enumerate(sim.names)]
-    tasks += [asyncio.create_task(sim.claims(n)) for n in sim.names]
+    tasks += [
+        asyncio.create_task(sim.claims(n, CLAIM_SPREAD_S * i / args.nodes)) for i, n in enumerate(sim.names)
+    ]
     beats_from = time.monotonic()
 
     def spec(name: str, priority: int, nodes: int = 1) -> dict[str, Any]:
@@ -358,9 +362,9 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 api.kill()
                 api.wait(10)
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+            with admin.connect() as conn:
+                conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            admin.dispose()
 
     probes = result["probe_s"]
     probe = f"{min(probes):.2f}–{max(probes):.2f} s" if probes else "never claimed"

@@ -37,7 +37,7 @@ from service.api.routes import (
     workers,
 )
 from service.api.routes.ui import install_ui
-from service.api.routes.workers import heartbeat_lane
+from service.api.routes.workers import Lanes
 from service.api.security import SecurityHeadersMiddleware
 from service.config import Settings, get_settings
 from service.db.engine import Database, is_unavailable, postgres_connect_args
@@ -136,7 +136,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.db = await asyncio.to_thread(bootstrap, settings)
-        app.state.heartbeat_lane = heartbeat_lane()
+        app.state.lanes = Lanes()
         # The OpenAPI schema is built once, now: the web UI reads it on every page load.
         await asyncio.to_thread(_build_openapi, app)
         # Nodes are judged lost only after a full lease period of this replica listening.

@@ -57,14 +57,21 @@ _OWED_PASS_WAIT_S = 5.0
 # Worker threads kept for heartbeats alone: a heartbeat never queues for a thread behind
 # other work (a herd of claims, a burst of submissions), so leases are renewed on time.
 HEARTBEAT_THREADS = 4
+# At most this many claim checks at once: a herd of long-polls (every node registered
+# together) waits on the event loop, not in threads contending for the GIL and connections.
+CLAIM_THREADS = 8
 # A long-poll at least this long ends at a random point of its last fifth: nodes that
 # registered together do not all come back at the same moment, every time.
 _JITTER_FROM_S = 10.0
 
 
-def heartbeat_lane() -> anyio.CapacityLimiter:
-    """The threads of :data:`HEARTBEAT_THREADS` (one set per event loop: an API process)."""
-    return anyio.CapacityLimiter(HEARTBEAT_THREADS)
+class Lanes:
+    """The worker-thread budgets of the hot worker routes, per API process (its event loop):
+    heartbeats and claims each have their own, apart from every other request's."""
+
+    def __init__(self) -> None:
+        self.heartbeats = anyio.CapacityLimiter(HEARTBEAT_THREADS)
+        self.claims = anyio.CapacityLimiter(CLAIM_THREADS)
 
 
 router = APIRouter(prefix="/v1/worker", tags=["worker"], route_class=SessionScopedRoute)
@@ -140,11 +147,16 @@ async def heartbeat(
         name,
         agent_key,
         body.leases,
-        limiter=request.app.state.heartbeat_lane,
+        limiter=_lanes(request).heartbeats,
     )
     if revived:
         scheduling.request()
     return answer
+
+
+def _lanes(request: Request) -> Lanes:
+    lanes: Lanes = request.app.state.lanes
+    return lanes
 
 
 def _heartbeat(
@@ -204,7 +216,10 @@ async def claim(
         wait *= random.uniform(0.8, 1.0)
     deadline = loop.time() + wait
     # The token checked and the first look made in one trip to a worker thread.
-    worker, check = await run_in_threadpool(_first_claim, db, settings, token, name, agent_key)
+    lane = _lanes(request).claims
+    worker, check = await anyio.to_thread.run_sync(
+        _first_claim, db, settings, token, name, agent_key, limiter=lane
+    )
     if check.placement is not None:
         return check.placement
     node_id = check.node_id
@@ -223,7 +238,7 @@ async def claim(
             if await request.is_disconnected():
                 # The agent went away (or restarted): end the wait, and hand it nothing.
                 return Response(status_code=status.HTTP_204_NO_CONTENT)
-            placement = await _take_assigned(db, settings, worker, name, agent_key, node_id)
+            placement = await _take_assigned(db, settings, worker, name, agent_key, node_id, lane)
             if placement is not None:
                 return placement
         remaining = deadline - loop.time()
@@ -241,13 +256,21 @@ def _first_claim(
 
 
 async def _take_assigned(
-    db: Database, settings: Settings, worker: Principal, name: str, agent_key: str | None, node_id: str
+    db: Database,
+    settings: Settings,
+    worker: Principal,
+    name: str,
+    agent_key: str | None,
+    node_id: str,
+    lane: anyio.CapacityLimiter,
 ) -> ClaimedPlacement | None:
     """The node's next placement if a pass assigned it one (a cheap read first, then the
     claim's write transaction)."""
-    if not await run_in_threadpool(agents.work_pending, db, node_id):
+    if not await anyio.to_thread.run_sync(agents.work_pending, db, node_id, limiter=lane):
         return None
-    check = await run_in_threadpool(agents.claim_once, db, settings, worker, name, agent_key, False)
+    check = await anyio.to_thread.run_sync(
+        agents.claim_once, db, settings, worker, name, agent_key, False, limiter=lane
+    )
     return check.placement
 
 
