@@ -51,7 +51,6 @@ from tests.support.factories import auth, insert_dataset, job_spec
 from tests.support.queue_fill import fill_queue
 
 CLAIM_WAIT_S = 20.0
-CLAIM_SPREAD_S = 5.0  # the nodes' first claims spread over this long
 
 
 # Five scheduling passes (after one not timed) on the database named by argv[1], their
@@ -97,8 +96,11 @@ class Sim:
         self.beat_errors = 0
         self.claimed: dict[str, float] = {}  # job name -> time its claim returned
         self.stop = asyncio.Event()
+        self.tasks: list[asyncio.Task[None]] = []
 
     async def register(self) -> None:
+        """Register every node, 32 at a time; as an agent does, each node heartbeats and claims
+        from the moment its own registration is answered."""
         sem = asyncio.Semaphore(32)
 
         async def one(name: str) -> None:
@@ -109,6 +111,8 @@ class Sim:
                         r = await self.http.post("/v1/worker/nodes", json=body)
                         r.raise_for_status()
                         self.interval[name] = float(r.json()["heartbeat_interval_s"])
+                        self.tasks.append(asyncio.create_task(self.heartbeats(name)))
+                        self.tasks.append(asyncio.create_task(self.claims(name)))
                         return
                     except httpx.TransportError:
                         if attempt == 4:
@@ -117,8 +121,7 @@ class Sim:
 
         await asyncio.gather(*(one(n) for n in self.names))
 
-    async def heartbeats(self, name: str, offset: float) -> None:
-        await asyncio.sleep(offset * self.interval[name])
+    async def heartbeats(self, name: str) -> None:
         while not self.stop.is_set():
             start = time.monotonic()
             try:
@@ -134,8 +137,7 @@ class Sim:
                 self.beat_errors += 1
             await asyncio.sleep(max(0.0, self.interval[name] - (time.monotonic() - start)))
 
-    async def claims(self, name: str, offset: float) -> None:
-        await asyncio.sleep(offset)  # agents start one by one, not all in the same millisecond
+    async def claims(self, name: str) -> None:
         while not self.stop.is_set():
             try:
                 r = await self.http.post(f"/v1/worker/nodes/{name}/claim", params={"wait": CLAIM_WAIT_S})
@@ -200,10 +202,7 @@ async def run(args: argparse.Namespace, url: str, db_url: str, data_dir: Path) -
     started = time.monotonic()
     await sim.register()
     registered_s = time.monotonic() - started
-    tasks = [asyncio.create_task(sim.heartbeats(n, i / args.nodes)) for i, n in enumerate(sim.names)]
-    tasks += [
-        asyncio.create_task(sim.claims(n, CLAIM_SPREAD_S * i / args.nodes)) for i, n in enumerate(sim.names)
-    ]
+    tasks = sim.tasks
     beats_from = time.monotonic()
 
     def spec(name: str, priority: int, nodes: int = 1) -> dict[str, Any]:
