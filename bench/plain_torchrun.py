@@ -114,6 +114,7 @@ def main() -> None:
             optimizer.step()
             scheduler.step()
             bad_steps += (~torch.isfinite(loss.detach())).long()
+            _mark_first_step(rank, epoch, images)
             images += y.shape[0]
         if bad_steps.item():
             raise RuntimeError("loss is not finite")
@@ -148,6 +149,12 @@ def main() -> None:
         steady = rates[1:] or rates
         print(f"plain images/sec: {sum(steady) / len(steady):.1f}", flush=True)
     dist.destroy_process_group()
+
+
+def _mark_first_step(rank: int, epoch: int, images_before: int) -> None:
+    """Rank 0 prints when its first optimizer step is done (bench_slurm.py reads the time)."""
+    if rank == 0 and epoch == 1 and images_before == 0:
+        print(f"first step done at {time.time():.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ time talks to Slurm:
    ``WorkerLostError``; a job that ended without any launcher checking in is
    ``EngineError`` with the tail of its output, not retried;
 4. **cancel**: the Slurm job of every attempt that ended in torchyard (cancelled, failed,
-   restarted) is ``scancel``ed while it is still pending or running.
+   restarted) is ``scancel``ed while it is still pending or running; a succeeded attempt's
+   launchers get ``LAUNCHER_EXIT_S`` to exit by themselves first (Slurm's job then ends
+   ``COMPLETED``, not ``CANCELLED``).
 """
 
 from __future__ import annotations
@@ -50,7 +52,14 @@ from service.services.cluster import check_resources
 from service.services.jobs import request_cancel
 from service.services.reaper import lose_node_placements
 from service.services.scheduler import PassResult, is_postgres
-from service.states import ENGINE_SLURM, LIVE_ATTEMPT_STATUSES, JobStatus, NodeStatus, PlacementStatus
+from service.states import (
+    ENGINE_SLURM,
+    LIVE_ATTEMPT_STATUSES,
+    AttemptStatus,
+    JobStatus,
+    NodeStatus,
+    PlacementStatus,
+)
 from torchyard.contract.errors import EngineError, ResourceLimitError
 
 log = logging.getLogger(__name__)
@@ -59,6 +68,8 @@ log = logging.getLogger(__name__)
 SLURM_LOCK_KEY = 7345013
 _LIVE = [s.value for s in LIVE_ATTEMPT_STATUSES]
 OUTPUT_TAIL_BYTES = 4000
+# How long the launchers of a succeeded attempt have to exit before its Slurm job is scancel'ed.
+LAUNCHER_EXIT_S = 30.0
 
 
 def job_name(job_id: str, attempt_number: int) -> str:
@@ -328,12 +339,13 @@ class SlurmEngine:
         with db.read_session() as session:
             open_attempts = list(
                 session.execute(
-                    select(Attempt.id, Attempt.engine_job_id, Attempt.status, Attempt.created_at).where(
+                    select(Attempt.id, Attempt.engine_job_id, Attempt.status, Attempt.finished_at).where(
                         Attempt.engine == ENGINE_SLURM, Attempt.engine_state.is_(None)
                     )
                 )
             )
-        for attempt_id, slurm_id, status, _created in open_attempts:
+        now = utcnow()
+        for attempt_id, slurm_id, status, finished_at in open_attempts:
             if slurm_id is None:
                 if status in _LIVE:
                     self._resubmit(db, attempt_id, queue)
@@ -346,7 +358,13 @@ class SlurmEngine:
             if not job.ended:
                 if status in _LIVE:
                     self._pending_reason(db, attempt_id, job)
-                else:
+                elif not (
+                    status == AttemptStatus.SUCCEEDED.value
+                    and finished_at is not None
+                    and (now - finished_at).total_seconds() < LAUNCHER_EXIT_S
+                ):
+                    # A succeeded attempt's launchers exit by themselves (Slurm's job then
+                    # ends COMPLETED); any other ended attempt is stopped now.
                     self._scancel(job.id)
                 continue
             self._ended(db, attempt_id, job)

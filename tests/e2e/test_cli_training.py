@@ -57,8 +57,11 @@ class Serve:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
         # No token anywhere: the CLI finds the admin token in the data directory.
         self.env.update(TORCHYARD_DATA_DIR=str(self.data_dir), TORCHYARD_URL=f"http://127.0.0.1:{self.port}")
-        with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(
+        self.process = self._start("wb")
+
+    def _start(self, mode: str) -> subprocess.Popen[bytes]:
+        with open(self.log, mode) as out:
+            return subprocess.Popen(
                 [sys.executable, "-m", "torchyard.cli", "serve", "--with-worker", "--port", str(self.port),
                  "--worker-slots", "2"],
                 env=self.env, stdout=out, stderr=subprocess.STDOUT,
@@ -96,12 +99,7 @@ class Serve:
         is still stopping its runs when the new ``serve`` starts its own."""
         self.process.kill()
         self.process.wait(10)
-        with open(self.log, "ab") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "torchyard.cli", "serve", "--with-worker", "--port", str(self.port),
-                 "--worker-slots", "2"],
-                env=self.env, stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+        self.process = self._start("ab")
 
     def stop(self) -> int:
         if self.process.poll() is None:

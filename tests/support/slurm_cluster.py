@@ -55,7 +55,7 @@ COMMANDS = (
     "srun",
     "nsenter",
 )
-GRACE_S = 10  # the low partition's GraceTime: SIGTERM at preemption, SIGKILL this much later
+GRACE_S = 30  # the low partition's GraceTime: SIGTERM at preemption, SIGKILL this much later
 CPUS_PER_NODE = 4
 GPUS_PER_NODE = 2
 

@@ -16,7 +16,13 @@ service decides from Slurm's own account whether the job is requeued or was canc
 SIGINT stops at once.
 
 It touches nothing but its own run: no leftover sweep of the node (other jobs share it),
-and the GPUs are those the engine gave it (``CUDA_VISIBLE_DEVICES`` is kept).
+the GPUs are those the engine gave it (``CUDA_VISIBLE_DEVICES`` is kept) and the ranks'
+threads are sized to the CPUs it gave (``SLURM_CPUS_ON_NODE``).
+
+Slurm signals every process of a job step, not only the launcher: torchrun and the ranks
+are started shielded (:mod:`worker.agent.guard` ``--shield``: SIGTERM and SIGUSR1 ignored),
+so a preemption reaches the ranks only as the launcher's checkpoint request and they stop
+at a step boundary with a checkpoint instead of dying mid-step.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +65,14 @@ def expand_nodelist(nodelist: str) -> list[str]:
         ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True
     )
     return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
+def allocated_cpus(usable: int, environ: Mapping[str, str] | None = None) -> int:
+    """The CPUs the engine gave this node's share of the job (Slurm's ``SLURM_CPUS_ON_NODE``),
+    at most ``usable`` (those this process may run on): the ranks' threads are sized to them,
+    not to the whole node that other jobs share."""
+    raw = (os.environ if environ is None else environ).get("SLURM_CPUS_ON_NODE", "").strip()
+    return max(1, min(usable, int(raw))) if raw.isdecimal() and int(raw) > 0 else usable
 
 
 def _default_work_dir() -> Path:
@@ -114,7 +129,7 @@ class Launcher:
             api=self.api,
             node_name=self.node,
             work_dir=self.work_dir,
-            cpus=resources.cpus,
+            cpus=allocated_cpus(resources.cpus),
             grace_s=self.grace_s,
             socket_ifname=interface_for(self.address),
             release=lambda _run: self.done.set(),
@@ -122,6 +137,7 @@ class Launcher:
             sandbox=sandbox.mode(),
             heartbeat_interval_s=work.heartbeat_interval_s or 2.0,
             lease_timeout_s=work.lease_timeout_s or 15.0,
+            shielded=True,
         )
         units = tuple(range(work.process_count_per_node))
         # On a GPU node the engine's allocation is what this process sees: one per local rank.

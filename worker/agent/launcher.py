@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from torchyard.contract.errors import CommunicationError, RankFailedError, RankKilledError
+from worker.agent import guard
 from worker.agent.sandbox import Sandbox, exit_code, is_sandbox_process, torch_hub_dir
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,14 @@ class LaunchSpec:
     extra_env: Mapping[str, str] | None = None
     # The run's sandbox (None: TORCHYARD_SANDBOX=off, or no bwrap on this node).
     box: Sandbox | None = None
+    # torchrun and the ranks ignore SIGTERM and SIGUSR1 (worker.agent.guard --shield): an
+    # engine that signals every process of its job (Slurm) reaches only the launcher, which
+    # asks for a checkpoint; the ranks are stopped with SIGINT instead.
+    shielded: bool = False
+
+    @property
+    def stop_signal(self) -> signal.Signals:
+        return signal.SIGINT if self.shielded else signal.SIGTERM
 
     @property
     def job_file(self) -> Path:
@@ -146,6 +155,11 @@ def rank_env(spec: LaunchSpec, base: Mapping[str, str], marker: str) -> dict[str
         # hub (pretrained weights) is shown read-only where torch looks for it.
         env["TORCH_HOME"] = str(torch_hub_dir(base).parent)
         env["HOME"] = "/tmp"
+    if spec.shielded:
+        # torchrun keeps the SIGTERM it inherited ignored (its default handler stops the
+        # ranks): its --signals-to-handle option (PET_ variable) and what older versions read.
+        handled = "SIGINT,SIGHUP,SIGQUIT"
+        env["PET_SIGNALS_TO_HANDLE"] = env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = handled
     if spec.extra_env:
         env.update(spec.extra_env)
     return env
@@ -200,7 +214,8 @@ class RankGroup:
         command = self.command
         if self.spec.box is not None:
             command = self.spec.box.command(command, self.spec.run_dir)
-        guarded = [sys.executable, "-m", "worker.agent.guard", str(os.getpid()), *command]
+        shield = [guard.SHIELD] if self.spec.shielded else []
+        guarded = [sys.executable, "-m", "worker.agent.guard", *shield, str(os.getpid()), *command]
         self.process = subprocess.Popen(
             guarded,
             cwd=self.spec.run_dir,
@@ -241,16 +256,19 @@ class RankGroup:
         _signal_pids(self.alive_pids(), sig)
 
     def stop(self, grace: float) -> int | None:
-        """SIGTERM everything, SIGKILL what is left after ``grace`` seconds; torchrun's exit code."""
+        """SIGTERM (SIGINT when shielded) everything, SIGKILL what is left after ``grace``
+        seconds; torchrun's exit code."""
         self.stopped = True
-        self._signal_all(signal.SIGTERM)
+        self._signal_all(self.spec.stop_signal)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             if (self.process is None or self.process.poll() is not None) and not self.alive_pids():
                 break
             time.sleep(0.1)
         else:
-            log.warning("ranks still alive %.0f s after SIGTERM: sending SIGKILL", grace)
+            log.warning(
+                "ranks still alive %.0f s after %s: sending SIGKILL", grace, self.spec.stop_signal.name
+            )
             self._signal_all(signal.SIGKILL)
         code = self.wait(10) if self.process is not None else None
         self.sweep()

@@ -61,6 +61,9 @@ class AgentContext:
     log_backlog_bytes: int = DEFAULT_LOG_BACKLOG_BYTES
     # bwrap, off or unavailable (worker.agent.sandbox): how this node confines its runs.
     sandbox: str = "off"
+    # The engine signals every process of the run (Slurm): torchrun and the ranks ignore its
+    # SIGTERM and SIGUSR1, which reach the launcher as a preemption (LaunchSpec.shielded).
+    shielded: bool = False
     # The node's processing units; 0 when the whole of ``cpus`` is this one placement's (a
     # launcher in an allocation of its own).
     node_units: int = 0
@@ -406,6 +409,7 @@ class PlacementRun:
             gpu_ids=self.gpu_ids,
             socket_ifname=self.ctx.socket_ifname,
             box=self._trainer_sandbox(),
+            shielded=self.ctx.shielded,
         )
 
     def _trainer_sandbox(self) -> Sandbox | None:

@@ -7,6 +7,7 @@ uint8 batch is four times lighter to pin and copy than a float one.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -31,7 +32,7 @@ from worker.trainer.gpu_decode import (
     gpu_decode_wanted,
     gpu_decode_works,
 )
-from worker.trainer.seeding import derive_seed, seed_loader_worker
+from worker.trainer.seeding import derive_seed, ignored_signals, init_loader_worker
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +196,7 @@ def build_loaders(job: JobConfig, env: DistEnv, device: torch.device, start_epoc
     common: dict[str, object] = {
         "num_workers": workers,
         "pin_memory": device.type == "cuda",
-        "worker_init_fn": seed_loader_worker,
+        "worker_init_fn": functools.partial(init_loader_worker, ignored=ignored_signals()),
         "generator": generator,
     }
     if workers > 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import signal
 
 import numpy as np
 import torch
@@ -32,3 +33,18 @@ def seed_loader_worker(worker_id: int) -> None:
     seed = torch.initial_seed() % 2**62
     random.seed(seed)
     np.random.seed(seed % 2**32)
+
+
+def ignored_signals() -> tuple[int, ...]:
+    """SIGTERM and SIGUSR1 where this process was started ignoring them (the launcher under an
+    engine that signals every process of a job: see ``worker.agent.guard --shield``)."""
+    return tuple(int(s) for s in (signal.SIGTERM, signal.SIGUSR1) if signal.getsignal(s) == signal.SIG_IGN)
+
+
+def init_loader_worker(worker_id: int, ignored: tuple[int, ...] = ()) -> None:
+    """DataLoader ``worker_init_fn``: seed the worker (:func:`seed_loader_worker`) and ignore
+    again the signals its rank ignores (torch's workers install a SIGTERM handler of their
+    own, so a preemption's SIGTERM would otherwise kill them under the ranks' feet)."""
+    for sig in ignored:
+        signal.signal(sig, signal.SIG_IGN)
+    seed_loader_worker(worker_id)

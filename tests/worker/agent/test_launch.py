@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,7 +25,9 @@ from service.services import launches
 from tests.conftest import fast_leases
 from tests.support.factories import auth
 from tests.support.script_helpers import script_env
-from worker.agent.launcher import rank_env, visible_devices
+from worker.agent import guard
+from worker.agent.launch import allocated_cpus
+from worker.agent.launcher import LaunchSpec, RankGroup, rank_env, visible_devices
 
 PROBE = """
 import json, os, sys
@@ -68,8 +71,6 @@ def test_visible_devices_keep_what_the_engine_gave() -> None:
 
 
 def test_rank_environment_keeps_the_inherited_gpus(tmp_path: Path) -> None:
-    from worker.agent.launcher import LaunchSpec
-
     spec = LaunchSpec(
         run_dir=tmp_path, node_name="n1", node_rank=0, node_count=1, nproc=1, master_addr="a",
         master_port=1, cpus=2, gpu_ids=(0,),
@@ -77,6 +78,113 @@ def test_rank_environment_keeps_the_inherited_gpus(tmp_path: Path) -> None:
     env = rank_env(spec, {"CUDA_VISIBLE_DEVICES": "1", "TORCHYARD_LAUNCH_TOKEN": "secret"}, "m")
     assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["TORCHYARD_DEVICE"] == "cuda"
     assert "TORCHYARD_LAUNCH_TOKEN" not in env
+
+
+def test_ranks_threads_follow_the_cpus_slurm_gave() -> None:
+    assert allocated_cpus(8, {"SLURM_CPUS_ON_NODE": "2"}) == 2
+    assert allocated_cpus(2, {"SLURM_CPUS_ON_NODE": "16"}) == 2  # never more than this process may use
+    assert allocated_cpus(8, {}) == 8 and allocated_cpus(8, {"SLURM_CPUS_ON_NODE": "x"}) == 8
+
+
+# Under ``guard --shield``: a DataLoader worker (whose torch installs a SIGTERM handler of
+# its own) and its rank say whether they ignore SIGTERM, then the rank waits to be signalled.
+SHIELDED_RANK = """
+import functools, signal, sys, time
+import torch.utils.data as data
+from worker.trainer.seeding import ignored_signals, init_loader_worker
+
+def ignores_sigterm():  # the kernel's word (torch's workers set a C handler Python does not see)
+    mask = next(line for line in open("/proc/self/status") if line.startswith("SigIgn:"))
+    return int(mask.split()[1], 16) >> (signal.SIGTERM - 1) & 1
+
+class Probe(data.Dataset):
+    def __len__(self):
+        return 1
+    def __getitem__(self, i):
+        return ignores_sigterm()
+
+init = functools.partial(init_loader_worker, ignored=ignored_signals())
+(worker,) = data.DataLoader(Probe(), num_workers=1, worker_init_fn=init)
+print(f"rank {ignores_sigterm()} worker {int(worker)}", flush=True)
+time.sleep(0.5)
+print("still here", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_shielded_ranks_and_their_loader_workers_ignore_the_engines_sigterm() -> None:
+    """Slurm signals every process of a job step: under ``guard --shield`` the rank and its
+    loader workers ignore SIGTERM (the launcher alone turns it into a checkpoint request)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.agent.guard", guard.SHIELD, str(os.getpid()), sys.executable, "-c",
+         SHIELDED_RANK],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    assert first.strip() == "rank 1 worker 1", first + proc.stdout.read()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "still here" in out, out
+
+
+RANK_SLEEPS = """
+import sys, time
+open(sys.argv[1], "w").write("up")
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_shielded_torchrun_outlives_sigterm_and_stops_on_sigint(tmp_path: Path) -> None:
+    """Real torchrun under ``guard --shield``: Slurm's SIGTERM to every process leaves it and
+    its rank running; the launcher's stop (SIGINT) ends both at once, long before the grace."""
+    run_dir = tmp_path / "work" / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    (tmp_path / "rank.py").write_text(RANK_SLEEPS)
+    spec = LaunchSpec(
+        run_dir=run_dir, node_name="n1", node_rank=0, node_count=1, nproc=1, master_addr="127.0.0.1",
+        master_port=1, cpus=1, shielded=True,
+    )  # fmt: skip
+    group = RankGroup(spec)
+    up = run_dir / "rank-up"
+    group.command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                     str(tmp_path / "rank.py"), str(up)]  # fmt: skip
+    with open(tmp_path / "torchrun.log", "w") as out:
+        group.start(out)
+    try:
+        deadline = time.monotonic() + 120
+        while not up.exists():
+            assert group.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "torchrun.log"
+            ).read_text()
+            time.sleep(0.1)
+        pids = group.alive_pids()
+        assert len(pids) >= 2  # torchrun and its rank
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)  # what Slurm does at a preemption
+        time.sleep(1)
+        assert group.poll() is None and sorted(group.alive_pids()) == sorted(pids)
+        started = time.monotonic()
+        group.stop(grace=60)
+        assert time.monotonic() - started < 30 and group.alive_pids() == []
+        assert "sending SIGKILL" not in (tmp_path / "torchrun.log").read_text()
+    finally:
+        if group.poll() is None:
+            group.stop(grace=1)
+
+
+def test_shielded_rank_environment_keeps_torchrun_off_sigterm(tmp_path: Path) -> None:
+    spec = LaunchSpec(
+        run_dir=tmp_path, node_name="n1", node_rank=0, node_count=1, nproc=1, master_addr="a",
+        master_port=1, cpus=2, shielded=True,
+    )  # fmt: skip
+    env = rank_env(spec, {}, "m")
+    assert "SIGTERM" not in env["PET_SIGNALS_TO_HANDLE"] and "SIGINT" in env["PET_SIGNALS_TO_HANDLE"]
+    assert spec.stop_signal == signal.SIGINT
+    assert "PET_SIGNALS_TO_HANDLE" not in rank_env(
+        LaunchSpec(**{**spec.__dict__, "shielded": False}), {}, "m"
+    )
 
 
 @pytest.mark.slow
