@@ -7,14 +7,16 @@ database of the local PostgreSQL server. The queue is blocked the way a busy clu
 a job asking for every node waits first in line (one node runs a job that never ends), and
 ``--queued`` jobs wait behind it (written in bulk with SQL). Then:
 
+- the simulated nodes heartbeat at the interval the API hands out (at registration and in
+  every heartbeat answer), as the agents do: it grows with the node count unless set;
 - an idle window: heartbeats only; the database's transactions and rows read per second;
 - ``--submit`` submissions at priority 0 (behind the blocker), 4 at a time:
   ``POST /v1/jobs`` jobs/s and p50/p99, and the scheduling passes they caused (index scans
   of the queue's index, less the reapers' one look a second per process);
 - ``--probes`` probe jobs one after the other, at a priority above the blocker, that fit a
   free node: submission → claimed by a simulated node;
-- scheduling passes timed from outside (the same pass function, this process, the live
-  database);
+- scheduling passes timed from outside (the same pass function, in a process of its own,
+  on the live database);
 - heartbeats answered / offered per second over the whole run, their p99, and the nodes
   declared lost.
 
@@ -44,13 +46,30 @@ import sqlalchemy as sa
 
 from service.config import Settings
 from service.db.engine import Database
-from service.services.scheduler import run_pass
 from tests.conftest import PG_ADMIN_URL, free_port
 from tests.support.factories import auth, insert_dataset, job_spec
 from tests.support.queue_fill import fill_queue
 
-HEARTBEAT_S = 2.0  # the service's defaults
 CLAIM_WAIT_S = 20.0
+
+
+# Five scheduling passes (after one not timed) on the database named by argv[1], their
+# milliseconds on one line.
+_TIME_PASSES = """
+import sys, time
+from service.config import Settings
+from service.db.engine import Database
+from service.services.scheduler import run_pass
+db = Database(sys.argv[1])
+settings = Settings(database_url=sys.argv[1])
+run_pass(db, settings)  # connecting and compiling the statements: not timed
+out = []
+for _ in range(5):
+    start = time.perf_counter()
+    run_pass(db, settings)
+    out.append((time.perf_counter() - start) * 1000)
+print(" ".join(f"{ms:.1f}" for ms in out))
+"""
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -71,12 +90,17 @@ class Sim:
         self.http = httpx.AsyncClient(base_url=url, headers=auth(token), timeout=120, limits=limits)
         self.names = [f"sim-{i:04d}" for i in range(nodes)]
         self.leases: dict[str, list[str]] = {n: [] for n in self.names}
+        # The heartbeat interval each node was told last (registration, heartbeat answers).
+        self.interval: dict[str, float] = {}
         self.beats: list[tuple[float, float]] = []  # (time answered, latency)
         self.beat_errors = 0
         self.claimed: dict[str, float] = {}  # job name -> time its claim returned
         self.stop = asyncio.Event()
+        self.tasks: list[asyncio.Task[None]] = []
 
     async def register(self) -> None:
+        """Register every node, 32 at a time; as an agent does, each node heartbeats and claims
+        from the moment its own registration is answered."""
         sem = asyncio.Semaphore(32)
 
         async def one(name: str) -> None:
@@ -86,6 +110,9 @@ class Sim:
                     try:
                         r = await self.http.post("/v1/worker/nodes", json=body)
                         r.raise_for_status()
+                        self.interval[name] = float(r.json()["heartbeat_interval_s"])
+                        self.tasks.append(asyncio.create_task(self.heartbeats(name)))
+                        self.tasks.append(asyncio.create_task(self.claims(name)))
                         return
                     except httpx.TransportError:
                         if attempt == 4:
@@ -94,8 +121,7 @@ class Sim:
 
         await asyncio.gather(*(one(n) for n in self.names))
 
-    async def heartbeats(self, name: str, offset: float) -> None:
-        await asyncio.sleep(offset)
+    async def heartbeats(self, name: str) -> None:
         while not self.stop.is_set():
             start = time.monotonic()
             try:
@@ -104,11 +130,12 @@ class Sim:
                 )
                 if r.status_code == 200:
                     self.beats.append((time.monotonic(), time.monotonic() - start))
+                    self.interval[name] = float(r.json()["heartbeat_interval_s"])
                 else:
                     self.beat_errors += 1
             except httpx.HTTPError:
                 self.beat_errors += 1
-            await asyncio.sleep(max(0.0, HEARTBEAT_S - (time.monotonic() - start)))
+            await asyncio.sleep(max(0.0, self.interval[name] - (time.monotonic() - start)))
 
     async def claims(self, name: str) -> None:
         while not self.stop.is_set():
@@ -175,9 +202,7 @@ async def run(args: argparse.Namespace, url: str, db_url: str, data_dir: Path) -
     started = time.monotonic()
     await sim.register()
     registered_s = time.monotonic() - started
-    spread = HEARTBEAT_S / max(1, args.nodes)
-    tasks = [asyncio.create_task(sim.heartbeats(n, i * spread)) for i, n in enumerate(sim.names)]
-    tasks += [asyncio.create_task(sim.claims(n)) for n in sim.names]
+    tasks = sim.tasks
     beats_from = time.monotonic()
 
     def spec(name: str, priority: int, nodes: int = 1) -> dict[str, Any]:
@@ -233,12 +258,14 @@ async def run(args: argparse.Namespace, url: str, db_url: str, data_dir: Path) -
             probes.append(sim.claimed[name] - start)
         await asyncio.sleep(0.5)
 
-    # Scheduling passes timed from outside: the same function on the live queue.
-    pass_ms = []
-    for _ in range(5):
-        start = time.perf_counter()
-        await asyncio.to_thread(run_pass, db, settings)
-        pass_ms.append((time.perf_counter() - start) * 1000)
+    # Scheduling passes timed from outside: the same function on the live queue, in a process
+    # of its own (not this one, whose event loop is busy simulating the nodes).
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _TIME_PASSES, db_url, stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await proc.communicate()
+    pass_ms = [float(x) for x in out.decode().split()]
+    intervals = sorted(set(sim.interval.values()))
 
     beats_to = time.monotonic()
     sim.stop.set()
@@ -256,6 +283,7 @@ async def run(args: argparse.Namespace, url: str, db_url: str, data_dir: Path) -
     db.dispose()
     window = beats_to - beats_from
     done = [lat for at, lat in sim.beats if beats_from <= at <= beats_to]
+    offered = sum(1 / sim.interval[n] for n in sim.names)
     return {
         "registered_s": registered_s,
         "jobs_per_s": args.submit / submit_s,
@@ -264,7 +292,8 @@ async def run(args: argparse.Namespace, url: str, db_url: str, data_dir: Path) -
         "passes_per_submission": passes,
         "probe_s": probes,
         "beats_done": len(done) / window,
-        "beats_offered": args.nodes / HEARTBEAT_S,
+        "beats_offered": offered,
+        "intervals": intervals,
         "beat_p99_s": _pct(done, 0.99),
         "beat_errors": sim.beat_errors,
         "pass_ms": pass_ms,
@@ -332,15 +361,16 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 api.kill()
                 api.wait(10)
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+            with admin.connect() as conn:
+                conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            admin.dispose()
 
     probes = result["probe_s"]
     probe = f"{min(probes):.2f}–{max(probes):.2f} s" if probes else "never claimed"
     passes = result["pass_ms"]
     print(
-        f"registration of {args.nodes} nodes: {result['registered_s']:.1f} s; API processes: {args.workers}"
+        f"registration of {args.nodes} nodes: {result['registered_s']:.1f} s; API processes: {args.workers}; "
+        f"heartbeat interval handed out at the end: {', '.join(f'{i:g} s' for i in result['intervals'])}"
     )
     print(
         "| nodes | queued | POST /v1/jobs | passes per submission | probe submit→claim "

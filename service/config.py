@@ -142,9 +142,25 @@ class Settings(BaseSettings):
         description="Seconds preempted ranks have to checkpoint (also read by agents and launchers); with "
         "the Slurm engine, sbatch --signal=USR1@<this> asks for it before the time limit.",
     )
-    heartbeat_interval_s: float = Field(default=2.0, gt=0, description="How often workers heartbeat.")
+    heartbeat_interval_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="How often workers heartbeat. Unless this or TORCHYARD_LEASE_TIMEOUT_S is set, it is "
+        "the shortest interval: with more nodes than TORCHYARD_HEARTBEATS_PER_S x this, the interval handed "
+        "to the nodes grows so that they send about that many heartbeats a second together (at most 30 s).",
+    )
     lease_timeout_s: float = Field(
-        default=15.0, gt=0, description="A node or attempt not heard from for this long is lost."
+        default=15.0,
+        gt=0,
+        description="A node or attempt not heard from for this long is lost. Unless this or "
+        "TORCHYARD_HEARTBEAT_INTERVAL_S is set, at least 4 heartbeat intervals as the interval grows.",
+    )
+    heartbeats_per_s: float = Field(
+        default=100.0,
+        gt=0,
+        description="Heartbeats a second that all nodes together aim to send when neither "
+        "TORCHYARD_HEARTBEAT_INTERVAL_S nor TORCHYARD_LEASE_TIMEOUT_S is set: 1,000 nodes heartbeat "
+        "every 10 s (lease 40 s), up to 200 nodes every 2 s (lease 15 s).",
     )
     claim_poll_timeout_s: float = Field(
         default=20.0, gt=0, description="Longest a worker's claim long-poll is held open."

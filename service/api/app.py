@@ -37,12 +37,14 @@ from service.api.routes import (
     workers,
 )
 from service.api.routes.ui import install_ui
+from service.api.routes.workers import Lanes
 from service.api.security import SecurityHeadersMiddleware
 from service.config import Settings, get_settings
 from service.db.engine import Database, is_unavailable, postgres_connect_args
 from service.db.migrate import upgrade
 from service.engines import make_engine
 from service.services.datasets import sweep_staging_periodically
+from service.services.node_timing import NodeTiming
 from service.services.reaper import ListeningClock, run_reaper
 from service.services.scheduler_loop import SchedulerLoop
 from service.services.tokens import ensure_bootstrap_token
@@ -134,6 +136,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.db = await asyncio.to_thread(bootstrap, settings)
+        app.state.lanes = Lanes()
         # The OpenAPI schema is built once, now: the web UI reads it on every page load.
         await asyncio.to_thread(_build_openapi, app)
         # Nodes are judged lost only after a full lease period of this replica listening.
@@ -143,7 +146,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         engine = make_engine(settings)
         await asyncio.to_thread(engine.start)
         app.state.engine = engine
-        app.state.scheduling = SchedulerLoop(app.state.db, settings, app.state.wakeup, engine).start()
+        app.state.scheduling = SchedulerLoop(
+            app.state.db, settings, app.state.wakeup, engine, app.state.timing
+        ).start()
+        # The heartbeat interval and lease handed to nodes follow the cluster's size.
+        await asyncio.to_thread(app.state.timing.refresh, app.state.db)
         # PostgreSQL: work placed by any replica wakes the claims parked here.
         listener = None
         if not app.state.db.is_sqlite:
@@ -163,6 +170,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 stop_reaper,
                 app.state.listening,
                 app.state.scheduling,
+                app.state.timing,
             )
         )
         # What uploads interrupted by a crash left in the staging folder.
@@ -190,6 +198,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
     )
     app.state.settings = settings
+    app.state.timing = NodeTiming(settings)
     app.state.wakeup = Wakeup()
     install_error_handlers(app)
     install_docs(app)

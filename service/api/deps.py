@@ -1,9 +1,15 @@
-"""Request dependencies, declared once: sessions, settings and who is asking."""
+"""Request dependencies, declared once: sessions, settings and who is asking.
+
+Every dependency is ``async``: FastAPI runs a sync one in the thread pool, a round trip
+through another thread (and a wait for the GIL) per dependency and per request. Only the
+database work (reading the token, closing a session still holding a connection) goes to
+the thread pool, once.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Annotated
 
@@ -11,11 +17,13 @@ from fastapi import Depends, Header, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from service.api.security import CSRF_HEADER, SAFE_METHODS, SESSION_COOKIE
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import utcnow
+from service.services.node_timing import NodeTiming
 from service.services.scheduler_loop import SchedulerLoop
 from service.services.tokens import USE_RECORDER, Principal, authenticate, record_use
 from service.services.wakeup import Wakeup
@@ -26,34 +34,55 @@ from torchyard.contract.headers import AGENT_KEY_HEADER, LEASE_HEADER
 log = logging.getLogger(__name__)
 
 
-def get_db(request: Request) -> Database:
+async def get_db(request: Request) -> Database:
+    return _db(request)
+
+
+async def get_settings_dep(request: Request) -> Settings:
+    """The replica's settings, with the heartbeat interval and lease timeout of the moment
+    (:mod:`service.services.node_timing`)."""
+    timing: NodeTiming = request.app.state.timing
+    return timing.settings()
+
+
+def _db(request: Request) -> Database:
     db: Database = request.app.state.db
     return db
 
 
-def get_settings_dep(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
-    return settings
+async def _close(session: Session) -> None:
+    """Close ``session``: in a worker thread if it still holds a connection (giving it back
+    rolls back, a round trip), here when a sync endpoint already closed it."""
+    if session.in_transaction():
+        await run_in_threadpool(session.close)
+    else:
+        session.close()
 
 
-def get_session(request: Request) -> Iterator[Session]:
-    """A writing session; services commit what they change."""
-    with get_db(request).session() as session:
+async def get_session(request: Request) -> AsyncIterator[Session]:
+    """A writing session; services commit what they change. Creating it connects nothing."""
+    session = _db(request).session()
+    try:
         yield session
+    finally:
+        await _close(session)
 
 
-def get_read_session(request: Request) -> Iterator[Session]:
-    with get_db(request).read_session() as session:
+async def get_read_session(request: Request) -> AsyncIterator[Session]:
+    session = _db(request).read_session()
+    try:
         yield session
+    finally:
+        await _close(session)
 
 
-def get_wakeup(request: Request) -> Wakeup:
+async def get_wakeup(request: Request) -> Wakeup:
     """The replica's wake-up for long-polling claims (notified for the nodes a pass placed on)."""
     wakeup: Wakeup = request.app.state.wakeup
     return wakeup
 
 
-def get_scheduling(request: Request) -> SchedulerLoop:
+async def get_scheduling(request: Request) -> SchedulerLoop:
     """The replica's scheduling loop: ask it for a pass after committing a change that may
     let a queued job start."""
     scheduling: SchedulerLoop = request.app.state.scheduling
@@ -85,18 +114,23 @@ def _cookie_token(request: Request) -> str | None:
     return token
 
 
-def get_principal(request: Request, credentials: BearerCredentials) -> Principal:
+async def get_principal(request: Request, credentials: BearerCredentials) -> Principal:
     cached: Principal | None = getattr(request.state, "principal", None)
     if cached is not None:
         return cached
     token = _token(credentials) if credentials is not None else _cookie_token(request)
-    db = get_db(request)
+    principal = await run_in_threadpool(_authenticate, _db(request), token)
+    request.state.principal = principal
+    return principal
+
+
+def _authenticate(db: Database, token: str | None) -> Principal:
+    """Who ``token`` belongs to, read from the database (a worker thread)."""
     with db.read_session() as session:
         principal = authenticate(session, token)
     now = utcnow()
     if USE_RECORDER.should_record(principal, now):
         _record_use(db, principal, now)
-    request.state.principal = principal
     return principal
 
 
@@ -111,39 +145,59 @@ def _record_use(db: Database, principal: Principal, now: datetime) -> None:
         log.warning("could not record the use of token %s: %s", principal.id, exc)
 
 
-def require_user(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+async def require_user(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
     if principal.role not in (Role.USER, Role.ADMIN):
         raise PermissionDeniedError("worker tokens reach only worker routes")
     return principal
 
 
-def require_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+async def require_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
     if principal.role is not Role.ADMIN:
         raise PermissionDeniedError("this route needs an admin token")
     return principal
 
 
-def require_worker(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+def check_worker(principal: Principal) -> Principal:
     if principal.role is not Role.WORKER:
         raise PermissionDeniedError("this route needs a worker token")
     return principal
 
 
-def require_agent(principal: Annotated[Principal, Depends(require_worker)]) -> Principal:
+def check_agent(principal: Principal) -> Principal:
     """A worker token of a resident agent: a launch token (one attempt's) may not speak for a node."""
+    check_worker(principal)
     if principal.attempt_id is not None:
         raise PermissionDeniedError("a launch token reaches only its own attempt's placements")
     return principal
 
 
-def require_launcher(principal: Annotated[Principal, Depends(require_worker)]) -> Principal:
+async def require_worker(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+    return check_worker(principal)
+
+
+async def require_agent(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+    return check_agent(principal)
+
+
+async def get_token(request: Request, credentials: BearerCredentials) -> str | None:
+    """The bearer token as sent, not checked yet: for a hot route that checks it in the same
+    worker-thread trip as its own work (:func:`agent_of`)."""
+    return _token(credentials) if credentials is not None else _cookie_token(request)
+
+
+def agent_of(db: Database, token: str | None) -> Principal:
+    """The resident agent behind ``token`` (as :data:`AgentDep`), read in the caller's thread."""
+    return check_agent(_authenticate(db, token))
+
+
+async def require_launcher(principal: Annotated[Principal, Depends(require_worker)]) -> Principal:
     """A launch token (SPEC §13): the one-placement launcher of one attempt."""
     if principal.attempt_id is None:
         raise PermissionDeniedError("this route needs the launch token of an attempt")
     return principal
 
 
-def get_agent_key(
+async def get_agent_key(
     key: Annotated[
         str | None,
         Header(alias=AGENT_KEY_HEADER, description="The agent's per-node key, as sent at registration."),
@@ -164,4 +218,5 @@ LauncherDep = Annotated[Principal, Depends(require_launcher)]
 WakeupDep = Annotated[Wakeup, Depends(get_wakeup)]
 SchedulingDep = Annotated[SchedulerLoop, Depends(get_scheduling)]
 AgentKeyDep = Annotated[str | None, Depends(get_agent_key)]
+TokenDep = Annotated[str | None, Depends(get_token)]
 LeaseHeader = Annotated[str | None, Header(alias=LEASE_HEADER, description="The placement's lease token.")]

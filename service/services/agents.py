@@ -63,9 +63,9 @@ def heartbeat(
 ) -> tuple[HeartbeatResponse, bool]:
     """Check the agent holds the node, renew its leases, and commit. Returns the answer and
     whether the node came back from ``lost`` (capacity for a scheduling pass)."""
-    node = nodes.check_agent(session, worker, name, agent_key)
+    node = nodes.check_agent(session, worker, name, agent_key, for_update=True)
     was_lost = node.status == NodeStatus.LOST.value
-    answer = attempts.heartbeat(session, settings, worker, name, leases)
+    answer = attempts.heartbeat(session, settings, worker, name, leases, node=node)
     session.commit()
     return answer, was_lost and answer.status == NodeStatus.READY.value
 

@@ -343,10 +343,18 @@ def work_pending(session: Session, node_id: str) -> bool:
 
 
 def heartbeat(
-    session: Session, settings: Settings, principal: Principal, node_name: str, leases: list[str]
+    session: Session,
+    settings: Settings,
+    principal: Principal,
+    node_name: str,
+    leases: list[str],
+    *,
+    node: Node | None = None,
 ) -> HeartbeatResponse:
-    """Renew the node and the leases it lists; say which placements must stop. The caller commits."""
-    node = get_own_node(session, principal, node_name, for_update=True)
+    """Renew the node and the leases it lists; say which placements must stop. The caller commits.
+    ``node``: its row, already read and locked by the caller."""
+    if node is None:
+        node = get_own_node(session, principal, node_name, for_update=True)
     touch_node(session, node)
     renewed, stop = renew_leases(
         session,

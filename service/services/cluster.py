@@ -178,12 +178,14 @@ def held_units(session: Session) -> dict[str, int]:
 def ready_capacity(session: Session, settings: Settings, now: datetime) -> list[NodeCapacity]:
     """Ready nodes (``ready_node_filter``) with their free units, by name: what the scheduler places onto."""
     held = held_units(session)
-    nodes = session.scalars(select(Node).where(ready_node_filter(settings, now)).order_by(Node.name))
+    nodes = session.execute(
+        select(Node.id, Node.name, Node.address, Node.units)
+        .where(ready_node_filter(settings, now))
+        .order_by(Node.name)
+    )
     return [
-        NodeCapacity(
-            id=n.id, name=n.name, address=n.address, units=n.units, free=max(0, n.units - held.get(n.id, 0))
-        )
-        for n in nodes
+        NodeCapacity(id=id_, name=name, address=address, units=units, free=max(0, units - held.get(id_, 0)))
+        for id_, name, address, units in nodes
     ]
 
 

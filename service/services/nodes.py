@@ -115,10 +115,12 @@ def get_own_node(session: Session, principal: Principal, name: str, *, for_updat
     return node
 
 
-def check_agent(session: Session, principal: Principal, name: str, agent_key: str | None) -> Node:
+def check_agent(
+    session: Session, principal: Principal, name: str, agent_key: str | None, *, for_update: bool = False
+) -> Node:
     """The node, if the calling agent is the one holding it; 409 ``NodeNameInUseError`` when
-    another agent registered it since (this one must stop)."""
-    node = get_own_node(session, principal, name)
+    another agent registered it since (this one must stop). ``for_update``: its row locked."""
+    node = get_own_node(session, principal, name, for_update=for_update)
     if not _key_matches(node, agent_key):
         raise NodeNameInUseError(
             f"node {name!r} is now held by another agent ({_holder(node, utcnow())}); this agent must stop"

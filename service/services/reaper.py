@@ -53,6 +53,7 @@ from service.db.engine import Database, is_unavailable
 from service.db.models import Job, Node, Placement, utcnow
 from service.services import checkpoints, job_delete, sweeps
 from service.services.attempts import finish_cancellation, lose_placements, overrun_limit_s, time_out
+from service.services.node_timing import NodeTiming
 from service.services.replicas import ClusterHearing, ReplicaRow
 from service.services.scheduler import has_queued_jobs, is_postgres, run_pass
 from service.services.scheduler_loop import SchedulerLoop
@@ -323,9 +324,12 @@ async def run_reaper(
     stop: asyncio.Event,
     listening: ListeningClock | None = None,
     scheduling: SchedulerLoop | None = None,
+    timing: NodeTiming | None = None,
 ) -> None:
     """The background loop of one API replica, until ``stop`` is set. With ``scheduling``,
-    its scheduling passes are asked of that loop (shared with every other request)."""
+    its scheduling passes are asked of that loop (shared with every other request). With
+    ``timing``, it counts the nodes now and then and judges silence by the lease of the
+    moment (:mod:`service.services.node_timing`)."""
     listening = listening or ListeningClock()
     # SQLite serves one replica: its own clock is the cluster's.
     replica = None if db.is_sqlite else ReplicaRow()
@@ -333,6 +337,10 @@ async def run_reaper(
         try:
             await run_in_threadpool(db.ping)
             listening.heard()
+            if timing is not None:
+                if timing.due():
+                    await run_in_threadpool(timing.refresh, db)
+                settings = timing.settings()
             if replica is not None:
                 hearing = await run_in_threadpool(replica.beat, db, settings, listening.since)
                 listening.cluster_heard(hearing)

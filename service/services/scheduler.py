@@ -26,15 +26,17 @@ the pass exclusive.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import random
 import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
 from sqlalchemy import exists, select, text, update
-from sqlalchemy.orm import Session, load_only
+from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.db.engine import Database
@@ -52,6 +54,17 @@ SCHEDULER_LOCK_KEY = 7345002
 MAX_JOBS_PER_PASS = 500
 # What _try_place answers for a job cancelled since the queue was read.
 _GONE = "gone"
+
+
+class QueuedJob(NamedTuple):
+    """What a pass reads of a queued job (plain columns: no ORM object per queued job)."""
+
+    id: str
+    name: str
+    node_count: int
+    process_count_per_node: int
+    requeue_reason: str | None
+    wait_reason: str | None
 
 
 @dataclass
@@ -90,7 +103,7 @@ def pick_port(session: Session, settings: Settings, address: str, taken: dict[st
     return port
 
 
-def _wait_reason(job: Job, nodes: list[NodeCapacity]) -> tuple[str, bool]:
+def _wait_reason(job: QueuedJob, nodes: list[NodeCapacity]) -> tuple[str, bool]:
     """Why ``job`` cannot start now, and whether it could start once capacity frees up."""
     n, p = job.node_count, job.process_count_per_node
     big_enough = sum(1 for c in nodes if c.units >= p)
@@ -104,6 +117,7 @@ def _wait_reason(job: Job, nodes: list[NodeCapacity]) -> tuple[str, bool]:
     return (f"waiting for {_plural(n, 'node')} with {_plural(p, 'free unit')}; {available} available", True)
 
 
+@functools.lru_cache(maxsize=4096)
 def _is_loopback(address: str) -> bool:
     try:
         return ipaddress.ip_address(address).is_loopback
@@ -168,7 +182,13 @@ def _place(
 
 
 def schedule(session: Session, settings: Settings) -> PassResult:
-    """One scheduling pass in the caller's write transaction (the caller commits)."""
+    """One scheduling pass in the caller's write transaction (the caller commits).
+
+    The head of the queue is read as plain rows; only a job being placed is locked and
+    loaded whole. Behind the blocker a job's reason depends on its shape only, so it is
+    worked out once per shape, and wait reasons are written with one ``UPDATE`` per
+    distinct reason, only to the jobs whose stored reason differs: a pass over a queue
+    that keeps waiting reads a page of its index and writes nothing."""
     result = PassResult()
     queued = _lock_queued(session)
     if not queued:
@@ -176,8 +196,9 @@ def schedule(session: Session, settings: Settings) -> PassResult:
     now = utcnow()
     nodes = ready_capacity(session, settings, now)
     taken_ports: dict[str, set[int]] = {}
-    blocker: Job | None = None
+    blocker: QueuedJob | None = None
     behind: dict[tuple[int, int], str] = {}  # reasons behind the blocker, by job shape
+    changed: dict[str, list[str]] = {}  # new wait reason -> the jobs to write it to
     for job in queued:
         if blocker is not None:
             reason = _reason_behind(job, nodes, blocker, behind)
@@ -195,14 +216,8 @@ def schedule(session: Session, settings: Settings) -> PassResult:
             reason = f"{job.requeue_reason}; {reason}"
         result.waiting[job.id] = reason
         if job.wait_reason != reason:
-            # Only while it is still queued (a cancel may have ended it since it was read).
-            session.execute(
-                update(Job)
-                .where(Job.id == job.id, Job.status == JobStatus.QUEUED.value)
-                .values(wait_reason=reason)
-                .execution_options(synchronize_session=False)
-            )
-            job.wait_reason = reason
+            changed.setdefault(reason, []).append(job.id)
+    _write_reasons(session, changed)
     if result.scheduled:
         log.info("scheduled %s", ", ".join(result.scheduled))
         placed = session.scalars(
@@ -215,54 +230,60 @@ def schedule(session: Session, settings: Settings) -> PassResult:
     return result
 
 
-def _lock_queued(session: Session) -> list[Job]:
+def _write_reasons(session: Session, changed: dict[str, list[str]]) -> None:
+    """One ``UPDATE`` per distinct reason, only to jobs still queued (a cancel may have ended
+    one since it was read)."""
+    for reason, ids in changed.items():
+        session.execute(
+            update(Job)
+            .where(Job.id.in_(ids), Job.status == JobStatus.QUEUED.value)
+            .values(wait_reason=reason)
+            .execution_options(synchronize_session=False)
+        )
+
+
+def _lock_queued(session: Session) -> list[QueuedJob]:
     """The queued jobs in order (first MAX_JOBS_PER_PASS), under the scheduler lock.
 
     They are read in the queue's order from its index (``ix_jobs_queue``: no sort of the
-    whole queue), with the columns a pass looks at; no row is locked here. A job is locked
-    (and read whole) only when it is placed (:func:`_claim_for_placing`), and a wait reason
-    is written only to a job still queued, so a pass writes nothing for the jobs that just
-    keep waiting."""
+    whole queue), as plain rows of the columns a pass looks at; no row is locked here. A
+    job is locked (and read whole) only when it is placed (:func:`_claim_for_placing`), and
+    a wait reason is written only to a job still queued, so a pass writes nothing for the
+    jobs that just keep waiting."""
     if is_postgres(session):
         session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEDULER_LOCK_KEY})
     stmt = (
-        select(Job)
-        .options(
-            load_only(
-                Job.id,
-                Job.name,
-                Job.status,
-                Job.priority,
-                Job.created_at,
-                Job.node_count,
-                Job.process_count_per_node,
-                Job.requeue_reason,
-                Job.wait_reason,
-            )
+        select(
+            Job.id,
+            Job.name,
+            Job.node_count,
+            Job.process_count_per_node,
+            Job.requeue_reason,
+            Job.wait_reason,
         )
         .where(Job.status == JobStatus.QUEUED.value)
         .order_by(Job.priority.desc(), Job.created_at, Job.id)
         .limit(MAX_JOBS_PER_PASS)
     )
-    return list(session.scalars(stmt))
+    return [QueuedJob(*row) for row in session.execute(stmt)]
 
 
-def _claim_for_placing(session: Session, job: Job) -> bool:
-    """Lock ``job`` and read it whole, if it is still queued: a job being cancelled right now
-    (locked) or cancelled since the queue was read is left alone. On SQLite the pass's write
-    transaction is exclusive already."""
+def _claim_for_placing(session: Session, job_id: str) -> Job | None:
+    """Lock the job and read it whole, if it is still queued: a job being cancelled right now
+    (locked) or cancelled since the queue was read is left alone (None). On SQLite the
+    pass's write transaction is exclusive already."""
     stmt = (
         select(Job)
-        .where(Job.id == job.id, Job.status == JobStatus.QUEUED.value)
+        .where(Job.id == job_id, Job.status == JobStatus.QUEUED.value)
         .execution_options(populate_existing=True)
     )
     if is_postgres(session):
         stmt = stmt.with_for_update(skip_locked=True)
-    return session.scalars(stmt).first() is not None
+    return session.scalars(stmt).first()
 
 
 def _reason_behind(
-    job: Job, nodes: list[NodeCapacity], blocker: Job, known: dict[tuple[int, int], str]
+    job: QueuedJob, nodes: list[NodeCapacity], blocker: QueuedJob, known: dict[tuple[int, int], str]
 ) -> str:
     """Why ``job`` waits while ``blocker``, first in line, cannot be placed yet (``known``:
     the reasons found so far by job shape; nothing is placed behind the blocker, so the
@@ -279,7 +300,7 @@ def _reason_behind(
 def _try_place(
     session: Session,
     settings: Settings,
-    job: Job,
+    job: QueuedJob,
     nodes: list[NodeCapacity],
     taken_ports: dict[str, set[int]],
     now: datetime,
@@ -295,9 +316,10 @@ def _try_place(
             f"waiting for a free rendezvous port on {chosen[0].address} "
             f"(range {settings.master_port_min}-{settings.master_port_max} in use)"
         ), True
-    if not _claim_for_placing(session, job):
+    row = _claim_for_placing(session, job.id)
+    if row is None:
         return _GONE, False
-    _place(session, settings, job, chosen, port, now)
+    _place(session, settings, row, chosen, port, now)
     return None, True
 
 

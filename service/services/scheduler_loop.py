@@ -25,6 +25,7 @@ from service.config import Settings
 from service.db.engine import Database, is_unavailable
 from service.engines.agents import AgentsEngine
 from service.engines.base import Engine
+from service.services.node_timing import NodeTiming
 from service.services.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
@@ -37,13 +38,20 @@ class SchedulerLoop:
     """Coalesced scheduling passes in a thread of their own (see the module's docstring)."""
 
     def __init__(
-        self, db: Database, settings: Settings, wakeup: Wakeup, engine: Engine | None = None
+        self,
+        db: Database,
+        settings: Settings,
+        wakeup: Wakeup,
+        engine: Engine | None = None,
+        timing: NodeTiming | None = None,
     ) -> None:
         self._db = db
         # What a pass runs: the gang scheduler of the built-in agents, or another engine's pass
         # (service.engines), which also runs every ``engine.period_s`` unasked (it polls).
         self._engine: Engine = engine or AgentsEngine()
         self._settings = settings
+        # The lease a placement starts with follows the cluster's size (see node_timing).
+        self._timing = timing
         self._wakeup = wakeup
         self._cond = threading.Condition()
         self._requested = 0  # tickets handed out
@@ -106,7 +114,8 @@ class SchedulerLoop:
                     return
                 target = self._requested
             try:
-                result = self._engine.run_pass(self._db, self._settings)
+                settings = self._timing.settings() if self._timing is not None else self._settings
+                result = self._engine.run_pass(self._db, settings)
             except Exception as exc:
                 if is_unavailable(exc):
                     log.warning("scheduling pass failed: the database is unreachable; retrying")

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from torchyard.contract.errors import AuthenticationError, NodeNameInUseError, NotFoundError, TorchyardError
-from torchyard.contract.protocol import ClaimedPlacement, StopOrder
+from torchyard.contract.protocol import ClaimedPlacement, HeartbeatResponse, StopOrder
 from worker.agent import sandbox
 from worker.agent.api import Backoff, WorkerApi, is_retryable, retrying
 from worker.agent.identity import NodeLock, load_or_create_agent_key
@@ -343,11 +343,22 @@ class Agent:
             except Exception as exc:
                 log.warning("heartbeat failed: %s", exc)
             else:
+                self._follow_timing(answer)
                 try:
                     self._apply_stop_orders(answer.stop, active)
                 except Exception:  # the heartbeat must go on whatever happens
                     log.exception("applying stop orders failed")
             self.shutdown.wait(interval)
+
+    def _follow_timing(self, answer: HeartbeatResponse) -> None:
+        """The API hands out the heartbeat interval and lease in every answer: they grow with
+        the cluster's size (an agent registered while it was small slows down now)."""
+        interval, lease = answer.heartbeat_interval_s, answer.lease_timeout_s
+        if interval > 0 and interval != self.ctx.heartbeat_interval_s:
+            log.info("heartbeat every %.1f s from now on (lease %s s)", interval, lease)
+            self.ctx.heartbeat_interval_s = float(interval)
+        if lease > 0:
+            self.ctx.lease_timeout_s = float(lease)
 
     def _apply_stop_orders(self, orders: list[StopOrder], active: list[PlacementRun]) -> None:
         apply_stop_orders(orders, active)

@@ -15,9 +15,9 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import Field
 
-from service.api.deps import get_db
 from service.api.routing import SessionScopedRoute
 from service.api.security import SESSION_COOKIE
+from service.db.engine import Database
 from service.schemas.common import StrictModel
 from service.schemas.tokens import WhoAmI
 from service.services.tokens import authenticate
@@ -46,7 +46,8 @@ def index() -> FileResponse:
 def sign_in(body: SessionCreate, request: Request, response: Response) -> WhoAmI:
     """Sign the web UI in: the token is checked and set in an HttpOnly, SameSite=Strict
     cookie (Secure over HTTPS) that page scripts cannot read. Worker tokens are refused."""
-    with get_db(request).read_session() as session:
+    db: Database = request.app.state.db
+    with db.read_session() as session:
         principal = authenticate(session, body.token.strip())
     if principal.role not in (Role.USER, Role.ADMIN):
         raise PermissionDeniedError("worker tokens cannot sign in to the web UI")

@@ -10,9 +10,12 @@ gets 409 ``NodeNameInUseError`` (another agent holds the node now).
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Annotated, Any
 
+import anyio
 from fastapi import APIRouter, Query, Request, Response, status
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import (
@@ -24,14 +27,18 @@ from service.api.deps import (
     SchedulingDep,
     SessionDep,
     SettingsDep,
+    TokenDep,
     WakeupDep,
     WorkerDep,
+    agent_of,
 )
 from service.api.routing import SessionScopedRoute
 from service.config import Settings
 from service.db.engine import Database
+from service.db.models import Node
 from service.schemas.nodes import NodeDrained, NodeRegister
-from service.services import agents, launches
+from service.services import agents, attempts, launches
+from service.services.node_timing import NodeTiming
 from service.services.tokens import Principal
 from torchyard.contract.protocol import (
     AnyClaimedPlacement,
@@ -48,12 +55,32 @@ from torchyard.contract.protocol import (
 _DISCONNECT_CHECK_S = 5.0
 # The longest a claim waits for a scheduling pass this replica owes before its first answer.
 _OWED_PASS_WAIT_S = 5.0
+# Worker threads kept for heartbeats alone: a heartbeat never queues for a thread behind
+# other work (a herd of claims, a burst of submissions), so leases are renewed on time.
+HEARTBEAT_THREADS = 4
+# At most this many claim checks at once: a herd of long-polls (every node registered
+# together) waits on the event loop, not in threads contending for the GIL and connections.
+CLAIM_THREADS = 8
+# A long-poll at least this long ends at a random point of its last fifth: nodes that
+# registered together do not all come back at the same moment, every time.
+_JITTER_FROM_S = 10.0
+
+
+class Lanes:
+    """The worker-thread budgets of the hot worker routes, per API process (its event loop):
+    heartbeats and claims each have their own, apart from every other request's."""
+
+    def __init__(self) -> None:
+        self.heartbeats = anyio.CapacityLimiter(HEARTBEAT_THREADS)
+        self.claims = anyio.CapacityLimiter(CLAIM_THREADS)
+
 
 router = APIRouter(prefix="/v1/worker", tags=["worker"], route_class=SessionScopedRoute)
 
 
 @router.post("/nodes")
-def register_node(
+async def register_node(
+    request: Request,
     body: NodeRegister,
     session: SessionDep,
     db: DatabaseDep,
@@ -69,38 +96,80 @@ def register_node(
     first registered it, and to one live agent (``agent_key``) at a time: anyone else
     gets 409 ``NodeNameInUseError`` and changes nothing.
     """
-    node = agents.register(session, db, settings, worker, body)
+    node, timing = await run_in_threadpool(_register, request, session, db, settings, worker, body)
     scheduling.request()  # new (or freed) capacity
     return NodeRegistered(
         id=node.id,
         name=node.name,
         status=node.status,
-        heartbeat_interval_s=settings.heartbeat_interval_s,
-        lease_timeout_s=settings.lease_timeout_s,
+        heartbeat_interval_s=timing.heartbeat_interval_s,
+        lease_timeout_s=timing.lease_timeout_s,
         claim_poll_timeout_s=settings.claim_poll_timeout_s,
     )
 
 
+def _register(
+    request: Request,
+    session: Session,
+    db: Database,
+    settings: Settings,
+    worker: Principal,
+    body: NodeRegister,
+) -> tuple[Node, Settings]:
+    """Register the node, then count the nodes again: the answer carries the heartbeat
+    interval and lease for the cluster with this node in it (:mod:`service.services.node_timing`)."""
+    node = agents.register(session, db, settings, worker, body)
+    timing: NodeTiming = request.app.state.timing
+    return node, timing.refresh(db)
+
+
 @router.post("/nodes/{name}/heartbeat")
-def heartbeat(
+async def heartbeat(
+    request: Request,
     name: str,
     body: HeartbeatRequest,
-    session: SessionDep,
+    db: DatabaseDep,
     settings: SettingsDep,
     scheduling: SchedulingDep,
-    worker: AgentDep,
+    token: TokenDep,
     agent_key: AgentKeyDep,
 ) -> HeartbeatResponse:
     """Keep the node ready and renew the leases it lists; ``stop`` names placements whose ranks
-    must be stopped now (job cancelling, attempt failed elsewhere, lease stale)."""
-    answer, revived = agents.heartbeat(session, settings, worker, name, agent_key, body.leases)
+    must be stopped now (job cancelling, attempt failed elsewhere, lease stale).
+
+    The hottest route (every node, every few seconds): the token is checked (as for every
+    worker route) and the heartbeat's transaction made in one trip to a worker thread; a
+    trip costs most when the machine is busy (a wait for a thread and for the GIL)."""
+    answer, revived = await anyio.to_thread.run_sync(
+        _heartbeat,
+        db,
+        settings,
+        token,
+        name,
+        agent_key,
+        body.leases,
+        limiter=_lanes(request).heartbeats,
+    )
     if revived:
         scheduling.request()
     return answer
 
 
+def _lanes(request: Request) -> Lanes:
+    lanes: Lanes = request.app.state.lanes
+    return lanes
+
+
+def _heartbeat(
+    db: Database, settings: Settings, token: str | None, name: str, agent_key: str | None, leases: list[str]
+) -> tuple[HeartbeatResponse, bool]:
+    worker = agent_of(db, token)
+    with db.session() as session:
+        return agents.heartbeat(session, settings, worker, name, agent_key, leases)
+
+
 @router.post("/nodes/{name}/drain")
-def drain_node(
+async def drain_node(
     name: str,
     session: SessionDep,
     db: DatabaseDep,
@@ -112,7 +181,7 @@ def drain_node(
     """The agent drains its own node (it got SIGTERM: a spot node reclaimed, a pod evicted): the
     node takes no new work, and its placements get ``preempted`` stop orders at the next
     heartbeat. A new agent registering the node makes it ready again."""
-    answer = agents.drain_own_node(session, db, settings, worker, name, agent_key)
+    answer = await run_in_threadpool(agents.drain_own_node, session, db, settings, worker, name, agent_key)
     scheduling.request()  # preempted jobs are queued again
     return answer
 
@@ -129,7 +198,7 @@ async def claim(
     settings: SettingsDep,
     wakeup: WakeupDep,
     scheduling: SchedulingDep,
-    worker: AgentDep,
+    token: TokenDep,
     agent_key: AgentKeyDep,
     wait: Annotated[float, Query(ge=0, le=3600, description="Seconds to wait for work (long-poll).")] = 0.0,
 ) -> Any:
@@ -143,8 +212,15 @@ async def claim(
     wait re-read the node's placements every ``claim_recheck_interval_s``.
     """
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + min(wait, settings.claim_poll_timeout_s)
-    check = await run_in_threadpool(agents.claim_once, db, settings, worker, name, agent_key, True)
+    wait = min(wait, settings.claim_poll_timeout_s)
+    if wait >= _JITTER_FROM_S:
+        wait *= random.uniform(0.8, 1.0)
+    deadline = loop.time() + wait
+    # The token checked and the first look made in one trip to a worker thread.
+    lane = _lanes(request).claims
+    worker, check = await anyio.to_thread.run_sync(
+        _first_claim, db, settings, token, name, agent_key, limiter=lane
+    )
     if check.placement is not None:
         return check.placement
     node_id = check.node_id
@@ -163,7 +239,7 @@ async def claim(
             if await request.is_disconnected():
                 # The agent went away (or restarted): end the wait, and hand it nothing.
                 return Response(status_code=status.HTTP_204_NO_CONTENT)
-            placement = await _take_assigned(db, settings, worker, name, agent_key, node_id)
+            placement = await _take_assigned(db, settings, worker, name, agent_key, node_id, lane)
             if placement is not None:
                 return placement
         remaining = deadline - loop.time()
@@ -173,19 +249,34 @@ async def claim(
         notified = await wakeup.wait(node_id, generation, min(timeout, _DISCONNECT_CHECK_S))
 
 
+def _first_claim(
+    db: Database, settings: Settings, token: str | None, name: str, agent_key: str | None
+) -> tuple[Principal, attempts.ClaimCheck]:
+    worker = agent_of(db, token)
+    return worker, agents.claim_once(db, settings, worker, name, agent_key, True)
+
+
 async def _take_assigned(
-    db: Database, settings: Settings, worker: Principal, name: str, agent_key: str | None, node_id: str
+    db: Database,
+    settings: Settings,
+    worker: Principal,
+    name: str,
+    agent_key: str | None,
+    node_id: str,
+    lane: anyio.CapacityLimiter,
 ) -> ClaimedPlacement | None:
     """The node's next placement if a pass assigned it one (a cheap read first, then the
     claim's write transaction)."""
-    if not await run_in_threadpool(agents.work_pending, db, node_id):
+    if not await anyio.to_thread.run_sync(agents.work_pending, db, node_id, limiter=lane):
         return None
-    check = await run_in_threadpool(agents.claim_once, db, settings, worker, name, agent_key, False)
+    check = await anyio.to_thread.run_sync(
+        agents.claim_once, db, settings, worker, name, agent_key, False, limiter=lane
+    )
     return check.placement
 
 
 @router.post("/placements/status")
-def report_status(
+async def report_status(
     body: PlacementStatusReport,
     session: SessionDep,
     db: DatabaseDep,
@@ -197,7 +288,7 @@ def report_status(
     """Report a placement's state: ``running`` once its ranks started, then ``succeeded``
     (node rank 0 after uploading the model), ``failed`` (with the failure) or ``cancelled``
     (ranks stopped on request). ``stop`` in the answer tells the agent to stop its ranks."""
-    answer, ended = agents.report_status(session, db, settings, worker, lease, body)
+    answer, ended = await run_in_threadpool(agents.report_status, session, db, settings, worker, lease, body)
     if ended:
         scheduling.request()  # the placement's units are free
     return answer
