@@ -318,14 +318,7 @@ class SlurmEngine:
     def _refused(self, db: Database, attempt_id: str, exc: SlurmCommandError) -> None:
         """sbatch refused the job: EngineError with Slurm's words, not retried."""
         with db.transaction() as session:
-            attempt = session.get_one(Attempt, attempt_id)
-            job = session.scalars(select(Job).where(Job.id == attempt.job_id).with_for_update()).one()
-            attempt = session.scalars(
-                select(Attempt)
-                .where(Attempt.id == attempt_id)
-                .with_for_update()
-                .execution_options(populate_existing=True)
-            ).one()
+            job, attempt = launches.lock_attempt(session, attempt_id)
             attempt.engine_state = "REFUSED"
             launches.revoke_launch_tokens(session, attempt_id)
             message = f"sbatch refused the job: {exc.output.strip()[-1000:] or exc}"
@@ -412,14 +405,7 @@ class SlurmEngine:
         shown = self.slurm.show_job(slurm_job.id)
         state = slurm_job.state
         with db.transaction() as session:
-            attempt = session.get_one(Attempt, attempt_id)
-            job = session.scalars(select(Job).where(Job.id == attempt.job_id).with_for_update()).one()
-            attempt = session.scalars(
-                select(Attempt)
-                .where(Attempt.id == attempt_id)
-                .with_for_update()
-                .execution_options(populate_existing=True)
-            ).one()
+            job, attempt = launches.lock_attempt(session, attempt_id)
             attempt.engine_state = state
             launches.revoke_launch_tokens(session, attempt_id)
             if attempt.status not in _LIVE:

@@ -24,7 +24,7 @@ from service.config import Settings
 from service.db.models import Attempt, Job, Node, Placement, Token, new_id, utcnow
 from service.services.attempts import claimed_placement, renew_leases
 from service.services.jobs import transition
-from service.services.scheduler import pick_port
+from service.services.scheduler import new_placement, pick_port
 from service.services.tokens import TOKEN_PREFIX, Principal, hash_token
 from service.states import LIVE_ATTEMPT_STATUSES, AttemptStatus, JobStatus, NodeStatus, PlacementStatus, Role
 from torchyard.contract.errors import ConflictError, PermissionDeniedError, StaleLeaseError
@@ -97,6 +97,20 @@ def revoke_launch_tokens(session: Session, attempt_id: str) -> None:
     )
 
 
+def lock_attempt(session: Session, attempt_id: str) -> tuple[Job, Attempt]:
+    """The attempt's job, then the attempt, locked in that order (the order every writer of
+    both takes), the attempt read again under its lock."""
+    attempt = session.get_one(Attempt, attempt_id)
+    job = session.scalars(select(Job).where(Job.id == attempt.job_id).with_for_update()).one()
+    attempt = session.scalars(
+        select(Attempt)
+        .where(Attempt.id == attempt_id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    ).one()
+    return job, attempt
+
+
 def _own_attempt(principal: Principal, attempt_id: str) -> None:
     if principal.attempt_id != attempt_id:
         raise PermissionDeniedError("this launch token belongs to another attempt")
@@ -113,14 +127,7 @@ def check_in(
     match the job's shape or another launcher bound it differently.
     """
     _own_attempt(principal, attempt_id)
-    attempt = session.get_one(Attempt, attempt_id)
-    job = session.scalars(select(Job).where(Job.id == attempt.job_id).with_for_update()).one()
-    attempt = session.scalars(
-        select(Attempt)
-        .where(Attempt.id == attempt_id)
-        .with_for_update()
-        .execution_options(populate_existing=True)
-    ).one()
+    job, attempt = lock_attempt(session, attempt_id)
     if attempt.status not in _LIVE or job.status not in _PLACED:
         raise StaleLeaseError(
             f"attempt {attempt.number} of job {job.id} is {attempt.status} (job {job.status})"
@@ -191,17 +198,7 @@ def _bind(
     expires = now + timedelta(seconds=settings.lease_timeout_s)
     placements = []
     for rank, node in enumerate(rows):
-        placement = Placement(
-            attempt_id=attempt.id,
-            job_id=job.id,
-            node_id=node.id,
-            node_rank=rank,
-            units=job.process_count_per_node,
-            status=PlacementStatus.ASSIGNED,
-            lease_token=secrets.token_urlsafe(32),
-            lease_expires_at=expires,
-            created_at=now,
-        )
+        placement = new_placement(attempt, job, node.id, rank, expires, now)
         session.add(placement)
         placements.append(placement)
     job.wait_reason = None

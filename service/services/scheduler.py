@@ -162,23 +162,28 @@ def _place(
     session.add(attempt)
     session.flush()
     for rank, node in enumerate(chosen):
-        session.add(
-            Placement(
-                attempt_id=attempt.id,
-                job_id=job.id,
-                node_id=node.id,
-                node_rank=rank,
-                units=job.process_count_per_node,
-                status=PlacementStatus.ASSIGNED,
-                lease_token=secrets.token_urlsafe(32),
-                lease_expires_at=expires,
-                created_at=now,
-            )
-        )
+        session.add(new_placement(attempt, job, node.id, rank, expires, now))
         node.free -= job.process_count_per_node
     names = ", ".join(c.name for c in chosen)
     transition(session, job, JobStatus.SCHEDULED, f"attempt {attempt.number} placed on {names}")
     return attempt
+
+
+def new_placement(
+    attempt: Attempt, job: Job, node_id: str, rank: int, expires: datetime, now: datetime
+) -> Placement:
+    """Node rank ``rank`` of ``attempt``: assigned, with a fresh lease until ``expires``."""
+    return Placement(
+        attempt_id=attempt.id,
+        job_id=job.id,
+        node_id=node_id,
+        node_rank=rank,
+        units=job.process_count_per_node,
+        status=PlacementStatus.ASSIGNED,
+        lease_token=secrets.token_urlsafe(32),
+        lease_expires_at=expires,
+        created_at=now,
+    )
 
 
 def schedule(session: Session, settings: Settings) -> PassResult:

@@ -211,9 +211,14 @@ class TrackingStore:
         return found
 
     def create_experiment(self, name: str, tags: dict[str, str]) -> str:
+        """A name the job already has gives that experiment (where MLflow's server answers
+        RESOURCE_ALREADY_EXISTS): the ranks of a job call ``mlflow.set_experiment(name)`` at
+        the same moment, and MLflow's client, losing that race, leaves the loser's runs in
+        the Default experiment. Experiments here are the job's own, so one name is one."""
         with self.lock:
-            if any(e["name"] == name for e in self.experiments.values()):
-                raise MlflowError(f"Experiment '{name}' already exists.", "RESOURCE_ALREADY_EXISTS", 400)
+            for experiment in self.experiments.values():
+                if experiment["name"] == name:
+                    return str(experiment["experiment_id"])
             if len(self.experiments) >= MAX_TRACKING_RUNS:
                 raise MlflowError(f"a job holds at most {MAX_TRACKING_RUNS} experiments")
             experiment_id = str(len(self.experiments))

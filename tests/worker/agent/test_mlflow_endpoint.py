@@ -291,3 +291,17 @@ def test_per_node_ranks_started_by_torchrun_log_with_their_own_rank(
     assert by_rank[4] == [("loss", 0, 99.0)]
     runs = json.loads((endpoint.store.run_dir / TRACKING_FILE).read_text())["runs"]
     assert sorted((r["name"], r["rank"]) for r in runs) == [("node", 4), ("rank0", 0), ("rank1", 1)]
+
+
+def test_ranks_creating_one_experiment_at_once_all_get_it(endpoint: TrackingEndpoint) -> None:
+    """Two ranks call ``mlflow.set_experiment("digits")`` at the same moment: both creates
+    give the same experiment (MLflow's client, told RESOURCE_ALREADY_EXISTS, would leave the
+    loser's runs in the Default experiment), and the name is found by either."""
+    token = endpoint.env_for(0, "rank-0")["MLFLOW_TRACKING_TOKEN"]
+    ids = [
+        _call(endpoint, "POST", "experiments/create", token, json={"name": "digits"}).json()["experiment_id"]
+        for _ in range(2)
+    ]
+    assert ids[0] == ids[1] != "0"
+    found = _call(endpoint, "GET", "experiments/get-by-name", token, params={"experiment_name": "digits"})
+    assert found.json()["experiment"]["experiment_id"] == ids[0]
