@@ -40,6 +40,7 @@ from typing import Any
 
 import pytest
 
+from service.engines.slurm_cli import ENDED_STATES
 from tests.support.netns import NetnsCluster, netns_unavailable
 
 REQUIRE_ENV = "TORCHYARD_REQUIRE_SLURM"
@@ -149,18 +150,9 @@ class SlurmCluster:
 
     def active(self, name_prefix: str = "") -> list[dict[str, str]]:
         """Jobs not finished (pending, running, completing...) whose name starts with ``name_prefix``."""
-        done = {
-            "COMPLETED",
-            "CANCELLED",
-            "FAILED",
-            "TIMEOUT",
-            "NODE_FAIL",
-            "PREEMPTED",
-            "OUT_OF_MEMORY",
-            "BOOT_FAIL",
-            "DEADLINE",
-        }
-        return [r for r in self.squeue() if r["state"] not in done and r["name"].startswith(name_prefix)]
+        return [
+            r for r in self.squeue() if r["state"] not in ENDED_STATES and r["name"].startswith(name_prefix)
+        ]
 
     def node(self, name: str) -> SlurmNode:
         return next(n for n in self.nodes if n.name == name)
