@@ -3,9 +3,10 @@ PYTHON ?= python3
 # Where the virtual environment lives; CI points it at a cache outside the clone (.ci/run).
 VENV ?= .venv
 BIN := $(VENV)/bin
-# Test processes: one per core (xdist); the tests that start real training processes run in
-# one group on one of them, so their timings are not squeezed by each other (tests/README.md).
-TEST_WORKERS ?= auto
+# Test processes (xdist): one more than the cores, since most tests that start real processes
+# spend their time waiting on them; each test module runs whole on one test process, so its
+# module-scoped servers, agents and trained models are built once (tests/README.md).
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 # The tests' temporary files on tmpfs where there is one with 6 GiB free (SQLite commits and
 # checkpoints without disk syncs); one folder per checkout, emptied at each run and removed
 # after a run that passed. A passing test's own folder goes as it ends (pyproject.toml).
@@ -32,7 +33,7 @@ lint: $(BIN)/.installed
 
 test: lint
 	@start=$$(date +%s); \
-	$(BIN)/python -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadgroup \
+	$(BIN)/python -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		$(if $(TEST_TMP),--basetemp=$(TEST_TMP)); rc=$$?; \
 	echo "test suite wall time: $$(( $$(date +%s) - start )) s"; \
 	if [ $$rc -eq 0 ] && [ -n "$(TEST_TMP)" ]; then rm -rf "$(TEST_TMP)"; fi; \

@@ -246,11 +246,9 @@ def _weight(item: pytest.Item) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``make test``: ``-n auto --dist loadgroup``) a module's tests run on
-    one worker, one after another, so its module-scoped servers, agents and trained models are
-    built once; modules run in parallel with each other. A test may name another group with
-    ``@pytest.mark.xdist_group(name)``."""
+    """Under pytest-xdist (``make test``: ``--dist loadfile --no-loadscope-reorder``) a
+    module's tests run on one test process, one after another, so its module-scoped servers,
+    agents and trained models are built once; modules run in parallel with each other, taken
+    in this order. (``loadgroup`` cannot do this with pytest 9: the group it appends to a
+    test's id no longer reaches the scheduler.)"""
     items.sort(key=_weight)  # stable: a module's tests stay together and in order
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
