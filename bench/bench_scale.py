@@ -72,6 +72,14 @@ print(" ".join(f"{ms:.1f}" for ms in out))
 """
 
 
+_T0 = time.monotonic()
+
+
+def _phase(text: str) -> None:
+    """A progress line on stderr (the table goes to stdout at the end)."""
+    print(f"[{time.monotonic() - _T0:7.1f} s] {text}", file=sys.stderr, flush=True)
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -79,16 +87,27 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+# Simulated nodes per HTTP client (see Sim.__init__).
+NODES_PER_CLIENT = 25
+
+
 class Sim:
     """The simulated nodes and what they measured."""
 
     def __init__(self, url: str, token: str, nodes: int) -> None:
         # Idle connections are dropped before the server's keep-alive timeout (5 s) closes them.
-        limits = httpx.Limits(
-            max_connections=2 * nodes + 64, max_keepalive_connections=2 * nodes + 64, keepalive_expiry=2.0
-        )
-        self.http = httpx.AsyncClient(base_url=url, headers=auth(token), timeout=120, limits=limits)
+        # One client per NODES_PER_CLIENT nodes: httpcore's pool looks over all its connections
+        # and waiting requests on every request, so one pool for 1,000 nodes (2,000 open
+        # requests) made this process spend its core there and left heartbeats unsent.
+        shards = max(1, -(-nodes // NODES_PER_CLIENT))
+        per = 2 * NODES_PER_CLIENT + 8
+        limits = httpx.Limits(max_connections=per, max_keepalive_connections=per, keepalive_expiry=2.0)
+        self.clients = [
+            httpx.AsyncClient(base_url=url, headers=auth(token), timeout=120, limits=limits)
+            for _ in range(shards)
+        ]
         self.names = [f"sim-{i:04d}" for i in range(nodes)]
+        self.http_of = {n: self.clients[i // NODES_PER_CLIENT] for i, n in enumerate(self.names)}
         self.leases: dict[str, list[str]] = {n: [] for n in self.names}
         # The heartbeat interval each node was told last (registration, heartbeat answers).
         self.interval: dict[str, float] = {}
@@ -108,7 +127,7 @@ class Sim:
                 body = {"name": name, "address": "127.0.0.1", "units": 1, "accelerator": "cpu"}
                 for attempt in range(5):  # as an agent does: again after a dropped connection
                     try:
-                        r = await self.http.post("/v1/worker/nodes", json=body)
+                        r = await self.http_of[name].post("/v1/worker/nodes", json=body)
                         r.raise_for_status()
                         self.interval[name] = float(r.json()["heartbeat_interval_s"])
                         self.tasks.append(asyncio.create_task(self.heartbeats(name)))
@@ -125,7 +144,7 @@ class Sim:
         while not self.stop.is_set():
             start = time.monotonic()
             try:
-                r = await self.http.post(
+                r = await self.http_of[name].post(
                     f"/v1/worker/nodes/{name}/heartbeat", json={"leases": self.leases[name]}
                 )
                 if r.status_code == 200:
@@ -140,7 +159,9 @@ class Sim:
     async def claims(self, name: str) -> None:
         while not self.stop.is_set():
             try:
-                r = await self.http.post(f"/v1/worker/nodes/{name}/claim", params={"wait": CLAIM_WAIT_S})
+                r = await self.http_of[name].post(
+                    f"/v1/worker/nodes/{name}/claim", params={"wait": CLAIM_WAIT_S}
+                )
             except httpx.HTTPError:
                 await asyncio.sleep(1)
                 continue
@@ -149,11 +170,13 @@ class Sim:
             placement = r.json()
             self.claimed[placement["job_name"]] = time.monotonic()
             lease = {"X-Torchyard-Lease": placement["lease_token"]}
-            await self.http.post("/v1/worker/placements/status", json={"state": "running"}, headers=lease)
+            await self.http_of[name].post(
+                "/v1/worker/placements/status", json={"state": "running"}, headers=lease
+            )
             if placement["job_name"] == "holder":
                 self.leases[name].append(placement["lease_token"])  # runs until the end
                 continue
-            await self.http.post(
+            await self.http_of[name].post(
                 "/v1/worker/placements/status", json={"state": "failed", "exit_code": 1}, headers=lease
             )
 
@@ -200,8 +223,10 @@ async def run(args: argparse.Namespace, url: str, db_url: str, data_dir: Path) -
     sim = Sim(url, worker, args.nodes)
 
     started = time.monotonic()
+    _phase(f"registering {args.nodes} nodes")
     await sim.register()
     registered_s = time.monotonic() - started
+    _phase(f"registered in {registered_s:.1f} s")
     tasks = sim.tasks
     beats_from = time.monotonic()
 
@@ -215,7 +240,10 @@ async def run(args: argparse.Namespace, url: str, db_url: str, data_dir: Path) -
     assert await _wait_for(lambda: "holder" in sim.claimed, 60), "the holder job was never claimed"
     r = await user.post("/v1/jobs", json=spec("blocker", 3, args.nodes))
     assert r.status_code == 201, r.text
-    fill_queue(db, (owner, dataset), args.queued, prefix=uuid.uuid4().hex[:6])
+    _phase(f"holder claimed, blocker queued; writing {args.queued} queued jobs")
+    # In a thread: the simulated nodes keep heartbeating while the rows are written.
+    await asyncio.to_thread(fill_queue, db, (owner, dataset), args.queued, prefix=uuid.uuid4().hex[:6])
+    _phase("queue written")
     with db.engine.connect() as conn:
         conn.execute(sa.text("ANALYZE jobs"))
         conn.commit()
@@ -227,6 +255,7 @@ async def run(args: argparse.Namespace, url: str, db_url: str, data_dir: Path) -
     x1, r1, _ = _db_counters(db)
     idle = ((x1 - x0) / args.idle, (r1 - r0) / args.idle)
 
+    _phase(f"idle window done; {args.submit} submissions")
     # Submissions behind the blocker.
     latencies: list[float] = []
     sem = asyncio.Semaphore(4)
@@ -247,6 +276,7 @@ async def run(args: argparse.Namespace, url: str, db_url: str, data_dir: Path) -
     reaper_looks = (submit_s + 2.5) * args.workers  # has_queued_jobs: one a second per process
     passes = max(0.0, s1 - s0 - reaper_looks) / args.submit
 
+    _phase(f"submissions done; {args.probes} probes")
     # Probes: above the blocker, fit any free node.
     probes: list[float] = []
     for i in range(args.probes):
@@ -258,6 +288,7 @@ async def run(args: argparse.Namespace, url: str, db_url: str, data_dir: Path) -
             probes.append(sim.claimed[name] - start)
         await asyncio.sleep(0.5)
 
+    _phase("probes done; timing scheduling passes")
     # Scheduling passes timed from outside: the same function on the live queue, in a process
     # of its own (not this one, whose event loop is busy simulating the nodes).
     proc = await asyncio.create_subprocess_exec(
@@ -277,7 +308,8 @@ async def run(args: argparse.Namespace, url: str, db_url: str, data_dir: Path) -
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    await sim.http.aclose()
+    for client in sim.clients:
+        await client.aclose()
     await user.aclose()
     await admin.aclose()
     db.dispose()
