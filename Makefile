@@ -34,7 +34,11 @@ lint: $(BIN)/.installed
 test: lint
 	@start=$$(date +%s); \
 	$(BIN)/python -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
-		$(if $(TEST_TMP),--basetemp=$(TEST_TMP)); rc=$$?; \
+		-m "not serial" $(if $(TEST_TMP),--basetemp=$(TEST_TMP)/parallel); rc=$$?; \
+	echo "parallel part: $$(( $$(date +%s) - start )) s"; \
+	$(BIN)/python -m pytest -q -ra --durations=10 -p no:xdist -m serial \
+		$(if $(TEST_TMP),--basetemp=$(TEST_TMP)/serial); rc2=$$?; \
 	echo "test suite wall time: $$(( $$(date +%s) - start )) s"; \
-	if [ $$rc -eq 0 ] && [ -n "$(TEST_TMP)" ]; then rm -rf "$(TEST_TMP)"; fi; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+	if [ $$rc -eq 5 ] || [ $$rc2 -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; \
+	if [ $$rc -eq 0 ] && [ $$rc2 -eq 0 ] && [ -n "$(TEST_TMP)" ]; then rm -rf "$(TEST_TMP)"; fi; \
+	if [ $$rc -ne 0 ]; then exit $$rc; fi; exit $$rc2

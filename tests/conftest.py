@@ -236,6 +236,13 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return train_small_model(tmp_path_factory.mktemp("trained"))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Registered here, not in pyproject.toml, whose hash keys CI's cached environment.
+    config.addinivalue_line(
+        "markers", "serial: runs after the parallel part of `make test`, alone (tests/README.md)"
+    )
+
+
 def _weight(item: pytest.Item) -> int:
     """Scheduling order: the modules that start real training processes first, so that none
     of them is left to run alone at the end of a parallel run."""

@@ -29,7 +29,10 @@ from worker.agent.launcher import MARKER_VAR, marked_pids
 from worker.trainer import checkpoint as ckpt
 from worker.trainer.control import PREEMPT_REQUEST_FILE, PREEMPTED_FILE
 
-pytestmark = pytest.mark.slow
+# Serial: in two runs of the suite with three and four test processes, one of this module's
+# torchrun runs hung (a rank never reached a collective; bench/RESULTS.md, the test suite).
+# Alone it has not: it runs after the parallel part until the hang is understood.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 EPOCHS = 2
 STEPS_PER_EPOCH = 240 // (2 * 16)  # 240 training images over 2 ranks, batches of 16, last one dropped
