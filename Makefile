@@ -33,6 +33,7 @@ lint: $(BIN)/.installed
 
 test: lint
 	@start=$$(date +%s); \
+	$(if $(TEST_TMP),mkdir -p "$(TEST_TMP)";) \
 	$(BIN)/python -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		-m "not serial" $(if $(TEST_TMP),--basetemp=$(TEST_TMP)/parallel); rc=$$?; \
 	echo "parallel part: $$(( $$(date +%s) - start )) s"; \
