@@ -314,10 +314,12 @@ def _set_up(
         start_step=min(start_step, total_steps),
     )
     # BatchNorm buffers are synchronised explicitly before validation (distributed.sync_buffers).
+    # Gradients as views of DDP's buckets save a copy on CUDA; on the CPU, with the
+    # optimizer's set_to_none zeroing, they cost 3-5 % of a step (bench/RESULTS.md).
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
-        gradient_as_bucket_view=True,
+        gradient_as_bucket_view=device.type == "cuda",
         **distributed.no_buffer_sync_kwargs(),
     )
 
