@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import statistics
@@ -49,9 +50,7 @@ from service.db.engine import Database
 from tests.conftest import PG_ADMIN_URL, free_port
 from tests.support.factories import auth, insert_dataset, job_spec
 from tests.support.queue_fill import fill_queue
-
-CLAIM_WAIT_S = 20.0
-
+from worker.agent.agent import MAX_CLAIM_WAIT_S
 
 # Five scheduling passes (after one not timed) on the database named by argv[1], their
 # milliseconds on one line.
@@ -87,35 +86,114 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-# Simulated nodes per HTTP client (see Sim.__init__).
-NODES_PER_CLIENT = 25
+class Conn:
+    """One keep-alive HTTP/1.1 connection of a simulated node: the worker protocol's requests,
+    JSON in and out, written on asyncio streams.
+
+    The simulator shares the API's two cores, so what it spends per request is taken from the
+    control plane it measures: httpx spent about a millisecond of CPU per request here, with
+    1,000 nodes a third to a half of a core. A stale keep-alive connection (the server closes
+    idle ones after 5 s) is opened again once, before any byte of the answer was read.
+    """
+
+    def __init__(self, host: str, port: int, token: str) -> None:
+        self.host, self.port = host, port
+        self.auth = f"Authorization: Bearer {token}\r\n".encode()
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+    async def post(
+        self, path: str, body: Any = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any]:
+        """(status, the JSON answer or None); raises ConnectionError when the server is gone."""
+        payload = json.dumps(body if body is not None else {}).encode()
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode()
+        request = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n".encode()
+            + self.auth
+            + extra
+            + b"\r\n"
+            + payload
+        )
+        for attempt in (0, 1):
+            reused = self.writer is not None
+            if self.writer is None or self.reader is None or self.reader.at_eof():
+                self.close()
+                self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+                reused = False
+            reader, writer = self.reader, self.writer
+            assert reader is not None and writer is not None
+            try:
+                writer.write(request)
+                line = await reader.readline()
+                if not line:
+                    raise ConnectionResetError("closed before the answer")
+            except (ConnectionError, OSError):
+                self.close()
+                if attempt == 0 and reused:
+                    continue  # a keep-alive connection the server had closed: nothing was read
+                raise
+            try:
+                status, data, close = await _read_answer(line, reader)
+            except (ConnectionError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                self.close()
+                raise ConnectionError(f"the answer was cut: {exc}") from exc
+            if close:
+                self.close()
+            return status, (json.loads(data) if data else None)
+        raise AssertionError("unreachable")
+
+
+async def _read_answer(status_line: bytes, reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
+    """(status, body, whether the server closes the connection) of an HTTP/1.1 answer."""
+    status = int(status_line.split()[1])
+    length, close = 0, False
+    while True:
+        header = await reader.readline()
+        if header in (b"\r\n", b""):
+            break
+        key, _, value = header.decode("latin-1").partition(":")
+        key = key.strip().lower()
+        if key == "content-length":
+            length = int(value)
+        elif key == "connection" and value.strip().lower() == "close":
+            close = True
+        elif key == "transfer-encoding":
+            raise ConnectionError(f"unexpected transfer-encoding {value.strip()}")
+    data = await reader.readexactly(length) if length else b""
+    return status, data, close
 
 
 class Sim:
     """The simulated nodes and what they measured."""
 
     def __init__(self, url: str, token: str, nodes: int) -> None:
-        # Idle connections are dropped before the server's keep-alive timeout (5 s) closes them.
-        # One client per NODES_PER_CLIENT nodes: httpcore's pool looks over all its connections
-        # and waiting requests on every request, so one pool for 1,000 nodes (2,000 open
-        # requests) made this process spend its core there and left heartbeats unsent.
-        shards = max(1, -(-nodes // NODES_PER_CLIENT))
-        per = 2 * NODES_PER_CLIENT + 8
-        limits = httpx.Limits(max_connections=per, max_keepalive_connections=per, keepalive_expiry=2.0)
-        self.clients = [
-            httpx.AsyncClient(base_url=url, headers=auth(token), timeout=120, limits=limits)
-            for _ in range(shards)
-        ]
+        parsed = httpx.URL(url)
+        host, port = parsed.host, parsed.port or 80
         self.names = [f"sim-{i:04d}" for i in range(nodes)]
-        self.http_of = {n: self.clients[i // NODES_PER_CLIENT] for i, n in enumerate(self.names)}
+        # Two connections per node, as an agent has: heartbeats, and claims with their reports.
+        self.beat_conn = {n: Conn(host, port, token) for n in self.names}
+        self.claim_conn = {n: Conn(host, port, token) for n in self.names}
         self.leases: dict[str, list[str]] = {n: [] for n in self.names}
-        # The heartbeat interval each node was told last (registration, heartbeat answers).
+        # The heartbeat interval and claim wait each node was told last (registration, heartbeat
+        # answers), followed as the agent follows them.
         self.interval: dict[str, float] = {}
+        self.claim_wait: dict[str, float] = {}
         self.beats: list[tuple[float, float]] = []  # (time answered, latency)
         self.beat_errors = 0
         self.claimed: dict[str, float] = {}  # job name -> time its claim returned
         self.stop = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
+
+    def close(self) -> None:
+        for conn in [*self.beat_conn.values(), *self.claim_conn.values()]:
+            conn.close()
 
     async def register(self) -> None:
         """Register every node, 32 at a time; as an agent does, each node heartbeats and claims
@@ -127,13 +205,14 @@ class Sim:
                 body = {"name": name, "address": "127.0.0.1", "units": 1, "accelerator": "cpu"}
                 for attempt in range(5):  # as an agent does: again after a dropped connection
                     try:
-                        r = await self.http_of[name].post("/v1/worker/nodes", json=body)
-                        r.raise_for_status()
-                        self.interval[name] = float(r.json()["heartbeat_interval_s"])
+                        code, answer = await self.beat_conn[name].post("/v1/worker/nodes", body)
+                        assert code == 200, (code, answer)
+                        self.interval[name] = float(answer["heartbeat_interval_s"])
+                        self.claim_wait[name] = min(MAX_CLAIM_WAIT_S, float(answer["claim_poll_timeout_s"]))
                         self.tasks.append(asyncio.create_task(self.heartbeats(name)))
                         self.tasks.append(asyncio.create_task(self.claims(name)))
                         return
-                    except httpx.TransportError:
+                    except ConnectionError:
                         if attempt == 4:
                             raise
                         await asyncio.sleep(1)
@@ -144,41 +223,65 @@ class Sim:
         while not self.stop.is_set():
             start = time.monotonic()
             try:
-                r = await self.http_of[name].post(
-                    f"/v1/worker/nodes/{name}/heartbeat", json={"leases": self.leases[name]}
+                code, answer = await self.beat_conn[name].post(
+                    f"/v1/worker/nodes/{name}/heartbeat", {"leases": self.leases[name]}
                 )
-                if r.status_code == 200:
+                if code == 200:
                     self.beats.append((time.monotonic(), time.monotonic() - start))
-                    self.interval[name] = float(r.json()["heartbeat_interval_s"])
+                    self.interval[name] = float(answer["heartbeat_interval_s"])
+                    self.claim_wait[name] = min(MAX_CLAIM_WAIT_S, float(answer["claim_poll_timeout_s"]))
                 else:
                     self.beat_errors += 1
-            except httpx.HTTPError:
+            except ConnectionError:
                 self.beat_errors += 1
             await asyncio.sleep(max(0.0, self.interval[name] - (time.monotonic() - start)))
 
     async def claims(self, name: str) -> None:
         while not self.stop.is_set():
+            conn = self.claim_conn[name]
             try:
-                r = await self.http_of[name].post(
-                    f"/v1/worker/nodes/{name}/claim", params={"wait": CLAIM_WAIT_S}
+                code, placement = await conn.post(
+                    f"/v1/worker/nodes/{name}/claim?wait={self.claim_wait[name]:g}"
                 )
-            except httpx.HTTPError:
+            except ConnectionError:
                 await asyncio.sleep(1)
                 continue
-            if r.status_code != 200:
+            if code != 200:
                 continue
-            placement = r.json()
             self.claimed[placement["job_name"]] = time.monotonic()
             lease = {"X-Torchyard-Lease": placement["lease_token"]}
-            await self.http_of[name].post(
-                "/v1/worker/placements/status", json={"state": "running"}, headers=lease
-            )
+            await conn.post("/v1/worker/placements/status", {"state": "running"}, lease)
             if placement["job_name"] == "holder":
                 self.leases[name].append(placement["lease_token"])  # runs until the end
                 continue
-            await self.http_of[name].post(
-                "/v1/worker/placements/status", json={"state": "failed", "exit_code": 1}, headers=lease
-            )
+            await conn.post("/v1/worker/placements/status", {"state": "failed", "exit_code": 1}, lease)
+
+
+def _cpu_seconds() -> dict[str, float]:
+    """CPU seconds used so far by this process (the simulator), the API processes and
+    PostgreSQL's (read from /proc; Linux only, else empty)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used = {"simulator": 0.0, "api": 0.0, "postgres": 0.0}
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        seconds = (int(fields[11]) + int(fields[12])) / tick
+        if int(entry.name) == os.getpid():
+            used["simulator"] += seconds
+        elif b"torchyard.cli\0serve" in cmdline:
+            used["api"] += seconds
+        elif stat.split(" (", 1)[1].startswith("postgres)"):
+            used["postgres"] += seconds
+    return used
 
 
 def _db_counters(db: Database) -> tuple[int, int, int]:
@@ -251,9 +354,15 @@ async def run(args: argparse.Namespace, url: str, db_url: str, data_dir: Path) -
     # Idle: heartbeats and parked claims only.
     await asyncio.sleep(3)
     x0, r0, _ = _db_counters(db)
+    cpu0 = _cpu_seconds()
+    idle_from = time.monotonic()
     await asyncio.sleep(args.idle)
+    idle_to = time.monotonic()
+    cpu1 = _cpu_seconds()
     x1, r1, _ = _db_counters(db)
     idle = ((x1 - x0) / args.idle, (r1 - r0) / args.idle)
+    # Cores each part used in the idle window (PostgreSQL: backends that lived through it).
+    idle_cpu = {k: max(0.0, cpu1[k] - cpu0.get(k, 0.0)) / args.idle for k in cpu1}
 
     _phase(f"idle window done; {args.submit} submissions")
     # Submissions behind the blocker.
@@ -308,13 +417,13 @@ async def run(args: argparse.Namespace, url: str, db_url: str, data_dir: Path) -
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    for client in sim.clients:
-        await client.aclose()
+    sim.close()
     await user.aclose()
     await admin.aclose()
     db.dispose()
     window = beats_to - beats_from
     done = [lat for at, lat in sim.beats if beats_from <= at <= beats_to]
+    done_idle = [lat for at, lat in sim.beats if idle_from <= at <= idle_to]
     offered = sum(1 / sim.interval[n] for n in sim.names)
     return {
         "registered_s": registered_s,
@@ -326,11 +435,14 @@ async def run(args: argparse.Namespace, url: str, db_url: str, data_dir: Path) -
         "beats_done": len(done) / window,
         "beats_offered": offered,
         "intervals": intervals,
+        "claim_waits": sorted(set(sim.claim_wait.values())),
         "beat_p99_s": _pct(done, 0.99),
+        "beat_p99_idle_s": _pct(done_idle, 0.99),
         "beat_errors": sim.beat_errors,
         "pass_ms": pass_ms,
         "lost_nodes": int(lost),
         "lost_events": int(lost_events),
+        "idle_cpu": idle_cpu,
         "idle_xact_s": idle[0],
         "idle_rows_s": idle[1],
     }
@@ -402,8 +514,17 @@ def main() -> None:
     passes = result["pass_ms"]
     print(
         f"registration of {args.nodes} nodes: {result['registered_s']:.1f} s; API processes: {args.workers}; "
-        f"heartbeat interval handed out at the end: {', '.join(f'{i:g} s' for i in result['intervals'])}"
+        f"heartbeat interval handed out at the end: {', '.join(f'{i:g} s' for i in result['intervals'])}; "
+        f"claim wait: {', '.join(f'{i:g} s' for i in result['claim_waits'])}; "
+        f"heartbeat p99 in the idle window {result['beat_p99_idle_s']:.2f} s"
     )
+    cpu = result["idle_cpu"]
+    if cpu:
+        print(
+            "cores used in the idle window: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+            + f" (of {os.cpu_count()})"
+        )
     print(
         "| nodes | queued | POST /v1/jobs | passes per submission | probe submit→claim "
         "| heartbeats done/offered | scheduling pass | lost nodes | idle database |"

@@ -30,6 +30,9 @@ SQLITE_BUSY_TIMEOUT_MS = 60_000
 DEFAULT_CONNECT_TIMEOUT_S = 3.0
 DEFAULT_STATEMENT_TIMEOUT_S = 30.0
 DEFAULT_POOL_TIMEOUT_S = 5.0
+# PostgreSQL connections per pool: kept open, and at most (see Database).
+POSTGRES_POOL_SIZE = 25
+POSTGRES_POOL_MAX = 50
 
 
 def is_unavailable(exc: BaseException) -> bool:
@@ -115,8 +118,12 @@ class Database:
         else:
             self.engine = create_engine(
                 url,
-                pool_size=10,
-                max_overflow=40,
+                # Kept open: the worker lanes' threads (heartbeats, claims), the scheduler and
+                # a burst of requests at once. A connection opened beyond them is closed when
+                # returned, and a new PostgreSQL backend costs milliseconds of both sides' CPU:
+                # a pool smaller than the steady concurrency opens and closes them all the time.
+                pool_size=POSTGRES_POOL_SIZE,
+                max_overflow=POSTGRES_POOL_MAX - POSTGRES_POOL_SIZE,
                 pool_pre_ping=True,
                 pool_timeout=pool_timeout_s,
                 connect_args=postgres_connect_args(connect_timeout_s, statement_timeout_s),

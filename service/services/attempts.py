@@ -368,6 +368,7 @@ def heartbeat(
         status=node.status,
         heartbeat_interval_s=settings.heartbeat_interval_s,
         lease_timeout_s=settings.lease_timeout_s,
+        claim_poll_timeout_s=settings.claim_poll_timeout_s,
         renewed=renewed,
         stop=stop,
     )

@@ -11,7 +11,12 @@ shortest) and :data:`MAX_INTERVAL_S`; the lease timeout is at least
 expired after 40 s). 1,000 nodes at the default 100 a second heartbeat every 10 s with a
 40 s lease; up to 200 nodes keep the defaults (2 s, 15 s).
 
-The nodes read both values at registration and from every heartbeat answer, so a node
+A claim long-poll is held up to ``claim_poll_timeout_s``; unless that is set explicitly it
+grows with the interval too, to :data:`CLAIM_WAIT_PER_INTERVAL` intervals (at most
+:data:`MAX_CLAIM_WAIT_S`): an idle node's claim costs about what a heartbeat costs, so 1,000
+nodes re-claiming every 20 s would cost more than their heartbeats every 10 s.
+
+The nodes read these values at registration and from every heartbeat answer, so a node
 registered while the cluster was small slows down at its next heartbeat. When the cluster
 shrinks, the interval handed out shrinks at once, but silence is judged against the longer
 lease for another two of those leases: every node has been told the shorter interval by
@@ -38,6 +43,10 @@ MAX_INTERVAL_S = 30.0
 LEASE_PER_INTERVAL = 4.0
 # How often a replica counts the nodes again (besides at registrations).
 REFRESH_S = 10.0
+# The claim long-poll, unless set: this many heartbeat intervals, at most MAX_CLAIM_WAIT_S (below
+# the 60 s idle timeout common to proxies and load balancers).
+CLAIM_WAIT_PER_INTERVAL = 5.0
+MAX_CLAIM_WAIT_S = 55.0
 
 
 def is_explicit(settings: Settings) -> bool:
@@ -56,6 +65,14 @@ def timing_for(settings: Settings, nodes: int) -> tuple[float, float]:
     if interval > base_interval:
         interval = float(math.ceil(interval))
     return interval, max(base_lease, LEASE_PER_INTERVAL * interval)
+
+
+def claim_wait_for(settings: Settings, interval: float) -> float:
+    """The longest claim long-poll while nodes heartbeat every ``interval`` seconds."""
+    if "claim_poll_timeout_s" in settings.model_fields_set:
+        return settings.claim_poll_timeout_s
+    grown = min(CLAIM_WAIT_PER_INTERVAL * interval, MAX_CLAIM_WAIT_S)
+    return max(settings.claim_poll_timeout_s, grown)
 
 
 def count_nodes(db: Database, engine: str) -> int:
@@ -115,9 +132,15 @@ class NodeTiming:
             elif now >= self._hold_until:
                 self._judged, self._hold_until = lease, None
             current = self._settings
-            if (current.heartbeat_interval_s, current.lease_timeout_s) != (interval, self._judged):
+            claim_wait = claim_wait_for(self._base, interval)
+            now_set = (current.heartbeat_interval_s, current.lease_timeout_s, current.claim_poll_timeout_s)
+            if now_set != (interval, self._judged, claim_wait):
                 self._settings = self._base.model_copy(
-                    update={"heartbeat_interval_s": interval, "lease_timeout_s": self._judged}
+                    update={
+                        "heartbeat_interval_s": interval,
+                        "lease_timeout_s": self._judged,
+                        "claim_poll_timeout_s": claim_wait,
+                    }
                 )
             return self._settings
 

@@ -20,7 +20,13 @@ from service.api.routes.workers import HEARTBEAT_THREADS
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Job
-from service.services.node_timing import MAX_INTERVAL_S, NodeTiming, timing_for
+from service.services.node_timing import (
+    MAX_CLAIM_WAIT_S,
+    MAX_INTERVAL_S,
+    NodeTiming,
+    claim_wait_for,
+    timing_for,
+)
 from service.services.scheduler import run_pass
 from tests.support.factories import auth, create_token, insert_dataset, job_spec, register_node, token_id
 
@@ -39,6 +45,20 @@ def test_the_interval_grows_with_the_node_count() -> None:
     assert timing_for(settings, 100_000) == (MAX_INTERVAL_S, 4 * MAX_INTERVAL_S)
     interval, lease = timing_for(settings, 777)
     assert interval == 8.0 and lease == 32.0  # whole seconds, lease 4 intervals
+
+
+def test_the_claim_wait_grows_with_the_interval_unless_set() -> None:
+    settings = _default_timing()
+    assert claim_wait_for(settings, 2.0) == 20.0  # up to 200 nodes: the setting's default
+    assert claim_wait_for(settings, 5.0) == 25.0  # 500 nodes: 5 intervals
+    assert claim_wait_for(settings, 10.0) == 50.0  # 1,000 nodes
+    assert claim_wait_for(settings, MAX_INTERVAL_S) == MAX_CLAIM_WAIT_S
+    timing = NodeTiming(settings)
+    assert timing.update(1000).claim_poll_timeout_s == 50.0
+    assert timing.update(10).claim_poll_timeout_s == 20.0  # shrinks at once: a shorter wait is safe
+    explicit = Settings(claim_poll_timeout_s=7.0)
+    assert claim_wait_for(explicit, 10.0) == 7.0
+    assert NodeTiming(explicit).update(1000).claim_poll_timeout_s == 7.0
 
 
 def test_explicit_timing_is_used_as_set() -> None:
@@ -89,14 +109,21 @@ def test_registration_and_heartbeats_hand_out_the_grown_interval(scaled: TestCli
             headers=auth(worker),
         )
         assert r.status_code == 200, r.text
-        answers.append((r.json()["heartbeat_interval_s"], r.json()["lease_timeout_s"]))
-    # 1 heartbeat a second for all: the interval grows with each node registered.
-    assert answers[0] == (2.0, 15.0)
-    assert answers[5] == (6.0, 24.0)
+        body = r.json()
+        answers.append((body["heartbeat_interval_s"], body["lease_timeout_s"], body["claim_poll_timeout_s"]))
+    # 1 heartbeat a second for all: the interval grows with each node registered, and the
+    # claim long-poll with it (5 intervals, never below the 20 s default).
+    assert answers[0] == (2.0, 15.0, 20.0)
+    assert answers[5] == (6.0, 24.0, 30.0)
     # The first node learns it at its next heartbeat (agents follow every answer).
     beat = scaled.post("/v1/worker/nodes/n0/heartbeat", json={"leases": []}, headers=auth(worker))
     assert beat.status_code == 200, beat.text
-    assert (beat.json()["heartbeat_interval_s"], beat.json()["lease_timeout_s"]) == (6.0, 24.0)
+    timing = (
+        beat.json()["heartbeat_interval_s"],
+        beat.json()["lease_timeout_s"],
+        beat.json()["claim_poll_timeout_s"],
+    )
+    assert timing == (6.0, 24.0, 30.0)
     # And a node silent for longer than the old 15 s lease but within the new one is ready.
     db: Database = scaled.app.state.db  # type: ignore[attr-defined]
     with db.transaction() as s:

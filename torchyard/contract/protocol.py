@@ -61,6 +61,10 @@ class HeartbeatResponse(BaseModel):
     status: str
     heartbeat_interval_s: float
     lease_timeout_s: float
+    claim_poll_timeout_s: float | None = Field(
+        default=None,
+        description="Longest wait a claim long-poll is held for now (it grows with the cluster).",
+    )
     renewed: list[LeaseRenewal] = []
     stop: list[StopOrder] = []
 

@@ -48,7 +48,9 @@ from worker.agent.watchdog import preempt_grace_s
 log = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_S = 2.0
-MAX_CLAIM_WAIT_S = 30.0
+# The longest claim long-poll the agent asks for; the API hands out its own limit, which grows
+# with the cluster (up to 55 s at 1,000 nodes).
+MAX_CLAIM_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -351,14 +353,17 @@ class Agent:
             self.shutdown.wait(interval)
 
     def _follow_timing(self, answer: HeartbeatResponse) -> None:
-        """The API hands out the heartbeat interval and lease in every answer: they grow with
-        the cluster's size (an agent registered while it was small slows down now)."""
+        """The API hands out the heartbeat interval, lease and claim wait in every answer: they
+        grow with the cluster's size (an agent registered while it was small slows down now)."""
         interval, lease = answer.heartbeat_interval_s, answer.lease_timeout_s
         if interval > 0 and interval != self.ctx.heartbeat_interval_s:
             log.info("heartbeat every %.1f s from now on (lease %s s)", interval, lease)
             self.ctx.heartbeat_interval_s = float(interval)
         if lease > 0:
             self.ctx.lease_timeout_s = float(lease)
+        claim_wait = answer.claim_poll_timeout_s
+        if claim_wait is not None and claim_wait > 0:
+            self.claim_wait = min(MAX_CLAIM_WAIT_S, float(claim_wait))
 
     def _apply_stop_orders(self, orders: list[StopOrder], active: list[PlacementRun]) -> None:
         apply_stop_orders(orders, active)

@@ -104,7 +104,7 @@ async def register_node(
         status=node.status,
         heartbeat_interval_s=timing.heartbeat_interval_s,
         lease_timeout_s=timing.lease_timeout_s,
-        claim_poll_timeout_s=settings.claim_poll_timeout_s,
+        claim_poll_timeout_s=timing.claim_poll_timeout_s,
     )
 
 
