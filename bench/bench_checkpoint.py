@@ -19,7 +19,7 @@ Four runs of the same job, each in a fresh run directory:
   another process than the trainer, as in the agent) uploading each checkpoint to a
   real API (``torchyard serve`` on loopback, SQLite) while the next epoch trains;
 * ``scheduled``: as ``write+upload`` with the trainer's default schedule (the first
-  epoch end, then an interval of 40 times the last write, and the last epoch). Its
+  epoch end, then an interval of 80 times the last write, and the last epoch). Its
   figures: which epochs got a checkpoint, the total time of epochs 2..N against
   ``none`` and ``write+upload``, and the CPU its checkpoints take per epoch (the
   per-checkpoint CPU measured on the every-epoch runs).

@@ -9,7 +9,8 @@ the thread pool, once.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Annotated
 
@@ -181,13 +182,29 @@ async def require_agent(principal: Annotated[Principal, Depends(get_principal)])
 
 async def get_token(request: Request, credentials: BearerCredentials) -> str | None:
     """The bearer token as sent, not checked yet: for a hot route that checks it in the same
-    worker-thread trip as its own work (:func:`agent_of`)."""
+    worker-thread trip as its own work (:func:`agent_session`)."""
     return _token(credentials) if credentials is not None else _cookie_token(request)
 
 
-def agent_of(db: Database, token: str | None) -> Principal:
-    """The resident agent behind ``token`` (as :data:`AgentDep`), read in the caller's thread."""
-    return check_agent(_authenticate(db, token))
+@contextmanager
+def agent_session(db: Database, token: str | None) -> Iterator[tuple[Session, Principal]]:
+    """A write session whose first statement checks ``token`` (a resident agent's, as
+    :data:`AgentDep` does): the hottest worker routes check the token and do their work in one
+    transaction on one connection, instead of a connection and transaction each. A due
+    write of the token's last use joins that transaction: committed with the work, or left
+    to a later request when the work fails."""
+    with db.session() as session:
+        principal = check_agent(authenticate(session, token))
+        now = utcnow()
+        recording = USE_RECORDER.should_record(principal, now)
+        if recording:
+            record_use(session, principal.id, now)
+        try:
+            yield session, principal
+        except BaseException:
+            if recording:
+                USE_RECORDER.failed(principal.id)
+            raise
 
 
 async def require_launcher(principal: Annotated[Principal, Depends(require_worker)]) -> Principal:

@@ -82,10 +82,22 @@ def claim_once(
     there. ``fresh``: the agent's request has just arrived, rather than a long-poll
     re-checked (see :func:`attempts.claim`)."""
     with db.session() as session:
-        nodes.check_agent(session, worker, name, agent_key)
-        check = attempts.claim(session, settings, worker, name, fresh=fresh)
-        session.commit()
-        return check
+        return claim_in(session, settings, worker, name, agent_key, fresh)
+
+
+def claim_in(
+    session: Session,
+    settings: Settings,
+    worker: Principal,
+    name: str,
+    agent_key: str | None,
+    fresh: bool = True,
+) -> attempts.ClaimCheck:
+    """:func:`claim_once` in the caller's session (it commits)."""
+    nodes.check_agent(session, worker, name, agent_key)
+    check = attempts.claim(session, settings, worker, name, fresh=fresh)
+    session.commit()
+    return check
 
 
 def work_pending(db: Database, node_id: str) -> bool:

@@ -41,6 +41,7 @@ class Wakeup:
         self._lock = threading.Lock()
         self._all = 0
         self._by_key: dict[str, int] = {}
+        self._notified = 0  # every notify() of any key: see stamp()
         self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]] = {}
         # Whether every placement reaches notify() (see the module's docstring).
         self.reliable = True
@@ -50,9 +51,17 @@ class Wakeup:
         with self._lock:
             return self._all, self._by_key.get(key, 0)
 
+    def stamp(self) -> int:
+        """How many notifications there were, of any key: read before a first look for work
+        whose key is not known yet; if :meth:`stamp` is unchanged when the key's
+        :meth:`generation` is read after the look, no notification fell in between."""
+        with self._lock:
+            return self._notified
+
     def notify(self, keys: Iterable[str] | None = None) -> None:
         """Wake the waiters of ``keys``, or every waiter when None (callable from any thread)."""
         with self._lock:
+            self._notified += 1
             if keys is None:
                 self._all += 1
                 waiters = [w for group in self._waiters.values() for w in group]

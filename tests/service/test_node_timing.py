@@ -254,3 +254,52 @@ def test_a_pass_writes_wait_reasons_per_reason_not_per_job(client: TestClient, s
     ]
     behind = {j["reason"] for j in reasons if j["name"].startswith("bulk-")}
     assert behind and all("queued behind job" in r for r in behind), behind
+
+
+@pytest.mark.both_databases
+def test_a_heartbeat_and_a_claim_that_finds_nothing_take_one_transaction_each(make_settings: Any) -> None:
+    """The hot worker routes check the token in the same transaction as their work, and a
+    claim that finds nothing does not look again before its answer unless a pass may have
+    placed work meanwhile: one transaction each (they took two and three)."""
+    settings: Settings = make_settings(reaper_interval_s=60.0)  # no reaper transactions meanwhile
+    with TestClient(create_app(settings)) as client:
+        client.headers.update(auth((settings.data_dir / "admin.token").read_text().strip()))
+        worker = create_token(client, "worker")
+        register_node(client, worker, "n1", 1)
+        client.app.state.scheduling.stop()  # type: ignore[attr-defined]
+        db: Database = client.app.state.db  # type: ignore[attr-defined]
+        engines = {db.engine, db.read_engine}
+        begun: list[int] = []
+
+        def count(_conn: Any) -> None:
+            begun.append(1)
+
+        for engine in engines:
+            sa.event.listen(engine, "begin", count)
+        try:
+            counts = {}
+            for what, call in (
+                (
+                    "heartbeat",
+                    lambda: client.post(
+                        "/v1/worker/nodes/n1/heartbeat", json={"leases": []}, headers=auth(worker)
+                    ),
+                ),
+                (
+                    "claim",
+                    lambda: client.post(
+                        "/v1/worker/nodes/n1/claim", params={"wait": 0}, headers=auth(worker)
+                    ),
+                ),
+            ):
+                tries = []
+                for _ in range(3):
+                    begun.clear()
+                    r = call()
+                    assert r.status_code in (200, 204), r.text
+                    tries.append(len(begun))
+                counts[what] = min(tries)
+        finally:
+            for engine in engines:
+                sa.event.remove(engine, "begin", count)
+    assert counts == {"heartbeat": 1, "claim": 1}

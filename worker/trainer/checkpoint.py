@@ -140,10 +140,10 @@ def detached(value: Any) -> Any:
 
 INTERVAL_VAR = "TORCHYARD_CHECKPOINT_INTERVAL_S"
 # Automatic interval: the time between two epoch-end checkpoints is at least this many
-# times the last background write. The write then takes at most 1/40 (2.5 %) of the time,
-# and the agent's upload and the service's receipt, which cost about as much again on the
-# machines measured (bench/RESULTS.md), another 2.5 %.
-AUTO_INTERVAL_FACTOR = 40.0
+# times the last background write. The write then takes at most 1/80 (1.25 %) of the time;
+# the agent's upload and the service's receipt took up to three times the write's CPU on the
+# machines measured (bench/RESULTS.md), another 3.75 % at most: under 5 % in all.
+AUTO_INTERVAL_FACTOR = 80.0
 
 
 def checkpoint_interval() -> float | None:

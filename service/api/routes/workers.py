@@ -30,7 +30,7 @@ from service.api.deps import (
     TokenDep,
     WakeupDep,
     WorkerDep,
-    agent_of,
+    agent_session,
 )
 from service.api.routing import SessionScopedRoute
 from service.config import Settings
@@ -138,8 +138,8 @@ async def heartbeat(
     must be stopped now (job cancelling, attempt failed elsewhere, lease stale).
 
     The hottest route (every node, every few seconds): the token is checked (as for every
-    worker route) and the heartbeat's transaction made in one trip to a worker thread; a
-    trip costs most when the machine is busy (a wait for a thread and for the GIL)."""
+    worker route) and the heartbeat made in one transaction, in one trip to a worker thread;
+    a trip costs most when the machine is busy (a wait for a thread and for the GIL)."""
     answer, revived = await anyio.to_thread.run_sync(
         _heartbeat,
         db,
@@ -163,8 +163,7 @@ def _lanes(request: Request) -> Lanes:
 def _heartbeat(
     db: Database, settings: Settings, token: str | None, name: str, agent_key: str | None, leases: list[str]
 ) -> tuple[HeartbeatResponse, bool]:
-    worker = agent_of(db, token)
-    with db.session() as session:
+    with agent_session(db, token) as (session, worker):
         return agents.heartbeat(session, settings, worker, name, agent_key, leases)
 
 
@@ -218,6 +217,7 @@ async def claim(
     deadline = loop.time() + wait
     # The token checked and the first look made in one trip to a worker thread.
     lane = _lanes(request).claims
+    stamp = wakeup.stamp()
     worker, check = await anyio.to_thread.run_sync(
         _first_claim, db, settings, token, name, agent_key, limiter=lane
     )
@@ -231,8 +231,11 @@ async def claim(
         # A change this replica took in (a submission just made here) is not scheduled yet:
         # its pass decides the first answer, even of a claim that does not wait.
         await scheduling.settled(owed, max(deadline - loop.time(), _OWED_PASS_WAIT_S))
-    notified = True
     generation = wakeup.generation(node_id)
+    # Look again before waiting only if a pass may have placed work since the first look
+    # (an owed pass ran, or any notification came in meanwhile): otherwise the generation
+    # read now is as good as one read before that look, and the wait misses nothing.
+    notified = owed is not None or wakeup.stamp() != stamp
     while True:
         if notified or not wakeup.reliable:
             generation = wakeup.generation(node_id)
@@ -252,8 +255,8 @@ async def claim(
 def _first_claim(
     db: Database, settings: Settings, token: str | None, name: str, agent_key: str | None
 ) -> tuple[Principal, attempts.ClaimCheck]:
-    worker = agent_of(db, token)
-    return worker, agents.claim_once(db, settings, worker, name, agent_key, True)
+    with agent_session(db, token) as (session, worker):
+        return worker, agents.claim_in(session, settings, worker, name, agent_key, True)
 
 
 async def _take_assigned(
