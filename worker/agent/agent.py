@@ -328,7 +328,9 @@ class Agent:
                     log.exception("could not start job %s", work.job_id)
 
     def _heartbeat_loop(self) -> None:
-        while not self.shutdown.is_set():
+        # The registration was the node's sign of life: the first heartbeat is due an interval
+        # later (a cluster whose agents all start together sends one request each, not two).
+        while not self.shutdown.wait(self.ctx.heartbeat_interval_s):
             interval = self.ctx.heartbeat_interval_s
             active = self._active()
             try:
@@ -350,7 +352,6 @@ class Agent:
                     self._apply_stop_orders(answer.stop, active)
                 except Exception:  # the heartbeat must go on whatever happens
                     log.exception("applying stop orders failed")
-            self.shutdown.wait(interval)
 
     def _follow_timing(self, answer: HeartbeatResponse) -> None:
         """The API hands out the heartbeat interval, lease and claim wait in every answer: they
