@@ -47,7 +47,7 @@ import sqlalchemy as sa
 
 from service.config import Settings
 from service.db.engine import Database
-from tests.conftest import PG_ADMIN_URL, free_port
+from tests.conftest import free_port, scratch_database
 from tests.support.factories import auth, insert_dataset, job_spec
 from tests.support.queue_fill import fill_queue
 from worker.agent.agent import MAX_CLAIM_WAIT_S
@@ -474,13 +474,11 @@ def main() -> None:
     args = parser.parse_args()
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
 
-    name = f"torchyard_scale_{uuid.uuid4().hex[:8]}"
-    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    db_url = admin.url.set(database=name).render_as_string(hide_password=False)
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+    with (
+        scratch_database("torchyard_scale") as db_url,
+        tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp,
+    ):
         data_dir = Path(tmp) / "data"
         env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
         env.update({"TORCHYARD_DATA_DIR": str(data_dir), "TORCHYARD_DATABASE_URL": db_url})
@@ -520,9 +518,6 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 api.kill()
                 api.wait(10)
-            with admin.connect() as conn:
-                conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-            admin.dispose()
 
     probes = result["probe_s"]
     probe = f"{min(probes):.2f}–{max(probes):.2f} s" if probes else "never claimed"

@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,22 @@ PG_ADMIN_URL = os.environ.get(
     "TORCHYARD_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
 REQUIRE_PG = os.environ.get("TORCHYARD_REQUIRE_POSTGRES") == "1"
+
+
+@contextmanager
+def scratch_database(prefix: str) -> Iterator[str]:
+    """A new, empty database on the PostgreSQL server of :data:`PG_ADMIN_URL`, dropped on exit
+    (for the benchmarks that run ``torchyard serve`` on a database of their own)."""
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield admin.url.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
 
 
 def _pg_available() -> str | None:
