@@ -191,10 +191,64 @@ def trainer_loader(root: Path, batch: int, workers: int, prefetch: int, gpu: boo
     )
 
 
+class RoiAlignDecoder:
+    """The previous GPU geometry, kept as this benchmark's reference: crop boxes drawn image by
+    image (torchvision's ``RandomResizedCrop.get_params``: several tiny tensor operations
+    each), then, as now, the decoded images copied into a zero-padded half-precision batch
+    and one ``roi_align`` call."""
+
+    def __init__(self, device: torch.device, image_size: int) -> None:
+        from worker.trainer.gpu_decode import GpuDecoder
+
+        self.inner = GpuDecoder(device, image_size, "standard")
+        self.inner._crop_resize = self._crop_resize  # type: ignore[method-assign]
+        self.device = device
+        self.size = image_size
+
+    def __call__(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner(batch)
+
+    def _crop_resize(self, images: list[torch.Tensor]) -> torch.Tensor:
+        from torchvision.ops import roi_align
+        from torchvision.transforms import v2 as T
+
+        boxes = []
+        for image in images:
+            top, left, h, w = T.RandomResizedCrop.get_params(image, [0.08, 1.0], [3 / 4, 4 / 3])
+            flip = torch.rand(1).item() < 0.5
+            boxes.append((float(left), float(top), float(left + w), float(top + h), flip))
+        height = max(image.shape[1] for image in images)
+        width = max(image.shape[2] for image in images)
+        padded = torch.zeros((len(images), 3, height, width), dtype=torch.float16, device=self.device)
+        for slot, image in enumerate(images):
+            padded[slot, :, : image.shape[1], : image.shape[2]] = image
+        rois = torch.tensor(
+            [[slot, *box[:4]] for slot, box in enumerate(boxes)], dtype=torch.float16, device=self.device
+        )
+        crops = roi_align(
+            padded,
+            rois,
+            output_size=(self.size, self.size),
+            spatial_scale=1.0,
+            sampling_ratio=-1,
+            aligned=True,
+        )
+        flips = torch.tensor([box[4] for box in boxes], device=self.device).view(-1, 1, 1, 1)
+        crops = torch.where(flips, crops.flip(-1), crops)
+        return crops.float().round_().clamp_(0, 255).to(torch.uint8)
+
+
 def batches(
-    root: Path, batch: int, workers: int, prefetch: int, gpu: bool, share: float = 0.0
+    root: Path,
+    batch: int,
+    workers: int,
+    prefetch: int,
+    gpu: bool,
+    share: float = 0.0,
+    geometry: str = "batch",
 ) -> Iterator[Any]:
-    """Normalized device batches, endlessly, exactly as the trainer prepares them."""
+    """Normalized device batches, endlessly, exactly as the trainer prepares them
+    (``geometry="per-image"``: with the previous crop boxes, drawn image by image)."""
     from torchyard import modeldir
     from worker.trainer.engine import BatchPreparer, DecodeThenPrepare, device_batches
     from worker.trainer.gpu_decode import GpuDecoder
@@ -203,7 +257,12 @@ def batches(
     loader = trainer_loader(root, batch, workers, prefetch, gpu, share)
     prepare: Any = BatchPreparer(device, modeldir.IMAGENET_MEAN, modeldir.IMAGENET_STD)
     if gpu:
-        prepare = DecodeThenPrepare(GpuDecoder(device, IMAGE_SIZE, "standard"), prepare)
+        decoder: Any = (
+            RoiAlignDecoder(device, IMAGE_SIZE)
+            if geometry == "per-image"
+            else GpuDecoder(device, IMAGE_SIZE, "standard")
+        )
+        prepare = DecodeThenPrepare(decoder, prepare)
     while True:
         yield from device_batches(loader, prepare, device)
 
@@ -240,32 +299,61 @@ def cmd_decode(args: argparse.Namespace) -> None:
     print(table(rows, ["decoding", "loader workers", "images/s", "GPU util"]))
 
 
+# (label, decoded on the GPU, GPU geometry, forward compiled) of the pipeline part's variants.
+PIPELINE_VARIANTS = {
+    "pil": ("PIL in the loader workers", False, "", False),
+    "per-image": ("nvJPEG, crop boxes drawn image by image (previous)", True, "per-image", False),
+    "batch": ("nvJPEG, crop boxes drawn per batch", True, "batch", False),
+    "batch-compiled": ("nvJPEG, crop boxes drawn per batch; compiled forward", True, "batch", True),
+}
+
+
 def cmd_pipeline(args: argparse.Namespace) -> None:
+    from worker.trainer.compiling import CompiledForward
+
     root = photo_set(args)
-    synthetic = measure_synthetic(
-        args.batch_size, steps=args.steps, warmup=args.warmup, ddp=True, fused=True, compile_mode=None
-    )["images_per_sec"]
+    synthetic: dict[bool, float] = {}
+    for compiled in sorted({PIPELINE_VARIANTS[v][3] for v in args.variants}):
+        synthetic[compiled] = measure_synthetic(
+            args.batch_size,
+            steps=args.steps,
+            warmup=args.compile_warmup if compiled else args.warmup,
+            ddp=True,
+            fused=True,
+            compile_mode="default" if compiled else None,
+        )["images_per_sec"]
+        print(
+            f"  synthetic, {'compiled' if compiled else 'eager'}: {synthetic[compiled]:.0f} images/s",
+            flush=True,
+        )
     rows = []
-    for gpu, share in [(False, 0.0), *((True, x) for x in args.cpu_shares)]:
+    for variant in args.variants:
+        name, gpu, geometry, compiled = PIPELINE_VARIANTS[variant]
         _ensure_group()
         model = resnet50(num_classes=10)
         optimizer = sgd(model, fused=True)
         ddp = DistributedDataParallel(model, device_ids=[0], gradient_as_bucket_view=True)
-        step = train_step_fn(ddp, optimizer)
-        source = batches(root, args.batch_size, args.workers, args.prefetch, gpu, share)
-        rate, util = rate_of(source, args.batch_size, args.steps, args.warmup, step)
-        name = f"nvJPEG on the GPU, {share:.0%} by PIL in the workers" if gpu else "PIL in loader workers"
-        rows.append(
-            [name, f"{rate:.0f}", "n/a" if util is None else f"{util:.0f} %", f"{rate / synthetic:.3f}"]
+        # The trainer's forward: compiled from the first step here (a long job's, after its first epoch).
+        forward = CompiledForward(
+            ddp,
+            setting="on" if compiled else "off",
+            device=torch.device("cuda", 0),
+            batch_size=args.batch_size,
         )
-        print(
-            f"  training, images decoded by {name}: {rate:.0f} images/s ({rate / synthetic:.1%} of synthetic)"
-        )
-        del model, optimizer, ddp, step, source
+        step = train_step_fn(forward, optimizer)
+        source = batches(root, args.batch_size, args.workers, args.prefetch, gpu, 0.0, geometry or "batch")
+        warmup = args.compile_warmup if compiled else args.warmup
+        rate, util = rate_of(source, args.batch_size, args.steps, warmup, step)
+        ratio = rate / synthetic[compiled]
+        rows.append([name, f"{rate:.0f}", "n/a" if util is None else f"{util:.0f} %", f"{ratio:.3f}"])
+        print(f"  training, {name}: {rate:.0f} images/s ({ratio:.1%} of synthetic)", flush=True)
+        del model, optimizer, ddp, forward, step, source
         torch.cuda.empty_cache()
     print(
         f"\nResNet-50 training on JPEG photos as the trainer runs it (DDP, fused SGD), batch {args.batch_size}, "
-        f"{args.workers} loader workers; synthetic at the same settings: {synthetic:.0f} images/s:"
+        f"{args.workers} loader workers; synthetic at the same settings: "
+        + ", ".join(f"{'compiled' if c else 'eager'} {r:.0f}" for c, r in synthetic.items())
+        + " images/s (each variant against the synthetic figure of its own forward):"
     )
     print(table(rows, ["training images decoded by", "images/s", "GPU util", "/ synthetic"]))
 
@@ -308,7 +396,10 @@ def cmd_profile(args: argparse.Namespace, device: torch.device | None = None) ->
     decoder = GpuDecoder(device, IMAGE_SIZE, "standard")
     images = list(decode_jpeg(groups[0], mode=ImageReadMode.RGB, device=device))
     geometry = rate(lambda: [decoder._crop_resize(images) for _ in range(10)], 10 * len(images))
-    rows.append(["crop boxes + one roi_align (the batch geometry)", f"{geometry:.0f}"])
+    rows.append(["crop boxes per batch + one roi_align (the batch geometry)", f"{geometry:.0f}"])
+    previous = RoiAlignDecoder(device, IMAGE_SIZE)
+    geometry = rate(lambda: [previous._crop_resize(images) for _ in range(10)], 10 * len(images))
+    rows.append(["previous: crop boxes image by image + one roi_align", f"{geometry:.0f}"])
     classes = sorted(p.name for p in (root / "train").iterdir())
     dataset = EncodedTrainSet(
         image_directory_samples(str(root / "train"), classes), train_transform(IMAGE_SIZE, "standard")
@@ -355,7 +446,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument(
-        "--compile", default="", help="comma list of torch.compile modes to try, e.g. default,max-autotune"
+        "--compile",
+        default="default",
+        help="comma list of torch.compile modes to try after the eager sweep (default: the trainer's, 'default'); '' for none",
     )
     parser.add_argument("--compile-warmup", type=int, default=20)
     parser.add_argument("--no-ddp", action="store_true", help="also measure without the DDP wrapper")
@@ -370,9 +463,9 @@ def main() -> None:
     )
     parser.add_argument("--prefetch", type=int, default=4)
     parser.add_argument(
-        "--cpu-shares",
-        default="0,0.35",
-        help="pipeline: shares of the JPEGs decoded by PIL with GPU decoding",
+        "--variants",
+        default=",".join(PIPELINE_VARIANTS),
+        help=f"pipeline: variants to measure, of {', '.join(PIPELINE_VARIANTS)}",
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -385,7 +478,10 @@ def main() -> None:
 
         args.workers = default_loader_workers(torch.device("cuda", 0), 1)
     args.worker_counts = [int(w) for w in args.worker_counts.split(",") if w] or [args.workers]
-    args.cpu_shares = [float(x) for x in args.cpu_shares.split(",") if x]
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in args.variants if v not in PIPELINE_VARIANTS]
+    if unknown:
+        parser.error(f"unknown pipeline variants: {', '.join(unknown)}")
     args.gpu_worker_counts = [int(w) for w in args.gpu_worker_counts.split(",") if w]
     print(describe_device())
     print(

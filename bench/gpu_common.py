@@ -89,7 +89,7 @@ def sgd(model: nn.Module, *, fused: bool) -> torch.optim.Optimizer:
 
 
 def train_step_fn(
-    model: nn.Module, optimizer: torch.optim.Optimizer
+    model: Callable[[torch.Tensor], torch.Tensor], optimizer: torch.optim.Optimizer
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """One bf16-autocast SGD step (the trainer's order: forward, zero_grad, backward, step)."""
 

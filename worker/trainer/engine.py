@@ -292,6 +292,7 @@ class EpochSummary:
     images_per_sec: float
     images: int
     seconds: float
+    steps: int = 0  # this rank's steps in the epoch (fewer for an epoch resumed mid-way)
 
 
 @dataclass
@@ -317,6 +318,8 @@ class TrainLoop:
     control: RankControl | None = None
     # Steps into the epoch when the ranks agreed to stop for a preemption (else None).
     preempted_at: int | None = None
+    # The training forward pass (the model, or its compiled form: worker.trainer.compiling).
+    forward: Callable[[torch.Tensor], Any] | None = None
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -347,7 +350,7 @@ class TrainLoop:
             batch, labels = item
             self.faults.check(self.step)
             with self.autocast():
-                loss = model_loss(self.model(batch), labels)
+                loss = model_loss((self.forward or self.model)(batch), labels)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
@@ -379,6 +382,7 @@ class TrainLoop:
             images_per_sec=total_images / max(elapsed, 1e-9),
             images=int(total_images),
             seconds=elapsed,
+            steps=index - start_index,
         )
         self._emit_train(epoch, summary.loss, summary.lr, summary.images_per_sec)
         log.info(

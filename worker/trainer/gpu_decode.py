@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,7 +30,6 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
-from torchvision.transforms import v2 as T
 
 from torchyard.contract.jobspec import Augmentation
 from torchyard.modeldir import load_rgb_image
@@ -104,18 +104,63 @@ def encoded_collate(items: list[tuple[np.ndarray, bool, int]]) -> EncodedBatch:
     )
 
 
+# Attempts at a crop of the wanted area and aspect before the centre-crop fallback (torchvision's rule).
+CROP_ATTEMPTS = 10
 # Padded images of one roi_align call stay under this many bytes (large photos go in smaller groups).
 GROUP_BYTES = 512 * 2**20
+
+
+def crop_boxes(sizes: torch.Tensor, augmentation: Augmentation) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(boxes, flips)`` for images of ``sizes`` (``(N, 2)``: height, width): ``(N, 4)`` float64
+    ``(left, top, width, height)`` in source pixels, and ``(N,)`` bools.
+
+    The whole batch at once, on the CPU with torch's global generator: torchvision's
+    ``RandomResizedCrop`` rule (up to ten draws of an area and an aspect ratio, the first that
+    fits, else the centre crop of the nearest allowed ratio), then a random position and flip.
+    """
+    sizes = sizes.to(torch.float64)
+    height, width = sizes[:, 0], sizes[:, 1]
+    count = sizes.shape[0]
+    if augmentation == "none":
+        # Resize the shorter side then centre crop (Resize + CenterCrop): the centred square.
+        side = torch.minimum(height, width)
+        boxes = torch.stack([(width - side) / 2, (height - side) / 2, side, side], dim=1)
+        return boxes, torch.zeros(count, dtype=torch.bool)
+    (low, high), (ratio_low, ratio_high), flip = CROP_POLICY[augmentation]
+    draws = torch.rand(count, CROP_ATTEMPTS, dtype=torch.float64)
+    area = (height * width)[:, None] * (low + draws * (high - low))
+    log_low, log_high = math.log(ratio_low), math.log(ratio_high)
+    draws = torch.rand(count, CROP_ATTEMPTS, dtype=torch.float64)
+    aspect = torch.exp(log_low + draws * (log_high - log_low))
+    w = torch.sqrt(area * aspect).round()
+    h = torch.sqrt(area / aspect).round()
+    fits = (w > 0) & (w <= width[:, None]) & (h > 0) & (h <= height[:, None])
+    first = fits.to(torch.uint8).argmax(dim=1, keepdim=True)
+    found = fits.any(dim=1)
+    # No draw fits: the whole image, cropped to the nearest allowed aspect ratio.
+    ratio = width / height
+    fallback_w = torch.where(ratio > ratio_high, (height * ratio_high).round(), width)
+    fallback_h = torch.where(ratio < ratio_low, (width / ratio_low).round(), height)
+    crop_w = torch.where(found, w.gather(1, first)[:, 0], fallback_w)
+    crop_h = torch.where(found, h.gather(1, first)[:, 0], fallback_h)
+    position = torch.rand(count, 2, dtype=torch.float64)
+    top = torch.where(
+        found, (position[:, 0] * (height - crop_h + 1)).floor(), ((height - crop_h) / 2).floor()
+    )
+    left = torch.where(found, (position[:, 1] * (width - crop_w + 1)).floor(), ((width - crop_w) / 2).floor())
+    flips = torch.rand(count) < 0.5 if flip else torch.zeros(count, dtype=torch.bool)
+    return torch.stack([left, top, crop_w, crop_h], dim=1), flips
 
 
 class GpuDecoder:
     """Decodes a batch's JPEGs on ``device`` and applies the training geometry there.
 
-    The crop boxes are drawn per image (torchvision's ``RandomResizedCrop`` rule and
-    torch's global generator); the crops and resizes of a whole batch are then one
-    ``roi_align`` call on the zero-padded images, whose adaptive sampling averages
-    every source pixel of an output pixel (the antialiasing of a downscale), and the
-    flips one ``where``: a handful of kernels per batch instead of several per image.
+    The crop boxes of the whole batch are drawn at once (:func:`crop_boxes`: torchvision's
+    ``RandomResizedCrop`` rule with torch's global generator, a few tensor operations per
+    batch rather than several per image); the crops and resizes of the whole batch are then
+    one ``roi_align`` call on the zero-padded images, whose adaptive sampling averages every
+    source pixel of an output pixel (the antialiasing of a downscale), and the flips one
+    ``where``: a handful of kernels per batch beside one copy per image into the padded batch.
     """
 
     def __init__(self, device: torch.device, image_size: int, augmentation: Augmentation) -> None:
@@ -128,35 +173,22 @@ class GpuDecoder:
         self.work_dtype = torch.float16 if device.type == "cuda" else torch.float32
         self.fallbacks = 0
 
-    def _box(self, image: torch.Tensor) -> tuple[float, float, float, float, bool]:
-        """``(x1, y1, x2, y2, flip)`` of one image's crop, in source pixels."""
-        _, height, width = image.shape
-        if self.augmentation == "none":
-            # Resize the shorter side then centre crop (Resize + CenterCrop): the centred square.
-            side = min(height, width)
-            left, top = (width - side) / 2, (height - side) / 2
-            return left, top, left + side, top + side, False
-        scale, ratio, flip = CROP_POLICY[self.augmentation]
-        top, left, h, w = T.RandomResizedCrop.get_params(image, list(scale), list(ratio))
-        flipped = flip and torch.rand(1).item() < 0.5
-        return float(left), float(top), float(left + w), float(top + h), flipped
-
     def _crop_resize(self, images: list[torch.Tensor]) -> torch.Tensor:
         """uint8 ``(N, 3, size, size)`` crops of decoded CHW uint8 images of any sizes."""
         from torchvision.ops import roi_align
 
         size = self.image_size
-        boxes = [self._box(image) for image in images]
+        sizes = torch.tensor([[image.shape[1], image.shape[2]] for image in images], dtype=torch.int64)
+        boxes, flips = crop_boxes(sizes, self.augmentation)
+        corners = torch.cat([boxes[:, :2], boxes[:, :2] + boxes[:, 2:]], dim=1)  # x1, y1, x2, y2
         out = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=self.device)
-        order = sorted(range(len(images)), key=lambda i: images[i].shape[1] * images[i].shape[2])
+        pixels = (sizes[:, 0] * sizes[:, 1]).tolist()
+        order = sorted(range(len(images)), key=lambda i: pixels[i])
         start = 0
         while start < len(order):
             # The largest images last, in groups that keep the padded tensor under GROUP_BYTES.
             stop = start + 1
-            while stop < len(order):
-                last = images[order[stop]]
-                if (stop - start + 1) * 3 * last.shape[1] * last.shape[2] * 2 > GROUP_BYTES:
-                    break
+            while stop < len(order) and (stop - start + 1) * 3 * pixels[order[stop]] * 2 <= GROUP_BYTES:
                 stop += 1
             group = order[start:stop]
             height = max(images[i].shape[1] for i in group)
@@ -165,18 +197,19 @@ class GpuDecoder:
             for slot, i in enumerate(group):
                 image = images[i]
                 padded[slot, :, : image.shape[1], : image.shape[2]] = image
-            rois = torch.tensor(
-                [[slot, *boxes[i][:4]] for slot, i in enumerate(group)],
-                dtype=self.work_dtype,
-                device=self.device,
-            )
+            index = torch.tensor(group)
+            rois = torch.cat([torch.arange(len(group), dtype=torch.float64)[:, None], corners[index]], dim=1)
             crops = roi_align(
-                padded, rois, output_size=(size, size), spatial_scale=1.0, sampling_ratio=-1, aligned=True
+                padded,
+                rois.to(self.device, self.work_dtype),
+                output_size=(size, size),
+                spatial_scale=1.0,
+                sampling_ratio=-1,
+                aligned=True,
             )
-            flips = torch.tensor([boxes[i][4] for i in group], device=self.device).view(-1, 1, 1, 1)
-            crops = torch.where(flips, crops.flip(-1), crops)
-            index = torch.tensor(group, device=self.device)
-            out.index_copy_(0, index, crops.float().round_().clamp_(0, 255).to(torch.uint8))
+            flipped = flips[index].to(self.device).view(-1, 1, 1, 1)
+            crops = torch.where(flipped, crops.flip(-1), crops)
+            out.index_copy_(0, index.to(self.device), crops.float().round_().clamp_(0, 255).to(torch.uint8))
             start = stop
         return out
 

@@ -23,6 +23,7 @@ from torchyard import modeldir
 from torchyard.scoring import ONNX_FILE
 from worker.trainer import checkpoint as ckpt
 from worker.trainer import distributed, rng_state
+from worker.trainer.compiling import CompiledForward, compile_setting
 from worker.trainer.config import JobConfig
 from worker.trainer.control import RankControl
 from worker.trainer.data import Loaders, build_loaders
@@ -274,6 +275,8 @@ class _Training:
     prepare: BatchPreparer
     autocast: Callable[[], AbstractContextManager[Any]]
     loop: TrainLoop
+    # The training forward pass, eager or compiled (worker.trainer.compiling).
+    forward: CompiledForward
     effective_lr: float
     control: RankControl
     # Rank 0's background checkpoint writer (None on the other ranks).
@@ -290,6 +293,7 @@ def _set_up(
     params = job.parameters
     model = built.module
     interval = ckpt.checkpoint_interval()  # a bad setting fails every rank before they wait on a peer
+    compiling = compile_setting()
     distributed.setup(env, device)
     loaders = build_loaders(job, env, device)
     steps_per_epoch = loaders.steps_per_epoch
@@ -329,6 +333,7 @@ def _set_up(
     if loaders.gpu_decoder is not None:
         train_prepare = DecodeThenPrepare(loaders.gpu_decoder, prepare)
     autocast = autocast_factory(device)
+    forward = CompiledForward(ddp, setting=compiling, device=device, batch_size=params.batch_size)
     control = RankControl(output_dir, env.rank, device)
     writer = _checkpoint_writer(output_dir) if env.is_primary else None
     loop = TrainLoop(
@@ -349,6 +354,7 @@ def _set_up(
         is_primary=env.is_primary,
         step=start_step,
         control=control,
+        forward=forward,
     )
     log.info(
         "training %s for epochs %d..%d: %d steps/epoch, %d warm-up steps, effective lr %g on %d process(es)",
@@ -375,6 +381,7 @@ def _set_up(
         prepare=prepare,
         autocast=autocast,
         loop=loop,
+        forward=forward,
         effective_lr=effective_lr,
         control=control,
         writer=writer,
@@ -425,6 +432,9 @@ def _train_epochs(
             _preempt(t, epoch, best_state, history, stopped)
             return history, best_state, stopped, True
         train, val = ran
+        if train.steps:
+            remaining = (params.epochs - epoch) * t.loop.steps_per_epoch
+            t.forward.after_epoch(train.seconds / train.steps, remaining)
         improved = t.stopper.update(val["val.loss"], epoch)
         stopped = t.stopper.should_stop
         seconds = time.perf_counter() - epoch_started

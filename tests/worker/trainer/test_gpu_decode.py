@@ -194,3 +194,29 @@ def test_the_feeder_thread_hands_its_errors_to_the_training_thread() -> None:
         for _, labels in device_batches(loader, prepare, torch.device("cuda", 0)):
             seen.append(int(labels[0]))
     assert seen == [0, 1]
+
+
+@pytest.mark.parametrize("augmentation", ["standard", "light"])
+def test_crop_boxes_follow_the_random_resized_crop_rule(augmentation: str) -> None:
+    from worker.trainer.gpu_decode import CROP_POLICY, crop_boxes
+
+    (low, high), (ratio_low, ratio_high), flip = CROP_POLICY[augmentation]
+    torch.manual_seed(5)
+    sizes = torch.tensor([[375, 500], [500, 333], [224, 224], [40, 400]] * 500)
+    boxes, flips = crop_boxes(sizes, augmentation)  # type: ignore[arg-type]
+    left, top, width, height = boxes.unbind(1)
+    h, w = sizes[:, 0].double(), sizes[:, 1].double()
+    assert bool(((left >= 0) & (top >= 0) & (left + width <= w) & (top + height <= h)).all())
+    assert bool(((width >= 1) & (height >= 1)).all())
+    # Crops drawn (not the fallback) keep the area and aspect bounds, up to rounding.
+    area = width * height / (h * w)
+    aspect = width / height
+    drawn = (sizes[:, 0] != 40).nonzero()[:, 0]
+    assert float(area[drawn].min()) >= low * 0.9 and float(area[drawn].max()) <= high + 1e-9
+    assert float(aspect[drawn].min()) >= ratio_low * 0.9 and float(aspect[drawn].max()) <= ratio_high * 1.1
+    # The 40 x 400 strip fits no draw of the light policy: the centre crop at the widest ratio.
+    if augmentation == "light":
+        strip = boxes[3]
+        assert strip.tolist() == [(400 - 44) // 2, 0.0, 44.0, 40.0]
+    share = float(flips.double().mean())
+    assert (0.45 < share < 0.55) if flip else share == 0.0
