@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, func, or_, select
+from sqlalchemy import BindParameter, ColumnElement, and_, bindparam, case, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
@@ -39,6 +39,39 @@ def ready_node_filter(settings: Settings, now: datetime) -> ColumnElement[bool]:
         Node.status == NodeStatus.READY.value,
         Node.last_heartbeat_at >= fresh_after,
     )
+
+
+# The hot statements (every submission, every scheduling pass) are built once, with the
+# ready-node condition's values as parameters: SQLAlchemy then neither builds them nor works
+# out their cache key again on each execution. The condition is ready_node_filter's.
+_ENGINE: BindParameter[str] = bindparam("engine")
+_READY = and_(
+    Node.engine == _ENGINE,
+    Node.status == NodeStatus.READY.value,
+    Node.last_heartbeat_at >= bindparam("fresh_after"),
+)
+_SUBMISSION_LIMITS = select(
+    func.coalesce(func.sum(case((_READY, 1), else_=0)), 0),
+    func.coalesce(func.max(case((_READY, Node.units))), 0),
+    func.count(Node.id),
+    func.coalesce(func.max(Node.units), 0),
+).where(or_(_READY, and_(Node.engine == _ENGINE, Node.last_heartbeat_at >= bindparam("seen_after"))))
+_HELD = (
+    select(Placement.node_id, func.sum(Placement.units).label("units"))
+    .where(Placement.status != PlacementStatus.DONE)
+    .group_by(Placement.node_id)
+    .subquery()
+)
+_READY_CAPACITY = (
+    select(Node.id, Node.name, Node.address, Node.units, _HELD.c.units)
+    .outerjoin(_HELD, _HELD.c.node_id == Node.id)
+    .where(_READY)
+    .order_by(Node.name)
+)
+
+
+def _ready_params(settings: Settings, now: datetime) -> dict[str, Any]:
+    return {"engine": settings.engine, "fresh_after": now - timedelta(seconds=settings.lease_timeout_s)}
 
 
 def node_status(node: Node, settings: Settings, now: datetime, *, busy: bool = False) -> NodeStatus:
@@ -78,24 +111,20 @@ def cluster_limits(session: Session, settings: Settings, now: datetime | None = 
 def submission_limits(session: Session, settings: Settings, now: datetime | None = None) -> ClusterLimits:
     """The limits a submission is checked against: the ready nodes and every node heard from
     within ``node_memory_s`` (SPEC §8). While every worker restarts (an agent upgrade), the
-    cluster it had a moment ago still counts: a job that fits it is accepted and waits."""
+    cluster it had a moment ago still counts: a job that fits it is accepted and waits.
+
+    One query reads both: the nodes ready or seen, and among them the ready ones."""
     now = now or utcnow()
-    ready = cluster_limits(session, settings, now)
     if settings.node_memory_s <= 0:
-        return ready
-    seen_after = now - timedelta(seconds=settings.node_memory_s)
-    seen, largest = session.execute(
-        select(func.count(Node.id), func.coalesce(func.max(Node.units), 0)).where(
-            or_(
-                ready_node_filter(settings, now),
-                and_(Node.engine == settings.engine, Node.last_heartbeat_at >= seen_after),
-            )
-        )
-    ).one()
-    largest = max(int(largest), ready.max_units_per_node)
+        return cluster_limits(session, settings, now)
+    params = _ready_params(settings, now) | {"seen_after": now - timedelta(seconds=settings.node_memory_s)}
+    ready, ready_largest, seen, largest = session.execute(_SUBMISSION_LIMITS, params).one()
+    ready, seen = int(ready), int(seen)
+    # Every ready node is among those seen: their largest is the larger of both.
+    largest = max(int(largest), int(ready_largest))
     if settings.max_nodes is not None:
-        return ClusterLimits(settings.max_nodes, largest, ready.ready_nodes, "setting")
-    return ClusterLimits(max(int(seen), ready.max_nodes), largest, ready.ready_nodes, "seen_nodes")
+        return ClusterLimits(settings.max_nodes, largest, ready, "setting")
+    return ClusterLimits(max(seen, ready), largest, ready, "seen_nodes")
 
 
 def _plural(n: int, word: str) -> str:
@@ -165,27 +194,12 @@ class NodeCapacity:
     free: int
 
 
-def held_units(session: Session) -> dict[str, int]:
-    """Per node id, the units held by its placements that are not done."""
-    rows = session.execute(
-        select(Placement.node_id, func.sum(Placement.units))
-        .where(Placement.status != PlacementStatus.DONE)
-        .group_by(Placement.node_id)
-    ).all()
-    return {node_id: int(units or 0) for node_id, units in rows}
-
-
 def ready_capacity(session: Session, settings: Settings, now: datetime) -> list[NodeCapacity]:
-    """Ready nodes (``ready_node_filter``) with their free units, by name: what the scheduler places onto."""
-    held = held_units(session)
-    nodes = session.execute(
-        select(Node.id, Node.name, Node.address, Node.units)
-        .where(ready_node_filter(settings, now))
-        .order_by(Node.name)
-    )
+    """Ready nodes (``ready_node_filter``) with their free units, by name: what the scheduler
+    places onto. One query: each node's units held by its placements that are not done."""
     return [
-        NodeCapacity(id=id_, name=name, address=address, units=units, free=max(0, units - held.get(id_, 0)))
-        for id_, name, address, units in nodes
+        NodeCapacity(id=id_, name=name, address=address, units=units, free=max(0, units - int(used or 0)))
+        for id_, name, address, units, used in session.execute(_READY_CAPACITY, _ready_params(settings, now))
     ]
 
 

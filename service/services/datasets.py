@@ -23,7 +23,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Literal
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import bindparam, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
@@ -346,8 +346,9 @@ def resolve_job_datasets(
     user's or a deleted dataset is a 404 naming the field (admin may use any); differing
     label sets are a 422 InvalidDatasetError naming the labels missing on each side.
     """
-    train = dataset_field(session, principal, train_id, "train_dataset")
-    val = dataset_field(session, principal, val_id, "validation_dataset")
+    by_id = _share_locked_by_id(session, principal, [train_id, val_id])
+    train = by_id.get(train_id) or dataset_field(session, principal, train_id, "train_dataset")
+    val = by_id.get(val_id) or dataset_field(session, principal, val_id, "validation_dataset")
     train_labels, val_labels = set(train.classes), set(val.classes)
     if train_labels != val_labels:
         only_train = sorted(train_labels - val_labels)
@@ -358,6 +359,31 @@ def resolve_job_datasets(
             details={"missing_in_validation": only_train, "missing_in_training": only_val},
         )
     return train, val
+
+
+def _share_locked_by_id(session: Session, principal: Principal, ids: list[str]) -> dict[str, Dataset]:
+    """The datasets among ``ids`` that are given by their whole id and visible to the
+    principal, share-locked, in one query. A reference it leaves out (a name, an id prefix,
+    another user's or an unknown dataset) is looked up on its own, as :func:`dataset_field`
+    does, with the same answer and error."""
+    wanted = sorted({ref for ref in ids if refs.comparable(ref)})
+    if not wanted:
+        return {}
+    if principal.is_admin:
+        rows = session.scalars(_BY_IDS_ANY_OWNER, {"ids": wanted})
+    else:
+        rows = session.scalars(_BY_IDS_OWNED, {"ids": wanted, "owner": principal.id})
+    return {row.id: row for row in rows}
+
+
+# What _share_locked_by_id runs on every training submission, built once (the visibility of
+# refs.find_owned: not deleted, and the principal's own unless admin).
+_BY_IDS_ANY_OWNER = (
+    select(Dataset)
+    .where(Dataset.id.in_(bindparam("ids", expanding=True)), Dataset.deleted_at.is_(None))
+    .with_for_update(read=True)
+)
+_BY_IDS_OWNED = _BY_IDS_ANY_OWNER.where(Dataset.owner_id == bindparam("owner"))
 
 
 # ---------------------------------------------------------------------------- workers

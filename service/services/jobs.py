@@ -26,6 +26,7 @@ from service.schemas.jobs import (
 from service.services import refs
 from service.services.job_lookup import get_job as get_job  # also the jobs API of the routes
 from service.services.kinds import kind_named, kind_of
+from service.services.kinds.base import submitted_change
 from service.services.tokens import Principal
 from service.states import AttemptStatus, JobStatus, can_transition
 from torchyard.contract.errors import IllegalTransitionError
@@ -167,10 +168,16 @@ def attempts_public(session: Session, job_ids: list[str]) -> dict[str, list[Atte
 
 
 def job_public(
-    session: Session, job: Job, *, detail: bool = True, attempts: list[AttemptPublic] | None = None
+    session: Session,
+    job: Job,
+    *,
+    detail: bool = True,
+    attempts: list[AttemptPublic] | None = None,
+    history: list[StatusChange] | None = None,
 ) -> JobPublic:
-    """The job as users see it; ``detail`` adds its status history. ``attempts``, when given,
-    saves the query for them (a list of jobs reads every job's attempts at once)."""
+    """The job as users see it; ``detail`` adds its status history. ``attempts`` and
+    ``history``, when given, save the queries for them (a list of jobs reads every job's
+    attempts at once; a job just submitted has none and one status change)."""
     spec: dict[str, Any] = job.spec
     failure = None
     if job.failure_code is not None:
@@ -181,8 +188,9 @@ def job_public(
             node=job.failure_node,
             traceback=job.failure_traceback,
         )
-    history: list[StatusChange] | None = None
-    if detail:
+    if not detail:
+        history = None
+    elif history is None:
         history = [
             StatusChange(status=e.status, at=e.at, message=e.message)
             for e in session.scalars(select(JobEvent).where(JobEvent.job_id == job.id).order_by(JobEvent.seq))
@@ -224,6 +232,13 @@ def job_public(
         sweep_id=job.sweep_id,
         trial_number=job.trial_number,
     )
+
+
+def submitted_public(session: Session, job: Job) -> JobPublic:
+    """What a submission answers: the job just queued (and committed) by this session, as
+    :func:`job_public` shows it, without reading back what the submission wrote: no
+    attempt yet, and its one status change, ``queued``."""
+    return job_public(session, job, attempts=[], history=[submitted_change(job)])
 
 
 def update_job(session: Session, principal: Principal, job_ref: str, update: JobUpdate) -> Job:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
-from sqlalchemy import exists, select, text, update
+from sqlalchemy import bindparam, exists, select, text, update
 from sqlalchemy.orm import Session
 
 from service.config import Settings
@@ -239,12 +239,16 @@ def _write_reasons(session: Session, changed: dict[str, list[str]]) -> None:
     """One ``UPDATE`` per distinct reason, only to jobs still queued (a cancel may have ended
     one since it was read)."""
     for reason, ids in changed.items():
-        session.execute(
-            update(Job)
-            .where(Job.id.in_(ids), Job.status == JobStatus.QUEUED.value)
-            .values(wait_reason=reason)
-            .execution_options(synchronize_session=False)
-        )
+        session.execute(_WRITE_REASON, {"ids": ids, "reason": reason})
+
+
+# Built once (SQLAlchemy then works out its cache key once).
+_WRITE_REASON = (
+    update(Job)
+    .where(Job.id.in_(bindparam("ids", expanding=True)), Job.status == JobStatus.QUEUED.value)
+    .values(wait_reason=bindparam("reason"))
+    .execution_options(synchronize_session=False)
+)
 
 
 def _lock_queued(session: Session) -> list[QueuedJob]:
@@ -256,21 +260,25 @@ def _lock_queued(session: Session) -> list[QueuedJob]:
     a wait reason is written only to a job still queued, so a pass writes nothing for the
     jobs that just keep waiting."""
     if is_postgres(session):
-        session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEDULER_LOCK_KEY})
-    stmt = (
-        select(
-            Job.id,
-            Job.name,
-            Job.node_count,
-            Job.process_count_per_node,
-            Job.requeue_reason,
-            Job.wait_reason,
-        )
-        .where(Job.status == JobStatus.QUEUED.value)
-        .order_by(Job.priority.desc(), Job.created_at, Job.id)
-        .limit(MAX_JOBS_PER_PASS)
+        session.execute(_SCHEDULER_LOCK, {"key": SCHEDULER_LOCK_KEY})
+    return list(map(QueuedJob._make, session.execute(_QUEUE_HEAD)))
+
+
+# What every pass reads, built once (SQLAlchemy then works out its cache key once).
+_SCHEDULER_LOCK = text("SELECT pg_advisory_xact_lock(:key)")
+_QUEUE_HEAD = (
+    select(
+        Job.id,
+        Job.name,
+        Job.node_count,
+        Job.process_count_per_node,
+        Job.requeue_reason,
+        Job.wait_reason,
     )
-    return [QueuedJob(*row) for row in session.execute(stmt)]
+    .where(Job.status == JobStatus.QUEUED.value)
+    .order_by(Job.priority.desc(), Job.created_at, Job.id)
+    .limit(MAX_JOBS_PER_PASS)
+)
 
 
 def _claim_for_placing(session: Session, job_id: str) -> Job | None:

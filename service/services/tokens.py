@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.orm import Session
 
 from service.db.models import Token, utcnow
@@ -55,6 +55,12 @@ def create_token(session: Session, name: str, role: Role) -> tuple[Token, str]:
     return row, plain
 
 
+# Run on every request: the columns only (no Token object), in a statement built once.
+_BY_HASH = select(
+    Token.id, Token.name, Token.role, Token.token_hash, Token.revoked_at, Token.last_used_at, Token.attempt_id
+).where(Token.token_hash == bindparam("digest"))
+
+
 def authenticate(session: Session, token: str | None) -> Principal:
     """The principal behind ``token``, read from the database on every request.
 
@@ -64,7 +70,7 @@ def authenticate(session: Session, token: str | None) -> Principal:
     if not token:
         raise AuthenticationError("missing bearer token (Authorization: Bearer <token>)")
     digest = hash_token(token)
-    row = session.scalars(select(Token).where(Token.token_hash == digest)).first()
+    row = session.execute(_BY_HASH, {"digest": digest}).first()
     # The lookup is by hash; compare again in constant time so that no timing of the
     # comparison itself depends on how much of a guessed token is right.
     if row is None or not hmac.compare_digest(row.token_hash, digest) or row.revoked_at is not None:

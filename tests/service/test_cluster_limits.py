@@ -19,6 +19,7 @@ from sqlalchemy import update
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Job, Node, utcnow
+from service.services.cluster import submission_limits
 from service.services.scheduler import run_pass
 from service.states import NodeStatus
 from tests.support.factories import auth, create_token, insert_dataset, job_spec, register_node, token_id
@@ -243,3 +244,61 @@ def test_job_that_no_longer_fits_keeps_waiting_and_starts_when_nodes_return(
     assert _job(db, wide).status == "scheduled"
     assert _job(db, big).status == "scheduled"
     assert _job(db, big).wait_reason is None
+
+
+def test_submission_limits_count_ready_and_recently_seen_nodes_in_one_look(
+    client: TestClient, db: Database, data: dict[str, str], make_settings: Any
+) -> None:
+    """The limits a submission is checked against, read in one query: the ready nodes, and
+    besides them every node of the engine heard from within the memory (lost, silent or
+    drained), each counted once; a node silent for longer, or another engine's, counts for
+    nothing. A change to the registry counts from the next submission on."""
+    worker = create_token(client, "worker")
+    owner = token_id(client, client.headers["Authorization"].split()[1])
+    now = utcnow()
+    rows = [
+        # name, units, status, seconds since its last heartbeat, engine
+        ("ready-2", 2, NodeStatus.READY, 0, "agents"),
+        ("ready-4", 4, NodeStatus.READY, 0, "agents"),
+        ("silent-8", 8, NodeStatus.READY, 120, "agents"),  # past the lease: lost, not marked yet
+        ("lost-16", 16, NodeStatus.LOST, 300, "agents"),
+        ("drained-3", 3, NodeStatus.DRAINED, 5, "agents"),
+        ("gone-64", 64, NodeStatus.LOST, 3600, "agents"),  # beyond the memory
+        ("slurm-32", 32, NodeStatus.READY, 0, "slurm"),  # another engine's inventory
+    ]
+    with db.transaction() as s:
+        for name, units, status, ago, engine in rows:
+            s.add(
+                Node(
+                    name=name,
+                    address="10.0.0.1",
+                    units=units,
+                    accelerator="cpu",
+                    status=status.value,
+                    token_id=owner,
+                    last_heartbeat_at=now - timedelta(seconds=ago),
+                    engine=engine,
+                )
+            )
+
+    def limits(**overrides: Any) -> tuple[int, int, int, str]:
+        settings = make_settings(**{"lease_timeout_s": 60, "node_memory_s": 600, **overrides})
+        with db.read_session() as s:
+            got = submission_limits(s, settings, now)
+        return got.max_nodes, got.max_units_per_node, got.ready_nodes, got.max_nodes_source
+
+    assert limits() == (5, 16, 2, "seen_nodes")
+    assert limits(max_nodes=10) == (10, 16, 2, "setting")
+    assert limits(node_memory_s=0) == (2, 4, 2, "ready_nodes")
+    assert limits(node_memory_s=0, max_nodes=1) == (1, 4, 2, "setting")
+    assert limits(lease_timeout_s=600) == (5, 16, 3, "seen_nodes")  # the silent node is ready again
+
+    # Through the API: the limits follow the registry from one submission to the next.
+    assert _submit(client, data, nodes=5, ppn=16).status_code == 201
+    r = _submit(client, data, nodes=6)
+    assert r.status_code == 422 and r.json()["details"][0]["limit"] == 5
+    register_node(client, worker, "new-one", units=1)
+    assert _submit(client, data, nodes=6).status_code == 201
+    _lose(db, "lost-16")  # an hour ago: beyond the memory
+    r = _submit(client, data, nodes=1, ppn=16)
+    assert r.status_code == 422 and r.json()["details"][0]["limit"] == 8

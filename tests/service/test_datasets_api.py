@@ -411,10 +411,21 @@ def test_other_users_dataset_is_404(client: TestClient, two_users: dict[str, str
     assert client.get(f"/v1/datasets/{ds}", headers=bob).status_code == 404
     assert client.get(f"/v1/datasets/{ds}", headers=bob).json()["code"] == "NotFoundError"
     assert [d["id"] for d in client.get("/v1/datasets", headers=bob).json()["items"]] == [bobs]
-    for train, val in ((ds, bobs), (bobs, ds), (ds, ds)):
+    for train, val, field in (
+        (ds, bobs, "train_dataset"),
+        (bobs, ds, "validation_dataset"),
+        (ds, ds, "train_dataset"),
+    ):
         r = client.post("/v1/jobs", json=job_spec(train, val), headers=bob)
         assert r.status_code == 404, r.text
         assert r.json()["code"] == "NotFoundError"
+        assert r.json()["details"] == {"field": field}
+        assert r.json()["message"].startswith(f"{field}: dataset {ds!r} not found")
+    # Either given by name or by id, alone or both the same.
+    for train, val in (("ds", bobs), (bobs, "ds"), (bobs, bobs), ("ds", "ds"), (bobs[:8], "ds")):
+        r = client.post("/v1/jobs", json=job_spec(train, val), headers=bob)
+        assert r.status_code == 201, r.text
+        assert (r.json()["train_dataset"], r.json()["validation_dataset"]) == (bobs, bobs)
     assert client.delete(f"/v1/datasets/{ds}", headers=bob).status_code == 404
     # Still there for its owner; admin sees everything and may use any dataset.
     assert client.get(f"/v1/datasets/{ds}", headers=alice).status_code == 200

@@ -63,6 +63,26 @@ def test_defaults_are_filled_and_echoed(client: TestClient, ready: dict[str, str
     assert client.get(f"/v1/jobs/{body['id']}").json()["parameters"] == body["parameters"]
 
 
+@pytest.mark.both_databases
+def test_a_submission_answers_the_job_as_it_is_read_back(client: TestClient, ready: dict[str, str]) -> None:
+    """The 201 of a submission and of a clone is built from what the submission wrote, without
+    reading it back: it is the job as ``GET /v1/jobs/{id}`` shows it (no attempt, its one
+    status change), the wait reason aside, which a scheduling pass may have written since."""
+    # The first job takes the node's 4 units (placed or not yet): the others keep waiting.
+    assert _submit(client, ready, resources={"process_count_per_node": 4}).status_code == 201
+    waiting = _submit(client, ready, name="waits", resources={"process_count_per_node": 4})
+    assert waiting.status_code == 201, waiting.text
+    cloned = client.post(f"/v1/jobs/{waiting.json()['id']}/clone")
+    assert cloned.status_code == 201, cloned.text
+    for answer in (waiting.json(), cloned.json()):
+        assert answer["status"] == "queued" and answer["attempts"] == [] and answer["nodes"] == []
+        assert [(h["status"], h["message"]) for h in answer["history"]] == [("queued", "submitted")]
+        assert answer["history"][0]["at"] == answer["created_at"]
+        read = client.get(f"/v1/jobs/{answer['id']}").json()
+        assert read.keys() == answer.keys()
+        assert {**read, "reason": None} == {**answer, "reason": None}
+
+
 # (field, value at the bound that is accepted, value just beyond it that is refused, allowed text)
 BOUNDS = [
     ("epochs", 1, 0, "> 0 and <= 2147483647"),

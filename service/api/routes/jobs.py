@@ -28,7 +28,7 @@ def submit_job(
     """Submit a job: ``type`` ``train`` (the built-in trainer, the default) or ``script`` (your own
     code, see POST /v1/code); 201 with the normalized spec (every default filled), status ``queued``."""
     job = jobs_service.submit_job(session, settings, user, body)
-    public = jobs_service.job_public(session, job)
+    public = jobs_service.submitted_public(session, job)
     scheduling.request()  # a pass soon, shared with every submission until it starts
     return public
 
@@ -112,7 +112,7 @@ def clone_job(
     """Submit the job's spec again as a new job (any status; 201, status ``queued``). The
     datasets, code package or model version it names must still exist."""
     job = jobs_service.clone_job(session, settings, user, job_id)
-    public = jobs_service.job_public(session, job)
+    public = jobs_service.submitted_public(session, job)
     scheduling.request()
     return public
 

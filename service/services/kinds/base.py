@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.db.models import Attempt, Dataset, Job, JobEvent, Placement, utcnow
+from service.schemas.jobs import StatusChange
 from service.services.tokens import Principal
 from service.states import JobStatus
 from torchyard.contract.errors import RequestValidationError, TorchyardError
@@ -38,6 +39,10 @@ class Claim:
 def claimed_dataset(session: Session, dataset_id: str) -> ClaimedDataset:
     row = session.get_one(Dataset, dataset_id)
     return ClaimedDataset(id=row.id, sha256=row.sha256, classes=list(row.classes), num_images=row.num_images)
+
+
+# The message of a job's first status change.
+SUBMITTED = "submitted"
 
 
 def queue(
@@ -70,8 +75,13 @@ def queue(
     )
     session.add(job)
     session.flush()
-    session.add(JobEvent(job_id=job.id, status=JobStatus.QUEUED.value, message="submitted", at=now))
+    session.add(JobEvent(job_id=job.id, status=JobStatus.QUEUED.value, message=SUBMITTED, at=now))
     return job
+
+
+def submitted_change(job: Job) -> StatusChange:
+    """The status change :func:`queue` records for ``job`` (at its ``created_at``)."""
+    return StatusChange(status=JobStatus.QUEUED.value, at=job.created_at, message=SUBMITTED)
 
 
 class Kind(ABC):
