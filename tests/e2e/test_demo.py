@@ -22,6 +22,13 @@ pytestmark = pytest.mark.slow
 KEPT = "the service keeps running: web UI at "
 
 
+def _ctrl_c_reaches_it() -> None:
+    """In the demo's process, before it starts: SIGINT handled as in a terminal. A suite
+    started in the background by a non-interactive shell has SIGINT ignored, and a child
+    inherits that; the user's Ctrl-C this test stands for would then never arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_demo_trains_downloads_and_explains_how_to_go_on(tmp_path: Path) -> None:
     """Run with --keep-running: the web UI answers at the URL the demo prints once it is
     done, and Ctrl-C then stops the service."""
@@ -44,6 +51,7 @@ def test_demo_trains_downloads_and_explains_how_to_go_on(tmp_path: Path) -> None
         stdout=subprocess.PIPE,
         stderr=errors,
         text=True,
+        preexec_fn=_ctrl_c_reaches_it,
     )
     printed: list[str] = []
     reader = threading.Thread(target=lambda: printed.extend(process.stdout or []), daemon=True)
