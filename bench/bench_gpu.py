@@ -191,51 +191,25 @@ def trainer_loader(root: Path, batch: int, workers: int, prefetch: int, gpu: boo
     )
 
 
-class RoiAlignDecoder:
-    """The previous GPU geometry, kept as this benchmark's reference: crop boxes drawn image by
-    image (torchvision's ``RandomResizedCrop.get_params``: several tiny tensor operations
-    each), then, as now, the decoded images copied into a zero-padded half-precision batch
-    and one ``roi_align`` call."""
+def previous_decoder(device: torch.device, image_size: int) -> Any:
+    """The trainer's GPU decoder with the crop boxes drawn as before, image by image
+    (torchvision's ``RandomResizedCrop.get_params``: several tiny tensor operations each):
+    this benchmark's reference for drawing a batch's boxes at once."""
+    from torchvision.transforms import v2 as T
 
-    def __init__(self, device: torch.device, image_size: int) -> None:
-        from worker.trainer.gpu_decode import GpuDecoder
+    from worker.trainer.gpu_decode import GpuDecoder
 
-        self.inner = GpuDecoder(device, image_size, "standard")
-        self.inner._crop_resize = self._crop_resize  # type: ignore[method-assign]
-        self.device = device
-        self.size = image_size
+    class PerImageBoxes(GpuDecoder):
+        def _boxes(self, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            boxes = []
+            for height, width in sizes.tolist():
+                image = torch.empty((3, height, width), dtype=torch.uint8)  # get_params reads the shape
+                top, left, h, w = T.RandomResizedCrop.get_params(image, [0.08, 1.0], [3 / 4, 4 / 3])
+                boxes.append([left, top, w, h])
+            flips = torch.tensor([torch.rand(1).item() < 0.5 for _ in boxes])
+            return torch.tensor(boxes, dtype=torch.float64), flips
 
-    def __call__(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inner(batch)
-
-    def _crop_resize(self, images: list[torch.Tensor]) -> torch.Tensor:
-        from torchvision.ops import roi_align
-        from torchvision.transforms import v2 as T
-
-        boxes = []
-        for image in images:
-            top, left, h, w = T.RandomResizedCrop.get_params(image, [0.08, 1.0], [3 / 4, 4 / 3])
-            flip = torch.rand(1).item() < 0.5
-            boxes.append((float(left), float(top), float(left + w), float(top + h), flip))
-        height = max(image.shape[1] for image in images)
-        width = max(image.shape[2] for image in images)
-        padded = torch.zeros((len(images), 3, height, width), dtype=torch.float16, device=self.device)
-        for slot, image in enumerate(images):
-            padded[slot, :, : image.shape[1], : image.shape[2]] = image
-        rois = torch.tensor(
-            [[slot, *box[:4]] for slot, box in enumerate(boxes)], dtype=torch.float16, device=self.device
-        )
-        crops = roi_align(
-            padded,
-            rois,
-            output_size=(self.size, self.size),
-            spatial_scale=1.0,
-            sampling_ratio=-1,
-            aligned=True,
-        )
-        flips = torch.tensor([box[4] for box in boxes], device=self.device).view(-1, 1, 1, 1)
-        crops = torch.where(flips, crops.flip(-1), crops)
-        return crops.float().round_().clamp_(0, 255).to(torch.uint8)
+    return PerImageBoxes(device, image_size, "standard")
 
 
 def batches(
@@ -258,7 +232,7 @@ def batches(
     prepare: Any = BatchPreparer(device, modeldir.IMAGENET_MEAN, modeldir.IMAGENET_STD)
     if gpu:
         decoder: Any = (
-            RoiAlignDecoder(device, IMAGE_SIZE)
+            previous_decoder(device, IMAGE_SIZE)
             if geometry == "per-image"
             else GpuDecoder(device, IMAGE_SIZE, "standard")
         )
@@ -397,7 +371,7 @@ def cmd_profile(args: argparse.Namespace, device: torch.device | None = None) ->
     images = list(decode_jpeg(groups[0], mode=ImageReadMode.RGB, device=device))
     geometry = rate(lambda: [decoder._crop_resize(images) for _ in range(10)], 10 * len(images))
     rows.append(["crop boxes per batch + one roi_align (the batch geometry)", f"{geometry:.0f}"])
-    previous = RoiAlignDecoder(device, IMAGE_SIZE)
+    previous = previous_decoder(device, IMAGE_SIZE)
     geometry = rate(lambda: [previous._crop_resize(images) for _ in range(10)], 10 * len(images))
     rows.append(["previous: crop boxes image by image + one roi_align", f"{geometry:.0f}"])
     classes = sorted(p.name for p in (root / "train").iterdir())

@@ -23,6 +23,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from torchyard.contract.errors import TrainingDivergedError
 from torchyard.modeldir import channel_stats, normalize_batch
+from worker.trainer.compiling import CompiledForward
 from worker.trainer.control import RankControl, StopCheck
 from worker.trainer.distributed import all_reduce_sum
 from worker.trainer.events import EventWriter
@@ -292,7 +293,6 @@ class EpochSummary:
     images_per_sec: float
     images: int
     seconds: float
-    steps: int = 0  # this rank's steps in the epoch (fewer for an epoch resumed mid-way)
 
 
 @dataclass
@@ -318,8 +318,9 @@ class TrainLoop:
     control: RankControl | None = None
     # Steps into the epoch when the ranks agreed to stop for a preemption (else None).
     preempted_at: int | None = None
-    # The training forward pass (the model, or its compiled form: worker.trainer.compiling).
-    forward: Callable[[torch.Tensor], Any] | None = None
+    # The training forward pass, eager or compiled (else the model itself); it decides at each
+    # epoch's end whether to compile for the rest of the job.
+    forward: CompiledForward | None = None
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -382,8 +383,10 @@ class TrainLoop:
             images_per_sec=total_images / max(elapsed, 1e-9),
             images=int(total_images),
             seconds=elapsed,
-            steps=index - start_index,
         )
+        if self.forward is not None and index > start_index:
+            remaining = (self.epochs - epoch) * self.steps_per_epoch
+            self.forward.after_epoch(elapsed / (index - start_index), remaining)
         self._emit_train(epoch, summary.loss, summary.lr, summary.images_per_sec)
         log.info(
             "epoch %d/%d done: step %d/%d, train loss %.4f, lr %.6g, %.1f images/s (all ranks), %.1fs",

@@ -173,13 +173,17 @@ class GpuDecoder:
         self.work_dtype = torch.float16 if device.type == "cuda" else torch.float32
         self.fallbacks = 0
 
+    def _boxes(self, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's crop boxes and flips (:func:`crop_boxes`)."""
+        return crop_boxes(sizes, self.augmentation)
+
     def _crop_resize(self, images: list[torch.Tensor]) -> torch.Tensor:
         """uint8 ``(N, 3, size, size)`` crops of decoded CHW uint8 images of any sizes."""
         from torchvision.ops import roi_align
 
         size = self.image_size
         sizes = torch.tensor([[image.shape[1], image.shape[2]] for image in images], dtype=torch.int64)
-        boxes, flips = crop_boxes(sizes, self.augmentation)
+        boxes, flips = self._boxes(sizes)
         corners = torch.cat([boxes[:, :2], boxes[:, :2] + boxes[:, 2:]], dim=1)  # x1, y1, x2, y2
         out = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=self.device)
         pixels = (sizes[:, 0] * sizes[:, 1]).tolist()

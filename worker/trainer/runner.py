@@ -275,8 +275,6 @@ class _Training:
     prepare: BatchPreparer
     autocast: Callable[[], AbstractContextManager[Any]]
     loop: TrainLoop
-    # The training forward pass, eager or compiled (worker.trainer.compiling).
-    forward: CompiledForward
     effective_lr: float
     control: RankControl
     # Rank 0's background checkpoint writer (None on the other ranks).
@@ -381,7 +379,6 @@ def _set_up(
         prepare=prepare,
         autocast=autocast,
         loop=loop,
-        forward=forward,
         effective_lr=effective_lr,
         control=control,
         writer=writer,
@@ -432,9 +429,6 @@ def _train_epochs(
             _preempt(t, epoch, best_state, history, stopped)
             return history, best_state, stopped, True
         train, val = ran
-        if train.steps:
-            remaining = (params.epochs - epoch) * t.loop.steps_per_epoch
-            t.forward.after_epoch(train.seconds / train.steps, remaining)
         improved = t.stopper.update(val["val.loss"], epoch)
         stopped = t.stopper.should_stop
         seconds = time.perf_counter() - epoch_started
