@@ -23,6 +23,12 @@ and namespaces left behind by a run that died are removed by the next one. Clean
 (processes started in the hosts, then namespaces and links) runs even when set-up or
 the test fails.
 
+Each host resolves names from files of its own (``/etc/netns/<namespace>/``, which ``ip netns
+exec`` mounts over ``/etc``): the machine's ``/etc/hosts`` plus every host's and the gateway's
+address, and a resolver that fails at once. The machine's own DNS server is not reachable
+from a host (its queries would go out through the gateway unanswered), and a lookup that
+waited for it took 10 s each (a rank's ``getnameinfo`` of its peer, the gloo rendezvous).
+
 Needs root and iproute2. :func:`netns_unavailable` says why namespaces cannot be
 made here; :func:`require_netns` turns that into a skip, or a failure when
 ``TORCHYARD_REQUIRE_NETNS=1`` (CI).
@@ -41,6 +47,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -50,6 +57,10 @@ REQUIRE_ENV = "TORCHYARD_REQUIRE_NETNS"
 # Private /24s are taken from this range, one per cluster.
 SUPERNET = ipaddress.IPv4Network("10.77.0.0/16")
 HOST_IFNAME = "eth0"
+# Where ``ip netns exec NS`` finds files to mount over /etc's (ip-netns(8)).
+NETNS_ETC = Path("/etc/netns")
+# Nothing listens on a host's own loopback: a DNS query fails at once.
+RESOLV_CONF = "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
 
 
 class NetnsError(RuntimeError):
@@ -93,6 +104,7 @@ def remove_stale() -> None:
         if pid is not None and pid != os.getpid() and not _pid_alive(pid):
             _kill_netns_processes(name)
             _ip("netns", "delete", name, check=False)
+            shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
     links = _ip("-o", "link", "show", check=False).stdout
     for line in links.splitlines():
         parts = line.split(":")
@@ -243,7 +255,23 @@ class NetnsCluster:
             _ip("-n", host.netns, "link", "set", host.ifname, "up")
             _ip("-n", host.netns, "route", "add", "default", "via", self.gateway)
             self.hosts.append(host)
+        self._write_name_files()
         self._wait_for_links()
+
+    def _write_name_files(self) -> None:
+        """Each host's ``hosts`` and ``resolv.conf`` (the module's docstring)."""
+        try:
+            base = Path("/etc/hosts").read_text(encoding="utf-8")
+        except OSError:
+            base = "127.0.0.1 localhost\n"
+        names = f"{self.gateway} {self.tag}-gateway\n" + "".join(
+            f"{h.address} {self.tag}-{h.name}\n" for h in self.hosts
+        )
+        for host in self.hosts:
+            folder = NETNS_ETC / host.netns
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text(base.rstrip("\n") + "\n" + names, encoding="utf-8")
+            (folder / "resolv.conf").write_text(RESOLV_CONF, encoding="utf-8")
 
     def _attach(self, port: str) -> None:
         _ip("-n", self.hub, "link", "set", port, "master", "br0")
@@ -285,6 +313,7 @@ class NetnsCluster:
         for netns in reversed(self._made):
             _kill_netns_processes(netns)
             _ip("netns", "delete", netns, check=False)
+            shutil.rmtree(NETNS_ETC / netns, ignore_errors=True)
         self._made.clear()
         if self._root_link is not None:
             # Normally gone with the hub namespace that held its peer.
