@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 from sqlalchemy.orm import Session
 
@@ -33,6 +34,7 @@ from service.services.leases import lock_lease, placement_for_lease
 from service.services.tokens import Principal
 from service.states import JobStatus
 from torchyard.contract.archive import safe_member_parts
+from torchyard.contract.deflate import SAMPLE_BYTES, GzipWriter, LevelChooser
 from torchyard.contract.errors import (
     ConflictError,
     InvalidDatasetError,
@@ -123,10 +125,36 @@ def check_archive(path: Path, max_unpacked: int) -> int:
     return files
 
 
+class _Prefixed:
+    """``head`` (already read from ``rest``), then the rest of ``rest``: a member's data
+    examined for its deflate level without seeking back in the gzip stream."""
+
+    def __init__(self, head: bytes, rest: IO[bytes]) -> None:
+        self._head = memoryview(head)
+        self._rest = rest
+
+    def read(self, size: int = -1) -> bytes:
+        """Up to ``size`` bytes (all when negative), short only at the end (tarfile's copy
+        takes a short read for a truncated member)."""
+        n = self._head.nbytes if size < 0 else min(size, self._head.nbytes)
+        out = bytes(self._head[:n])
+        self._head = self._head[n:]
+        if size < 0:
+            return out + self._rest.read()
+        if n < size:
+            out += self._rest.read(size - n)
+        return out
+
+
 def _combine(store: OutputsStore, job_id: str, target: Path) -> None:
     """One archive of every node's outputs, each under ``node-<rank>/`` (sorted, fixed times)."""
     parts = sorted((store.root / job_id).glob("node-*.tar.gz"), key=lambda p: int(p.name[5:].split(".")[0]))
-    with tarfile.open(target, "w:gz", format=tarfile.PAX_FORMAT) as out:
+    levels = LevelChooser()  # weights and images stored, text deflated
+    with (
+        open(target, "wb") as raw,
+        GzipWriter(raw) as gz,
+        tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as out,  # type: ignore[call-overload]
+    ):
         for part in parts:
             prefix = part.name.removesuffix(".tar.gz")
             folder = tarfile.TarInfo(prefix)
@@ -138,7 +166,13 @@ def _combine(store: OutputsStore, job_id: str, target: Path) -> None:
                     if not inner:
                         continue
                     member.name = f"{prefix}/{inner}"
-                    out.addfile(member, tf.extractfile(member) if member.isreg() else None)
+                    data = tf.extractfile(member) if member.isreg() else None
+                    if data is None:
+                        out.addfile(member)
+                        continue
+                    head = data.read(SAMPLE_BYTES)
+                    gz.set_level(levels.for_head(inner, head, member.size))
+                    out.addfile(member, _Prefixed(head, data))
 
 
 def publish(

@@ -13,6 +13,7 @@ import httpx
 
 from torchyard.apiclient.models import Dataset, Page
 from torchyard.apiclient.transport import ProgressCallback, Transport, segment
+from torchyard.contract.deflate import GzipWriter, LevelChooser
 from torchyard.contract.errors import TorchyardError
 
 AMBIGUOUS = "AmbiguousReferenceError"
@@ -26,7 +27,11 @@ def pack_directory(folder: str | Path, dest: IO[bytes]) -> None:
     kept out, links and special files skipped (the service refuses them).
     """
     root = Path(folder)
-    with tarfile.open(fileobj=dest, mode="w:gz", compresslevel=6) as tar:
+    levels = LevelChooser()  # encoded images (JPEG, PNG) stored: they do not deflate further
+    with (
+        GzipWriter(dest) as gz,
+        tarfile.open(fileobj=gz, mode="w") as tar,  # type: ignore[call-overload]
+    ):
 
         def add(path: Path, arcname: str) -> None:
             info = tar.gettarinfo(str(path), arcname)
@@ -37,6 +42,7 @@ def pack_directory(folder: str | Path, dest: IO[bytes]) -> None:
                 tar.addfile(info)
             elif info.isreg():
                 info.mode = 0o644
+                gz.set_level(levels.for_file(path, info.size))
                 with open(path, "rb") as fh:
                     tar.addfile(info, fh)
 

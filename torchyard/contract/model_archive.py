@@ -30,6 +30,7 @@ from typing import IO, Any, BinaryIO
 
 from torchyard.architectures import CLASSIFICATION_ARCHITECTURES
 from torchyard.contract.dataset_digest import is_ignored_name
+from torchyard.contract.deflate import GzipWriter, LevelChooser
 from torchyard.contract.errors import InvalidModelDirectoryError
 from torchyard.contract.files import sha256_file
 from torchyard.contract.headers import SHA256_HEADER  # noqa: F401 - part of this module's interface
@@ -115,17 +116,20 @@ def pack_model_dir(folder: str | Path, dest: str | Path) -> tuple[str, int]:
                 f"checksum mismatch for {name}: the file is corrupt or was modified"
             )
     names = sorted([*listed, MANIFEST_FILE])
-    # Weights barely compress: the fastest level loses little and saves seconds on large models.
+    # Weights are stored, not deflated (they barely compress); the JSON files are deflated.
+    levels = LevelChooser()
     with (
         open(dest, "wb") as raw,
-        gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=1) as gz,
-        tarfile.open(fileobj=gz, mode="w", format=tarfile.USTAR_FORMAT) as tar,
+        GzipWriter(raw) as gz,
+        tarfile.open(fileobj=gz, mode="w", format=tarfile.USTAR_FORMAT) as tar,  # type: ignore[call-overload]
     ):
         tar.addfile(_member(TOP_FOLDER, 0, directory=True))
         for name in names:
             path = folder / name
             with open(path, "rb") as fh:
-                tar.addfile(_member(f"{TOP_FOLDER}/{name}", os.fstat(fh.fileno()).st_size), fh)
+                size = os.fstat(fh.fileno()).st_size
+                gz.set_level(levels.for_file(path, size))
+                tar.addfile(_member(f"{TOP_FOLDER}/{name}", size), fh)
     return sha256_of(dest), Path(dest).stat().st_size
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gzip
 import hashlib
 import logging
 import os
@@ -40,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from torchyard.contract.deflate import GzipWriter, LevelChooser
 from torchyard.contract.errors import SandboxUnavailableError
 from torchyard.contract.files import sha256_file
 from torchyard.contract.jobspec import input_variable
@@ -683,15 +683,17 @@ def pack_outputs(
     members = [(path.relative_to(folder).as_posix(), path) for path in _regular_files(folder, say, "")]
     if logs is not None and logs.is_dir():
         members += _kept_logs(logs, {name for name, _ in members}, say)
+    levels = LevelChooser()  # weights and images stored, text deflated
     with (
         open(archive, "wb") as raw,
-        gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz,
-        tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tf,
+        GzipWriter(raw) as gz,
+        tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tf,  # type: ignore[call-overload]
     ):
         for name, path in members:
             with open(path, "rb") as fh:
                 info = tarfile.TarInfo(name)
                 info.size = os.fstat(fh.fileno()).st_size
+                gz.set_level(levels.for_file(path, info.size))
                 info.mode = 0o644
                 info.mtime = 0
                 tf.addfile(info, fh)
