@@ -18,13 +18,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-# Under pytest-xdist (``make test``: one test process per core), torch in each test process
-# computes on one thread: its in-process training then never spins against the other
-# processes' work on the same cores. Set before anything imports torch; the ranks the agents
-# start get their own share from the agent (worker.agent.placement.AgentContext.cpus_for).
+# Under pytest-xdist (``make test``: more test processes than cores), torch in each test
+# process computes on one thread: its in-process training then never spins against the
+# other processes' work on the same cores. Set before anything imports torch. The ranks the
+# agents start get their thread count from the agent (AgentContext.cpus_for: two on a
+# 1-slot agent here) and inherit the wait policy: their OpenMP threads sleep while they wait
+# for each other instead of spinning, which on two cores kept busy by the suite burns the
+# core another process needs (a two-thread resnet18 step beside two busy processes: 7.7
+# CPU-s spinning, 2.6 passive; bench/RESULTS.md, the test suite's section).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import sqlalchemy as sa
