@@ -12,9 +12,9 @@ stream (nothing in a part refers back past its start). Every gzip reader reads i
 :class:`LevelChooser` picks a file's level: stored (level 0) when a sample of it
 deflates to more than :data:`STORE_ABOVE` of its size at level 1, else the archive's
 level. The sample is :data:`SAMPLE_BYTES` from the middle of a file (past any header),
-or the first of a stream's; files smaller than
-:data:`MIN_SAMPLE_BYTES` take the level chosen for their suffix, decided by the first
-file of that suffix large enough to tell (the archive's level until then).
+or the first of a stream's; files smaller than :data:`MIN_SAMPLE_BYTES` take the level
+chosen for their suffix, decided by the first file of that suffix large enough to tell
+(the archive's level until then).
 
 The output is deterministic: the same files give the same bytes.
 """
@@ -50,7 +50,8 @@ class LevelChooser:
         self._by_suffix: dict[str, int] = {}
 
     def for_head(self, name: str, head: bytes, size: int) -> int:
-        """The level for a file called ``name`` of ``size`` bytes whose first bytes are ``head``."""
+        """The level for a file called ``name`` of ``size`` bytes, from ``head``: a sample of
+        its bytes (its first ones, when it is read as a stream)."""
         suffix = Path(name).suffix.lower()
         if min(size, len(head)) < MIN_SAMPLE_BYTES:
             return self._by_suffix.get(suffix, self.level)
