@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from service.api.app import create_app
-from service.api.routes.workers import HEARTBEAT_THREADS
+from service.api.routes.workers import HEARTBEAT_THREADS, REGISTRATION_THREADS, Lanes
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Job
@@ -184,6 +184,43 @@ def test_a_heartbeat_does_not_wait_for_the_threads_other_requests_use(client: Te
             portal.call(limiter.release_on_behalf_of, b)
     blocked.join(timeout=20)
     assert results["datasets"].status_code == 404
+
+
+def test_registrations_take_threads_of_their_own_lane_and_heartbeats_go_on(client: TestClient) -> None:
+    """When a whole cluster registers at once, registrations queue for their own few threads
+    (here every one of them is taken): a registration waits, heartbeats of nodes already
+    registered are answered meanwhile, and the registration goes through once a thread frees."""
+    worker = create_token(client, "worker")
+    register_node(client, worker, "n1", 1)
+    portal = client.portal  # type: ignore[attr-defined]
+    lanes: Lanes = client.app.state.lanes  # type: ignore[attr-defined]
+    limiter = lanes.registrations
+    assert limiter.total_tokens == REGISTRATION_THREADS
+    borrowers = [object() for _ in range(REGISTRATION_THREADS)]
+    for b in borrowers:
+        portal.call(limiter.acquire_on_behalf_of, b)
+    results: dict[str, httpx.Response] = {}
+
+    def register() -> None:
+        body = {"name": "n2", "address": "127.0.0.1", "units": 1, "accelerator": "cpu"}
+        results["n2"] = client.post("/v1/worker/nodes", json=body, headers=auth(worker))
+
+    waiting = threading.Thread(target=register)
+    try:
+        waiting.start()
+        for _ in range(3):
+            beat = client.post("/v1/worker/nodes/n1/heartbeat", json={"leases": []}, headers=auth(worker))
+            assert beat.status_code == 200, beat.text
+        waiting.join(timeout=1.0)
+        assert waiting.is_alive() and "n2" not in results
+        assert portal.call(lambda: limiter.statistics().tasks_waiting) == 1
+    finally:
+        for b in borrowers:
+            portal.call(limiter.release_on_behalf_of, b)
+    waiting.join(timeout=20)
+    assert results["n2"].status_code == 200, results["n2"].text
+    names = {n["name"] for n in client.get("/v1/cluster").json()["nodes"]}
+    assert names >= {"n1", "n2"}
 
 
 @pytest.mark.both_databases

@@ -61,6 +61,10 @@ HEARTBEAT_THREADS = 4
 # At most this many claim checks at once: a herd of long-polls (every node registered
 # together) waits on the event loop, not in threads contending for the GIL and connections.
 CLAIM_THREADS = 8
+# At most this many registrations at once, for the same reason: when a whole cluster's agents
+# start together, their registrations queue on the event loop while the first nodes'
+# heartbeats keep being answered.
+REGISTRATION_THREADS = 4
 # A long-poll at least this long ends at a random point of its last fifth: nodes that
 # registered together do not all come back at the same moment, every time.
 _JITTER_FROM_S = 10.0
@@ -68,11 +72,13 @@ _JITTER_FROM_S = 10.0
 
 class Lanes:
     """The worker-thread budgets of the hot worker routes, per API process (its event loop):
-    heartbeats and claims each have their own, apart from every other request's."""
+    heartbeats, claims and registrations each have their own, apart from every other
+    request's."""
 
     def __init__(self) -> None:
         self.heartbeats = anyio.CapacityLimiter(HEARTBEAT_THREADS)
         self.claims = anyio.CapacityLimiter(CLAIM_THREADS)
+        self.registrations = anyio.CapacityLimiter(REGISTRATION_THREADS)
 
 
 router = APIRouter(prefix="/v1/worker", tags=["worker"], route_class=SessionScopedRoute)
@@ -96,7 +102,9 @@ async def register_node(
     first registered it, and to one live agent (``agent_key``) at a time: anyone else
     gets 409 ``NodeNameInUseError`` and changes nothing.
     """
-    node, timing = await run_in_threadpool(_register, request, session, db, settings, worker, body)
+    node, timing = await anyio.to_thread.run_sync(
+        _register, request, session, db, settings, worker, body, limiter=_lanes(request).registrations
+    )
     scheduling.request()  # new (or freed) capacity
     return NodeRegistered(
         id=node.id,
