@@ -1,7 +1,8 @@
 """Packing a model directory and an outputs folder: CPU and size, gzip at one level against the
 writer that stores what does not compress (torchyard/contract/deflate.py).
 
-The model directory is a ResNet (``--architecture``, random weights as a fresh job's are) in
+The new way is the agent's own ``pack_outputs`` (which also hashes the archive). The model
+directory is a ResNet (``--architecture``, random weights as a fresh job's are) in
 safetensors, with its config and metrics; the outputs folder holds that model directory, a
 JSON-lines log and a CSV of metrics, as a script job's outputs would. Each way of packing runs
 ``--repeat`` times; the CPU time is the median.
@@ -27,7 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from torchyard.contract.deflate import GzipWriter, LevelChooser
+from worker.agent.script_run import pack_outputs
 
 
 def _model_dir(root: Path, architecture: str) -> Path:
@@ -79,11 +80,8 @@ def pack_one_level(folder: Path, dest: Path, level: int) -> None:
 
 
 def pack_chosen(folder: Path, dest: Path) -> None:
-    levels = LevelChooser()
-    with open(dest, "wb") as raw, GzipWriter(raw) as gz, tarfile.open(fileobj=gz, mode="w") as tar:  # type: ignore[call-overload]
-        for path in _files(folder):
-            gz.set_level(levels.for_file(path, path.stat().st_size))
-            tar.add(path, arcname=str(path.relative_to(folder)))
+    """What the agent does with a script job's outputs (its sha256 included)."""
+    pack_outputs(folder, dest)
 
 
 def _measure(pack: Callable[[Path, Path], None], folder: Path, dest: Path, repeat: int) -> tuple[float, int]:

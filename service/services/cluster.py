@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import BindParameter, ColumnElement, and_, bindparam, case, func, or_, select
+from sqlalchemy import BindParameter, and_, bindparam, case, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
@@ -30,26 +30,17 @@ from service.services.tokens import Principal
 from service.states import NodeStatus, PlacementStatus
 from torchyard.contract.errors import ResourceLimitError
 
-
-def ready_node_filter(settings: Settings, now: datetime) -> ColumnElement[bool]:
-    """SQL condition for a ready node: status ready and a heartbeat within the lease timeout."""
-    fresh_after = now - timedelta(seconds=settings.lease_timeout_s)
-    return and_(
-        Node.engine == settings.engine,
-        Node.status == NodeStatus.READY.value,
-        Node.last_heartbeat_at >= fresh_after,
-    )
-
-
-# The hot statements (every submission, every scheduling pass) are built once, with the
-# ready-node condition's values as parameters: SQLAlchemy then neither builds them nor works
-# out their cache key again on each execution. The condition is ready_node_filter's.
+# A ready node: status ready and a heartbeat within the lease timeout. The hot statements
+# (every submission, every scheduling pass) are built once, with the condition's values as
+# parameters (:func:`_ready_params`): SQLAlchemy then neither builds them nor works out their
+# cache key again on each execution.
 _ENGINE: BindParameter[str] = bindparam("engine")
 _READY = and_(
     Node.engine == _ENGINE,
     Node.status == NodeStatus.READY.value,
     Node.last_heartbeat_at >= bindparam("fresh_after"),
 )
+_READY_LIMITS = select(func.count(Node.id), func.coalesce(func.max(Node.units), 0)).where(_READY)
 _SUBMISSION_LIMITS = select(
     func.coalesce(func.sum(case((_READY, 1), else_=0)), 0),
     func.coalesce(func.max(case((_READY, Node.units))), 0),
@@ -98,11 +89,7 @@ class ClusterLimits:
 def cluster_limits(session: Session, settings: Settings, now: datetime | None = None) -> ClusterLimits:
     """Max nodes (the setting, else the ready nodes) and the units of the largest ready node."""
     now = now or utcnow()
-    ready, largest = session.execute(
-        select(func.count(Node.id), func.coalesce(func.max(Node.units), 0)).where(
-            ready_node_filter(settings, now)
-        )
-    ).one()
+    ready, largest = session.execute(_READY_LIMITS, _ready_params(settings, now)).one()
     if settings.max_nodes is not None:
         return ClusterLimits(settings.max_nodes, int(largest), int(ready), "setting")
     return ClusterLimits(int(ready), int(largest), int(ready), "ready_nodes")
@@ -195,7 +182,7 @@ class NodeCapacity:
 
 
 def ready_capacity(session: Session, settings: Settings, now: datetime) -> list[NodeCapacity]:
-    """Ready nodes (``ready_node_filter``) with their free units, by name: what the scheduler
+    """Ready nodes (``_READY``) with their free units, by name: what the scheduler
     places onto. One query: each node's units held by its placements that are not done."""
     return [
         NodeCapacity(id=id_, name=name, address=address, units=units, free=max(0, units - int(used or 0)))
