@@ -109,7 +109,11 @@ def get_own_node(session: Session, principal: Principal, name: str, *, for_updat
     stmt = select(Node).where(Node.name == name)
     if for_update:
         stmt = stmt.with_for_update()
-    node = session.scalars(stmt).first()
+    return own_node(session.scalars(stmt).first(), principal, name)
+
+
+def own_node(node: Node | None, principal: Principal, name: str) -> Node:
+    """``node`` (the row named ``name``, or None), if ``principal``'s token registered it."""
     if node is None or node.token_id != principal.id:
         raise NotFoundError(f"node {name!r} is not registered by this worker token")
     return node
@@ -120,10 +124,14 @@ def check_agent(
 ) -> Node:
     """The node, if the calling agent is the one holding it; 409 ``NodeNameInUseError`` when
     another agent registered it since (this one must stop). ``for_update``: its row locked."""
-    node = get_own_node(session, principal, name, for_update=for_update)
+    return held_by_agent(get_own_node(session, principal, name, for_update=for_update), agent_key)
+
+
+def held_by_agent(node: Node, agent_key: str | None) -> Node:
+    """``node``, if the agent sending ``agent_key`` holds it (else 409, as :func:`check_agent`)."""
     if not _key_matches(node, agent_key):
         raise NodeNameInUseError(
-            f"node {name!r} is now held by another agent ({_holder(node, utcnow())}); this agent must stop"
+            f"node {node.name!r} is now held by another agent ({_holder(node, utcnow())}); this agent must stop"
         )
     return node
 

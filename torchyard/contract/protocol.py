@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, TypeAdapter
+from pydantic import AfterValidator, BaseModel, Field, TypeAdapter
 
 from torchyard.contract.base import StrictModel
 from torchyard.contract.jobspec import (
@@ -18,7 +18,16 @@ from torchyard.contract.jobspec import (
     OutputsScope,
 )
 
-LeaseToken = str
+
+def _lease_token(value: str) -> str:
+    # A database's text cannot hold NUL: refused here (422), not by PostgreSQL (a 500).
+    if "\x00" in value:
+        raise ValueError("a lease token may not contain NUL characters")
+    return value
+
+
+# What the API hands out is 43 characters; anything else is reported back as unknown.
+LeaseToken = Annotated[str, Field(max_length=256), AfterValidator(_lease_token)]
 
 
 class NodeRegistered(BaseModel):

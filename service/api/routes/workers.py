@@ -32,6 +32,7 @@ from service.api.deps import (
     WorkerDep,
     agent_session,
 )
+from service.api.heartbeats import Beat, HeartbeatBatcher
 from service.api.routing import SessionScopedRoute
 from service.config import Settings
 from service.db.engine import Database
@@ -79,6 +80,8 @@ class Lanes:
         self.heartbeats = anyio.CapacityLimiter(HEARTBEAT_THREADS)
         self.claims = anyio.CapacityLimiter(CLAIM_THREADS)
         self.registrations = anyio.CapacityLimiter(REGISTRATION_THREADS)
+        # Heartbeats arriving together are made together, in the heartbeats' lane.
+        self.heartbeat_batches = HeartbeatBatcher(self.heartbeats)
 
 
 router = APIRouter(prefix="/v1/worker", tags=["worker"], route_class=SessionScopedRoute)
@@ -145,18 +148,12 @@ async def heartbeat(
     """Keep the node ready and renew the leases it lists; ``stop`` names placements whose ranks
     must be stopped now (job cancelling, attempt failed elsewhere, lease stale).
 
-    The hottest route (every node, every few seconds): the token is checked (as for every
-    worker route) and the heartbeat made in one transaction, in one trip to a worker thread;
-    a trip costs most when the machine is busy (a wait for a thread and for the GIL)."""
-    answer, revived = await anyio.to_thread.run_sync(
-        _heartbeat,
-        db,
-        settings,
-        token,
-        name,
-        agent_key,
-        body.leases,
-        limiter=_lanes(request).heartbeats,
+    The hottest route (every node, every few seconds): the heartbeats arriving together are
+    made together, the token checked and the heartbeat made in one transaction with theirs,
+    in one trip to a worker thread (:mod:`service.api.heartbeats`); a trip costs most when
+    the machine is busy (a wait for a thread and for the GIL)."""
+    answer, revived = await _lanes(request).heartbeat_batches.beat(
+        db, settings, Beat(token, name, agent_key, body.leases)
     )
     if revived:
         scheduling.request()
@@ -166,13 +163,6 @@ async def heartbeat(
 def _lanes(request: Request) -> Lanes:
     lanes: Lanes = request.app.state.lanes
     return lanes
-
-
-def _heartbeat(
-    db: Database, settings: Settings, token: str | None, name: str, agent_key: str | None, leases: list[str]
-) -> tuple[HeartbeatResponse, bool]:
-    with agent_session(db, token) as (session, worker):
-        return agents.heartbeat(session, settings, worker, name, agent_key, leases)
 
 
 @router.post("/nodes/{name}/drain")
