@@ -36,6 +36,7 @@ from service.services import agents, attempts
 from service.services.nodes import held_by_agent, own_node
 from service.services.tokens import USE_RECORDER, Principal, authenticate, record_use
 from service.states import NodeStatus
+from torchyard.contract.errors import TorchyardError
 from torchyard.contract.protocol import HeartbeatResponse
 
 log = logging.getLogger(__name__)
@@ -95,12 +96,12 @@ def _together(db: Database, settings: Settings, beats: Sequence[Beat]) -> list[O
             for i, beat in enumerate(beats):
                 principal = principals[beat.token]
                 try:
-                    if isinstance(principal, Exception):
+                    if isinstance(principal, TorchyardError):
                         raise principal
                     node = held_by_agent(
                         own_node(by_name.get(beat.name), principal, beat.name), beat.agent_key
                     )
-                except Exception as exc:  # this beat's own error: nothing of it was written
+                except TorchyardError as exc:  # this beat's own error: nothing of it was written
                     outcomes[i] = exc
                     continue
                 was_lost = node.status == NodeStatus.LOST.value
@@ -116,15 +117,15 @@ def _together(db: Database, settings: Settings, beats: Sequence[Beat]) -> list[O
     return done
 
 
-def _principals(session: Session, beats: Sequence[Beat]) -> dict[str | None, Principal | Exception]:
+def _principals(session: Session, beats: Sequence[Beat]) -> dict[str | None, Principal | TorchyardError]:
     """Each distinct token of ``beats`` read once: its resident agent, or why it is refused."""
-    found: dict[str | None, Principal | Exception] = {}
+    found: dict[str | None, Principal | TorchyardError] = {}
     for beat in beats:
         if beat.token in found:
             continue
         try:
             found[beat.token] = check_agent(authenticate(session, beat.token))
-        except Exception as exc:
+        except TorchyardError as exc:  # refused (401/403); a database error fails the batch
             found[beat.token] = exc
     return found
 
