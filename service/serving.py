@@ -263,7 +263,9 @@ def _start_api_processes(settings: Settings, sock: socket.socket, count: int, lo
             try:
                 _die_with_parent()
                 config = uvicorn.Config(
-                    create_app(settings), log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
+                    create_app(settings, freeze=True),
+                    log_level=log_level,
+                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                 )
                 uvicorn.Server(config).run(sockets=[sock])
             except BaseException:
@@ -327,7 +329,7 @@ def serve(
     sock = _bind(settings.host, settings.port)
     others = _start_api_processes(settings, sock, workers - 1, log_level) if workers > 1 else []
     config = uvicorn.Config(
-        create_app(settings),
+        create_app(settings, freeze=True),
         log_level=log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
