@@ -8,9 +8,10 @@ it started, so a burst of submissions (or of claims) costs one or two passes, ho
 many nodes are waiting. Passes start at least :data:`PASS_GAP_S` apart: a request after a
 quiet spell is passed for at once, and a steady stream of them (submissions one after the
 other, jobs ending all over a large cluster) costs a few passes a second, not one per
-request; each pass reads the queue's head and every ready node. A pass that placed work wakes the claims parked for those nodes
-(:class:`~service.services.wakeup.Wakeup`); on PostgreSQL the pass also announces them to
-the other replicas (``NOTIFY``, see :mod:`service.services.wakeup`).
+request; each pass reads the queue's head and every ready node. A pass that placed work
+wakes the claims parked for those nodes (:class:`~service.services.wakeup.Wakeup`); on
+PostgreSQL the pass also announces them to the other replicas (``NOTIFY``, see
+:mod:`service.services.wakeup`).
 
 Several replicas each run their own loop; their passes serialise on the scheduler's
 advisory lock (see :mod:`service.services.scheduler`), and each replica passes only for
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 # After a failed pass (the database unreachable), the next one waits this long.
 _RETRY_S = 0.5
 # Passes start at least this long apart (a pass at 1,000 nodes and a long queue takes 5-15 ms
-# of a core; back to back under a stream of submissions they took a third of the API's CPU).
+# of a core; back to back under a stream of submissions they took a fifth of the API's CPU).
 PASS_GAP_S = 0.2
 
 
