@@ -194,17 +194,25 @@ def agent_session(db: Database, token: str | None) -> Iterator[tuple[Session, Pr
     write of the token's last use joins that transaction: committed with the work, or left
     to a later request when the work fails."""
     with db.session() as session:
-        principal = check_agent(authenticate(session, token))
-        now = utcnow()
-        recording = USE_RECORDER.should_record(principal, now)
-        if recording:
-            record_use(session, principal.id, now)
+        principal, recording = agent_in(session, token)
         try:
             yield session, principal
         except BaseException:
             if recording:
                 USE_RECORDER.failed(principal.id)
             raise
+
+
+def agent_in(session: Session, token: str | None) -> tuple[Principal, bool]:
+    """The resident agent behind ``token``, read in ``session``, with a due write of the
+    token's last use added to it; and whether that write was added (if the transaction
+    fails, :meth:`UseRecorder.failed` must be called for the token)."""
+    principal = check_agent(authenticate(session, token))
+    now = utcnow()
+    recording = USE_RECORDER.should_record(principal, now)
+    if recording:
+        record_use(session, principal.id, now)
+    return principal, recording
 
 
 async def require_launcher(principal: Annotated[Principal, Depends(require_worker)]) -> Principal:

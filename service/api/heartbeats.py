@@ -21,21 +21,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import anyio
 from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
-from service.api.deps import agent_session, check_agent
+from service.api.deps import agent_in, agent_session
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Node, utcnow
-from service.services import agents, attempts
+from service.db.models import Node
+from service.services import agents
 from service.services.nodes import held_by_agent, own_node
-from service.services.tokens import USE_RECORDER, Principal, authenticate, record_use
-from service.states import NodeStatus
+from service.services.tokens import USE_RECORDER, Principal
 from torchyard.contract.errors import TorchyardError
 from torchyard.contract.protocol import HeartbeatResponse
 
@@ -80,20 +79,15 @@ def _alone(db: Database, settings: Settings, beat: Beat) -> Outcome:
 
 
 def _together(db: Database, settings: Settings, beats: Sequence[Beat]) -> list[Outcome]:
-    outcomes: list[Outcome | None] = [None] * len(beats)
+    outcomes: list[Outcome] = []
     recorded: list[str] = []
     try:
         with db.session() as session:
-            principals = _principals(session, beats)
-            now = utcnow()
-            for principal in principals.values():
-                if isinstance(principal, Principal) and USE_RECORDER.should_record(principal, now):
-                    record_use(session, principal.id, now)
-                    recorded.append(principal.id)
+            principals = _principals(session, beats, recorded)
             names = sorted({b.name for b in beats if isinstance(principals[b.token], Principal)})
             rows = session.scalars(_NODES_FOR_UPDATE, {"names": names}).all() if names else []
             by_name = {node.name: node for node in rows}
-            for i, beat in enumerate(beats):
+            for beat in beats:
                 principal = principals[beat.token]
                 try:
                     if isinstance(principal, TorchyardError):
@@ -102,31 +96,34 @@ def _together(db: Database, settings: Settings, beats: Sequence[Beat]) -> list[O
                         own_node(by_name.get(beat.name), principal, beat.name), beat.agent_key
                     )
                 except TorchyardError as exc:  # this beat's own error: nothing of it was written
-                    outcomes[i] = exc
+                    outcomes.append(exc)
                     continue
-                was_lost = node.status == NodeStatus.LOST.value
-                answer = attempts.heartbeat(session, settings, principal, beat.name, beat.leases, node=node)
-                outcomes[i] = (answer, was_lost and answer.status == NodeStatus.READY.value)
+                outcomes.append(agents.heartbeat_on(session, settings, principal, node, beat.leases))
             session.commit()
     except BaseException:
         for token_id in recorded:
             USE_RECORDER.failed(token_id)
         raise
-    done = [outcome for outcome in outcomes if outcome is not None]
-    assert len(done) == len(beats)
-    return done
+    return outcomes
 
 
-def _principals(session: Session, beats: Sequence[Beat]) -> dict[str | None, Principal | TorchyardError]:
-    """Each distinct token of ``beats`` read once: its resident agent, or why it is refused."""
+def _principals(
+    session: Session, beats: Sequence[Beat], recorded: list[str]
+) -> dict[str | None, Principal | TorchyardError]:
+    """Each distinct token of ``beats`` read once: its resident agent, or why it is refused.
+    The ids of the tokens whose due last use was written are added to ``recorded``."""
     found: dict[str | None, Principal | TorchyardError] = {}
     for beat in beats:
         if beat.token in found:
             continue
         try:
-            found[beat.token] = check_agent(authenticate(session, beat.token))
+            principal, recording = agent_in(session, beat.token)
         except TorchyardError as exc:  # refused (401/403); a database error fails the batch
             found[beat.token] = exc
+            continue
+        found[beat.token] = principal
+        if recording:
+            recorded.append(principal.id)
     return found
 
 
@@ -143,17 +140,8 @@ class HeartbeatBatcher:
     """Gathers the heartbeats of one API process (its event loop) into batches made in the
     heartbeats' worker-thread lane."""
 
-    def __init__(
-        self,
-        limiter: anyio.CapacityLimiter,
-        gather_s: float = GATHER_S,
-        max_batch: int = MAX_BATCH,
-        make: Callable[[Database, Settings, Sequence[Beat]], list[Outcome]] = make_beats,
-    ) -> None:
+    def __init__(self, limiter: anyio.CapacityLimiter) -> None:
         self._limiter = limiter
-        self._gather_s = gather_s
-        self._max_batch = max_batch
-        self._make = make
         self._pending: list[tuple[Beat, asyncio.Future[tuple[HeartbeatResponse, bool]]]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._context: tuple[Database, Settings] | None = None
@@ -168,10 +156,10 @@ class HeartbeatBatcher:
         future: asyncio.Future[tuple[HeartbeatResponse, bool]] = loop.create_future()
         self._pending.append((beat, future))
         self._context = (db, settings)  # the newest settings (the timing follows the cluster)
-        if len(self._pending) >= self._max_batch:
+        if len(self._pending) >= MAX_BATCH:
             self._flush()
         elif self._timer is None:
-            self._timer = loop.call_later(self._gather_s, self._flush)
+            self._timer = loop.call_later(GATHER_S, self._flush)
         return await future
 
     def _flush(self) -> None:
@@ -193,7 +181,7 @@ class HeartbeatBatcher:
         db, settings = context
         beats = [beat for beat, _ in batch]
         try:
-            outcomes = await anyio.to_thread.run_sync(self._make, db, settings, beats, limiter=self._limiter)
+            outcomes = await anyio.to_thread.run_sync(make_beats, db, settings, beats, limiter=self._limiter)
         except BaseException:  # cancelled: the process is stopping
             for _, future in batch:
                 future.cancel()

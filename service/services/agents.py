@@ -64,9 +64,17 @@ def heartbeat(
     """Check the agent holds the node, renew its leases, and commit. Returns the answer and
     whether the node came back from ``lost`` (capacity for a scheduling pass)."""
     node = nodes.check_agent(session, worker, name, agent_key, for_update=True)
-    was_lost = node.status == NodeStatus.LOST.value
-    answer = attempts.heartbeat(session, settings, worker, name, leases, node=node)
+    answer, revived = heartbeat_on(session, settings, worker, node, leases)
     session.commit()
+    return answer, revived
+
+
+def heartbeat_on(
+    session: Session, settings: Settings, worker: Principal, node: Node, leases: list[str]
+) -> tuple[HeartbeatResponse, bool]:
+    """:func:`heartbeat` on ``node``, already checked and locked; the caller commits."""
+    was_lost = node.status == NodeStatus.LOST.value
+    answer = attempts.heartbeat(session, settings, worker, node.name, leases, node=node)
     return answer, was_lost and answer.status == NodeStatus.READY.value
 
 
