@@ -128,17 +128,38 @@ class SweepResult:
     trials_pruned: list[str] = field(default_factory=list)
 
 
+def _judged_with_its_node(settings: Settings, status: str, expires: datetime, node: Node) -> bool:
+    """Whether a claimed placement's expired lease waits for its node to be judged.
+
+    The node's last heartbeat came within one heartbeat interval of the lease's last
+    renewal: it can be one the agent sent before it claimed the placement (heartbeats and
+    claims travel side by side), so it says nothing of the agent having let the lease go.
+    Such a node is going silent with its lease, and is lost with it at most one interval
+    later; losing the lease first would put the job back to a node that is about to be
+    lost, and spend a second restart there."""
+    if status != PlacementStatus.RUNNING or node.engine != ENGINE_AGENTS:
+        return False
+    if node.status != NodeStatus.READY.value:
+        return False
+    renewed = expires - timedelta(seconds=settings.lease_timeout_s)
+    return node.last_heartbeat_at < renewed + timedelta(seconds=settings.heartbeat_interval_s)
+
+
 def _expired_by_job(
     session: Session, settings: Settings, now: datetime
 ) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """Placements whose lease ran out, by job, with the failure message naming each node."""
+    """Placements whose lease ran out, by job, with the failure message naming each node
+    (less those judged with their node: :func:`_judged_with_its_node`)."""
     rows = session.execute(
-        select(Placement.job_id, Placement.id, Placement.status, Node.name)
+        select(Placement.job_id, Placement.id, Placement.status, Placement.lease_expires_at, Node)
         .join(Node, Node.id == Placement.node_id)
         .where(Placement.status != PlacementStatus.DONE, Placement.lease_expires_at < now)
     ).all()
     by_job: dict[str, tuple[list[str], dict[str, str]]] = {}
-    for job_id, placement_id, status, node_name in rows:
+    for job_id, placement_id, status, expires, node in rows:
+        if _judged_with_its_node(settings, status, expires, node):
+            continue
+        node_name = node.name
         ids, messages = by_job.setdefault(job_id, ([], {}))
         ids.append(placement_id)
         messages[placement_id] = (

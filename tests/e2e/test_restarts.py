@@ -58,6 +58,17 @@ class Cluster:
     val: str
     beating: set[str]
     leases: dict[str, set[str]] = field(default_factory=dict)
+    rounds: int = 0  # heartbeat rounds the beater has finished
+
+    def silence(self, node: str) -> None:
+        """Stop heartbeating ``node`` once a round that started now has renewed its leases, as
+        an agent that dies between two heartbeats (its last one listed every lease it held)."""
+        seen = self.rounds
+        deadline = time.monotonic() + 5
+        while self.rounds < seen + 2:
+            assert time.monotonic() < deadline, "the beater stopped"
+            time.sleep(0.02)
+        self.beating.discard(node)
 
     def submit(self, **resources: Any) -> str:
         spec = job_spec(self.train, self.val, resources={"node_count": 1, **resources})
@@ -148,6 +159,7 @@ def cluster(live_server: LiveServer, settings: Settings) -> Iterator[Cluster]:
             for name in list(beating):
                 leases = sorted(c.leases.get(name, set()))
                 worker.post(f"/v1/worker/nodes/{name}/heartbeat", json={"leases": leases})
+            c.rounds += 1
 
     beater = threading.Thread(target=beat, daemon=True)
     beater.start()
@@ -174,7 +186,7 @@ def test_a_lost_node_restarts_the_job_elsewhere_and_fences_the_old_attempt(clust
 
     # The node goes silent: attempt 1 ends with WorkerLostError, the job is queued again and
     # placed on the node that is left.
-    cluster.beating.discard(lost)
+    cluster.silence(lost)
     job = cluster.wait_for(job_id, lambda j: j["restarts"] == 1 and j["status"] == "scheduled")
     reason = f"restarting after WorkerLostError on node {lost} (restart 1 of 2)"
     assert reason in _messages(job)

@@ -292,3 +292,48 @@ def test_a_placement_never_claimed_is_reported_so_when_its_node_falls_silent_in_
     assert reason["message"].endswith(f"did not claim its placement within {settings.lease_timeout_s:g} s"), (
         reason
     )
+
+
+def _heard(db: Database, settings: Settings, job: Any, *, renewed_ago: float, node_after: float) -> None:
+    """The job's lease was last renewed ``renewed_ago`` seconds ago, and its node last spoke
+    ``node_after`` seconds after that renewal (in a heartbeat that did not list the lease)."""
+    renewed = utcnow() - timedelta(seconds=renewed_ago)
+    set_placement(
+        settings, job.placement_ids[0], lease_expires_at=renewed + timedelta(seconds=settings.lease_timeout_s)
+    )
+    with db.transaction() as s:
+        s.execute(
+            update(Node)
+            .where(Node.name == job.node_names[0])
+            .values(last_heartbeat_at=renewed + timedelta(seconds=node_after))
+        )
+
+
+def test_a_lease_that_ran_out_with_its_nodes_last_heartbeat_is_judged_with_the_node(
+    client: TestClient, db: Database, settings: Settings
+) -> None:
+    # An agent's heartbeat sent just before it claimed lands just after the claim, without the
+    # new lease, and the node dies: the lease runs out a moment before the node is silent. The
+    # reaper waits for the node, so the job is not put back on a node about to be lost.
+    interval, timeout = settings.heartbeat_interval_s, settings.lease_timeout_s
+    job = start_running_job(settings, client, node_count=1, per_node=1)
+    _heard(db, settings, job, renewed_ago=timeout + interval / 4, node_after=interval / 2)
+    result = sweep(db, settings, schedule=False)
+    assert (result.lost_placements, result.lost_nodes) == (0, [])
+    assert _job_status(db, job.job_id) == "running"
+
+    # One heartbeat interval on, the node is silent: both go together, named as the node's.
+    _heard(db, settings, job, renewed_ago=timeout + interval, node_after=interval / 2)
+    result = sweep(db, settings, schedule=False)
+    assert result.lost_nodes == job.node_names
+    assert _job_status(db, job.job_id) == "queued"
+    shown = client.get(f"/v1/jobs/{job.job_id}", headers=auth(job.user_token)).json()
+    assert shown["attempts"][0]["end_reason"]["message"] == f"node {job.node_names[0]} stopped heartbeating"
+
+    # A node that went on heartbeating without the lease (its agent let it go) loses the lease
+    # as soon as it runs out, and stays ready.
+    other = start_running_job(settings, client, node_count=1, per_node=1)
+    _heard(db, settings, other, renewed_ago=timeout + interval / 4, node_after=timeout)
+    result = sweep(db, settings, schedule=False)
+    assert (result.lost_placements, result.lost_nodes) == (1, [])
+    assert _job_status(db, other.job_id) == "queued"
