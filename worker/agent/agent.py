@@ -123,6 +123,7 @@ class Agent:
             socket_ifname=interface_for(self.address),
             release=self._release,
             shutdown=self.shutdown,
+            draining=self.draining,
             log_backlog_bytes=options.log_backlog_bytes,
             sandbox=sandbox.mode(),
             node_units=self.resources.units,

@@ -28,6 +28,9 @@ class AgentContext:
     release: Callable[[Any], None] = field(default=lambda run: None)
     # Set when the agent shuts down: waits on an unreachable API are cut short then.
     shutdown: threading.Event = field(default_factory=threading.Event)
+    # Set when the agent drains its node to exit (SIGTERM): it is leaving too, and its
+    # placements' last reports wait for an unreachable API no longer than at a shutdown.
+    draining: threading.Event = field(default_factory=threading.Event)
     log_backlog_bytes: int = DEFAULT_LOG_BACKLOG_BYTES
     # bwrap, off or unavailable (worker.agent.sandbox): how this node confines its runs.
     sandbox: str = "off"
@@ -37,6 +40,11 @@ class AgentContext:
     # The node's processing units; 0 when the whole of ``cpus`` is this one placement's (a
     # launcher in an allocation of its own).
     node_units: int = 0
+
+    def leaving(self) -> bool:
+        """The agent is going away (shut down, or draining after SIGTERM): waits for an
+        unreachable API are cut short."""
+        return self.shutdown.is_set() or self.draining.is_set()
 
     def cpus_for(self, units: int) -> int:
         """A placement's share of the node's CPUs, by the units it holds: two 1-unit jobs on a

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from worker.agent.api import WorkerApi
 from worker.agent.checkpoints import CheckpointUploader, download_checkpoint
 from worker.agent.model_transfer import put_archive, upload_model
 from worker.agent.reporting import RunReporter
+from worker.agent.retry import Deadline
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class LeaseSession:
     ) -> PlacementStatusResponse:
         return self.api.report_status(self.lease_token, state, exit_code=exit_code, failure=failure)
 
-    def upload_model(self, model_dir: Path, *, outage_deadline: float | None = None) -> str:
+    def upload_model(self, model_dir: Path, *, outage_deadline: Deadline | None = None) -> str:
         """Pack and upload node rank 0's model directory; its archive's sha256."""
         return upload_model(
             self.client, self.job_id, self.lease_token, model_dir, outage_deadline=outage_deadline
@@ -58,7 +58,7 @@ class LeaseSession:
         node_name: str,
         *,
         max_log_backlog: int,
-        abandon: threading.Event,
+        abandon: Callable[[], bool],
         metric_sources: Callable[[], list[Path]] | None = None,
         tracking_source: Callable[[], bytes | None] | None = None,
     ) -> RunReporter:
@@ -84,7 +84,7 @@ class LeaseSession:
         size: int,
         what: str,
         *,
-        outage_deadline: float | None = None,
+        outage_deadline: Deadline | None = None,
     ) -> None:
         """PUT a packed outputs archive of this node under the lease."""
         put_archive(

@@ -22,6 +22,7 @@ from torchyard.contract.model_archive import (
     verify_model_dir,
 )
 from worker.agent.api import Backoff
+from worker.agent.retry import Deadline, due
 
 log = logging.getLogger("worker.agent.reporting")
 
@@ -66,7 +67,7 @@ def upload_model(
     lease_token: str,
     model_dir: Path,
     *,
-    outage_deadline: float | None = None,
+    outage_deadline: Deadline | None = None,
 ) -> str:
     """Verify, pack and upload a model directory (node rank 0); returns the archive's sha256.
 
@@ -104,7 +105,7 @@ def put_archive(
     lease_token: str,
     what: str,
     *,
-    outage_deadline: float | None = None,
+    outage_deadline: Deadline | None = None,
 ) -> None:
     """PUT an archive with its sha256 and the lease; network errors and 5xx are retried, the
     API's refusals raise the matching ``TorchyardError``. An API that cannot be reached, or
@@ -124,7 +125,8 @@ def put_archive(
         in_outage = isinstance(last_error, httpx.TransportError) or (
             isinstance(last_error, TorchyardError) and _outage(last_error.status_code)
         )
-        if in_outage and outage_deadline is not None and time.monotonic() < outage_deadline:
+        limit = due(outage_deadline)
+        if in_outage and limit is not None and time.monotonic() < limit:
             tries = 1  # an outage: wait for the API rather than count tries
         try:
             with open(archive, "rb") as fh:

@@ -235,7 +235,7 @@ class PlacementRun:
             agent_log,
             self.ctx.node_name,
             max_log_backlog=self.ctx.log_backlog_bytes,
-            abandon=self.ctx.shutdown,
+            abandon=self.ctx.leaving,
             metric_sources=metric_sources,
             tracking_source=tracking_source,
         )

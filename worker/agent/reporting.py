@@ -98,7 +98,7 @@ class RunReporter:
         interval: float = 0.5,
         max_backoff: float = 10.0,
         max_log_backlog: int = DEFAULT_LOG_BACKLOG_BYTES,
-        abandon: threading.Event | None = None,
+        abandon: Callable[[], bool] | None = None,
         metric_sources: Callable[[], list[Path]] | None = None,
         tracking_source: Callable[[], bytes | None] | None = None,
     ) -> None:
@@ -115,8 +115,8 @@ class RunReporter:
             max_log_backlog=max_log_backlog,
             tracking_source=tracking_source,
         )
-        # Set when the agent shuts down: a final drain then waits REPORTER_GIVE_UP_S at most.
-        self.abandon = abandon or threading.Event()
+        # True once the agent is leaving: a final drain then waits REPORTER_GIVE_UP_S at most.
+        self.abandon = abandon or (lambda: False)
         self._backlog_full = False
         self.interval = interval
         self.max_backoff = max_backoff
@@ -201,7 +201,7 @@ class RunReporter:
         if not final:
             self._stopping.wait(delay)
             return True
-        if self.abandon.is_set():
+        if self.abandon():
             self._deadline = min(self._deadline, time.monotonic() + REPORTER_GIVE_UP_S)
         remaining = self._deadline - time.monotonic()
         if remaining <= 0:

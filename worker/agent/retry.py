@@ -17,6 +17,14 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _RETRY_STATUS = frozenset({408, 425, 429})
+# A monotonic deadline, or what says it each time it is asked (it may come closer: the
+# agent started shutting down while a report waited).
+Deadline = float | Callable[[], float]
+
+
+def due(deadline: Deadline | None) -> float | None:
+    """The deadline as it stands now."""
+    return deadline() if callable(deadline) else deadline
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -51,11 +59,11 @@ def retrying(
     what: str,
     *,
     stop: threading.Event | None = None,
-    deadline: float | None = None,
+    deadline: Deadline | None = None,
     cap: float = 10.0,
 ) -> T:
     """``call()`` until it succeeds, raises something not retryable, ``stop`` is set, or
-    ``deadline`` (monotonic) passes; the last error is raised then."""
+    ``deadline`` (monotonic, asked again before each wait) passes; the last error is raised then."""
     backoff = Backoff(cap=cap)
     while True:
         try:
@@ -64,8 +72,9 @@ def retrying(
             if not is_retryable(exc):
                 raise
             delay = backoff.next()
+            limit = due(deadline)
             if (stop is not None and stop.is_set()) or (
-                deadline is not None and time.monotonic() + delay > deadline
+                limit is not None and time.monotonic() + delay > limit
             ):
                 raise
             log.warning("%s failed (%s); retrying in %.1f s", what, exc, delay)

@@ -27,6 +27,8 @@ RequestStop = Callable[[StopKind, str], None]
 # A report (running, final status, the model) waits this long for an API that cannot be
 # reached: an upgrade, a restart or a database outage must not cost a job.
 OUTAGE_PATIENCE_S = 24 * 3600.0
+# Once the agent is leaving, at least this long (two lease timeouts if longer).
+LEAVING_PATIENCE_S = 60.0
 
 
 class OutcomeReport:
@@ -48,16 +50,25 @@ class OutcomeReport:
         # True once the API recorded the final status: the run's results are stored there.
         self.recorded = False
 
-    def _patience(self) -> float:
-        """How long a report waits for an unreachable API: while the agent runs, as long as
-        an outage lasts (the ranks go on training meanwhile); once it shuts down, a minute."""
-        if self.ctx.shutdown.is_set():
-            return max(60.0, 2 * self.ctx.lease_timeout_s)
-        return OUTAGE_PATIENCE_S
+    def outage_deadline(self) -> Callable[[], float]:
+        """Until when (monotonic) a report or upload starting now waits out an unreachable
+        API: while the agent runs, as long as an outage lasts (the ranks go on training
+        meanwhile); once it is leaving (shut down, or draining after SIGTERM), a minute more
+        (two lease timeouts if longer), however long the report had waited before. Asked
+        again before each wait, so an agent told to go while a report waits does go."""
+        start = time.monotonic()
+        left: list[float] = []
 
-    def outage_deadline(self) -> float:
-        """Until when (monotonic) an upload starting now waits out an unreachable API."""
-        return time.monotonic() + self._patience()
+        def deadline() -> float:
+            if not self.ctx.leaving():
+                return start + OUTAGE_PATIENCE_S
+            if not left:
+                left.append(time.monotonic())
+            return min(
+                start + OUTAGE_PATIENCE_S, left[0] + max(LEAVING_PATIENCE_S, 2 * self.ctx.lease_timeout_s)
+            )
+
+        return deadline
 
     def report_running(self, stop: threading.Event) -> None:
         try:
@@ -65,7 +76,7 @@ class OutcomeReport:
                 lambda: self.session.report_status("running"),
                 f"reporting job {self.job_id} running",
                 stop=stop,
-                deadline=time.monotonic() + self._patience(),
+                deadline=self.outage_deadline(),
             )
         except StaleLeaseError as exc:
             self.request_stop("stale", f"the lease is no longer valid: {exc.message}")
@@ -122,7 +133,7 @@ class OutcomeReport:
             answer = retrying(
                 lambda: self.session.report_status(state, exit_code=exit_code, failure=failure),
                 f"reporting job {self.job_id} {state}",
-                deadline=time.monotonic() + self._patience(),
+                deadline=self.outage_deadline(),
             )
         except StaleLeaseError as exc:
             self.log.info("job %s: %s not recorded, the lease is gone (%s)", self.job_id, state, exc.message)

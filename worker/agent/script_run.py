@@ -60,6 +60,7 @@ from worker.agent.launcher import (
     visible_devices,
 )
 from worker.agent.mlflow_endpoint import TrackingEndpoint, tracking_snapshot
+from worker.agent.retry import Deadline
 from worker.agent.tensorboard_scalars import ScalarTailer
 
 if TYPE_CHECKING:
@@ -708,7 +709,7 @@ def upload_outputs(
     logs: Path | None = None,
     note: Callable[[str], None] | None = None,
     *,
-    outage_deadline: float | None = None,
+    outage_deadline: Deadline | None = None,
 ) -> str:
     """Pack and upload the outputs; an unreachable API is waited for until ``outage_deadline``
     (monotonic), as the other reports wait, so an API restart loses no outputs."""
@@ -724,7 +725,7 @@ def upload_outputs_of(
     logs: Path | None = None,
     note: Callable[[str], None] | None = None,
     *,
-    outage_deadline: float | None = None,
+    outage_deadline: Deadline | None = None,
 ) -> str:
     """Pack the outputs (and ``logs``) beside ``folder`` and upload them under the session's
     lease; the archive's sha256."""
