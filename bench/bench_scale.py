@@ -370,25 +370,24 @@ async def run(args: argparse.Namespace, url: str, db_url: str, data_dir: Path) -
 
     _phase(f"idle window done; {args.submit} submissions")
     # Submissions behind the blocker.
-    latencies: list[float] = []
-    order: list[tuple[float, int, float]] = []
+    timed: list[tuple[float, int, float]] = []  # (seconds, index, started after the burst's start)
     sem = asyncio.Semaphore(4)
 
     async def submit(i: int) -> None:
         async with sem:
             start = time.monotonic()
             r = await user.post("/v1/jobs", json=spec(f"burst-{i}", 0))
-            latencies.append(time.monotonic() - start)
-            order.append((time.monotonic() - start, i, start - t0))
+            timed.append((time.monotonic() - start, i, start - t0))
             assert r.status_code == 201, r.text
 
     _, _, s0 = _db_counters(db)
     t0 = time.monotonic()
     await asyncio.gather(*(submit(i) for i in range(args.submit)))
     submit_s = time.monotonic() - t0
+    latencies = [seconds for seconds, _, _ in timed]
     _phase(
         "slowest submissions (s, index, started at): "
-        + ", ".join(f"{a:.3f}/{b}/{c:.2f}" for a, b, c in sorted(order)[-6:])
+        + ", ".join(f"{a:.3f}/{b}/{c:.2f}" for a, b, c in sorted(timed)[-6:])
     )
     submit_to = time.monotonic()
     await asyncio.sleep(2.5)  # PostgreSQL publishes a backend's counters about once a second

@@ -57,15 +57,16 @@ class OutcomeReport:
         (two lease timeouts if longer), however long the report had waited before. Asked
         again before each wait, so an agent told to go while a report waits does go."""
         start = time.monotonic()
-        left: list[float] = []
+        left_at: float | None = None
 
         def deadline() -> float:
+            nonlocal left_at
             if not self.ctx.leaving():
                 return start + OUTAGE_PATIENCE_S
-            if not left:
-                left.append(time.monotonic())
+            if left_at is None:
+                left_at = time.monotonic()
             return min(
-                start + OUTAGE_PATIENCE_S, left[0] + max(LEAVING_PATIENCE_S, 2 * self.ctx.lease_timeout_s)
+                start + OUTAGE_PATIENCE_S, left_at + max(LEAVING_PATIENCE_S, 2 * self.ctx.lease_timeout_s)
             )
 
         return deadline
