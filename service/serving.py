@@ -30,6 +30,7 @@ from typing import Any
 import uvicorn
 
 from service.config import Settings
+from torchyard.contract.jobspec import SANDBOX_HIDE_VARIABLE
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +159,16 @@ class LocalWorker:
     """The worker agent child process of ``serve --with-worker``."""
 
     def __init__(
-        self, api_url: str, token: str, name: str, slots: int, work_dir: Path, log_path: Path
+        self,
+        api_url: str,
+        token: str,
+        name: str,
+        slots: int,
+        work_dir: Path,
+        log_path: Path,
+        data_dir: Path | None = None,
     ) -> None:
+        self.data_dir = data_dir if data_dir is not None else log_path.parent.parent
         self.api_url = api_url
         self.token = token
         self.name = name
@@ -171,7 +180,9 @@ class LocalWorker:
 
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "torchyard.cli", "worker",
+            # -P: the folder serve started in (which usually holds the data directory) is not
+            # on the worker's module path, so nothing of it reaches what runs its jobs.
+            sys.executable, "-P", "-m", "torchyard.cli", "worker",
             "--api", self.api_url,
             "--name", self.name,
             "--slots", str(self.slots),
@@ -184,12 +195,18 @@ class LocalWorker:
         cmd = self.command()
         # The token travels in the environment, not on the command line (visible in `ps`).
         env = {**os.environ, "TORCHYARD_TOKEN": self.token}
+        # The service's data directory (tokens, database, artifacts) is never shown to a run,
+        # wherever it lies (worker.agent.sandbox).
+        hidden = [p for p in env.get(SANDBOX_HIDE_VARIABLE, "").split(os.pathsep) if p]
+        env[SANDBOX_HIDE_VARIABLE] = os.pathsep.join([*hidden, str(self.data_dir.absolute())])
         log.info("starting the local worker agent %r (log: %s)", self.name, self.log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
             self.process = subprocess.Popen(
                 cmd,
                 env=env,
+                cwd=self.work_dir,  # a fixed folder of its own, not wherever serve started
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -325,6 +342,7 @@ def serve(
             worker_slots or default_worker_slots(),
             worker_dir(settings),
             settings.data_dir / "logs" / "local-worker.log",
+            data_dir=settings.data_dir,
         )
     sock = _bind(settings.host, settings.port)
     others = _start_api_processes(settings, sock, workers - 1, log_level) if workers > 1 else []

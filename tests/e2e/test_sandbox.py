@@ -149,3 +149,119 @@ def test_a_script_job_finds_no_secret_no_other_run_and_leaves_no_process(
     assert processes_mentioning(marker) == []
     bob.close()
     admin.close()
+
+
+# A script that attacks the agent through the folder it shares with it: it plants links
+# where the agent used to write its own files, FIFOs where the agent reads, swaps a log file
+# the agent already judged for a link to a host secret, leaves links in its outputs, and
+# reports who it runs as.
+SWAPPER = textwrap.dedent(
+    """
+    import json, os, time
+    import mlflow
+    from torch.utils.tensorboard import SummaryWriter
+
+    targets = json.load(open("targets.json"))
+    run = os.path.realpath(os.path.join(os.getcwd(), "..", ".."))
+    out, logs = os.environ["TORCHYARD_OUTPUT_DIR"], os.environ["TORCHYARD_LOG_DIR"]
+    report = {"uid": os.getuid(), "groups": os.getgroups()}
+    try:
+        open("/etc/shadow", "rb").read(1)
+        report["shadow"] = "read"
+    except OSError as exc:
+        report["shadow"] = type(exc).__name__
+    os.makedirs(os.path.join(run, "metrics"), exist_ok=True)
+    for name, victim in targets["victims"].items():
+        os.symlink(victim, os.path.join(run, name))
+    os.mkfifo(os.path.join(run, "events.jsonl"))
+    os.mkfifo(os.path.join(logs, "fifo.log"))
+    os.mkfifo(os.path.join(out, "events.out.tfevents.0.fifo"))
+
+    mlflow.start_run()
+    mlflow.log_param("p", "1")
+    mlflow.log_metric("mlflow_m", 1.0)
+    mlflow.end_run()
+    writer = SummaryWriter(os.path.join(out, "tb"))
+    writer.add_scalar("tb_loss", 0.5, 1)
+    writer.close()
+
+    leak = os.path.join(logs, "leak.txt")
+    with open(leak, "w") as fh:
+        fh.write("first line of leak.txt\\n")
+    time.sleep(3)  # judged a regular file and read by now
+    os.symlink(targets["secret"], leak + ".new")
+    os.replace(leak + ".new", leak)
+    os.makedirs(os.path.join(logs, "sub"))
+    with open(os.path.join(logs, "sub", "a.log"), "w") as fh:
+        fh.write("a line of sub/a.log\\n")
+    time.sleep(2)
+    os.rename(os.path.join(logs, "sub"), os.path.join(logs, "sub.old"))
+    os.symlink(os.path.dirname(targets["secret"]), os.path.join(logs, "sub"))
+    with open(leak + ".2", "w") as fh:
+        fh.write("more\\n")
+    os.symlink(targets["secret"], os.path.join(out, "secret-link"))
+    os.symlink(os.path.dirname(targets["secret"]), os.path.join(out, "folder-link"))
+    os.symlink(targets["secret"], os.path.join(logs, "secret-link.log"))
+    with open(os.path.join(out, "report.json"), "w") as fh:
+        json.dump(report, fh)
+    time.sleep(2)
+    print("swapper done", flush=True)
+    """
+)
+
+
+def test_the_agent_follows_no_link_nor_fifo_of_the_run_and_the_run_is_unprivileged(
+    env: ScriptEnv, tmp_path: Path
+) -> None:
+    import os
+    import secrets
+
+    agent = env.agent("swapped", slots=1)
+    host = tmp_path / "host"
+    host.mkdir(mode=0o700)
+    secret = host / "node-secret"
+    token = f"SECRET-{secrets.token_hex(16)}"
+    secret.write_text(token + "\n")
+    secret.chmod(0o600)
+    # Files of the host the agent would write through the links, had it followed them.
+    victims = {}
+    for name in (".tracking.json.tmp", "tracking.json", "metrics/mlflow-rank-0.jsonl", "metrics/tensorboard.jsonl", "outputs.tar.gz"):
+        victim = host / f"victim-{name.replace('/', '-')}"
+        victim.write_text(f"untouched {name}\n")
+        victims[name] = str(victim)
+    before = {name: Path(path).read_bytes() for name, path in victims.items()}
+    code = env.upload_code(
+        {"swapper.py": SWAPPER, "targets.json": json.dumps({"victims": victims, "secret": str(secret)})}
+    )
+    job_id = env.submit(code, ["python", "swapper.py"])
+    job = env.wait(job_id, timeout=120)
+    assert job["status"] == "succeeded", (job, env.log(job_id, rank=0))
+    assert "swapper done" in env.log(job_id, rank=0)
+
+    # Nothing of the host was written, and the secret reached no stream nor the outputs.
+    assert {name: Path(path).read_bytes() for name, path in victims.items()} == before
+    streams = env.user.get(f"/v1/jobs/{job_id}/logs/streams").json()
+    names = [s["name"] for s in (streams["streams"] if isinstance(streams, dict) else streams)]
+    assert "file-0/leak.txt" in names, names
+    for name in names:
+        text = env.log(job_id, stream=name)
+        assert token not in text, name
+    assert "first line of leak.txt" in env.log(job_id, stream="file-0/leak.txt")
+    outputs = env.outputs(job_id)
+    assert all(token.encode() not in data for data in outputs.values())
+    assert "secret-link" not in outputs and not any(n.startswith("folder-link") for n in outputs)
+    assert "logs/sub.old/a.log" in outputs and "logs/secret-link.log" not in outputs
+
+    # The agent still reads its own files: the MLflow and TensorBoard metrics arrived.
+    metrics = env.user.get(f"/v1/jobs/{job_id}/metrics").json()
+    assert {"mlflow_m", "tb_loss"} <= {m["name"] for m in metrics["items"]}, metrics
+
+    report = json.loads(outputs["report.json"])
+    if os.geteuid() == 0:  # a root agent runs the job as nobody, without groups
+        assert report["uid"] == 65534 and report["shadow"] == "PermissionError", report
+        assert 0 not in report["groups"], report
+    # The run's folder holds what the job made; the agent's own files are elsewhere.
+    run_dir = next((agent.work_dir / "runs").glob(f"{job_id}-*"))
+    placement = agent.work_dir / "placements" / run_dir.name
+    assert (placement / "agent.log").is_file() and not (run_dir / "agent.log").exists()
+    assert (run_dir / "tracking.json").is_symlink()  # its own link, never written through

@@ -184,6 +184,9 @@ PER_PROCESS_VARIABLES = (
 )
 PER_NODE_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "NNODES", "NPROC_PER_NODE")
 RESERVED_VARIABLE_PREFIX = "TORCHYARD_"
+# Folders a node's sandbox never shows to a run (os.pathsep-separated), besides the agent's
+# own: ``torchyard serve --with-worker`` names its data directory there.
+SANDBOX_HIDE_VARIABLE = "TORCHYARD_SANDBOX_HIDE"
 RESERVED_VARIABLES = frozenset(
     {*PER_PROCESS_VARIABLES, *PER_NODE_VARIABLES, "CUDA_VISIBLE_DEVICES", "PYTHONPATH", "VIRTUAL_ENV"}
 )

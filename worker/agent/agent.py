@@ -276,7 +276,8 @@ class Agent:
         try:
             if placement.report.recorded:
                 shed_results(placement.run_dir)
-            prune_runs(self.ctx.runs_dir, self.options.keep_runs, active)
+                shed_results(placement.agent_dir)
+            prune_runs(self.ctx.runs_dir, self.options.keep_runs, active, self.ctx.placements_dir)
         except OSError:
             log.exception("pruning old run directories failed")
 

@@ -59,7 +59,15 @@ class AgentContext:
 
     @property
     def runs_dir(self) -> Path:
+        """The placements' run folders: each one the tree its run's processes may write."""
         return self.work_dir / "runs"
+
+    @property
+    def placements_dir(self) -> Path:
+        """The agent's own files of each placement (its log, the processes' stdout, the
+        metrics and MLflow state it writes, the outputs archive): beside the run folders,
+        never inside one, so nothing a run writes reaches them (worker.agent.job_tree)."""
+        return self.work_dir / "placements"
 
     @property
     def models_dir(self) -> Path:

@@ -213,9 +213,12 @@ class RankGroup:
         self.spec.log_dir.mkdir(parents=True, exist_ok=True)
         command = self.command
         if self.spec.box is not None:
+            self.spec.box.give_writable()
             command = self.spec.box.command(command, self.spec.run_dir)
         shield = [guard.SHIELD] if self.spec.shielded else []
-        guarded = [sys.executable, "-m", "worker.agent.guard", *shield, str(os.getpid()), *command]
+        # -I: the guard runs outside the sandbox, in the run's folder, which must not be
+        # where its modules come from.
+        guarded = [sys.executable, "-I", guard.__file__, *shield, str(os.getpid()), *command]
         self.process = subprocess.Popen(
             guarded,
             cwd=self.spec.run_dir,

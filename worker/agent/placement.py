@@ -55,7 +55,7 @@ def apply_stop_orders(orders: list[StopOrder], active: list[PlacementRun]) -> No
 
 
 class _RunLog:
-    """The launcher log of one placement: a file in the run directory (shipped as the
+    """The launcher log of one placement: a file in the agent's folder of it (shipped as the
     ``agent-<node>`` stream) that also reaches the agent's own log."""
 
     def __init__(self, path: Path, job_id: str) -> None:
@@ -97,6 +97,7 @@ class PlacementRun:
         self.units = work.process_count_per_node
         name = f"{self.job_id}-a{work.attempt_number}-{ctx.node_name}"
         self.run_dir = ctx.runs_dir / name
+        self.agent_dir = ctx.placements_dir / name
         self.stop_event = threading.Event()
         self.stop_kind: StopKind | None = None
         self.stop_message = ""
@@ -147,7 +148,8 @@ class PlacementRun:
 
     def _main(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        runlog = _RunLog(self.run_dir / AGENT_LOG, self.job_id)
+        self.agent_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        runlog = _RunLog(self.agent_dir / AGENT_LOG, self.job_id)
         self.log = self.report.log = runlog.logger
         try:
             self._run(runlog.path)

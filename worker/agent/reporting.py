@@ -161,6 +161,12 @@ class RunReporter:
     # --- the loop ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self.reader.close()
+
+    def _loop(self) -> None:
         backoff = Backoff(first=self.interval, cap=self.max_backoff)
         batch: Batch | None = None
         while True:

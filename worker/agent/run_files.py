@@ -2,6 +2,10 @@
 
 Positions only move when a batch is built, so a batch that is retried is the same batch,
 and nothing more is read while the API is down.
+
+Every file is opened once through :mod:`worker.agent.job_tree` (beneath the run's folder,
+following no link, never blocking, regular files only) and read from that descriptor
+afterwards: a name the run swaps for a link later changes nothing that is read.
 """
 
 from __future__ import annotations
@@ -9,15 +13,17 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from torchyard.contract.jobfile import EVENTS_FILE
 from torchyard.contract.metrics import METRIC_NAMES, is_metric_name
 from torchyard.contract.reports import FILE_STREAM_PREFIX
+from worker.agent.job_tree import NotRegularFileError, open_in
 
 log = logging.getLogger("worker.agent.reporting")
 
@@ -61,10 +67,50 @@ def _clean_text(raw: bytes) -> str:
 
 
 @dataclass
-class LogFile:
-    stream: str
+class _Tailed:
+    """A file read as it grows, from the descriptor it was first opened with."""
+
     path: Path
     position: int = 0
+    fh: BinaryIO | None = None
+    refused: bool = False  # not a regular file (a link, a FIFO...): never read
+
+    def open(self, root: Path | None) -> BinaryIO | None:
+        if self.fh is None and not self.refused:
+            try:
+                self.fh = open_in(self.path, root)
+            except FileNotFoundError:
+                return None
+            except (NotRegularFileError, OSError) as exc:
+                self.refused = True
+                log.warning("not reading %s: %s", self.path.name, exc)
+                return None
+        return self.fh
+
+    def size(self) -> int | None:
+        if self.fh is None:
+            return None
+        try:
+            return os.fstat(self.fh.fileno()).st_size
+        except OSError:
+            return None
+
+    def read_from(self, root: Path | None, position: int, limit: int) -> bytes | None:
+        fh = self.open(root)
+        if fh is None:
+            return None
+        fh.seek(position)
+        return fh.read(limit)
+
+    def close(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
+            self.fh = None
+
+
+@dataclass
+class LogFile(_Tailed):
+    stream: str = ""
     capped: bool = False  # a ./logs file past MAX_LOG_FILE_BYTES, its note sent
 
 
@@ -190,9 +236,8 @@ def _script_metric(record: dict[str, Any], auto_steps: dict[tuple[str, int], int
 
 
 @dataclass
-class _MetricsFile:
-    path: Path
-    position: int = 0
+class _MetricsFile(_Tailed):
+    pass
 
 
 class RunFileReader:
@@ -219,7 +264,9 @@ class RunFileReader:
         self.metric_sources = metric_sources
         self.metric_files: dict[Path, _MetricsFile] = {}
         self._auto_steps: dict[tuple[str, int], int] = {}
-        self.events_path = Path(run_dir) / EVENTS_FILE
+        self.root = Path(run_dir)
+        self.events_path = self.root / EVENTS_FILE
+        self._events = _Tailed(self.events_path)
         self.log_sources = log_sources
         self.agent_stream = f"agent-{node_name}"
         self.agent_log = Path(agent_log)
@@ -263,15 +310,17 @@ class RunFileReader:
         for stream, path in sources:
             path = Path(path)
             if path not in self.files:
-                self.files[path] = LogFile(stream, path)
+                self.files[path] = LogFile(path, stream=stream)
                 self._stream_offsets.setdefault(stream, 0)
 
+    def close(self) -> None:
+        """Close every descriptor the reader holds (the placement has ended)."""
+        for tailed in [self._events, *self.metric_files.values(), *self.files.values()]:
+            tailed.close()
+
     def _read_events(self, batch: Batch) -> None:
-        try:
-            with open(self.events_path, "rb") as fh:
-                fh.seek(self._events_position)
-                data = fh.read(EVENTS_READ_BYTES)
-        except FileNotFoundError:
+        data = self._events.read_from(self.root, self._events_position, EVENTS_READ_BYTES)
+        if data is None:
             return
         consumed = 0
         while consumed < len(data):
@@ -302,11 +351,8 @@ class RunFileReader:
         for source in self.metric_files.values():
             if batch.full:
                 return
-            try:
-                with open(source.path, "rb") as fh:
-                    fh.seek(source.position)
-                    data = fh.read(EVENTS_READ_BYTES)
-            except FileNotFoundError:
+            data = source.read_from(self.root, source.position, EVENTS_READ_BYTES)
+            if data is None:
                 continue
             source.position += self._take_metric_lines(batch, source.path, data)
 
@@ -388,10 +434,9 @@ class RunFileReader:
         self._refresh_sources()
         total = 0
         for source in list(self.files.values()):
-            try:
-                total += max(0, source.path.stat().st_size - source.position)
-            except OSError:
-                continue
+            size = source.size()
+            if size is not None:
+                total += max(0, size - source.position)
         return total
 
     def _drop_backlog(self, batch: Batch, source: LogFile, size: int) -> None:
@@ -458,16 +503,18 @@ class RunFileReader:
         limit = self._cap(batch, source, limit)
         if limit <= 0:
             return False
+        fh = source.open(self.root)
+        if fh is None:
+            return False
         try:
-            with open(source.path, "rb") as fh:
-                size = fh.seek(0, 2)
-                if size < source.position:
-                    # Truncated under us: carry on from its new start, the stream keeps growing.
-                    source.position = 0
-                self._drop_backlog(batch, source, size)
-                fh.seek(source.position)
-                raw = fh.read(limit)
-        except (FileNotFoundError, IsADirectoryError, PermissionError):
+            size = fh.seek(0, 2)
+            if size < source.position:
+                # Truncated under us: carry on from its new start, the stream keeps growing.
+                source.position = 0
+            self._drop_backlog(batch, source, size)
+            fh.seek(source.position)
+            raw = fh.read(limit)
+        except OSError:
             return False
         if not raw:
             return False

@@ -21,12 +21,34 @@ log = logging.getLogger(__name__)
 DEFAULT_KEEP_RUNS = 10
 
 
-def prune_runs(runs_dir: Path, keep: int, active: Iterable[Path]) -> list[Path]:
+def prune_runs(
+    runs_dir: Path, keep: int, active: Iterable[Path], companions: Path | None = None
+) -> list[Path]:
     """Remove finished run directories beyond the ``keep`` most recently modified.
 
     Directories in ``active`` (placements still running) are never touched, nor
-    counted. Returns what was removed.
+    counted. A removed run's folder of the same name under ``companions`` (the agent's own
+    files of the placement) goes with it, and so does one whose run is gone. Returns what
+    was removed.
     """
+    try:
+        return _prune(runs_dir, keep, active)
+    finally:
+        if companions is not None:
+            _prune_companions(runs_dir, companions)
+
+
+def _prune_companions(runs_dir: Path, companions: Path) -> None:
+    try:
+        entries = [p for p in companions.iterdir() if p.is_dir() and not p.is_symlink()]
+    except FileNotFoundError:
+        return
+    for path in entries:
+        if not (runs_dir / path.name).exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _prune(runs_dir: Path, keep: int, active: Iterable[Path]) -> list[Path]:
     if keep < 0:
         raise ValueError("keep must be 0 or more")
     live = {p.resolve() for p in active}

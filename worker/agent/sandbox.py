@@ -16,7 +16,22 @@ build of a job's environment) start inside ``bwrap`` with:
   however it detached (a new session, a double fork, an empty environment);
 - no capabilities (``--cap-drop ALL``), even when the agent runs as root.
 
-The network, the GPUs the run was given, and the user id are shared with the agent.
+- the processes of the run as an unprivileged user when the agent runs as root
+  (``TORCHYARD_SANDBOX_USER``, ``nobody`` by default; see :func:`run_user`): bwrap (root)
+  builds the mounts, then ``setpriv`` changes to that user, clears the supplementary
+  groups, the capabilities and their bounding set, and sets ``no_new_privs`` before the
+  command starts. Root-only files of the host stay unreadable to the run whatever else
+  fails; the run's directory is given to that user before the run starts (its inputs,
+  hard links to the node's dataset cache, are not).
+
+The Python paths shown are the interpreter's installation, the site-packages and
+torchyard's own package folders only: never the folder the agent was started from, nor
+``PYTHONPATH`` folders, which may hold the service's data directory. Folders named in
+``hidden`` (the agent's work directory, the service's data directory of
+``torchyard serve --with-worker``, ``TORCHYARD_SANDBOX_HIDE``) are covered by an empty
+folder wherever they lie under something shown.
+
+The network and the GPUs the run was given are shared with the agent.
 
 ``TORCHYARD_SANDBOX=off`` runs everything without it (a machine without bubblewrap, an
 operator's explicit choice); without it and without a working ``bwrap``, the node
@@ -35,7 +50,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from torchyard.contract.jobspec import SANDBOX_HIDE_VARIABLE
+
 SANDBOX_VAR = "TORCHYARD_SANDBOX"
+# The user the runs' processes become when the agent is root (a name, a uid or uid:gid).
+USER_VAR = "TORCHYARD_SANDBOX_USER"
+DEFAULT_USER = "nobody"
+# More folders never shown to a run (os.pathsep-separated): a data directory beside the agent.
+HIDE_VAR = SANDBOX_HIDE_VARIABLE
 # What a node reports (node info "sandbox" and GET /v1/cluster).
 BWRAP = "bwrap"
 OFF = "off"
@@ -73,7 +95,55 @@ def _bwrap_works() -> tuple[bool, str]:
         return False, f"bwrap could not start: {exc}"
     if done.returncode != 0:
         return False, f"bwrap could not start a sandbox: {done.stderr.strip()[-300:]}"
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        return False, "setpriv (util-linux) is not installed: a root agent needs it to run jobs unprivileged"
     return True, ""
+
+
+@functools.lru_cache(maxsize=4)
+def _user_from(value: str) -> tuple[int, int]:
+    import grp
+    import pwd
+
+    if value.replace(":", "").isascii() and value.replace(":", "").isdigit():
+        uid_text, _, gid_text = value.partition(":")
+        uid = int(uid_text)
+        if gid_text:
+            return uid, int(gid_text)
+        try:
+            return uid, pwd.getpwuid(uid).pw_gid
+        except KeyError:
+            return uid, uid
+    name, _, group = value.partition(":")
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError as exc:
+        raise ValueError(f"{USER_VAR}={value}: no such user on this machine") from exc
+    gid = entry.pw_gid
+    if group:
+        try:
+            gid = int(group) if group.isascii() and group.isdigit() else grp.getgrnam(group).gr_gid
+        except KeyError as exc:
+            raise ValueError(f"{USER_VAR}={value}: no such group on this machine") from exc
+    return entry.pw_uid, gid
+
+
+def run_user(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """The (uid, gid) a run's processes take: when the agent is root, ``TORCHYARD_SANDBOX_USER``
+    (``nobody`` by default; ``root`` keeps root, which an operator must ask for by name);
+    otherwise None: an unprivileged agent's runs keep its user (the sandbox still hides
+    everything of the agent's)."""
+    if os.geteuid() != 0:
+        return None
+    value = (os.environ if environ is None else environ).get(USER_VAR, "").strip() or DEFAULT_USER
+    uid, gid = _user_from(value)
+    return None if uid == 0 else (uid, gid)
+
+
+def hidden_from_environment(environ: Mapping[str, str] | None = None) -> list[Path]:
+    """The folders of ``TORCHYARD_SANDBOX_HIDE``."""
+    value = (os.environ if environ is None else environ).get(HIDE_VAR, "")
+    return [Path(p) for p in value.split(os.pathsep) if p.strip()]
 
 
 def mode(environ: dict[str, str] | None = None) -> str:
@@ -107,8 +177,9 @@ def python_paths() -> tuple[Path, ...]:
 
     found: list[Path] = [Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).parent]
     found += [Path(p) for p in sysconfig.get_paths().values()]
-    found += [Path(p) for p in sys.path if p and Path(p).is_dir()]
-    # An editable install imports the packages from the source tree: those folders only.
+    # Not the entries of sys.path: the first is the folder the agent started in (or a
+    # PYTHONPATH folder), which may hold the service's data directory. The packages come
+    # from the site-packages above or, installed editable, from their source folders only.
     found += [Path(torchyard.__file__).parent, Path(worker.__file__).parent]
     resolved = []
     for path in found:
@@ -147,17 +218,45 @@ class Sandbox:
     read_only: list[Path] = field(default_factory=list)
     gpus: bool = False
     shared_shm: Path | None = None  # a host folder shown as /dev/shm (else a private one)
+    # The (uid, gid) the run's processes take (run_user(): None keeps the agent's).
+    user: tuple[int, int] | None = field(default_factory=lambda: run_user())
+    # Paths under ``writable`` the run may read but not own (inputs linked from the cache).
+    not_given: Sequence[Path] = ()
+
+    def give_writable(self) -> None:
+        """Hand the run's directory (and ``shared_shm``) to the run's user before it starts."""
+        if self.user is None:
+            return
+        from worker.agent.job_tree import give_to
+
+        give_to(self.writable, *self.user, keep=[*self.not_given, *self.read_only])
+        if self.shared_shm is not None:
+            os.chown(self.shared_shm, *self.user, follow_symlinks=False)
+
+    def hidden_paths(self) -> list[Path]:
+        """Everything never shown: ``hidden``, ``TORCHYARD_SANDBOX_HIDE``, both as given and resolved."""
+        found: list[Path] = []
+        for path in [*self.hidden, *hidden_from_environment()]:
+            found += [Path(path).absolute(), Path(path).resolve()]
+        return list(dict.fromkeys(found))
 
     def command(self, argv: Sequence[str], cwd: Path) -> list[str]:
         bwrap = _bwrap_path()
         assert bwrap is not None
-        args = [bwrap, "--die-with-parent", "--unshare-pid", "--cap-drop", "ALL", *system_binds()]
-        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+        args = [bwrap, "--die-with-parent", "--unshare-pid", "--cap-drop", "ALL"]
+        if self.user is not None:
+            # Only for bwrap's last steps (its --chdir into the run's folder, now the run
+            # user's) and setpriv, the first command in the sandbox, which gives them all up.
+            for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_DAC_READ_SEARCH"):
+                args += ["--cap-add", cap]
+        args += system_binds()
+        args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp"]
         if self.shared_shm is not None:
             # The processes of one run (each in a sandbox of its own) share their /dev/shm.
             args += ["--bind", str(self.shared_shm), "/dev/shm"]
         else:
-            args += ["--tmpfs", "/dev/shm"]
+            args += ["--perms", "1777", "--tmpfs", "/dev/shm"]
+        args += _parent_folders([*python_paths(), Path(self.writable), *self.read_only])
         # After the private /tmp and /dev/shm: a Python or source tree under /tmp (a checkout
         # there, an editable install) shows on top of them.
         for path in python_paths():
@@ -166,17 +265,61 @@ class Sandbox:
             devices = [str(p) for p in Path("/dev").glob("nvidia[0-9]*")] + list(_GPU_DEVICES)
             for device in devices:
                 args += ["--dev-bind-try", device, device]
-        for path in self.hidden:
-            # The agent's files may lie under a path shown read-only (a work directory inside
-            # the source tree): an empty folder over them.
-            if any(Path(path).is_relative_to(p) for p in python_paths()):
+        shown = [*python_paths(), *(Path(f) for f in _SYSTEM)]
+        for path in self.hidden_paths():
+            # The agent's or the service's files may lie under a path shown (a work or data
+            # directory inside the source tree or the environment): an empty folder over
+            # them, under the run's own folders bound next.
+            if path.is_dir() and any(path.is_relative_to(p) for p in shown):
                 args += ["--tmpfs", str(path)]
         args += ["--bind", str(self.writable), str(self.writable)]
         for path in self.read_only:
             if path.exists():
                 args += ["--ro-bind", str(path), str(path)]
         args += ["--chdir", str(cwd), "--"]
-        return args + list(argv)
+        return args + self._as_user() + list(argv)
+
+    def _as_user(self) -> list[str]:
+        if self.user is None:
+            return []
+        uid, gid = self.user
+        setpriv = shutil.which("setpriv") or "setpriv"
+        return [
+            setpriv,
+            f"--reuid={uid}",
+            f"--regid={gid}",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--no-new-privs",
+            "--",
+        ]
+
+
+# Folders the sandbox makes itself, which need no parents made for them.
+_MADE = ("/", "/tmp", "/dev", "/dev/shm", "/proc")
+
+
+def _parent_folders(binds: Iterable[Path]) -> list[str]:
+    """``--dir`` for the folders on the way to each bound path that nothing else makes,
+    readable by all (bwrap makes them 0700, through which a run's unprivileged user could
+    not reach what is bound inside)."""
+    covered = [Path(f) for f in _SYSTEM]
+    bound = [Path(b) for b in binds]
+    parents: set[Path] = set()
+    for path in bound:
+        for parent in path.parents:
+            if str(parent) in _MADE or any(parent.is_relative_to(c) for c in covered):
+                continue
+            if any(parent != b and parent.is_relative_to(b) for b in bound):
+                continue
+            if parent in bound:
+                continue
+            parents.add(parent)
+    args: list[str] = []
+    for parent in sorted(parents, key=lambda p: (len(p.parts), str(p))):
+        args += ["--perms", "0755", "--dir", str(parent)]
+    return args
 
 
 def exit_code(code: int | None) -> int | None:

@@ -7,6 +7,11 @@ the launch variables and the ``TORCHYARD_*`` paths below only) in a fresh copy o
 ``MASTER_PORT``; ``per_node`` starts one with ``NNODES``, ``NPROC_PER_NODE``,
 ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, so the command may be ``torchrun``.
 
+The run's folder (``run_dir``) is the one its processes may write; everything the agent
+writes itself (the processes' stdout, the MLflow endpoint's and the TensorBoard reader's
+metric files, ``tracking.json``, the outputs archive) goes to ``agent_dir``, out of their
+reach, and what the agent reads of ``run_dir`` it reads through :mod:`worker.agent.job_tree`.
+
 A process's environment is the agent's minus its secrets and every ``TORCHYARD_*``
 variable of its own, plus the job's ``environment.variables`` and the paths below, all
 inside this placement's run directory: ``TORCHYARD_OUTPUT_DIR`` and ``TORCHYARD_LOG_DIR``
@@ -44,7 +49,7 @@ from torchyard.contract.errors import SandboxUnavailableError
 from torchyard.contract.files import sha256_file
 from torchyard.contract.jobspec import input_variable
 from torchyard.contract.reports import log_file_stream
-from worker.agent import guard, sandbox
+from worker.agent import guard, job_tree, sandbox
 from worker.agent.api import retrying
 from worker.agent.launcher import (
     _SCRUBBED,
@@ -124,6 +129,15 @@ class ScriptLaunch:
     grace_s: float = 10.0
     # The run's sandbox (None: TORCHYARD_SANDBOX=off, the processes run as the agent does).
     box: sandbox.Sandbox | None = None
+    # The agent's own folder of the placement (never shown to the processes); by default
+    # beside the run's folder.
+    own_dir: Path | None = None
+
+    @property
+    def agent_dir(self) -> Path:
+        return (
+            self.own_dir if self.own_dir is not None else self.run_dir.with_name(f"{self.run_dir.name}.agent")
+        )
 
     @property
     def outputs_dir(self) -> Path:
@@ -139,7 +153,12 @@ class ScriptLaunch:
 
     @property
     def stdout_dir(self) -> Path:
-        return self.run_dir / "stdout"
+        return self.agent_dir / "stdout"
+
+    @property
+    def agent_metrics_dir(self) -> Path:
+        """The metric files the agent writes (MLflow points, TensorBoard scalars)."""
+        return self.agent_dir / "metrics"
 
     @property
     def python(self) -> str:
@@ -243,7 +262,7 @@ class ScriptGroup:
         locals_: list[int | None] = list(range(launch.nproc)) if launch.launch == "per_process" else [None]
         self.tracking: TrackingEndpoint | None = None
         if "MLFLOW_TRACKING_URI" not in launch.variables:  # the job's own server otherwise
-            self.tracking = TrackingEndpoint(launch.run_dir, launch.outputs_dir, launch.node_rank)
+            self.tracking = TrackingEndpoint(launch.agent_dir, launch.outputs_dir, launch.node_rank)
             self.tracking.start()
         self.processes: list[ScriptProcess] = []
         for local in locals_:
@@ -272,7 +291,7 @@ class ScriptGroup:
         first = launch.node_rank * launch.nproc
         roots = [(p.cwd, p.rank, False) for p in self.processes]
         roots += [(launch.outputs_dir, first, True), (launch.logs_dir, first, True)]
-        self.scalars = ScalarTailer(roots, launch.metrics_dir, self.job_log)
+        self.scalars = ScalarTailer(roots, launch.agent_metrics_dir, self.job_log)
         self.failed: ScriptProcess | None = None
         # ./logs files already judged: their stream name, or None when left out.
         self._log_dir_files: dict[Path, str | None] = {}
@@ -283,8 +302,11 @@ class ScriptGroup:
 
     def _prepare(self) -> None:
         launch = self.launch
-        for folder in (launch.outputs_dir, launch.logs_dir, launch.metrics_dir, launch.stdout_dir):
+        for folder in (launch.outputs_dir, launch.logs_dir, launch.metrics_dir):
             folder.mkdir(parents=True, exist_ok=True)
+        launch.agent_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for folder in (launch.stdout_dir, launch.agent_metrics_dir):
+            folder.mkdir(exist_ok=True)
         for proc in self.processes:
             if proc.cwd.exists():
                 shutil.rmtree(proc.cwd)
@@ -306,6 +328,7 @@ class ScriptGroup:
             shm = self.shared_shm
             shm.mkdir(mode=0o700, exist_ok=True)
         run_box = dataclasses.replace(box, gpus=bool(self.launch.gpu_ids), shared_shm=shm)
+        run_box.give_writable()
         return run_box.command(proc.argv, proc.cwd)
 
     @property
@@ -459,11 +482,11 @@ class ScriptGroup:
                 )
             return None
         try:
-            if path.is_symlink() or not path.is_file():
-                self.job_log.warning("logs: %s is not a log stream (not a regular file)", relative)
-                return None
-            with open(path, "rb") as fh:
+            with job_tree.open_regular(folder, relative) as fh:
                 head = fh.read(_TEXT_SNIFF_BYTES)
+        except job_tree.NotRegularFileError:
+            self.job_log.warning("logs: %s is not a log stream (not a regular file)", relative)
+            return None
         except OSError:
             return ""
         if not head:
@@ -485,11 +508,14 @@ class ScriptGroup:
         return stream
 
     def metric_files(self) -> list[Path]:
-        return sorted(self.launch.metrics_dir.glob("*.jsonl"))
+        """The processes' metric files (``metrics/*.jsonl`` of the run's folder, read through
+        job_tree), then the agent's own (MLflow points, TensorBoard scalars)."""
+        own = sorted(self.launch.metrics_dir.glob("*.jsonl"))
+        return own + sorted(self.launch.agent_metrics_dir.glob("*.jsonl"))
 
     def tracking_source(self) -> bytes | None:
         """The MLflow runs of this placement as the endpoint last wrote them."""
-        return tracking_snapshot(self.launch.run_dir)()
+        return tracking_snapshot(self.launch.agent_dir)()
 
     def close_tracking(self) -> None:
         """Stop the MLflow endpoint and read the TensorBoard files a last time (every process
@@ -561,7 +587,13 @@ def _link_tree(src: Path, dest: Path) -> None:
 
 
 def prepare_script(
-    ctx: AgentContext, work: ScriptPlacement, run_dir: Path, stop: threading.Event, logger: logging.Logger
+    ctx: AgentContext,
+    work: ScriptPlacement,
+    run_dir: Path,
+    stop: threading.Event,
+    logger: logging.Logger,
+    *,
+    agent_dir: Path | None = None,
 ) -> ScriptLaunch:
     """Fetch the code and the inputs into the node's caches, build the pip environment if
     asked for, and describe the launch."""
@@ -613,6 +645,7 @@ def prepare_script(
             writable=run_dir,
             hidden=[ctx.work_dir],
             read_only=[*inputs.values(), *([env_dir] if env_dir else [])],
+            not_given=[run_dir / "inputs"],
         )
     return ScriptLaunch(
         run_dir=run_dir,
@@ -632,32 +665,31 @@ def prepare_script(
         socket_ifname=ctx.socket_ifname,
         grace_s=ctx.grace_s,
         box=box,
+        own_dir=agent_dir,
     )
 
 
 # --- outputs -----------------------------------------------------------------------------
 
 
-def _regular_files(folder: Path, note: Callable[[str], None], shown: str) -> list[Path]:
+def _regular_files(folder: Path, note: Callable[[str], None], shown: str) -> list[tuple[str, int]]:
+    """The regular files under ``folder`` (read through job_tree: no link followed, on the
+    way or at the end), by relative path, with their sizes; anything else is named."""
     files = []
-    for root, dirs, names in os.walk(folder, followlinks=False):
-        dirs.sort()
-        for name in sorted(names):
-            path = Path(root) / name
-            if path.is_symlink() or not path.is_file():
-                note(f"{shown}{path.relative_to(folder).as_posix()} is left out (not a regular file)")
-                continue
-            files.append(path)
+    for relative, fh in job_tree.regular_files(folder):
+        if fh is None:
+            note(f"{shown}{relative} is left out (not a regular file)")
+            continue
+        files.append((relative, os.fstat(fh.fileno()).st_size))
     return files
 
 
-def _kept_logs(folder: Path, taken: set[str], note: Callable[[str], None]) -> list[tuple[str, Path]]:
+def _kept_logs(folder: Path, taken: set[str], note: Callable[[str], None]) -> list[tuple[str, Path, str]]:
     """The files of ``folder`` (the node's ./logs) as ``logs/<path>`` members, within the bounds."""
-    kept: list[tuple[str, Path]] = []
+    kept: list[tuple[str, Path, str]] = []
     total = 0
-    for path in _regular_files(folder, note, "logs/"):
-        name = f"logs/{path.relative_to(folder).as_posix()}"
-        size = path.stat().st_size
+    for relative, size in _regular_files(folder, note, "logs/"):
+        name = f"logs/{relative}"
         if name in taken:
             note(f"{name} is left out (the outputs hold a file of that name)")
         elif len(kept) >= MAX_ARCHIVED_LOG_FILES:
@@ -669,7 +701,7 @@ def _kept_logs(folder: Path, taken: set[str], note: Callable[[str], None]) -> li
         elif total + size > MAX_ARCHIVED_LOG_BYTES:
             note(f"{name} is left out (logs/ is kept up to {MAX_ARCHIVED_LOG_BYTES} bytes in all)")
         else:
-            kept.append((name, path))
+            kept.append((name, folder, relative))
             total += size
     return kept
 
@@ -679,22 +711,28 @@ def pack_outputs(
 ) -> tuple[str, int, int]:
     """A deterministic .tar.gz of the regular files under ``folder`` and, under ``logs/``, those
     of ``logs`` within the bounds above (links and other special files are left out, each
-    named through ``note``); its sha256, size and file count."""
+    named through ``note``); its sha256, size and file count. The files are read through
+    job_tree: the run's folders may hold links to anything of the host's."""
     say = note or (lambda text: log.warning("outputs: %s", text))
-    members = [(path.relative_to(folder).as_posix(), path) for path in _regular_files(folder, say, "")]
-    if logs is not None and logs.is_dir():
-        members += _kept_logs(logs, {name for name, _ in members}, say)
+    members = [(relative, folder, relative) for relative, _size in _regular_files(folder, say, "")]
+    if logs is not None:
+        members += _kept_logs(logs, {name for name, _, _ in members}, say)
     levels = LevelChooser()  # weights and images stored, text deflated
     with (
         open(archive, "wb") as raw,
         GzipWriter(raw) as gz,
         tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tf,  # type: ignore[call-overload]
     ):
-        for name, path in members:
-            with open(path, "rb") as fh:
+        for name, root, relative in members:
+            try:
+                fh = job_tree.open_regular(root, relative)
+            except OSError as exc:  # gone or swapped since it was listed
+                say(f"{name} is left out ({exc})")
+                continue
+            with fh:
                 info = tarfile.TarInfo(name)
                 info.size = os.fstat(fh.fileno()).st_size
-                gz.set_level(levels.for_file(path, info.size))
+                gz.set_level(levels.for_file(Path(relative), info.size))
                 info.mode = 0o644
                 info.mtime = 0
                 tf.addfile(info, fh)
@@ -710,13 +748,16 @@ def upload_outputs(
     note: Callable[[str], None] | None = None,
     *,
     outage_deadline: Deadline | None = None,
+    archive_dir: Path | None = None,
 ) -> str:
     """Pack and upload the outputs; an unreachable API is waited for until ``outage_deadline``
     (monotonic), as the other reports wait, so an API restart loses no outputs."""
     from worker.agent.lease import LeaseSession
 
     session = LeaseSession(ctx.api, job_id, lease_token)
-    return upload_outputs_of(session, folder, logs, note, outage_deadline=outage_deadline)
+    return upload_outputs_of(
+        session, folder, logs, note, outage_deadline=outage_deadline, archive_dir=archive_dir
+    )
 
 
 def upload_outputs_of(
@@ -726,10 +767,12 @@ def upload_outputs_of(
     note: Callable[[str], None] | None = None,
     *,
     outage_deadline: Deadline | None = None,
+    archive_dir: Path | None = None,
 ) -> str:
-    """Pack the outputs (and ``logs``) beside ``folder`` and upload them under the session's
-    lease; the archive's sha256."""
-    archive = folder.parent / "outputs.tar.gz"
+    """Pack the outputs (and ``logs``) into ``archive_dir`` (the agent's folder of the
+    placement; beside ``folder`` by default) and upload them under the session's lease; the
+    archive's sha256."""
+    archive = (archive_dir or folder.parent) / "outputs.tar.gz"
     try:
         sha256, size, count = pack_outputs(folder, archive, logs, note)
         session.upload_outputs(

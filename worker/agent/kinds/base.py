@@ -39,7 +39,8 @@ class PlacementHost(Protocol):
     node_rank: int
     units: int
     gpu_ids: tuple[int, ...]
-    run_dir: Path
+    run_dir: Path  # the tree the run's processes write (read through worker.agent.job_tree)
+    agent_dir: Path  # the agent's own files of the placement, out of the run's reach
     log: logging.Logger
     stop_event: threading.Event
     stop_kind: StopKind | None

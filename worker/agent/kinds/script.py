@@ -44,7 +44,9 @@ class ScriptRun(KindRun):
 
     def prepare(self) -> None:
         h = self.host
-        self.launched = prepare_script(h.ctx, self.work, h.run_dir, h.stop_event, h.log)
+        self.launched = prepare_script(
+            h.ctx, self.work, h.run_dir, h.stop_event, h.log, agent_dir=h.agent_dir
+        )
 
     def launch(self, agent_log: Path) -> tuple[ScriptGroup, RunReporter | None]:
         h = self.host
@@ -104,6 +106,7 @@ class ScriptRun(KindRun):
                 self.launched.logs_dir,
                 lambda text: h.log.warning("outputs: %s", text),
                 outage_deadline=h.report.outage_deadline(),
+                archive_dir=self.launched.agent_dir,
             )
         except Exception as exc:
             h.log.error("job %s: the outputs could not be uploaded: %s", h.job_id, exc)
