@@ -243,12 +243,7 @@ class Sandbox:
     def command(self, argv: Sequence[str], cwd: Path) -> list[str]:
         bwrap = _bwrap_path()
         assert bwrap is not None
-        args = [bwrap, "--die-with-parent", "--unshare-pid", "--cap-drop", "ALL"]
-        if self.user is not None:
-            # Only for bwrap's last steps (its --chdir into the run's folder, now the run
-            # user's) and setpriv, the first command in the sandbox, which gives them all up.
-            for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_DAC_READ_SEARCH"):
-                args += ["--cap-add", cap]
+        args = [bwrap, "--die-with-parent", "--unshare-pid", "--cap-drop", "ALL", *self._user_caps()]
         args += system_binds()
         args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp"]
         if self.shared_shm is not None:
@@ -265,19 +260,34 @@ class Sandbox:
             devices = [str(p) for p in Path("/dev").glob("nvidia[0-9]*")] + list(_GPU_DEVICES)
             for device in devices:
                 args += ["--dev-bind-try", device, device]
-        shown = [*python_paths(), *(Path(f) for f in _SYSTEM)]
-        for path in self.hidden_paths():
-            # The agent's or the service's files may lie under a path shown (a work or data
-            # directory inside the source tree or the environment): an empty folder over
-            # them, under the run's own folders bound next.
-            if path.is_dir() and any(path.is_relative_to(p) for p in shown):
-                args += ["--tmpfs", str(path)]
+        args += self._covers()
         args += ["--bind", str(self.writable), str(self.writable)]
         for path in self.read_only:
             if path.exists():
                 args += ["--ro-bind", str(path), str(path)]
         args += ["--chdir", str(cwd), "--"]
         return args + self._as_user() + list(argv)
+
+    def _covers(self) -> list[str]:
+        """An empty folder over each hidden folder that lies under a path shown (a work or data
+        directory inside the source tree or the environment), under the run's own folders
+        bound after it."""
+        shown = [*python_paths(), *(Path(f) for f in _SYSTEM)]
+        args: list[str] = []
+        for path in self.hidden_paths():
+            if path.is_dir() and any(path.is_relative_to(p) for p in shown):
+                args += ["--tmpfs", str(path)]
+        return args
+
+    def _user_caps(self) -> list[str]:
+        """What bwrap keeps for its last steps (its --chdir into the run's folder, now the run
+        user's) and for setpriv, the first command in the sandbox, which gives them all up."""
+        if self.user is None:
+            return []
+        args: list[str] = []
+        for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_DAC_READ_SEARCH"):
+            args += ["--cap-add", cap]
+        return args
 
     def _as_user(self) -> list[str]:
         if self.user is None:
