@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from torchyard import __version__, commands, demo
 from torchyard.client import ServiceUnreachableError
+from torchyard.commands.common import SpecFileError
 from torchyard.contract.errors import TorchyardError
 from torchyard.extras import MissingExtraError, extra_providing
 
@@ -79,6 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except ValidationError as exc:
         return _invalid_settings(exc)
+    except SpecFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

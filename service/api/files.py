@@ -24,7 +24,8 @@ _WRITE_CHUNK = 1 << 20
 def refuse_oversized(request: Request, limit: int, what: str) -> None:
     """413 before reading a body whose declared length is over ``limit``."""
     length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
+    # ASCII digits only: "²" is a digit to isdigit() that int() refuses.
+    if length.isascii() and length.isdigit() and int(length) > limit:
         raise PayloadTooLargeError(f"{what} exceeds the limit of {limit} bytes")
 
 
@@ -57,12 +58,12 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     if unit.strip().lower() != "bytes" or "," in spec:
         return None
     first, dash, last = (part.strip() for part in spec.partition("-"))
-    # isdecimal, not isdigit: "²" is a digit that int() refuses.
+    # ASCII digits only: "²" is a digit that int() refuses, "١" a decimal it takes.
     if (
         not dash
         or not (first or last)
-        or (first and not first.isdecimal())
-        or (last and not last.isdecimal())
+        or (first and not (first.isascii() and first.isdigit()))
+        or (last and not (last.isascii() and last.isdigit()))
     ):
         return None
     if not first:  # the last N bytes

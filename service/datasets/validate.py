@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import unicodedata
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -54,6 +55,45 @@ class ValidatedDataset:
     sha256: str
     files: list[str] = field(repr=False)
     decoded: int = 0
+
+
+# Characters that reorder the text around them: a class named "dog\u202egnp.exe" shows as
+# "dogexe.png". Refused in class names, with the other characters below.
+_BIDI_CONTROLS = frozenset({0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A)})
+# Format characters that are part of how scripts are written (Persian, Indic scripts, emoji
+# sequences) and reorder nothing: ZERO WIDTH NON-JOINER and ZERO WIDTH JOINER.
+_ALLOWED_FORMAT = frozenset({0x200C, 0x200D})
+_CATEGORY_KINDS = {
+    "Cc": "a control character",
+    "Cf": "a format character",
+    "Cs": "a lone surrogate (the name is not valid UTF-8)",
+    "Co": "a private-use character",
+    "Cn": "an unassigned code point",
+}
+
+
+def _refused_kind(char: str) -> str | None:
+    """Why a class name may not hold ``char`` (None: it may)."""
+    code = ord(char)
+    if code in _BIDI_CONTROLS:
+        return "a bidirectional control character"
+    if 0xFDD0 <= code <= 0xFDEF or code & 0xFFFE == 0xFFFE:
+        return "a Unicode non-character"
+    if code in _ALLOWED_FORMAT:
+        return None
+    return _CATEGORY_KINDS.get(unicodedata.category(char))
+
+
+def check_class_name(name: str) -> None:
+    """InvalidDatasetError naming the first character (as U+XXXX) that a class name may not
+    hold: bidirectional controls, non-characters, control, format (but the zero-width
+    joiners), surrogate, private-use and unassigned code points."""
+    refused = [(c, kind) for c in name if (kind := _refused_kind(c)) is not None]
+    if not refused:
+        return
+    char, kind = refused[0]
+    shown = "".join(f"<U+{ord(c):04X}>" if _refused_kind(c) else c for c in name)
+    raise InvalidDatasetError(f"class folder {shown!r} contains U+{ord(char):04X}, {kind}; rename the folder")
 
 
 def _names(items: Sequence[str]) -> str:
@@ -163,6 +203,8 @@ def _class_folders(data_root: Path) -> list[str]:
         )
     if root_files:
         raise InvalidDatasetError(f"the dataset holds files that are not images: {_names(root_files)}")
+    for name in class_names:
+        check_class_name(name)
     if len(class_names) < 2:
         raise InvalidDatasetError(
             f"the dataset has only one class ({class_names[0]!r}); at least 2 class folders are needed"

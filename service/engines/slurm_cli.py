@@ -96,7 +96,7 @@ class Slurm:
         out = self.run(["scontrol", "-o", "show", "partition", partition], check=False)
         fields = parse_scontrol(out)
         value = fields.get("GraceTime")
-        return int(value) if value is not None and value.isdigit() else None
+        return int(value) if value is not None and value.isascii() and value.isdigit() else None
 
     # --- jobs ---------------------------------------------------------------------------
 
@@ -197,7 +197,7 @@ def parse_sinfo(out: str) -> list[SlurmNode]:
             name=name,
             state=state,
             gpus=parse_gres_gpus(gres),
-            cpus=int(cpus) if cpus.isdigit() else 1,
+            cpus=int(cpus) if cpus.isascii() and cpus.isdigit() else 1,
             address=address or name,
             partitions=partitions,
         )

@@ -17,7 +17,8 @@ def parse_version(version: str) -> int | None:
     """``latest`` (None) or a positive version number; anything else is a 422."""
     if version == LATEST:
         return None
-    if not version.isdigit() or int(version) < 1 or len(version) > 9:
+    # ASCII digits only: "²" is a digit to isdigit() that int() refuses, "١" one it takes.
+    if not (version.isascii() and version.isdigit()) or len(version) > 9 or int(version) < 1:
         raise RequestValidationError(
             f"version must be a positive number or 'latest', not {version!r}", details={"field": "version"}
         )

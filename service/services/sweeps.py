@@ -201,28 +201,45 @@ def _check_type(job_type: str, key: str, rng: Any) -> None:
         raise _invalid(f"{where}.type", f"{key} is not a number: use type categorical")
 
 
+def _axis_count(key: str, rng: FloatRange | IntRange | Categorical) -> int:
+    """How many values a grid takes from one range, counted without listing them (a 422
+    naming the range when it is more than a grid may hold)."""
+    where = f"search_space.{key}"
+    if isinstance(rng, Categorical):
+        return len(rng.choices)
+    if isinstance(rng, IntRange):
+        if rng.log:
+            raise _invalid(f"{where}.log", "a grid enumerates values: use a step, or categorical choices")
+        count = max(0, (rng.high - rng.low) // rng.step + 1)
+        field_name = where
+    else:
+        if rng.step is None:
+            raise _invalid(f"{where}.step", "a grid of floats needs a step (or categorical choices)")
+        steps = (rng.high - rng.low) / rng.step + 1e-9
+        if not math.isfinite(steps):
+            raise _invalid(f"{where}.step", "too many values: more than a grid may hold", f"<= {MAX_GRID}")
+        count = max(0, math.floor(steps) + 1)
+        field_name = f"{where}.step"
+    if count > MAX_GRID:
+        raise _invalid(field_name, f"{count} values: more than a grid may hold", f"<= {MAX_GRID}")
+    return count
+
+
 def _grid(search_space: dict[str, Any]) -> dict[str, list[Any]]:
+    # Every axis and their product are counted before a single value is listed.
+    counts = {key: _axis_count(key, rng) for key, rng in search_space.items()}
+    size = math.prod(counts.values())
+    if size > MAX_GRID:
+        raise _invalid("search_space", f"the grid has {size} points", f"<= {MAX_GRID}")
     grid: dict[str, list[Any]] = {}
     for key, rng in search_space.items():
-        where = f"search_space.{key}"
         if isinstance(rng, Categorical):
             grid[key] = list(rng.choices)
         elif isinstance(rng, IntRange):
-            if rng.log:
-                raise _invalid(f"{where}.log", "a grid enumerates values: use a step, or categorical choices")
             grid[key] = list(range(rng.low, rng.high + 1, rng.step))
         else:
-            if rng.step is None:
-                raise _invalid(f"{where}.step", "a grid of floats needs a step (or categorical choices)")
-            count = math.floor((rng.high - rng.low) / rng.step + 1e-9) + 1
-            if count > MAX_GRID:
-                raise _invalid(
-                    f"{where}.step", f"{count} values: more than a grid may hold", f"<= {MAX_GRID}"
-                )
-            grid[key] = [round(rng.low + i * rng.step, 12) for i in range(count)]
-    size = math.prod(len(v) for v in grid.values())
-    if size > MAX_GRID:
-        raise _invalid("search_space", f"the grid has {size} points", f"<= {MAX_GRID}")
+            assert rng.step is not None
+            grid[key] = [round(rng.low + i * rng.step, 12) for i in range(counts[key])]
     return grid
 
 

@@ -5,6 +5,7 @@ processes against a live service with a scripted agent."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import re
@@ -167,3 +168,7 @@ def test_since_takes_durations_and_times() -> None:
     assert parse_since("2d", now) == now - timedelta(days=2)
     assert parse_since("2026-01-01T00:00:00+00:00") == datetime(2026, 1, 1, tzinfo=UTC)
     assert parse_since("2026-01-01T00:00:00").tzinfo is not None  # local time
+    # "²" is a digit to str.isdigit() that float() refuses: not a duration either
+    for text in ("\u00b2s", "1\u00b2m", "\u0661h"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a duration"):
+            parse_since(text, now)

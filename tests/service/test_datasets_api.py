@@ -116,6 +116,49 @@ def test_name_defaults_to_file_name(client: TestClient, tmp_path: Path) -> None:
     assert r.json()["name"] == "my-pets"
 
 
+# Class folder names that could make a label read as another one, or that no text can hold.
+REFUSED_CLASS_CHARACTERS = [
+    ("\u202e", "a bidirectional control character"),  # RIGHT-TO-LEFT OVERRIDE
+    ("\u202a", "a bidirectional control character"),
+    ("\u2067", "a bidirectional control character"),
+    ("\u200f", "a bidirectional control character"),
+    ("\u061c", "a bidirectional control character"),
+    ("\ufffe", "a Unicode non-character"),
+    ("\ufdd0", "a Unicode non-character"),
+    ("\U0001ffff", "a Unicode non-character"),
+    ("\u0085", "a control character"),  # a C1 control, not one of the archive's own refusals
+    ("\u00ad", "a format character"),  # SOFT HYPHEN: invisible
+    ("\ue000", "a private-use character"),
+    ("\u0378", "an unassigned code point"),
+]
+
+
+@pytest.mark.parametrize(("char", "kind"), REFUSED_CLASS_CHARACTERS)
+def test_class_names_with_bidi_controls_or_non_characters_are_refused(
+    client: TestClient, settings: Settings, tmp_path: Path, char: str, kind: str
+) -> None:
+    tree = small_tree(tmp_path / "pets", classes=("cat", f"dog{char}gnp.exe"), per_class=1)
+    r = upload(client, zip_tree(tree, tmp_path / "pets.zip"), name="pets")
+    assert r.status_code == 422, r.text
+    assert r.json()["code"] == "InvalidDatasetError"
+    code = f"U+{ord(char):04X}"
+    assert r.json()["message"] == (
+        f"class folder 'dog<{code}>gnp.exe' contains {code}, {kind}; rename the folder"
+    )
+    assert client.get("/v1/datasets").json()["items"] == []
+    assert_nothing_left(settings)
+
+
+def test_class_names_in_any_script_are_kept(client: TestClient, tmp_path: Path) -> None:
+    # ZERO WIDTH NON-JOINER and JOINER (format characters) are part of how Persian, Indic
+    # scripts and emoji are written: they do not reorder text, and stay allowed.
+    classes = ("\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645", "\U0001f469\u200d\U0001f52c", "caf\u00e9")
+    archive = zip_tree(small_tree(tmp_path / "scripts", classes=classes, per_class=1), tmp_path / "s.zip")
+    r = upload(client, archive, name="scripts")
+    assert r.status_code == 201, r.text
+    assert r.json()["classes"] == sorted(classes)
+
+
 @pytest.mark.both_databases
 def test_list_is_paginated_newest_first(client: TestClient, tmp_path: Path) -> None:
     archive = zip_tree(small_tree(tmp_path / "pets"), tmp_path / "pets.zip")

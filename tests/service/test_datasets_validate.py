@@ -87,6 +87,22 @@ def test_single_class_folder_is_not_a_wrapper(tmp_path: Path) -> None:
         validate_image_directory(tmp_path)
 
 
+def test_class_folders_on_disk_with_refused_characters(tmp_path: Path) -> None:
+    """A folder registered in place is held to the same class names as an upload: a name
+    that is not UTF-8 (kept by the file system as bytes) or holds a bidi override is refused."""
+    small_tree(tmp_path / "rtl", classes=("cat", "dog\u202egnp.exe"), per_class=1)
+    with pytest.raises(InvalidDatasetError) as refused:
+        validate_image_directory(tmp_path / "rtl")
+    assert str(refused.value) == (
+        "class folder 'dog<U+202E>gnp.exe' contains U+202E, a bidirectional control character; "
+        "rename the folder"
+    )
+    small_tree(tmp_path / "latin1", classes=("cat", "dog"), per_class=1)
+    os.rename(tmp_path / "latin1" / "dog", os.fsencode(tmp_path / "latin1") + b"/caf\xe9")
+    with pytest.raises(InvalidDatasetError, match=r"'caf<U\+DCE9>' contains U\+DCE9, a lone surrogate"):
+        validate_image_directory(tmp_path / "latin1")
+
+
 def test_nested_folders_inside_a_class(tmp_path: Path) -> None:
     small_tree(tmp_path / "cat" / "2019", classes=("x",))
     small_tree(tmp_path, classes=("dog",))

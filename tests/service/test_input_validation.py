@@ -5,6 +5,7 @@ work offline and know the bearer scheme."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -17,15 +18,18 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from starlette.requests import Request
 
 from service.api.app import create_app
 from service.api.errors import ErrorResponse
-from service.api.files import parse_range
+from service.api.files import parse_range, refuse_oversized
 from service.config import Settings
+from service.engines.slurm_cli import Slurm, parse_sinfo
 from service.services.datasets import staging_dir
 from tests.conftest import LiveServer
 from tests.support.dataset_files import small_tree
 from tests.support.factories import auth, create_token, insert_dataset, job_spec, register_node, token_id
+from torchyard.contract.reports import file_stream_node_rank
 
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -217,6 +221,58 @@ def test_event_ranks_and_resume_cursor_are_bounded(client: TestClient, job_id: s
 def test_range_header_with_non_ascii_digits_is_ignored(header: str) -> None:
     # "²".isdigit() is true but int("²") fails: such a header is not a range of this server.
     assert parse_range(header, 100) is None
+
+
+# ², an Arabic-Indic one, a mathematical bold one, and a number ending in ²: each is a
+# "digit" to str.isdigit() (int() refuses the first and the last, takes the others); none
+# is a number to this API.
+NON_ASCII_NUMBERS = ["\u00b2", "\u0661", "\U0001d7cf", "1\u00b2"]
+
+
+@pytest.mark.parametrize("version", NON_ASCII_NUMBERS)
+def test_model_version_in_non_ascii_digits_is_the_422_of_any_bad_version(
+    client: TestClient, version: str
+) -> None:
+    user = auth(create_token(client, "user"))
+    expected = client.get("/v1/models/digits/versions/zero", headers=user)
+    assert expected.status_code == 422, expected.text
+    for method, suffix in (("GET", ""), ("DELETE", ""), ("GET", "/onnx")):
+        r = client.request(method, f"/v1/models/digits/versions/{version}{suffix}", headers=user)
+        assert r.status_code == 422, (method, suffix, r.text)
+        assert r.json()["details"] == expected.json()["details"] == {"field": "version"}
+        assert r.json()["message"].startswith("version must be a positive number or 'latest'")
+
+
+@pytest.mark.parametrize("length", ["\u00b2", "\u00b9\u00b2"])
+def test_content_length_in_non_ascii_digits_is_not_a_declared_length(length: str) -> None:
+    scope = {"type": "http", "headers": [(b"content-length", length.encode("latin-1"))]}
+    refuse_oversized(Request(scope), 10, "an upload")  # no declared length: nothing to refuse
+
+
+@pytest.mark.parametrize("stream", [f"file-{n}/train.log" for n in NON_ASCII_NUMBERS])
+def test_file_stream_with_a_non_ascii_node_rank_is_not_a_file_stream(stream: str) -> None:
+    assert file_stream_node_rank(stream) is None
+    assert file_stream_node_rank("file-1/train.log") == 1
+
+
+@pytest.mark.parametrize("length", ["\u00b2", "\u00b9\u00b2"])
+def test_report_batch_with_a_non_ascii_content_length_is_read(length: str) -> None:
+    from service.api.routes.reports import _CappedRequest
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    scope = {"type": "http", "headers": [(b"content-length", length.encode("latin-1"))]}
+    assert asyncio.run(_CappedRequest(scope, receive).body()) == b"{}"
+
+
+@pytest.mark.parametrize("value", NON_ASCII_NUMBERS)
+def test_slurm_numbers_in_non_ascii_digits_are_not_numbers(value: str) -> None:
+    (node,) = parse_sinfo(f"n1|idle|gpu:1|{value}|10.0.0.1|batch*")
+    assert node.cpus == 1
+    slurm = Slurm()
+    slurm.run = lambda argv, **_: f"PartitionName=batch GraceTime={value}"  # type: ignore[method-assign]
+    assert slurm.partition_grace_s("batch") is None
 
 
 # ---------------------------------------------------------------------------- dataset paths

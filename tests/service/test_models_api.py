@@ -129,7 +129,7 @@ def _register(client: httpx.Client, name: str, job_id: str) -> dict[str, Any]:
 
 
 def _predict(
-    client: httpx.Client, ref: str, files: list[tuple[str, bytes]], top_k: int | None = None
+    client: httpx.Client, ref: str, files: list[tuple[str, bytes]], top_k: int | str | None = None
 ) -> httpx.Response:
     name, _, version = ref.partition(":")
     data = {} if top_k is None else {"top_k": str(top_k)}
@@ -303,6 +303,22 @@ def test_onnx_downloads_match_torch(env: Env, trained: Trained, tmp_path: Path) 
     ):
         assert r.status_code == 409 and r.json()["code"] == "ModelNotReadyError", r.text
         assert "ONNX export" in r.json()["message"]
+
+
+@SQLITE_ONLY
+def test_numbers_in_non_ascii_digits_are_422s_not_numbers(env: Env, trained: Trained) -> None:
+    """A "²" is a digit to str.isdigit() that int() refuses, a "١" (Arabic-Indic) one it
+    takes: neither is a version number nor a top_k, each the 422 of any other bad value."""
+    _register(env.user, "digits", env.job_id)
+    good = trained.held_out[0].read_bytes()
+    for text in ("\u00b2", "\u0661", "1\u00b2"):
+        r = env.user.get(f"/v1/models/digits/versions/{text}")
+        assert r.status_code == 422 and r.json()["details"] == {"field": "version"}, r.text
+        r = _predict(env.user, f"digits:{text}", [("a.png", good)])
+        assert r.status_code == 422 and r.json()["details"] == {"field": "version"}, r.text
+        r = _predict(env.user, "digits:1", [("a.png", good)], top_k=text)
+        assert r.status_code == 422 and r.json()["details"] == {"field": "top_k"}, r.text
+    assert _predict(env.user, "digits:1", [("a.png", good)], top_k="1").status_code == 200
 
 
 @SQLITE_ONLY

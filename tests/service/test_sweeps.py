@@ -324,6 +324,52 @@ def test_grid_sweep_visits_each_point_once_and_ends(
     assert points == [(lr, bs) for lr in (0.01, 0.02, 0.03) for bs in (16, 32)]
 
 
+@pytest.mark.parametrize(
+    ("space", "field", "words"),
+    [
+        # 10^12 integers: counted, never listed.
+        (
+            {"parameters.random_seed": {"type": "int", "low": 0, "high": 10**12 - 1}},
+            "search_space.parameters.random_seed",
+            "1000000000000 values: more than a grid may hold",
+        ),
+        (
+            {"parameters.random_seed": {"type": "int", "low": -(2**63), "high": 2**63 - 1, "step": 3}},
+            "search_space.parameters.random_seed",
+            f"{(2**64 - 1) // 3 + 1} values",
+        ),
+        # So many floats that their count is not a finite number.
+        (
+            {"parameters.learning_rate": {"type": "float", "low": 0.001, "high": 1e308, "step": 1e-300}},
+            "search_space.parameters.learning_rate.step",
+            "more than a grid may hold",
+        ),
+        # Axes each small enough, their product not.
+        (
+            {
+                "parameters.random_seed": {"type": "int", "low": 1, "high": 10_000},
+                "parameters.patience": {"type": "int", "low": 1, "high": 10_000},
+                "parameters.print_frequency": {"type": "int", "low": 1, "high": 10_000},
+            },
+            "search_space",
+            "the grid has 1000000000000 points",
+        ),
+    ],
+)
+def test_a_grid_too_large_is_a_422_naming_the_key_and_its_count(
+    client: TestClient, user: tuple[str, str], db: Database, space: dict[str, Any], field: str, words: str
+) -> None:
+    """The points are counted before any is listed: a grid of 10^12 is refused at once."""
+    token, dataset = user
+    body = _body(dataset, algorithm="grid", search_space=space)
+    r = client.post("/v1/sweeps", json=body, headers=auth(token))
+    assert r.status_code == 422, r.text
+    assert r.json()["details"]["field"] == field, r.json()
+    assert words in r.json()["message"], r.json()
+    with db.read_session() as session:
+        assert session.scalars(select(Sweep)).first() is None
+
+
 def test_trials_reaching_a_rung_in_one_round_are_judged_best_first(
     client: TestClient, settings: Settings, user: tuple[str, str], db: Database
 ) -> None:

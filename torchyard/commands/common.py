@@ -46,7 +46,8 @@ def parse_since(text: str, now: datetime | None = None) -> datetime:
     time (without a zone: local time)."""
     value = text.strip()
     unit = value[-1:].lower()
-    if unit in _DURATION_UNITS and value[:-1].replace(".", "", 1).isdigit():
+    number = value[:-1].replace(".", "", 1)
+    if unit in _DURATION_UNITS and number.isascii() and number.isdigit():
         now = now or datetime.now(UTC)
         return now - timedelta(seconds=float(value[:-1]) * _DURATION_UNITS[unit])
     try:
@@ -129,19 +130,52 @@ def set_path(spec: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+class SpecFileError(ValueError):
+    """A spec file that is not a spec: the command's input is wrong (exit status 2)."""
+
+
+class _AliasFound(Exception):
+    def __init__(self, alias: str, line: int, column: int) -> None:
+        super().__init__(alias)
+        self.alias, self.line, self.column = alias, line, column
+
+
+def _load_yaml(text: str) -> Any:
+    """YAML as ``yaml.safe_load`` reads it, less aliases (``*name``): each one is refused as
+    the parser meets it, before anything is built, so a few lines of nested aliases (a
+    "billion laughs") cannot expand into billions of values."""
+    import yaml
+
+    class _NoAliasLoader(yaml.SafeLoader):
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                mark = event.start_mark
+                raise _AliasFound(f"*{event.anchor}", mark.line + 1, mark.column + 1)
+            return super().compose_node(parent, index)
+
+    return yaml.load(text, Loader=_NoAliasLoader)
+
+
 def load_spec(path: str) -> dict[str, Any]:
     """A job spec from a .yaml/.yml/.json file (``-`` reads standard input)."""
     import yaml
 
     text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     try:
-        spec = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+        spec = json.loads(text) if path.endswith(".json") else _load_yaml(text)
+    except _AliasFound as exc:
+        raise SpecFileError(
+            f"{path}: YAML aliases are not allowed in a spec file "
+            f"(line {exc.line}, column {exc.column}: {exc.alias}): write the value out"
+        ) from None
     except (ValueError, yaml.YAMLError) as exc:
-        raise ValueError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {exc}") from exc
+        kind = "JSON" if path.endswith(".json") else "YAML"
+        raise SpecFileError(f"{path}: not valid {kind}: {exc}") from exc
     if spec is None:
         return {}
     if not isinstance(spec, dict):
-        raise ValueError(f"{path}: a job spec must be a mapping")
+        raise SpecFileError(f"{path}: a job spec must be a mapping")
     return spec
 
 

@@ -51,7 +51,7 @@ def file_stream_node_rank(name: str) -> int | None:
     if not name.startswith(FILE_STREAM_PREFIX) or "/" not in name:
         return None
     head = name[len(FILE_STREAM_PREFIX) :].split("/", 1)[0]
-    return int(head) if head.isdigit() else None
+    return int(head) if head.isascii() and head.isdigit() else None
 
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]

@@ -200,7 +200,7 @@ async def _read_images(request: Request, settings: Settings) -> tuple[list[scori
         if len(uploads) > settings.predict_max_files:
             raise _too_many_images(settings, len(uploads))
         top_k_raw = form.get("top_k", "3")
-        if not isinstance(top_k_raw, str) or not top_k_raw.strip().isdigit():
+        if not isinstance(top_k_raw, str) or not (top_k_raw.isascii() and top_k_raw.strip().isdigit()):
             raise RequestValidationError(
                 "top_k must be a whole number from 1 to 100", details={"field": "top_k"}
             )

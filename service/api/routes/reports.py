@@ -30,7 +30,7 @@ class _CappedRequest(UnicodeCheckedRequest):
         if not hasattr(self, "_body"):
             too_large = HTTPException(413, f"a report batch holds at most {MAX_REPORT_BODY_BYTES} bytes")
             declared = self.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > MAX_REPORT_BODY_BYTES:
+            if declared.isascii() and declared.isdigit() and int(declared) > MAX_REPORT_BODY_BYTES:
                 raise too_large
             received = bytearray()
             async for chunk in self.stream():
