@@ -37,6 +37,7 @@ from torchyard.contract.headers import (
     LEASE_HEADER,
     SHA256_HEADER,
 )
+from worker.agent import job_tree
 from worker.agent.api import Backoff, is_retryable
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,8 @@ class CheckpointUploader:
     def _pending(self) -> dict[str, object] | None:
         """The newest checkpoint's description when it is not uploaded yet."""
         try:
-            info = json.loads((self.run_dir / CHECKPOINT_INFO_FILE).read_text(encoding="utf-8"))
+            with job_tree.open_regular(self.run_dir, CHECKPOINT_INFO_FILE) as info_file:
+                info = json.loads(info_file.read(1 << 20).decode("utf-8"))
         except (OSError, ValueError):
             return None
         if not isinstance(info, dict) or info.get("sha256") in (self.last_sha256, *self._bad):
@@ -136,10 +138,9 @@ class CheckpointUploader:
         self._idle.set()
 
     def _upload(self, info: dict[str, object]) -> None:
-        path = self.run_dir / CHECKPOINT_FILE
         started = time.monotonic()
         cpu_started = time.thread_time()
-        with open(path, "rb") as fh:
+        with job_tree.open_regular(self.run_dir, CHECKPOINT_FILE) as fh:
             # The open file is the bytes we send, even if the trainer replaces the path meanwhile.
             stat = os.fstat(fh.fileno())
             size = stat.st_size

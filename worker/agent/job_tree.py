@@ -69,7 +69,12 @@ def open_regular(root: Path, relative: str | PurePosixPath) -> BinaryIO:
 def open_at(dir_fd: int, name: str) -> BinaryIO:
     """``name`` in the folder ``dir_fd``, as :func:`open_regular` opens its last component."""
     try:
+        # Looked at before it is opened: a device node is never opened at all.
+        if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            raise NotRegularFileError(f"{name}: not a regular file")
         fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+    except NotRegularFileError:
+        raise
     except OSError as exc:
         if isinstance(exc, FileNotFoundError):
             raise

@@ -28,7 +28,7 @@ from typing import Any, TextIO
 
 from torchyard.contract.errors import CommunicationError, RankFailedError, RankKilledError
 from torchyard.contract.jobfile import JOB_FILE
-from worker.agent import guard
+from worker.agent import guard, job_tree
 from worker.agent.sandbox import Sandbox, exit_code, is_sandbox_process, torch_hub_dir
 
 log = logging.getLogger(__name__)
@@ -320,7 +320,8 @@ def read_failure_files(run_dir: Path) -> list[dict[str, Any]]:
     records = []
     for path in run_dir.glob("failure-rank-*.json"):
         try:
-            record = json.loads(path.read_text(encoding="utf-8"))
+            with job_tree.open_regular(run_dir, path.name) as fh:
+                record = json.loads(fh.read(1 << 20).decode("utf-8"))
         except (OSError, ValueError):
             continue
         if isinstance(record, dict) and isinstance(record.get("code"), str):

@@ -18,7 +18,8 @@ cannot be read, the node's first rank.
 What it is told goes where the rest of a script's reports go, through files the
 placement's reporter already ships exactly once:
 
-* a metric point is one JSON line appended to ``metrics/mlflow-<process>.jsonl`` before
+* a metric point is one JSON line appended to ``metrics/mlflow-<process>.jsonl`` (in the
+  agent's own folder of the placement, out of the script's reach) before
   the answer is sent (the reporter ships those lines like ``torchyard.run.log_metric``'s,
   keyed by name, rank and step, so an API outage or a retried batch loses or doubles
   nothing). A step already used by that name and rank (MLflow's default step is 0 for
@@ -33,11 +34,19 @@ placement's reporter already ships exactly once:
 Errors are MLflow's: ``{"error_code": "INVALID_PARAMETER_VALUE", "message": ...}`` with a
 4xx status for bad input, ``RESOURCE_DOES_NOT_EXIST`` (404) for an unknown run or
 experiment, ``ENDPOINT_NOT_FOUND`` (404) for a call it does not serve.
+
+Connections cost the node's agent a thread each, so an endpoint holds at most
+:data:`MAX_CONNECTIONS` at once: a further one waits (it and those behind it in the listen
+backlog) until one ends, and the connection idle the longest (waiting for its first or next
+request) is closed at once to make room; MLflow's client opens a new one for its next call.
+A connection that sends nothing for :data:`CONNECTION_TIMEOUT_S`, between requests or within
+one, is closed without an answer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import math
@@ -54,16 +63,25 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit
 
 from torchyard.contract.metrics import is_metric_name
 from torchyard.contract.reports import MAX_TRACKING_ITEMS, MAX_TRACKING_RUNS, MAX_TRACKING_VALUE
+from worker.agent import sandbox
 
 log = logging.getLogger(__name__)
 
 TRACKING_FILE = "tracking.json"
 MAX_BODY_BYTES = 4 << 20
+# Connections served at once by one endpoint (a thread each). A job's processes on a node
+# (at most a few dozen, each with a keep-alive connection or a few) fit; more wait.
+MAX_CONNECTIONS = 32
+# A connection silent this long (no request, or a request stalled halfway) is closed.
+CONNECTION_TIMEOUT_S = 30.0
+LISTEN_BACKLOG = 128
+# How long stop() lets calls in progress finish before it cuts their connections.
+STOP_WAIT_S = 5.0
 # MLflow's own limits on one log-batch call.
 MAX_BATCH_METRICS = 1000
 MAX_BATCH_PARAMS = 100
@@ -151,8 +169,10 @@ class _Process:
 class TrackingStore:
     """The runs of one placement, and the files their reports travel through."""
 
-    def __init__(self, run_dir: Path, outputs_dir: Path, node_rank: int) -> None:
-        self.run_dir = run_dir
+    def __init__(self, state_dir: Path, outputs_dir: Path, node_rank: int) -> None:
+        # The agent's folder of the placement (never the run's tree): its files are written
+        # by the agent, which a script could otherwise point at any file through a link.
+        self.state_dir = state_dir
         self.outputs_dir = outputs_dir
         self.node_rank = node_rank
         self.lock = threading.Lock()
@@ -170,7 +190,7 @@ class TrackingStore:
         ``ranks_from_caller`` for a node's command whose ranks share it (each caller's
         ``RANK``, ``rank`` where the caller's cannot be read)."""
         token = secrets.token_urlsafe(24)
-        path = self.run_dir / "metrics" / f"mlflow-{name}.jsonl"
+        path = self.state_dir / "metrics" / f"mlflow-{name}.jsonl"
         self.processes[token] = _Process(rank, name, path, ranks_from_caller=ranks_from_caller)
         return token
 
@@ -353,7 +373,7 @@ class TrackingStore:
             }
             for r in self.runs.values()
         ]
-        path = self.run_dir / TRACKING_FILE
+        path = self.state_dir / TRACKING_FILE
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps({"runs": runs}, sort_keys=True))
         os.replace(tmp, path)
@@ -611,8 +631,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
+        # Each read and write of the connection waits at most this long.
+        self.connection.settimeout(self.server.connection_timeout_s)
         # Small answers at once: no waiting for the client's delayed acknowledgement.
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def handle_one_request(self) -> None:
+        if not self.server.await_request(self):
+            self.close_connection = True
+            return
+        super().handle_one_request()
 
     def _answer(self, status: int, body: Any) -> None:
         data = json.dumps(body).encode()
@@ -646,6 +674,8 @@ class _Handler(BaseHTTPRequestHandler):
                 raise MlflowError(f"{method} {path} is not served here", "ENDPOINT_NOT_FOUND", 404)
             answer = _dispatch(self.server.store, proc, method, path[len(prefix) :].strip("/"), body)
             self._answer(200, answer)
+        except (TimeoutError, ConnectionError):
+            self.close_connection = True  # too slow, or gone: no answer
         except MlflowError as exc:
             self._answer(exc.status, {"error_code": exc.code, "message": exc.message})
         except Exception:
@@ -671,6 +701,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True  # the body is not read: the connection cannot go on
             raise MlflowError(f"a request body holds at most {MAX_BODY_BYTES} bytes, not {size}", status=413)
         raw = self.rfile.read(size) if size else b"{}"
+        if len(raw) < size:
+            raise ConnectionAbortedError("the connection ended within the request's body")
         try:
             body = json.loads(raw)
         except ValueError as exc:
@@ -681,16 +713,119 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class _Server(ThreadingHTTPServer):
+    """At most ``max_connections`` connections served at once, each silent at most
+    ``connection_timeout_s``; under pressure the one idle the longest is closed."""
+
     daemon_threads = True
+    block_on_close = False  # server_close() waits for the calls in progress itself, boundedly
+    request_queue_size = LISTEN_BACKLOG
     store: TrackingStore
+
+    def __init__(self, address: tuple[str, int], max_connections: int, connection_timeout_s: float) -> None:
+        super().__init__(address, _Handler)
+        self.connection_timeout_s = connection_timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._guard = threading.Lock()
+        # Each connection served: since when it waits for a request (None: in one).
+        self._open: dict[socket.socket, float | None] = {}
+        self._closing = False
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """In the serving thread: wait for a free slot (further connections wait in the
+        listen backlog), closing the connection idle the longest to free one."""
+        acquired = self._slots.acquire(blocking=False)
+        while not acquired:
+            if self._closing:
+                self.shutdown_request(request)
+                return
+            self._close_idle(every=False)
+            acquired = self._slots.acquire(timeout=0.1)
+        with self._guard:
+            self._open[request] = None
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._release(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release(request)
+
+    def _release(self, request: Any) -> None:
+        with self._guard:
+            self._open.pop(request, None)
+        self._slots.release()
+
+    def await_request(self, handler: _Handler) -> bool:
+        """Wait, counted idle, for the connection's next request (its first, or the next on
+        a kept-alive connection): False when it ends, stays silent, or is closed for room."""
+        connection = handler.connection
+        with self._guard:
+            if self._closing or connection not in self._open:
+                return False
+            self._open[connection] = time.monotonic()
+        try:
+            ready = cast(io.BufferedReader, handler.rfile).peek(1) != b""
+        except OSError:  # silent past the timeout, or reset
+            ready = False
+        with self._guard:
+            if connection not in self._open:
+                return False  # closed to make room
+            self._open[connection] = None
+        return ready
+
+    def _close_idle(self, every: bool) -> None:
+        """Close the connection idle the longest (``every``: all idle ones); its thread ends."""
+        with self._guard:
+            idle = sorted(
+                (since, n, c) for n, (c, since) in enumerate(self._open.items()) if since is not None
+            )
+            for _since, _n, connection in idle if every else idle[:1]:
+                del self._open[connection]
+                with contextlib.suppress(OSError):
+                    connection.shutdown(socket.SHUT_RDWR)
+
+    def shutdown(self) -> None:
+        self._closing = True
+        self._close_idle(every=True)
+        super().shutdown()
+
+    def server_close(self) -> None:
+        """Close the listening socket, let the calls in progress finish (STOP_WAIT_S at
+        most), then cut what is left."""
+        super().server_close()
+        deadline = time.monotonic() + STOP_WAIT_S
+        while self._open and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with self._guard:
+            for connection in self._open:
+                with contextlib.suppress(OSError):
+                    connection.shutdown(socket.SHUT_RDWR)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("MLflow endpoint: a connection from %s failed", client_address, exc_info=True)
 
 
 class TrackingEndpoint:
     """The endpoint of one placement: ``start()``, ``env_for(rank, name)`` per process, ``stop()``."""
 
-    def __init__(self, run_dir: Path, outputs_dir: Path, node_rank: int, host: str = "127.0.0.1") -> None:
-        self.store = TrackingStore(run_dir, outputs_dir, node_rank)
+    def __init__(
+        self,
+        state_dir: Path,
+        outputs_dir: Path,
+        node_rank: int,
+        host: str = "127.0.0.1",
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        connection_timeout_s: float = CONNECTION_TIMEOUT_S,
+    ) -> None:
+        self.store = TrackingStore(state_dir, outputs_dir, node_rank)
         self.host = host
+        self.max_connections = max_connections
+        self.connection_timeout_s = connection_timeout_s
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -700,8 +835,8 @@ class TrackingEndpoint:
         return f"http://{self.host}:{self._server.server_address[1]}"
 
     def start(self) -> None:
-        (self.store.run_dir / "metrics").mkdir(parents=True, exist_ok=True)
-        server = _Server((self.host, 0), _Handler)
+        (self.store.state_dir / "metrics").mkdir(parents=True, exist_ok=True)
+        server = _Server((self.host, 0), self.max_connections, self.connection_timeout_s)
         server.store = self.store
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, name="mlflow-endpoint", daemon=True)
@@ -733,7 +868,8 @@ def _proc_net_address(host: str, port: int) -> str:
 
 
 def socket_owner(client: tuple[Any, ...], server: tuple[Any, ...]) -> int | None:
-    """The pid of a process of this user holding the client end of a loopback TCP connection."""
+    """The pid of a process of this user (or of the user the sandbox runs jobs as) holding
+    the client end of a loopback TCP connection."""
     local, remote = _proc_net_address(client[0], client[1]), _proc_net_address(server[0], server[1])
     inode = None
     with contextlib.suppress(OSError), open("/proc/net/tcp") as table:
@@ -744,12 +880,16 @@ def socket_owner(client: tuple[Any, ...], server: tuple[Any, ...]) -> int | None
                 break
     if inode is None or inode == "0":
         return None
-    wanted, uid = f"socket:[{inode}]", os.getuid()
+    wanted, uids = f"socket:[{inode}]", {os.getuid()}
+    with contextlib.suppress(ValueError):
+        job_user = sandbox.run_user()
+        if job_user is not None:
+            uids.add(job_user[0])
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         with contextlib.suppress(OSError):
-            if entry.stat().st_uid != uid:
+            if entry.stat().st_uid not in uids:
                 continue
             for fd in os.scandir(f"/proc/{entry.name}/fd"):
                 with contextlib.suppress(OSError):
@@ -778,12 +918,12 @@ def caller_rank(client: tuple[Any, ...], server: tuple[Any, ...]) -> int | None:
     return None
 
 
-def tracking_snapshot(run_dir: Path) -> Callable[[], bytes | None]:
-    """A reader of ``tracking.json`` (None while there is none)."""
+def tracking_snapshot(state_dir: Path) -> Callable[[], bytes | None]:
+    """A reader of ``tracking.json`` in the agent's folder of a placement (None while there is none)."""
 
     def read() -> bytes | None:
         with contextlib.suppress(FileNotFoundError):
-            return (run_dir / TRACKING_FILE).read_bytes()
+            return (state_dir / TRACKING_FILE).read_bytes()
         return None
 
     return read

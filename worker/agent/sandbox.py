@@ -40,9 +40,11 @@ refuses script jobs and says so in ``GET /v1/cluster``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -232,6 +234,13 @@ class Sandbox:
         give_to(self.writable, *self.user, keep=[*self.not_given, *self.read_only])
         if self.shared_shm is not None:
             os.chown(self.shared_shm, *self.user, follow_symlinks=False)
+        for path in self.read_only:
+            # The node's caches unpack into private folders (mkdtemp: 0700): what a run is
+            # given to read must be readable by its user.
+            with contextlib.suppress(OSError):
+                mode = os.stat(path, follow_symlinks=False).st_mode
+                if stat.S_ISDIR(mode) and mode & 0o055 != 0o055:
+                    os.chmod(path, stat.S_IMODE(mode) | 0o055)
 
     def hidden_paths(self) -> list[Path]:
         """Everything never shown: ``hidden``, ``TORCHYARD_SANDBOX_HIDE``, both as given and resolved."""

@@ -2,13 +2,27 @@
 
 A :class:`ScalarTailer` looks, about every second, for TensorBoard event files
 (``*tfevents*``) under a placement's working copies and its ``outputs``/``logs`` folders,
-reads what was appended to each with TensorBoard's own event-file loader, and appends the
-scalars as JSON lines to ``metrics/tensorboard.jsonl``: from there the reporter ships them
-like every other metric line (exactly once, keyed by name, rank and step). The tag is the
-metric's name (spaces become ``_``; a tag that still is not a metric name is skipped, said
-once in the job's log), the event's step its step. A file under a process's own working
-copy carries that process's rank; one under the shared folders (or a ``per_node``
-command's copy) the node's first rank.
+reads what was appended to each, and appends the scalars as JSON lines to
+``tensorboard.jsonl`` in the agent's own metrics folder of the placement: from there the
+reporter ships them like every other metric line (exactly once, keyed by name, rank and
+step). The tag is the metric's name (spaces become ``_``; a tag that still is not a metric
+name is skipped, said once in the job's log), the event's step its step. A file under a
+process's own working copy carries that process's rank; one under the shared folders (or a
+``per_node`` command's copy) the node's first rank.
+
+Those folders are the script's to write, and the agent reading them is shared by every job
+of the node, so an event file is read on the agent's terms:
+
+* it is opened once, through :mod:`worker.agent.job_tree` (no link followed, never
+  blocking, a regular file only: a FIFO, a device or a link named ``*tfevents*`` is left
+  out, said once), and read from that descriptor as it grows;
+* its records (TFRecord framing: a little-endian uint64 length, the masked CRC32C of the
+  length, the data, the masked CRC32C of the data) are read by the tailer itself, only when
+  complete: a record still being written waits for the next look, a length that fails its
+  check ends the reading of that file (said once), a record over
+  :data:`MAX_RECORD_BYTES` is skipped without being read (said once), and a look reads at
+  most :data:`MAX_BYTES_PER_POLL` of a file; so the memory a look takes is about that of one
+  record, whatever the file claims or its size.
 """
 
 from __future__ import annotations
@@ -18,25 +32,128 @@ import logging
 import math
 import os
 import re
+import stat
+import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from torchyard.contract.metrics import is_metric_name
+from worker.agent.job_tree import NotRegularFileError, open_at
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE_NAME = "tensorboard.jsonl"
 POLL_S = 1.0
 MAX_EVENT_FILES = 200
+# A record longer than this is skipped without being read. A scalar's event is well under
+# 1 KiB (TensorFlow 1's merged summaries, scalars beside small images, a few hundred KiB);
+# what is bigger holds images, audio or a model's graph, which are not read anyway. Parsing
+# a record takes about ten times its size in memory: 4 MiB keeps a look under ~50 MB.
+MAX_RECORD_BYTES = 4 << 20
+# At most this much of one file is read per look (at least one whole record): a file
+# written faster is caught up over the next looks.
+MAX_BYTES_PER_POLL = 8 << 20
+# Lines are appended to the metrics file in batches of at most this many.
+_WRITE_BATCH = 4096
+_HEADER = struct.Struct("<QI")  # the record's length, the masked CRC32C of the length
+_FOOTER = 4  # the masked CRC32C of the data (not checked: a bad record fails to parse)
 _SPACES = re.compile(r"\s")
 
 
-def _loader(path: Path) -> Any:
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+def _crc32c_table() -> tuple[int, ...]:
+    table = []
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+        table.append(crc)
+    return tuple(table)
 
-    return EventFileLoader(str(path))
+
+_CRC32C = _crc32c_table()
+
+
+def masked_crc32c(data: bytes) -> int:
+    """TFRecord's check of a record's length: CRC32C (Castagnoli), rotated and offset."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = _CRC32C[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    crc ^= 0xFFFFFFFF
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _event_parser() -> tuple[Callable[[bytes], Any], type[Exception]]:
+    """TensorBoard's ``Event`` parser and its error (ImportError without tensorboard)."""
+    from google.protobuf.message import DecodeError
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    return Event.FromString, DecodeError
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n} bytes"
+
+
+@dataclass
+class _EventFile:
+    """One event file, opened once, and how far it was read."""
+
+    fh: BinaryIO
+    name: str  # as the job's log names it
+    rank: int
+    position: int = 0
+    done: bool = False  # not read any more (corrupt, or the tailer stopped)
+    skipped: bool = False  # a record over the cap was said
+
+    def records(self, job_log: logging.Logger) -> Iterator[bytes]:
+        """The whole records appended since the last look: at most MAX_BYTES_PER_POLL of
+        them (at least one). Nothing is read that the file cannot hold, nor a record over
+        MAX_RECORD_BYTES."""
+        if self.done:
+            return
+        fd = self.fh.fileno()
+        size = os.fstat(fd).st_size
+        read = 0
+        while not self.done and size - self.position >= _HEADER.size:
+            header = os.pread(fd, _HEADER.size, self.position)
+            if len(header) < _HEADER.size:
+                return  # the file was cut short: wait
+            length, check = _HEADER.unpack(header)
+            if masked_crc32c(header[:8]) != check:
+                self.done = True
+                job_log.warning(
+                    "TensorBoard event file %s is not read past byte %d: its record there is "
+                    "corrupt (its length fails its check)",
+                    self.name,
+                    self.position,
+                )
+                return
+            end = self.position + _HEADER.size + length + _FOOTER
+            if length > MAX_RECORD_BYTES:
+                if not self.skipped:
+                    self.skipped = True
+                    job_log.warning(
+                        "TensorBoard event file %s: its record of %s at byte %d is skipped unread "
+                        "(a record over %s holds images, audio or a graph, not scalars; "
+                        "further ones of this file are skipped silently)",
+                        self.name,
+                        _size(length),
+                        self.position,
+                        _size(MAX_RECORD_BYTES),
+                    )
+                self.position = end
+                continue
+            if end > size or (read and read + end - self.position > MAX_BYTES_PER_POLL):
+                return  # still being written, or enough for this look
+            data = os.pread(fd, length, self.position + _HEADER.size)
+            if len(data) < length:
+                return
+            read += end - self.position
+            self.position = end
+            yield data
 
 
 def _scalar(value: Any) -> float | None:
@@ -60,9 +177,14 @@ class ScalarTailer:
     ) -> None:
         # (folder, rank of what is found there, whether the folder is shared by the node)
         self.roots = roots
+        # The agent's own folder (out of the script's reach), made at the first write.
         self.out = metrics_dir / METRICS_FILE_NAME
         self.job_log = job_log
-        self.loaders: dict[Path, tuple[Any, int]] = {}
+        # By (root's index, path under the root): every file opened, read or given up.
+        self.files: dict[tuple[int, str], _EventFile] = {}
+        # Names left out (not regular files), said once each; at most MAX_EVENT_FILES kept.
+        self._left_out: set[tuple[int, str]] = set()
+        self._said_too_many = False
         self._skipped_tags: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -74,25 +196,67 @@ class ScalarTailer:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop polling and read what the files hold now (every process has ended)."""
+        """Stop polling, read what the files hold now (every process has ended), close them."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(30)
         self.poll()
+        with self._lock:
+            for file in self.files.values():
+                file.done = True
+                file.fh.close()
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
             self.poll()
 
-    def _event_files(self) -> Iterator[tuple[Path, int]]:
-        for root, rank, _ in self.roots:
-            if not root.is_dir():
-                continue
-            for folder, dirs, names in os.walk(root, followlinks=False):
-                dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
-                for name in sorted(names):
-                    if "tfevents" in name:
-                        yield Path(folder) / name, rank
+    def _find(self) -> None:
+        """Open the event files not seen before (links are not followed, nor opened)."""
+        for index, (root, rank, _) in enumerate(self.roots):
+            try:
+                if not stat.S_ISDIR(os.lstat(root).st_mode):
+                    continue
+                for folder, dirs, names, dir_fd in os.fwalk(root, follow_symlinks=False):
+                    dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
+                    under = Path(folder).relative_to(root)
+                    for name in sorted(names):
+                        if "tfevents" in name:
+                            self._open(index, (under / name).as_posix(), dir_fd, name, rank)
+            except OSError:
+                continue  # the folder went away (or was made unreadable) between two looks
+
+    def _open(self, index: int, relative: str, dir_fd: int, name: str, rank: int) -> None:
+        key = (index, relative)
+        if key in self.files or key in self._left_out:
+            return
+        shown = f"{self.roots[index][0].name}/{relative}"
+        if len(self.files) >= MAX_EVENT_FILES:
+            if not self._said_too_many:
+                self._said_too_many = True
+                self.job_log.warning(
+                    "TensorBoard event file %s is not read: at most %d event files are",
+                    shown,
+                    MAX_EVENT_FILES,
+                )
+            return
+        try:
+            # Looked at before the open too: a device is not even opened (the open's own
+            # check, on the descriptor, is what holds if the name changes in between).
+            if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+                raise NotRegularFileError(name)
+            fh = open_at(dir_fd, name)
+        except FileNotFoundError:
+            return
+        except NotRegularFileError:
+            if len(self._left_out) < MAX_EVENT_FILES:
+                self._left_out.add(key)
+                self.job_log.warning(
+                    "TensorBoard event file %s is not read: it is not a regular file "
+                    "(a link, a FIFO or a device)",
+                    shown,
+                )
+            return
+        self.files[key] = _EventFile(fh, shown, rank)
 
     def poll(self) -> int:
         """Append the scalars written since the last look; how many."""
@@ -100,30 +264,52 @@ class ScalarTailer:
             return 0
         with self._lock:
             try:
-                for path, rank in self._event_files():
-                    if path not in self.loaders and len(self.loaders) < MAX_EVENT_FILES:
-                        self.loaders[path] = (_loader(path), rank)
-                lines = [
-                    line for loader, rank in list(self.loaders.values()) for line in self._read(loader, rank)
-                ]
+                parse, corrupt = _event_parser()
             except ImportError:
                 self.available = False
                 self.job_log.warning(
                     "TensorBoard event files are not read: this worker lacks the tensorboard package"
                 )
                 return 0
+            count = 0
+            try:
+                self._find()
+                for file in list(self.files.values()):
+                    count += self._read(file, parse, corrupt)
             except Exception:  # a reading bug must not stop the job
                 log.exception("reading TensorBoard event files failed")
-                return 0
-            if lines:
-                with open(self.out, "a", encoding="utf-8") as fh:
-                    fh.write("".join(lines))
-            return len(lines)
+            return count
 
-    def _read(self, loader: Any, rank: int) -> Iterator[str]:
-        for event in loader.Load():
-            if not event.HasField("summary"):
-                continue
+    def _read(self, file: _EventFile, parse: Callable[[bytes], Any], corrupt: type[Exception]) -> int:
+        """Append the scalars of the file's new records; how many."""
+        lines: list[str] = []
+        count = 0
+        for data in file.records(self.job_log):
+            try:
+                event = parse(data)
+            except corrupt:
+                file.done = True
+                self.job_log.warning(
+                    "TensorBoard event file %s is not read past byte %d: its record there is corrupt",
+                    file.name,
+                    file.position - len(data) - _HEADER.size - _FOOTER,
+                )
+                break
+            lines.extend(self._lines(event, file.rank))
+            if len(lines) >= _WRITE_BATCH:
+                count += self._write(lines)
+                lines = []
+        return count + self._write(lines)
+
+    def _write(self, lines: list[str]) -> int:
+        if lines:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.out, "a", encoding="utf-8") as fh:
+                fh.write("".join(lines))
+        return len(lines)
+
+    def _lines(self, event: Any, rank: int) -> Iterator[str]:
+        if event.HasField("summary"):
             for value in event.summary.value:
                 number = _scalar(value)
                 if number is None or not math.isfinite(number):

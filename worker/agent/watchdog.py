@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from torchyard.contract.errors import HangError
+from worker.agent import job_tree
 from worker.agent.launcher import LaunchSpec
 
 PREEMPT_REQUEST_FILE = "preempt-request"
@@ -129,10 +130,10 @@ class HangWatchdog:
         ranks without a mark are left out."""
         found: dict[int, tuple[float, int | None]] = {}
         for rank in self.ranks:
-            path = self.run_dir / f"{PROGRESS_PREFIX}{rank}"
             try:
-                mtime = path.stat().st_mtime
-                text = path.read_text(encoding="ascii").strip()
+                with job_tree.open_regular(self.run_dir, f"{PROGRESS_PREFIX}{rank}") as fh:
+                    mtime = os.fstat(fh.fileno()).st_mtime
+                    text = fh.read(64).decode("ascii").strip()
             except (OSError, ValueError):
                 continue
             pid = int(text) if text.isdecimal() else None

@@ -62,7 +62,7 @@ def _lines(path: Path) -> list[dict[str, object]]:
 def test_the_mlflow_client_logs_metrics_params_tags_and_artifacts(
     endpoint: TrackingEndpoint, tmp_path: Path
 ) -> None:
-    run_dir = endpoint.store.run_dir
+    run_dir = endpoint.store.state_dir
     env = {**os.environ, **endpoint.env_for(3, "rank-3")}
     done = subprocess.run(
         [sys.executable, "-c", CLIENT_SCRIPT],
@@ -232,11 +232,11 @@ def test_bad_huge_and_foreign_requests_get_mlflow_errors_and_change_nothing(
             _call(endpoint, "POST", "runs/log-batch", mine, json={"run_id": my_run, "metrics": mixed}),
             400, "INVALID_PARAMETER_VALUE", "'bad'",
         )  # fmt: skip
-        assert not (endpoint.store.run_dir / "metrics" / "mlflow-rank-0.jsonl").exists()
+        assert not (endpoint.store.state_dir / "metrics" / "mlflow-rank-0.jsonl").exists()
         # The endpoint still answers after all that.
         ok = _call(endpoint, "POST", "runs/log-metric", mine, json={"run_id": my_run, "key": "x", "value": 2})
         assert ok.status_code == 200 and ok.json() == {}
-        assert [p["name"] for p in _lines(endpoint.store.run_dir / "metrics" / "mlflow-rank-0.jsonl")] == [
+        assert [p["name"] for p in _lines(endpoint.store.state_dir / "metrics" / "mlflow-rank-0.jsonl")] == [
             "x"
         ]
     finally:
@@ -276,7 +276,7 @@ def test_per_node_ranks_started_by_torchrun_log_with_their_own_rank(
     run_id = r.json()["run"]["info"]["run_id"]
     r = _call(endpoint, "POST", "runs/log-metric", token, json={"run_id": run_id, "key": "loss", "value": 99})
     assert r.status_code == 200, r.text
-    points = _lines(endpoint.store.run_dir / "metrics" / "mlflow-node-2.jsonl")
+    points = _lines(endpoint.store.state_dir / "metrics" / "mlflow-node-2.jsonl")
     by_rank = {
         rank: sorted((str(p["name"]), p["step"], p["value"]) for p in points if p["rank"] == rank)
         for rank in sorted({int(str(p["rank"])) for p in points})
@@ -289,7 +289,7 @@ def test_per_node_ranks_started_by_torchrun_log_with_their_own_rank(
             ("loss", 0, 10.0 * rank), ("loss", 1, 10.0 * rank + 1), ("loss", 2, 10.0 * rank + 2),
         ]  # fmt: skip
     assert by_rank[4] == [("loss", 0, 99.0)]
-    runs = json.loads((endpoint.store.run_dir / TRACKING_FILE).read_text())["runs"]
+    runs = json.loads((endpoint.store.state_dir / TRACKING_FILE).read_text())["runs"]
     assert sorted((r["name"], r["rank"]) for r in runs) == [("node", 4), ("rank0", 0), ("rank1", 1)]
 
 
