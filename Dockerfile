@@ -1,4 +1,4 @@
-# Two images from one Dockerfile, one target each (SPEC §12):
+# Two images from one Dockerfile, one target each (each part installs only what it needs, README.md):
 #
 #   docker build --target api -t torchyard-api .        # the API: server extra, no torch (the default target)
 #   docker build --target worker -t torchyard-worker .  # a worker agent and its trainer: worker extra

@@ -1,4 +1,4 @@
-"""Chaos run (SPEC §8): N short real jobs while agents are SIGKILLed and SIGTERMed at random.
+"""Chaos run (docs/restarts.md): N short real jobs while agents are SIGKILLed and SIGTERMed at random.
 
 A real API (uvicorn on loopback, SQLite unless ``--database-url`` names a PostgreSQL) and
 ``--agents`` real ``torchyard worker`` agents (1 CPU slot each). ``--jobs`` short training
@@ -9,7 +9,7 @@ the job checkpoints and goes back to the queue, not counted), and starts the age
 (same name and work directory, as a rebooted node) a few seconds later. Afterwards every
 agent runs again and the script waits for every job to end.
 
-Control-plane faults on top (SPEC §8, last bullet): with ``--kill-api`` the API is a
+Control-plane faults on top (docs/restarts.md, last bullet): with ``--kill-api`` the API is a
 ``torchyard serve`` process, SIGKILLed and started again (``--api-down`` s later) during
 the chaos; with ``--stop-db`` it runs on a private PostgreSQL server of the run's own
 (initdb into a temporary folder), stopped and started again (``--db-down`` s); the two

@@ -1,4 +1,4 @@
-"""Checkpoint cost per epoch for the demo's ResNet-18 (SPEC §8).
+"""Checkpoint cost per epoch for the demo's ResNet-18 (docs/restarts.md).
 
 ``python bench/bench_checkpoint.py`` runs the demo's real training: the trainer
 (``-m worker.trainer`` under torchrun, as the agent starts it) on scikit-learn's

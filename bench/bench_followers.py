@@ -1,4 +1,4 @@
-"""Many followers of one running job against one API process (SPEC §7).
+"""Many followers of one running job against one API process (bench/RESULTS.md).
 
 Starts ``torchyard serve`` (one uvicorn process, SQLite in a temporary data dir unless
 ``--database-url`` names a PostgreSQL), uploads two tiny datasets, submits a job and

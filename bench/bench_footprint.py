@@ -1,4 +1,4 @@
-"""Footprint of the parts of torchyard (SPEC §12): API process memory and client install size.
+"""Footprint of the parts of torchyard (README.md): API process memory and client install size.
 
 1. API memory: starts ``torchyard serve`` (SQLite, a temporary data directory, a free port)
    from this working tree and, with ``--before REF``, from the git revision REF as well

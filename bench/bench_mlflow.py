@@ -1,4 +1,4 @@
-"""MLflow from a script job (SPEC §14): the tracking endpoint's speed against a real
+"""MLflow from a script job (docs/script-jobs.md): the tracking endpoint's speed against a real
 ``mlflow server``, and 10,000 points kept exactly once across an API SIGKILL.
 
 1. **Round trip.** A script (its own process, the real MLflow client) calls

@@ -1,4 +1,4 @@
-"""Scoring speed on CPU: torch eager against ONNX Runtime, in the same run (SPEC §10).
+"""Scoring speed on CPU: torch eager against ONNX Runtime, in the same run (docs/models.md).
 
 For each image size (32 and 224 px) a resnet18 with 10 classes (random weights: speed
 does not depend on them) is exported to ONNX exactly as the trainer exports it

@@ -1,4 +1,4 @@
-"""Preemption latency: from the request reaching every rank to the ranks agreeing to stop (SPEC §8).
+"""Preemption latency: from the request reaching every rank to the ranks agreeing to stop (docs/restarts.md).
 
 Runs the trainer (``-m worker.trainer`` under torchrun, as the agent starts it) on the
 scikit-learn digits, resnet18, 2 processes by default, and while epoch 2 trains writes

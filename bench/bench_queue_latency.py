@@ -1,4 +1,4 @@
-"""Queue latency: how fast a submitted job reaches an idle worker (SPEC §7).
+"""Queue latency: how fast a submitted job reaches an idle worker (bench/RESULTS.md).
 
 Two measurements, both against a real API (uvicorn on loopback, SQLite unless
 ``--database-url`` names a PostgreSQL):

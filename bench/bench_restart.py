@@ -1,4 +1,4 @@
-"""Time from a node's death to training resumed elsewhere (SPEC §8, issue goal: at most
+"""Time from a node's death to training resumed elsewhere (docs/restarts.md, issue goal: at most
 2 x the lease timeout + start-up).
 
 A real API (uvicorn on loopback, SQLite unless ``--database-url`` names a PostgreSQL) and

@@ -1,4 +1,4 @@
-"""Script jobs (SPEC §9): a plain DDP script run as a torchyard script job against the
+"""Script jobs (docs/script-jobs.md): a plain DDP script run as a torchyard script job against the
 same script under a bare torchrun on the same machine, interleaved in one run, and the
 time from submission to the script's first line of output.
 

@@ -1,5 +1,5 @@
 """Submit → first training step, and images/s, of a torchyard job on Slurm against a bare
-``sbatch`` + ``srun`` + ``torchrun`` of the same training on the same Slurm cluster (SPEC §13).
+``sbatch`` + ``srun`` + ``torchrun`` of the same training on the same Slurm cluster (docs/slurm.md).
 
 The cluster is the tests' private one (``tests.support.slurm_cluster``: Debian's slurmctld,
 slurmd and munge, two nodes in network namespaces on this machine; root needed). The API

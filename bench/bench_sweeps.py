@@ -1,4 +1,4 @@
-"""Sweeps (SPEC §15): grid search run out vs TPE + ASHA on the digits, and the scheduling
+"""Sweeps (docs/sweeps.md): grid search run out vs TPE + ASHA on the digits, and the scheduling
 overhead per trial.
 
 Two measurements:

@@ -1,4 +1,4 @@
-"""Training throughput of a torchyard job against a plain torchrun DDP script doing the same work (SPEC §7).
+"""Training throughput of a torchyard job against a plain torchrun DDP script doing the same work (bench/RESULTS.md).
 
 Writes the scikit-learn digits as an ImageDirectory, then compares, with the same
 process count, batch size, image size, model, learning rate, augmentation ("light")

@@ -97,7 +97,7 @@ class Settings(BaseSettings):
     )
     engine: Literal["agents", "slurm"] = Field(
         default="agents",
-        description="What runs the jobs (SPEC §13): agents (torchyard's own worker agents, the default) or "
+        description="What runs the jobs: agents (torchyard's own worker agents, the default) or "
         "slurm (an existing Slurm cluster: one sbatch per attempt).",
     )
     slurm_partitions: str = Field(

@@ -1,4 +1,4 @@
-"""The job state machine (SPEC §5), in one place.
+"""The job state machine (docs/api.md), in one place.
 
 ``queued`` → ``scheduled`` (placed on nodes) → ``running`` → ``succeeded`` | ``failed`` |
 ``cancelled``, with ``cancelling`` between a cancel request and the ranks being stopped.
@@ -40,7 +40,7 @@ __all__ = [
     "sql_in",
 ]
 
-# The engines that run attempts (SPEC §13; TORCHYARD_ENGINE).
+# The engines that run attempts (docs/slurm.md; TORCHYARD_ENGINE).
 ENGINE_AGENTS = "agents"
 ENGINE_SLURM = "slurm"
 
@@ -69,7 +69,7 @@ def sql_in(values: frozenset[StrEnum] | list[StrEnum] | type[StrEnum]) -> str:
 
 
 class SweepStatus(StrEnum):
-    """A sweep (SPEC §15): ``running`` until its last trial ends."""
+    """A sweep (docs/sweeps.md): ``running`` until its last trial ends."""
 
     RUNNING = "running"
     SUCCEEDED = "succeeded"

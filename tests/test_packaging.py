@@ -1,4 +1,4 @@
-"""Packaging (SPEC §12): each part installs, and imports, only what it needs.
+"""Packaging (README.md): each part installs, and imports, only what it needs.
 
 - the API process never imports torch or torchvision (it never trains);
 - the CLI and the Python client import no torch, FastAPI or SQLAlchemy for client commands;

@@ -1,7 +1,7 @@
 """The image classification architectures a job may name, without importing torchvision.
 
 The API checks ``model.architecture`` against this list, and the API never imports torch
-(SPEC §12: the ``server`` extra installs no torch). The names are those of
+(README.md: the ``server`` extra installs no torch). The names are those of
 ``torchvision.models.list_models(module=torchvision.models)`` for the torchvision release
 the ``worker`` extra pins; tests/test_packaging.py compares the two, so a torchvision
 upgrade that adds or drops a model fails there until this list follows.

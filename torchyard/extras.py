@@ -1,7 +1,7 @@
 """Which optional part of torchyard a command needs, and a clear refusal when it is missing.
 
 ``pip install torchyard`` gives the CLI and the Python client only; the API and the worker
-come with extras (SPEC §12). Commands that need them import them lazily and call
+come with extras (README.md). Commands that need them import them lazily and call
 :func:`require` first, so that a client-only install answers with one line naming the
 extra to install rather than a traceback.
 """

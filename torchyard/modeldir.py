@@ -1,6 +1,6 @@
 """The trained-model directory: writer, checksum manifest, loader and inference helpers.
 
-A model directory (SPEC §4) holds:
+A model directory (docs/models.md) holds:
 
 - ``config.json``: format version, architecture, class names in output order, the
   evaluation geometry (``image_size``) and normalization (``mean``/``std``), the

@@ -1,4 +1,4 @@
-"""Helpers for a script job's own code (SPEC §9). Standard library only: a script may
+"""Helpers for a script job's own code (docs/script-jobs.md). Standard library only: a script may
 import it from an installed torchyard or copy this file next to itself.
 
     from torchyard import run

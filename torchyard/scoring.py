@@ -1,6 +1,6 @@
 """Scoring without torch: a model directory's ONNX export run by ONNX Runtime.
 
-The API process scores images with this module (it never imports torch, SPEC §12); the
+The API process scores images with this module (it never imports torch, README.md); the
 benchmark in ``bench/bench_predict.py`` compares it with torch eager. Preprocessing is
 exactly :func:`torchyard.modeldir.eval_transform`'s, written with Pillow and NumPy:
 

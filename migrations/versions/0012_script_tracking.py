@@ -1,4 +1,4 @@
-"""Script jobs' MLflow runs: the params, tags and runs a job's scripts logged (SPEC §14).
+"""Script jobs' MLflow runs: the params, tags and runs a job's scripts logged (docs/script-jobs.md).
 
 Revision ID: 0012
 Revises: 0011

@@ -1,4 +1,4 @@
-"""Engines (SPEC §13): which engine runs an attempt and its job there, the engine of each node,
+"""Engines (docs/slurm.md): which engine runs an attempt and its job there, the engine of each node,
 and launch tokens scoped to one attempt.
 
 Revision ID: 0013

@@ -169,7 +169,7 @@ def create_app(settings: Settings | None = None, *, freeze: bool = False) -> Fas
         # Nodes are judged lost only after a full lease period of this replica listening.
         app.state.listening = ListeningClock()
         # Scheduling passes, one at a time, out of the request path.
-        # What runs the jobs (SPEC §13): torchyard's agents, or an existing Slurm cluster.
+        # What runs the jobs (docs/slurm.md): torchyard's agents, or an existing Slurm cluster.
         engine = make_engine(settings)
         await asyncio.to_thread(engine.start)
         app.state.engine = engine

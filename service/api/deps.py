@@ -216,7 +216,7 @@ def agent_in(session: Session, token: str | None) -> tuple[Principal, bool]:
 
 
 async def require_launcher(principal: Annotated[Principal, Depends(require_worker)]) -> Principal:
-    """A launch token (SPEC §13): the one-placement launcher of one attempt."""
+    """A launch token (docs/slurm.md): the one-placement launcher of one attempt."""
     if principal.attempt_id is None:
         raise PermissionDeniedError("this route needs the launch token of an attempt")
     return principal

@@ -1,6 +1,6 @@
 """Validation of ImageDirectory datasets: class folders of decodable images.
 
-Layout rules (SPEC §2): the data root holds one sub-folder per class, images inside
+Layout rules (docs/datasets.md): the data root holds one sub-folder per class, images inside
 (nested folders inside a class are allowed, as torchvision's ImageFolder allows them).
 One wrapping top-level folder around the class folders is allowed. Hidden entries and
 ``__MACOSX`` folders are ignored everywhere.

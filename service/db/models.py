@@ -98,7 +98,7 @@ class Token(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     # Refreshed at most once a minute (see ``service.services.tokens.LAST_USED_RESOLUTION``).
     last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
-    # A launch token (SPEC §13): it speaks only for this attempt's placements.
+    # A launch token (docs/slurm.md): it speaks only for this attempt's placements.
     attempt_id: Mapped[str | None] = mapped_column(String(32), index=True)
 
 
@@ -192,7 +192,7 @@ class Job(Base):
     progress: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     best: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
-    # Script jobs: the MLflow runs their processes logged, with params and tags (SPEC §14).
+    # Script jobs: the MLflow runs their processes logged, with params and tags (docs/script-jobs.md).
     tracking: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     failure_code: Mapped[str | None] = mapped_column(String(64))
     failure_message: Mapped[str | None] = mapped_column(Text)
@@ -212,7 +212,7 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     cancel_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
-    # A sweep's trial (SPEC §15): the sweep and the trial's number in it.
+    # A sweep's trial (docs/sweeps.md): the sweep and the trial's number in it.
     sweep_id: Mapped[str | None] = mapped_column(ForeignKey("sweeps.id"), index=True)
     trial_number: Mapped[int | None] = mapped_column(Integer)
     # Why it was cancelled: by whom, or the sweep rule that pruned it.
@@ -487,7 +487,7 @@ class ApiReplica(Base):
 
 
 class Sweep(Base):
-    """A hyperparameter search (SPEC §15): its request as submitted (normalized), and how
+    """A hyperparameter search (docs/sweeps.md): its request as submitted (normalized), and how
     many trials it has asked for. Every decision is taken under this row's lock."""
 
     __tablename__ = "sweeps"

@@ -1,4 +1,4 @@
-"""Engines (SPEC §13): what runs the attempts the service schedules.
+"""Engines (docs/slurm.md): what runs the attempts the service schedules.
 
 An engine answers four questions behind one interface (:class:`~service.engines.base.Engine`):
 what nodes the cluster has (inventory, mirrored into the node rows so that ``GET

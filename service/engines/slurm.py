@@ -1,4 +1,4 @@
-"""The Slurm engine (SPEC §13): jobs run on an existing Slurm cluster, Slurm doing the scheduling.
+"""The Slurm engine (docs/slurm.md): jobs run on an existing Slurm cluster, Slurm doing the scheduling.
 
 One pass (in the replica's scheduling loop, every ``TORCHYARD_SLURM_POLL_S`` and whenever
 something asks) does, under a cluster-wide lock on PostgreSQL so that one replica at a

@@ -1,4 +1,4 @@
-"""Code package response schemas (SPEC §9)."""
+"""Code package response schemas (docs/script-jobs.md)."""
 
 from __future__ import annotations
 

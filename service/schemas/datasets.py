@@ -1,4 +1,4 @@
-"""Dataset request and response schemas (SPEC §5 shapes)."""
+"""Dataset request and response schemas (docs/api.md shapes)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Job request and response schemas (SPEC §2 ranges, SPEC §5 shapes)."""
+"""Job request and response schemas (docs/datasets.md ranges, docs/api.md shapes)."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ class TrainJobCreate(StrictModel):
 
 
 class ScriptJobCreate(ScriptFields, StrictModel):
-    """A script job spec (SPEC §9): the user's own code and command. Unknown fields are refused."""
+    """A script job spec (docs/script-jobs.md): the user's own code and command. Unknown fields are refused."""
 
     type: Literal["script"] = Field(description=_TYPE_DESCRIPTION, json_schema_extra=allowed(_TYPES))
     name: str | None = Field(default=None, min_length=1, max_length=200)
@@ -92,7 +92,7 @@ class ScriptJobCreate(ScriptFields, StrictModel):
 
 
 class EvaluateJobCreate(StrictModel):
-    """An evaluation job (SPEC §10): a registered model scored on a labeled dataset, on a worker."""
+    """An evaluation job (docs/models.md): a registered model scored on a labeled dataset, on a worker."""
 
     type: Literal["evaluate"] = Field(description=_TYPE_DESCRIPTION, json_schema_extra=allowed(_TYPES))
     name: str | None = Field(default=None, min_length=1, max_length=200)

@@ -1,4 +1,4 @@
-"""Model registry and scoring schemas (SPEC §10)."""
+"""Model registry and scoring schemas (docs/models.md)."""
 
 from __future__ import annotations
 

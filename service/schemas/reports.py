@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 
 class MetricPoint(BaseModel):
     seq: int = Field(description="Position in the job's metric history; pass it as ``after`` to continue.")
-    name: str = Field(description="A trainer metric (SPEC §4) or a name a script job logged.")
+    name: str = Field(description="A trainer metric (docs/models.md) or a name a script job logged.")
     value: float
     epoch: int
     step: int

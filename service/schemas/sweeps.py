@@ -1,4 +1,4 @@
-"""Sweep request and response schemas (SPEC §15)."""
+"""Sweep request and response schemas (docs/sweeps.md)."""
 
 from __future__ import annotations
 

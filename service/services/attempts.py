@@ -99,7 +99,7 @@ def _end_attempt(
 def fail_attempt(session: Session, job: Job, attempt: Attempt, failure: Failure, message: str) -> None:
     """Fail a live attempt and, unless it is being cancelled, its job (first failure wins).
 
-    A retryable failure (SPEC §8, ``RETRYABLE_FAILURES``) with restarts left puts the job back
+    A retryable failure (docs/restarts.md, ``RETRYABLE_FAILURES``) with restarts left puts the job back
     to ``queued`` instead (see :func:`restart_verdict`). An attempt that already ended (a late
     report of a node of an attempt that failed elsewhere) changes nothing of the job: the job
     may already run a newer attempt.

@@ -1,4 +1,4 @@
-"""The checkpoint store: each running job's latest training-state checkpoints (SPEC §8).
+"""The checkpoint store: each running job's latest training-state checkpoints (docs/restarts.md).
 
 Node rank 0's agent uploads a checkpoint after every epoch (and on preemption) under
 the lease of a live placement of the job. The body is streamed to a temporary file

@@ -5,7 +5,7 @@ A node is *ready* while its status is ``ready`` and it was heard from within the
 timeout; otherwise it is *lost* — also before the reaper has got round to marking it,
 so the limits, the cluster view and the scheduler agree on which nodes count.
 
-Limits (SPEC §5) are checked at submission only. When the cluster later shrinks so
+Limits (docs/api.md) are checked at submission only. When the cluster later shrinks so
 that a queued job can no longer fit (it needs more nodes than are ready, or more
 processes per node than any ready node has units), the job is *not* failed: nodes
 come back (a restarted agent, a rebooted machine), so it keeps waiting in the queue
@@ -97,7 +97,7 @@ def cluster_limits(session: Session, settings: Settings, now: datetime | None = 
 
 def submission_limits(session: Session, settings: Settings, now: datetime | None = None) -> ClusterLimits:
     """The limits a submission is checked against: the ready nodes and every node heard from
-    within ``node_memory_s`` (SPEC §8). While every worker restarts (an agent upgrade), the
+    within ``node_memory_s`` (docs/restarts.md). While every worker restarts (an agent upgrade), the
     cluster it had a moment ago still counts: a job that fits it is accepted and waits.
 
     One query reads both: the nodes ready or seen, and among them the ready ones."""
@@ -121,7 +121,7 @@ def _plural(n: int, word: str) -> str:
 def check_resources(
     session: Session, settings: Settings, node_count: int, process_count_per_node: int
 ) -> ClusterLimits:
-    """Refuse a job shape the cluster can never run (SPEC §5, §8), naming the field, value and
+    """Refuse a job shape the cluster can never run (docs/api.md, §8), naming the field, value and
     limit: more nodes, or more processes per node, than the cluster has had within
     ``node_memory_s``."""
     limits = submission_limits(session, settings)

@@ -1,4 +1,4 @@
-"""Draining nodes (SPEC §8): an admin's ``drain``, or an agent's own when it gets SIGTERM.
+"""Draining nodes (docs/restarts.md): an admin's ``drain``, or an agent's own when it gets SIGTERM.
 
 A drained node takes no new placements (the scheduler places on ``ready`` nodes only).
 Every live attempt with a placement on it is asked to checkpoint at the next step boundary

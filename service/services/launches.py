@@ -1,4 +1,4 @@
-"""One-placement launchers (SPEC §13): what an engine's compute node runs for one attempt.
+"""One-placement launchers (docs/slurm.md): what an engine's compute node runs for one attempt.
 
 An engine (Slurm) starts one launcher per node of an attempt, with a *launch token*: a
 worker token scoped to that attempt (``tokens.attempt_id``), minted when the attempt is

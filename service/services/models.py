@@ -1,4 +1,4 @@
-"""The model registry (SPEC §10): named, numbered versions of trained model directories.
+"""The model registry (docs/models.md): named, numbered versions of trained model directories.
 
 A version points at a succeeded training job, or at a succeeded script job and the
 folder of its outputs that holds a model directory (``path``, packed into the model store

@@ -1,4 +1,4 @@
-"""Script jobs' outputs (SPEC §9): the output folder of node rank 0 (of every node with
+"""Script jobs' outputs (docs/script-jobs.md): the output folder of node rank 0 (of every node with
 ``"outputs": "all"``), uploaded by the agents when the job ends, succeeded or failed.
 
 Stored as ``<data dir>/outputs/<job id>.tar.gz`` (what ``GET /v1/jobs/{id}/outputs``

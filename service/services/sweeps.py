@@ -1,4 +1,4 @@
-"""Sweeps (SPEC §15): hyperparameter search over ordinary jobs, decided by Optuna.
+"""Sweeps (docs/sweeps.md): hyperparameter search over ordinary jobs, decided by Optuna.
 
 The search library keeps no state of its own. Every decision rebuilds an in-memory Optuna
 study from torchyard's tables (``sweeps``, ``sweep_trials``: each trial's parameters, state,

@@ -34,7 +34,7 @@ class Principal:
     name: str
     role: Role
     last_used_at: datetime | None = field(default=None, compare=False)
-    # A launch token's attempt (SPEC §13): it speaks only for that attempt's placements.
+    # A launch token's attempt (docs/slurm.md): it speaks only for that attempt's placements.
     attempt_id: str | None = None
 
     @property

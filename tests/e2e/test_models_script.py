@@ -1,5 +1,5 @@
 """The finetune-resnet example as a script job on the demo's digits, and its model directory
-registered from the job's outputs (SPEC §9, §10: ``POST /v1/models {name, job_id, path}``).
+registered from the job's outputs (docs/script-jobs.md, §10: ``POST /v1/models {name, job_id, path}``).
 
 One real job (two processes, one epoch at 32 px) serves every assertion: the example's
 metrics and outputs, refused paths (each a 4xx naming ``path``), the registered version

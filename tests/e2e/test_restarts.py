@@ -1,4 +1,4 @@
-"""Restarts, preemption and drain over the real worker routes (SPEC §8), on SQLite and PostgreSQL.
+"""Restarts, preemption and drain over the real worker routes (docs/restarts.md), on SQLite and PostgreSQL.
 
 The tests speak the agent's protocol themselves (claims, status reports, heartbeats, report
 batches) against a live server: which failures put a job back to the queue, which are final,

@@ -1,5 +1,5 @@
 """A node of a 2-node job dies for real, on separate network hosts, and the job restarts on
-two nodes and resumes from its checkpoint (SPEC §8).
+two nodes and resumes from its checkpoint (docs/restarts.md).
 
 Three hosts, each a network namespace with its own address and one agent of one slot; the
 API listens only on the gateway address. A 2-node × 1-process job runs on two of them; once

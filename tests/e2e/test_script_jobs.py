@@ -1,4 +1,4 @@
-"""Script jobs run by real agents (SPEC §9): both launch modes, the variables each process
+"""Script jobs run by real agents (docs/script-jobs.md): both launch modes, the variables each process
 sees, metrics, logs, outputs (whole and one file), a failing rank, and cancel."""
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ torch.save({"w": torch.zeros(1)}, f"model-{rank}.pt")  # not under outputs/: nam
 
 
 def test_mlflow_tensorboard_and_logs_of_an_unmodified_script_1x2(env: ScriptEnv) -> None:
-    """SPEC §14: what a script logs through MLflow and TensorBoard becomes the job's metrics
+    """docs/script-jobs.md: what a script logs through MLflow and TensorBoard becomes the job's metrics
     (with the process's rank), params and tags show on the job, artifacts and ./logs are in
     the outputs, and model files left in the working copy are named in the job's log."""
     env.agent("solo", slots=2)
@@ -342,7 +342,7 @@ with mlflow.start_run(run_name=f"rank{trainer.global_rank}"):
 
 
 def test_lightning_mlflow_and_tensorboard_loggers_1_and_2_processes(env: ScriptEnv) -> None:
-    """SPEC §14: Lightning's ``MLFlowLogger`` and ``TensorBoardLogger``, unchanged, in a
+    """docs/script-jobs.md: Lightning's ``MLFlowLogger`` and ``TensorBoardLogger``, unchanged, in a
     1-process job and a 2-process ``per_node`` job (``torchrun`` starting Lightning's DDP
     ranks): what they log is the job's metrics, with the rank of the process that logged."""
     pytest.importorskip("lightning")

@@ -1,4 +1,4 @@
-"""The Slurm engine (SPEC §13) on a real Slurm cluster: Debian's slurmctld, slurmd and munge,
+"""The Slurm engine (docs/slurm.md) on a real Slurm cluster: Debian's slurmctld, slurmd and munge,
 two nodes in network namespaces (:mod:`tests.support.slurm_cluster`), the API as a real
 ``torchyard serve`` with ``TORCHYARD_ENGINE=slurm``, the launcher started by ``srun``.
 

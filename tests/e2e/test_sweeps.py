@@ -1,4 +1,4 @@
-"""Sweeps for real (SPEC §15): a ``torchyard serve`` process (SIGKILLed and restarted mid-sweep)
+"""Sweeps for real (docs/sweeps.md): a ``torchyard serve`` process (SIGKILLed and restarted mid-sweep)
 and one real agent serve the whole module. Most trials are script jobs that train a
 logistic regression with torch on the digits (16 px, 120 training and 30 validation images,
 uploaded as datasets) at the learning rate the sweep gives it as ``$LR``, and report

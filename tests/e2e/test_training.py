@@ -39,7 +39,7 @@ def test_trains_end_to_end_and_the_model_reproduces_its_validation_top1(env: Env
     assert (at["scheduled"] - at["queued"]).total_seconds() < 1.0, job["history"]
     assert job["progress"]["epoch"] >= 1
 
-    # Every metric of SPEC §4, with sane values.
+    # Every metric of docs/models.md, with sane values.
     r = env.user.get(f"/v1/jobs/{job_id}/metrics", params={"limit": 1000})
     assert r.status_code == 200, r.text
     points = r.json()["items"]

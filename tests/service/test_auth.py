@@ -1,4 +1,4 @@
-"""SPEC §6: tokens, roles and owner scoping."""
+"""docs/api.md: tokens, roles and owner scoping."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The reaper's grace clock is the cluster's on PostgreSQL (SPEC §8, last bullet).
+"""The reaper's grace clock is the cluster's on PostgreSQL (docs/restarts.md, last bullet).
 
 Two ``torchyard serve`` replicas, A and B, on one fresh PostgreSQL database; two
 scripted nodes that talk to A only (as an agent configured with A's address does). A is

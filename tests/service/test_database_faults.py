@@ -1,4 +1,4 @@
-"""Control-plane faults caused for real while a real job trains (SPEC §8, last bullet).
+"""Control-plane faults caused for real while a real job trains (docs/restarts.md, last bullet).
 
 A private PostgreSQL server (started and stopped by the test), ``torchyard serve`` as a
 subprocess, a real ``torchyard worker`` agent, torchrun and the trainer on digits. While

@@ -1,4 +1,4 @@
-"""SPEC §2 ranges: each parameter at and just beyond each bound, wrong types, unknown fields."""
+"""docs/datasets.md ranges: each parameter at and just beyond each bound, wrong types, unknown fields."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The model registry and scoring (SPEC §10), against a model really trained on digits.
+"""The model registry and scoring (docs/models.md), against a model really trained on digits.
 
 One resnet18 is trained once for the module (in-process, two epochs at 32 px), its model
 directory uploaded through the worker route of a job, and the job settled as succeeded.

@@ -1,4 +1,4 @@
-"""Sweeps (SPEC §15) in the app: submission and its 422s, the decisions (trials queued as
+"""Sweeps (docs/sweeps.md) in the app: submission and its 422s, the decisions (trials queued as
 jobs with their parameters, pruning, the best trial, grid exhaustion, cancel) and their
 safety when several replicas decide at once.
 

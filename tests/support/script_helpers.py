@@ -56,7 +56,7 @@ PROBE = textwrap.dedent(
             "LOCAL_WORLD_SIZE", "NNODES", "NPROC_PER_NODE", "TORCHYARD_OUTPUT_DIR",
             "TORCHYARD_LOG_DIR", "TORCHYARD_METRICS_FILE", "TORCHYARD_INPUT_DATA", "GREETING"]
     seen = {k: os.environ.get(k) for k in keys}
-    # The job's own MLflow token (SPEC §14) is not the worker's: any other TOKEN would be.
+    # The job's own MLflow token (docs/script-jobs.md) is not the worker's: any other TOKEN would be.
     seen["token_visible"] = any("TOKEN" in k for k in os.environ if k != "MLFLOW_TRACKING_TOKEN")
     seen["mlflow_token"] = os.environ.get("MLFLOW_TRACKING_TOKEN")
     seen["ancestors"] = ancestors()

@@ -20,7 +20,7 @@ class JobCalls:
         self._transport = transport
 
     def submit_job(self, spec: Mapping[str, Any]) -> Job:
-        """Submit a job spec (SPEC §5 shape); returns the normalized job, status ``queued``."""
+        """Submit a job spec (docs/api.md shape); returns the normalized job, status ``queued``."""
         return Job.model_validate(self._transport.json("POST", "/v1/jobs", json=dict(spec)))
 
     def list_jobs(

@@ -53,7 +53,7 @@ class SweepCalls:
         self._transport = transport
 
     def submit_sweep(self, spec: Mapping[str, Any]) -> Sweep:
-        """Start a hyperparameter search (SPEC §15 shape); its first trials are queued as jobs."""
+        """Start a hyperparameter search (docs/sweeps.md shape); its first trials are queued as jobs."""
         return Sweep.model_validate(self._transport.json("POST", "/v1/sweeps", json=dict(spec)))
 
     def list_sweeps(

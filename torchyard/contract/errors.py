@@ -1,6 +1,6 @@
 """The one error hierarchy of torchyard.
 
-Every error carries a machine-readable ``code`` (the contract of SPEC §5) and the
+Every error carries a machine-readable ``code`` (the contract of docs/api.md) and the
 HTTP status it maps to. The API turns them into 4xx bodies in one place; the
 worker and trainer use the same codes for job failures; the client raises them
 again from API error bodies.
@@ -114,7 +114,7 @@ class NodeNameInUseError(ConflictError):
     code = "NodeNameInUseError"
 
 
-# Job failure codes (SPEC §5). They describe why a job failed; they are raised inside
+# Job failure codes (docs/api.md). They describe why a job failed; they are raised inside
 # the trainer or the worker and recorded on the job, not returned by request handlers.
 class TrainingDivergedError(TorchyardError):
     code = "TrainingDivergedError"
@@ -165,14 +165,14 @@ class EnvironmentBuildError(TorchyardError):
 
 
 class SandboxUnavailableError(TorchyardError):
-    """A node without a working sandbox (bubblewrap) was given a script job (SPEC §9)."""
+    """A node without a working sandbox (bubblewrap) was given a script job (docs/script-jobs.md)."""
 
     code = "SandboxUnavailableError"
     status_code = 409
 
 
 class EngineError(TorchyardError):
-    """An engine's job (Slurm's, SPEC §13) ended without any report from torchyard's launcher
+    """An engine's job (Slurm's, docs/slurm.md) ended without any report from torchyard's launcher
     (a wrong launcher path, a node without torchyard), or the engine refused it; the message
     carries the engine's state and the tail of its output. Not retried."""
 
@@ -188,7 +188,7 @@ class ServiceUnavailableError(TorchyardError):
 
 
 # Which job failures put the job back to ``queued`` to resume from its latest checkpoint
-# (SPEC §8): the one table, shown in docs/restarts.md. Everything else is final, and so
+# (docs/restarts.md): the one table, shown in docs/restarts.md. Everything else is final, and so
 # is a retryable failure that repeats with the same code and message on two attempts in
 # a row.
 RETRYABLE_FAILURES: dict[str, str] = {

@@ -20,7 +20,7 @@ EVENTS_FILE = "events.jsonl"
 
 
 class TrainerTask(StrEnum):
-    """What the trainer program does with a run: train a model, or score one (SPEC §10)."""
+    """What the trainer program does with a run: train a model, or score one (docs/models.md)."""
 
     TRAIN = "train"
     EVALUATE = "evaluate"
@@ -36,7 +36,7 @@ class ModelSpec(ModelFields, _Section):
 
 
 class Parameters(JobParameters, _Section):
-    """Training parameters, with the ranges and defaults of SPEC §2 (torchyard.contract.jobspec)."""
+    """Training parameters, with the ranges and defaults of docs/datasets.md (torchyard.contract.jobspec)."""
 
 
 class DatasetRef(_Section):
@@ -61,7 +61,7 @@ class JobConfig(_Section):
     datasets: Datasets | None = None
     output_dir: str
     loader_workers: int | None = Field(None, ge=0)
-    # "evaluate": score the model in init_from_dir on val_dir instead of training (SPEC §10).
+    # "evaluate": score the model in init_from_dir on val_dir instead of training (docs/models.md).
     task: TrainerTask = TrainerTask.TRAIN
 
     @model_validator(mode="after")

@@ -1,4 +1,4 @@
-"""A training job's model, parameters and resources: ranges and defaults of SPEC §2,
+"""A training job's model, parameters and resources: ranges and defaults of docs/datasets.md,
 defined once.
 
 The API validates submissions against these (strictly: unknown fields refused); the
@@ -67,7 +67,7 @@ class ModelFields(BaseModel):
 
 
 class JobParameters(BaseModel):
-    """Training parameters (SPEC §2)."""
+    """Training parameters (docs/datasets.md)."""
 
     epochs: int = Field(default=5, gt=0, le=INT32_MAX, json_schema_extra=allowed(_POSITIVE_INT32))
     batch_size: int = Field(default=16, gt=0, le=INT32_MAX, json_schema_extra=allowed(_POSITIVE_INT32))
@@ -98,7 +98,7 @@ class JobParameters(BaseModel):
 
 
 class ResourceFields(BaseModel):
-    """Where and how long a job runs (SPEC §2, §5)."""
+    """Where and how long a job runs (docs/datasets.md, §5)."""
 
     node_count: int = Field(
         default=1, ge=1, le=INT32_MAX, json_schema_extra=allowed(">= 1 and <= the cluster's max nodes")
@@ -121,7 +121,7 @@ class ResourceFields(BaseModel):
         default=DEFAULT_MAX_RESTARTS,
         ge=0,
         le=MAX_RESTARTS,
-        description="How many times a retryable failure (SPEC §8) puts the job back to queued to "
+        description="How many times a retryable failure (docs/restarts.md) puts the job back to queued to "
         "resume from its latest checkpoint. Preemptions are not counted.",
         json_schema_extra=allowed(f">= 0 and <= {MAX_RESTARTS}"),
     )
@@ -140,8 +140,8 @@ class ResourceFields(BaseModel):
 # --- job kinds -------------------------------------------------------------------------------
 #
 # A job spec's ``type`` selects what runs: ``train`` (the built-in trainer, the default
-# when ``type`` is left out), ``script`` (the user's own code, SPEC §9) or ``evaluate`` (a
-# registered model scored on a labeled dataset, SPEC §10). A new kind adds its name here,
+# when ``type`` is left out), ``script`` (the user's own code, docs/script-jobs.md) or ``evaluate`` (a
+# registered model scored on a labeled dataset, docs/models.md). A new kind adds its name here,
 # its request model in ``service/schemas/jobs.py`` (``JobCreate``, ``JOB_CREATE_MODELS``),
 # its claimed placement in ``torchyard/contract/protocol.py``, one module in
 # ``service/services/kinds/`` (submit-time checks, claim payload, success rule, what is
@@ -275,7 +275,7 @@ class EnvironmentFields(BaseModel):
 
 
 class ScriptFields(BaseModel):
-    """What a script job runs (SPEC §9)."""
+    """What a script job runs (docs/script-jobs.md)."""
 
     code: str = Field(
         min_length=1, max_length=64, description="Id of an uploaded code package (POST /v1/code)."

@@ -1,4 +1,4 @@
-"""The metric names a training job reports (SPEC §4), and the names a script job may use."""
+"""The metric names a training job reports (docs/models.md), and the names a script job may use."""
 
 from __future__ import annotations
 

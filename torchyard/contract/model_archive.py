@@ -37,7 +37,7 @@ from torchyard.contract.headers import SHA256_HEADER  # noqa: F401 - part of thi
 
 TOP_FOLDER = "model"
 MANIFEST_FILE = "SHA256SUMS"
-# The model directory layout (SPEC §4); torchyard.modeldir writes it.
+# The model directory layout (docs/models.md); torchyard.modeldir writes it.
 REQUIRED_FILES = ("config.json", "model.safetensors", "metrics.json")
 MAX_MEMBERS = 64
 MAX_MANIFEST_BYTES = 64 * 1024

@@ -99,7 +99,7 @@ class ClaimedCode(BaseModel):
 
 
 class CheckpointRef(BaseModel):
-    """The job's latest training-state checkpoint held by the service (SPEC §8)."""
+    """The job's latest training-state checkpoint held by the service (docs/restarts.md)."""
 
     epoch: int = Field(description="Epochs completed when it was written.")
     step: int | None = Field(
@@ -152,7 +152,7 @@ class EvaluateSpec(BaseModel):
 
 
 class ScriptSpec(BaseModel):
-    """What a script job's placement runs: the user's command (SPEC §9)."""
+    """What a script job's placement runs: the user's command (docs/script-jobs.md)."""
 
     command: list[str]
     distribution: DistributionFields = Field(default_factory=DistributionFields)
@@ -262,7 +262,7 @@ class PlacementStatusResponse(BaseModel):
 
 
 class LaunchCheckIn(StrictModel):
-    """A one-placement launcher (SPEC §13) checking in for its share of an attempt.
+    """A one-placement launcher (docs/slurm.md) checking in for its share of an attempt.
 
     The first launcher of an attempt to check in binds every placement: node rank ``i``
     is ``nodes[i]``, and the rendezvous is at node rank 0's address."""

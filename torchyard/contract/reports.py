@@ -61,7 +61,7 @@ Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
 class MetricIn(StrictModel):
     name: str = Field(
         pattern=METRIC_NAME_PATTERN,
-        description="A metric name: the trainer's (SPEC §4) or any a script logs.",
+        description="A metric name: the trainer's (docs/models.md) or any a script logs.",
     )
     value: FiniteFloat
     epoch: Count
@@ -112,7 +112,7 @@ class ClassScores(StrictModel):
 
 
 class EvaluationIn(StrictModel):
-    """An evaluation job's figures over the whole dataset (SPEC §10)."""
+    """An evaluation job's figures over the whole dataset (docs/models.md)."""
 
     num_images: Count
     loss: FiniteFloat
@@ -135,7 +135,7 @@ class ResultIn(StrictModel):
     evaluation: EvaluationIn | None = None
 
 
-# What a job's MLflow runs may hold (SPEC §14): runs per node, params and tags in all, the
+# What a job's MLflow runs may hold (docs/script-jobs.md): runs per node, params and tags in all, the
 # longest value. The node's endpoint refuses more with MLflow's error, so a batch never does.
 MAX_TRACKING_RUNS = 100
 MAX_TRACKING_ITEMS = 2000
@@ -185,7 +185,8 @@ class ReportBatch(StrictModel):
     progress: ProgressIn | None = None
     result: ResultIn | None = None
     tracking: TrackingIn | None = Field(
-        default=None, description="A script job's MLflow runs on this node (SPEC §14), when they changed."
+        default=None,
+        description="A script job's MLflow runs on this node (docs/script-jobs.md), when they changed.",
     )
 
 

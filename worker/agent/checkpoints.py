@@ -1,4 +1,4 @@
-"""Training-state checkpoints between a node and the API (SPEC §8).
+"""Training-state checkpoints between a node and the API (docs/restarts.md).
 
 :class:`CheckpointUploader` runs beside the ranks of node rank 0: whenever the
 trainer has written a new ``checkpoint.pt`` (announced by ``checkpoint.json``, which

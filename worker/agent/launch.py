@@ -1,4 +1,4 @@
-"""``torchyard launch``: run exactly one placement of one attempt, then exit (SPEC §13).
+"""``torchyard launch``: run exactly one placement of one attempt, then exit (docs/slurm.md).
 
 What an engine (Slurm's ``srun``) starts on each node of an attempt's allocation, where
 no resident agent runs. It authenticates with the attempt's launch token

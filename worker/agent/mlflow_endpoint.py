@@ -1,4 +1,4 @@
-"""An MLflow tracking endpoint for one script placement (SPEC §14).
+"""An MLflow tracking endpoint for one script placement (docs/script-jobs.md).
 
 Each placement of a script job on a node gets its own endpoint: a small HTTP server on the
 loopback interface, on a port of its own, speaking the subset of MLflow's REST tracking

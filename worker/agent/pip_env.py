@@ -1,4 +1,4 @@
-"""Virtual environments for script jobs' ``environment.pip`` (SPEC §9).
+"""Virtual environments for script jobs' ``environment.pip`` (docs/script-jobs.md).
 
 One environment per requirement set and node, under ``<work dir>/envs/<key>/`` where the
 key is the sha256 of the sorted requirements and the worker's Python version. It is
@@ -7,7 +7,7 @@ site-packages, so the worker's torch is used rather than installed again. Every 
 script of the worker's own environment (``torchrun``...) that the new one lacks is copied
 into its ``bin/`` naming the new environment's interpreter, so whatever a job starts from
 ``PATH`` (``torchrun`` and the processes it starts included) runs with the job's packages
-(SPEC §14). Builds run
+(docs/script-jobs.md). Builds run
 under a per-key lock file: two jobs asking for the same set on one node build it once,
 the second one waits and reuses it. An environment is ready once its marker file is
 written after pip succeeded; a failed build leaves nothing behind and is an

@@ -1,7 +1,7 @@
-"""A script job's share of one node (SPEC §9): its inputs, environment and processes.
+"""A script job's share of one node (docs/script-jobs.md): its inputs, environment and processes.
 
 Every process runs the job's ``command`` (no shell; ``$NAME``/``${NAME}`` expanded from
-the launch variables and the ``TORCHYARD_*`` paths below only) in a fresh copy of the code, with the variables of SPEC §9:
+the launch variables and the ``TORCHYARD_*`` paths below only) in a fresh copy of the code, with the variables of docs/script-jobs.md:
 ``per_process`` starts ``process_count_per_node`` processes each with ``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``; ``per_node`` starts one with ``NNODES``, ``NPROC_PER_NODE``,
@@ -165,7 +165,7 @@ class ScriptLaunch:
         return str(self.env_dir / "bin" / "python") if self.env_dir is not None else sys.executable
 
     def launch_variables(self, local_rank: int | None) -> dict[str, str]:
-        """The variables of SPEC §9 for one process (``local_rank`` None: per node)."""
+        """The variables of docs/script-jobs.md for one process (``local_rank`` None: per node)."""
         common = {
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
@@ -235,7 +235,7 @@ def script_env(
 def command_variables(
     launch: ScriptLaunch, process_env: Mapping[str, str], local_rank: int | None
 ) -> dict[str, str]:
-    """What ``$NAME`` in the command may name: the launch variables of SPEC §9 and the
+    """What ``$NAME`` in the command may name: the launch variables of docs/script-jobs.md and the
     ``TORCHYARD_*`` paths the agent gives the process, nothing else of its environment."""
     paths = ["TORCHYARD_OUTPUT_DIR", "TORCHYARD_LOG_DIR", "TORCHYARD_METRICS_FILE"]
     paths += [input_variable(name) for name in launch.inputs]

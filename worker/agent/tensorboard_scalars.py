@@ -1,4 +1,4 @@
-"""TensorBoard scalars of a script job's processes become its metrics (SPEC §14).
+"""TensorBoard scalars of a script job's processes become its metrics (docs/script-jobs.md).
 
 A :class:`ScalarTailer` looks, about every second, for TensorBoard event files
 (``*tfevents*``) under a placement's working copies and its ``outputs``/``logs`` folders,

@@ -1,6 +1,6 @@
 """Evaluation mode of the trainer program: a model directory scored on a labeled dataset.
 
-The agent runs it for an evaluation job (SPEC §10) with ``"task": "evaluate"`` in
+The agent runs it for an evaluation job (docs/models.md) with ``"task": "evaluate"`` in
 ``job.json``: ``init_from_dir`` is the registered model's directory, ``val_dir`` the
 dataset, ``classes`` the model's classes in output order. Images go through the
 validation transform, so on the training job's own validation set the figures are the

@@ -1,4 +1,4 @@
-"""Training-state checkpoints (SPEC §8), for worker agents only.
+"""Training-state checkpoints (docs/restarts.md), for worker agents only.
 
 * ``PUT /v1/worker/jobs/{id}/checkpoint``: node rank 0 stores a checkpoint under its
   lease, with ``X-Torchyard-Sha256`` and ``X-Torchyard-Checkpoint-Epoch`` (and

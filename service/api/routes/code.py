@@ -1,4 +1,4 @@
-"""Code package routes (SPEC §9): upload, list, show, delete; and the worker's download."""
+"""Code package routes (docs/script-jobs.md): upload, list, show, delete; and the worker's download."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The model registry and scoring (SPEC §10).
+"""The model registry and scoring (docs/models.md).
 
 * ``POST /v1/models`` registers a succeeded training job's model (or, with ``path``, the model
   directory in that folder of a succeeded script job's outputs) as the next version of a name;

@@ -299,7 +299,7 @@ async def report_status(
 def launch_check_in(
     attempt_id: str, body: LaunchCheckIn, session: SessionDep, settings: SettingsDep, launcher: LauncherDep
 ) -> ClaimedPlacement:
-    """A one-placement launcher (SPEC §13) takes its node rank's placement of the attempt its
+    """A one-placement launcher (docs/slurm.md) takes its node rank's placement of the attempt its
     launch token belongs to; the first one to check in binds every node rank to the
     allocation's nodes. 409 when the attempt is over or the rank already checked in."""
     return launches.check_in(session, settings, launcher, attempt_id, body)

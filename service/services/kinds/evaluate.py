@@ -1,4 +1,4 @@
-"""Evaluation jobs (SPEC §10): a registered model scored on a labeled dataset, on a worker.
+"""Evaluation jobs (docs/models.md): a registered model scored on a labeled dataset, on a worker.
 
 The job rides the training job's path through the scheduler and the agent: one process
 on one node, the dataset fetched into the node's cache, the model directory downloaded

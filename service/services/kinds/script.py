@@ -1,4 +1,4 @@
-"""Script jobs (SPEC §9): the user's code package and command, per process or per node.
+"""Script jobs (docs/script-jobs.md): the user's code package and command, per process or per node.
 
 Submission checks the code package and every input dataset; a claim carries the command,
 its environment, the code and the inputs; the attempt succeeds on node rank 0's success,

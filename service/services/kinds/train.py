@@ -1,4 +1,4 @@
-"""Training jobs (SPEC §2): the built-in trainer on a training and a validation dataset.
+"""Training jobs (docs/datasets.md): the built-in trainer on a training and a validation dataset.
 
 Submission checks the architecture, ``init_from_job`` and both datasets; a claim carries
 the model, parameters, datasets and the latest checkpoint; node rank 0's success (after its

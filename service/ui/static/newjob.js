@@ -7,7 +7,7 @@
 import { api, ApiError, jsonWithIntegers } from "./api.js";
 import { h, errorBox, processCount, effectiveLrText } from "./dom.js";
 
-// Used when the schema cannot be read: the fields of SPEC §2.
+// Used when the schema cannot be read: the fields of docs/datasets.md.
 const FALLBACK = {
   model: { architecture: { type: "string", default: "resnet18" }, pretrained: { type: "boolean", default: false } },
   parameters: {

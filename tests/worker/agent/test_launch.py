@@ -1,4 +1,4 @@
-"""The one-placement launcher (``torchyard launch``, SPEC §13): what an engine starts on a
+"""The one-placement launcher (``torchyard launch``, docs/slurm.md): what an engine starts on a
 compute node to run one placement of one attempt, with a launch token scoped to it.
 
 The attempt is handed over here the way an engine does it (``launches.start_attempt``);

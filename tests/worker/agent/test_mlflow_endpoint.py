@@ -1,4 +1,4 @@
-"""The MLflow tracking endpoint of a script placement (SPEC §14), driven by the real MLflow
+"""The MLflow tracking endpoint of a script placement (docs/script-jobs.md), driven by the real MLflow
 client (``mlflow-skinny``) in a process of its own, and by plain HTTP for what a client
 would never send: bad and huge requests, missing or foreign tokens, another job's runs."""
 

@@ -1,4 +1,4 @@
-"""Script jobs on the agent (SPEC §9): the user's command per process or per node, in its
+"""Script jobs on the agent (docs/script-jobs.md): the user's command per process or per node, in its
 sandbox; the outputs folder is uploaded at the end (node rank 0, or every node with
 ``"outputs": "all"``), succeeded or failed."""
 
