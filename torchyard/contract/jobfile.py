@@ -19,6 +19,14 @@ JOB_FILE = "job.json"
 EVENTS_FILE = "events.jsonl"
 
 
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(getattr(value, "value", value))
+
+
 class TrainerTask(StrEnum):
     """What the trainer program does with a run: train a model, or score one (docs/models.md)."""
 
@@ -88,11 +96,24 @@ class JobConfig(_Section):
                 found += [f"{name}.{key}" for key in (section.model_extra or {})]
         return found
 
-    def summary(self) -> dict[str, Any]:
-        """What rank 0 logs at start: everything but the bulky class list."""
-        data = self.model_dump(exclude={"classes"})
-        data["num_classes"] = self.num_classes
-        return data
+    def summary(self) -> str:
+        """What rank 0 logs at start, for a person: the task, the model, the classes, the
+        datasets and every parameter, without the node's paths."""
+        what = "evaluate" if self.evaluates else "train"
+        model = self.model.architecture + (" (pretrained)" if self.model.pretrained else "")
+        if self.init_from_dir is not None:
+            model += ", starting from a trained model's weights"
+        shown = ", ".join(self.classes[:5]) + (
+            f", … ({self.num_classes} in all)" if self.num_classes > 5 else ""
+        )
+        lines = [f"{what} a {model} on {self.num_classes} classes ({shown})"]
+        if self.datasets is not None:
+            lines.append(
+                f"datasets: training {self.datasets.train.id}, validation {self.datasets.validation.id}"
+            )
+        parameters = self.parameters.model_dump()
+        lines.append("parameters: " + ", ".join(f"{k} {_shown(v)}" for k, v in parameters.items()))
+        return "\n".join(lines)
 
     def to_json(self) -> str:
         """The file's text."""

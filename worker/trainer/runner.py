@@ -222,7 +222,7 @@ def run_job(job: JobConfig, env: DistEnv) -> dict[str, Any] | None:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     if env.is_primary:
-        log.info("job configuration: %s", job.summary())
+        log.info("job configuration: %s", job.summary().replace("\n", "\n  "))
 
     # Model problems fail every rank the same way, before anyone waits on a peer.
     seed_everything(derive_seed(job.parameters.random_seed, "init"))

@@ -89,6 +89,29 @@ def test_job_defaults_and_unknown_fields(tmp_path: Path) -> None:
     assert job.loader_workers is None and job.init_from_dir is None
 
 
+def test_the_logged_job_summary_is_readable_and_names_no_node_path(tmp_path: Path) -> None:
+    raw = {
+        "job_id": "j",
+        "model": {"architecture": "resnet18"},
+        "train_dir": str(tmp_path / "cache" / "train"),
+        "val_dir": str(tmp_path / "cache" / "val"),
+        "classes": [str(i) for i in range(10)],
+        "datasets": {"train": {"id": "d-train"}, "validation": {"id": "d-val"}},
+        "output_dir": str(tmp_path / "run"),
+        "task": "train",
+        "parameters": {"epochs": 3, "learning_rate": 0.017439263563117445},
+    }
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(raw))
+    summary = load_job(path).summary()
+    assert summary.splitlines()[0] == "train a resnet18 on 10 classes (0, 1, 2, 3, 4, … (10 in all))"
+    assert "datasets: training d-train, validation d-val" in summary
+    assert (
+        "epochs 3" in summary and "learning_rate 0.0174393" in summary and "augmentation standard" in summary
+    )
+    assert str(tmp_path) not in summary and "TrainerTask" not in summary and "{" not in summary
+
+
 @pytest.mark.parametrize(
     "parameters",
     [{"warmup_epochs": 6, "epochs": 5}, {"learning_rate": 0}, {"image_size": 8}, {"augmentation": "heavy"}],
