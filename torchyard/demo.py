@@ -168,11 +168,14 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 f"web UI: {service.url}/ while the demo runs (sign in with the token in "
                 f"{_rel(data_dir / 'admin.token')}; --keep-running keeps it up afterwards)",
             )
-            train = client.upload_dataset(train_dir, name="digits-train")
-            val = client.upload_dataset(val_dir, name="digits-val")
+            train, train_reused = client.upload_or_reuse_dataset(train_dir, name="digits-train")
+            val, val_reused = client.upload_or_reuse_dataset(val_dir, name="digits-val")
+            how = (
+                "reused (the same images were uploaded before)" if train_reused and val_reused else "uploaded"
+            )
             _say(
                 out,
-                f"uploaded digits-train ({train.num_images} images) and digits-val ({val.num_images} images), "
+                f"{how} digits-train ({train.num_images} images) and digits-val ({val.num_images} images), "
                 f"{len(train.classes)} classes",
             )
             job = client.submit_job(

@@ -108,3 +108,24 @@ def test_pack_directory_keeps_only_regular_files(tmp_path: Path) -> None:
     assert sorted(members) == ["ds", "ds/a", "ds/a/x.png"]
     assert all(m.isreg() or m.isdir() for m in members.values())
     assert all(m.uid == 0 and m.uname == "" for m in members.values())
+
+
+def test_an_identical_dataset_of_the_same_name_is_reused_not_uploaded_again(
+    client: Client, tmp_path: Path
+) -> None:
+    from torchyard.sample_data import write_digits
+
+    train, _val = write_digits(tmp_path / "digits", per_class=3, size=8)
+    first, reused = client.upload_or_reuse_dataset(train, "again")
+    assert not reused
+    second, reused = client.upload_or_reuse_dataset(train, "again")
+    assert reused and second.id == first.id
+    assert [d.id for d in client.iter_datasets() if d.name == "again"] == [first.id]
+    # Other images under the same name, or the same images under another name: a new upload.
+    (next(p for p in train.iterdir() if p.is_dir()) / "extra.png").write_bytes(
+        next(train.glob("*/*.png")).read_bytes()
+    )
+    third, reused = client.upload_or_reuse_dataset(train, "again")
+    assert not reused and third.id != first.id
+    fourth, reused = client.upload_or_reuse_dataset(train, "other")
+    assert not reused and fourth.id != third.id

@@ -13,6 +13,7 @@ import httpx
 
 from torchyard.apiclient.models import Dataset, Page
 from torchyard.apiclient.transport import ProgressCallback, Transport, segment
+from torchyard.contract.dataset_digest import dataset_sha256
 from torchyard.contract.deflate import GzipWriter, LevelChooser
 from torchyard.contract.errors import TorchyardError
 
@@ -120,6 +121,19 @@ class DatasetCalls:
                     timeout=httpx.Timeout(self._transport.timeout, read=timeout, write=timeout),
                 )
         return Dataset.model_validate(data)
+
+    def upload_or_reuse_dataset(
+        self, path: str | Path, name: str, *, progress: ProgressCallback | None = None
+    ) -> tuple[Dataset, bool]:
+        """The dataset ``name`` holding exactly the folder ``path`` (the same sha256) when
+        there is one, else a new upload; and whether it was reused."""
+        source = Path(path)
+        if source.is_dir():
+            digest = dataset_sha256(source)
+            for dataset in self.iter_datasets():
+                if dataset.name == name and dataset.sha256 == digest:
+                    return dataset, True
+        return self.upload_dataset(source, name, progress=progress), False
 
     def register_dataset(self, name: str, path: str, **options: Any) -> Dataset:
         """Register a folder on shared storage (under one of the service's dataset roots)."""
