@@ -2,9 +2,9 @@
 
 ``--with-worker`` is the embedded default for a single machine: the API and a worker
 agent (a child process) run on one machine. The worker's token is created once and kept
-in ``<data dir>/worker.token`` (mode 0600); the worker works in ``<data dir>-worker``,
-beside the data directory rather than in it. On SIGINT/SIGTERM the worker is
-stopped first, while the API still answers its last reports, then the API shuts down.
+in ``<data dir>/worker.token`` (mode 0600); the worker works in ``<data dir>/worker``, and
+its runs' sandboxes never show the data directory. On SIGINT/SIGTERM the worker is stopped
+first, while the API still answers its last reports, then the API shuts down.
 
 The log keeps to what matters: at the default level the access lines of routine polling
 (worker heartbeats and claims, health checks) are left out unless they fail, and so is
@@ -143,10 +143,27 @@ def refuse_inspection() -> None:
 
 
 def worker_dir(settings: Settings) -> Path:
-    """The embedded worker's work directory: beside the data directory, not inside it (its
-    runs never share a folder with the tokens and the database)."""
+    """The embedded worker's work directory: ``<data dir>/worker``, inside the folder the user
+    gave (its runs' sandboxes never show the rest of the data directory: the worker is told
+    to hide it). A work directory an older serve kept beside the data directory
+    (``<data dir>-worker``: the node's key, the dataset cache) is moved in on first use."""
     data_dir = settings.data_dir.absolute()
-    return data_dir.with_name(f"{data_dir.name}-worker")
+    inside = data_dir / "worker"
+    beside = data_dir.with_name(f"{data_dir.name}-worker")
+    if not inside.exists() and beside.is_dir() and not beside.is_symlink():
+        try:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            os.rename(beside, inside)
+            log.info("moved the local worker's folder %s into the data directory (%s)", beside, inside)
+        except OSError as exc:
+            log.warning(
+                "could not move the local worker's folder %s into %s (%s): using it there",
+                beside,
+                inside,
+                exc,
+            )
+            return beside
+    return inside
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
@@ -191,14 +208,19 @@ class LocalWorker:
             "--wait-for-node", str(LOCAL_WORKER_NODE_WAIT_S),
         ]  # fmt: skip
 
-    def start(self) -> None:
-        cmd = self.command()
-        # The token travels in the environment, not on the command line (visible in `ps`).
-        env = {**os.environ, "TORCHYARD_TOKEN": self.token}
+    def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """The worker's environment: serve's, with the token (in the environment, not on the
+        command line, visible in ``ps``) and the data directory named hidden from its runs."""
+        env = {**(os.environ if base is None else base), "TORCHYARD_TOKEN": self.token}
         # The service's data directory (tokens, database, artifacts) is never shown to a run,
         # wherever it lies (worker.agent.sandbox).
         hidden = [p for p in env.get(SANDBOX_HIDE_VARIABLE, "").split(os.pathsep) if p]
         env[SANDBOX_HIDE_VARIABLE] = os.pathsep.join([*hidden, str(self.data_dir.absolute())])
+        return env
+
+    def start(self) -> None:
+        cmd = self.command()
+        env = self.environment()
         log.info("starting the local worker agent %r (log: %s)", self.name, self.log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.work_dir.mkdir(parents=True, exist_ok=True)

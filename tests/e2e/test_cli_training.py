@@ -199,7 +199,7 @@ def test_a_quick_restart_of_serve_while_a_job_runs_loses_neither_the_node_nor_th
         time.sleep(0.5)
     old_workers = [  # serve's worker agent, its child
         pid
-        for pid in processes_mentioning(f"--work-dir {serve.data_dir}-worker")
+        for pid in processes_mentioning(f"--work-dir {serve.data_dir}/worker")
         if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(serve.process.pid)
     ]
     assert old_workers, "no worker agent process"

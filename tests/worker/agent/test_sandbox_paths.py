@@ -132,11 +132,3 @@ def test_a_root_agents_run_is_the_sandbox_user_and_reads_no_root_file(tmp_path: 
     assert (uid, gid) == ("65534", "65534")
     assert groups == "[]" and shadow == "PermissionError" and int(bounding, 16) == 0, done.stdout
     assert (run / "mine.txt").stat().st_uid == 65534
-
-
-def test_serve_starts_its_worker_with_P_in_a_folder_of_its_own(tmp_path: Path) -> None:
-    from service.serving import LocalWorker
-
-    worker = LocalWorker("http://127.0.0.1:1", "t", "n", 1, tmp_path / "w", tmp_path / "d" / "logs" / "l.log")
-    command = worker.command()
-    assert command[1:3] == ["-P", "-m"]
