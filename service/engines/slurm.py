@@ -10,8 +10,10 @@ time talks to Slurm:
    ``drain`` makes it ``drained``;
 2. **submit**: each queued job gets an attempt (committed first, with a fresh launch
    token), then one ``sbatch --parsable`` named ``torchyard-<job id>-<attempt>`` — unless
-   Slurm already has a job of that name (an API that died between ``sbatch`` and its
-   commit never submits twice). All nodes at once (``-N n --ntasks-per-node=1``:
+   Slurm already has a job of that name submitted by the API's own Slurm user (an API
+   that died between ``sbatch`` and its commit never submits twice; another user's job of
+   that name is never adopted: every ``squeue`` is limited to that user and each job's user
+   is checked). All nodes at once (``-N n --ntasks-per-node=1``:
    Slurm's allocation is the gang), ``--gres=gpu:P`` on GPU nodes, ``-c P`` on CPU ones,
    ``--no-requeue`` (torchyard resubmits itself), ``--time`` from ``max_runtime_s``,
    ``--signal=USR1@<grace>``; the script ``exec srun``s the launcher on every node;
@@ -258,6 +260,8 @@ class SlurmEngine:
             name = job_name(job.id, attempt.number)
             argv, env = self._sbatch_command(job, attempt, name, token)
         try:
+            # Only the API's own Slurm user's jobs are seen (Slurm.queue, job_ids_named): a job of
+            # this name that someone else submitted is not adopted.
             existing = [j for j in queue.values() if j.name == name] or [
                 SlurmJob(id=i, name=name, state="?", reason="", nodes="")
                 for i in self.slurm.job_ids_named(name)

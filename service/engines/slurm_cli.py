@@ -4,11 +4,17 @@ Only the commands every Slurm installation has are used (``sinfo``, ``sbatch``,
 ``squeue``, ``scontrol``, ``scancel``); without slurmdbd there is no ``sacct``, so a
 finished job is read from ``squeue -t all`` (kept ``MinJobAge`` seconds) and
 ``scontrol -o show job`` (one line, ``Key=Value`` words whose values may hold spaces).
+
+Every ``squeue`` and ``scancel`` is limited to the Slurm user the API submits as (the
+Unix user running it: ``-u <name>``, or ``--me`` where that user has no name here), and
+the jobs read back are checked to be that user's (``%U``): a job another user of the
+cluster submitted under a torchyard job's name is never adopted, polled or cancelled.
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import shlex
 import shutil
@@ -51,12 +57,37 @@ def missing_commands() -> list[str]:
     return [c for c in COMMANDS if shutil.which(c) is None]
 
 
+def user_name(uid: int) -> str | None:
+    """The name of the Unix user ``uid`` on this machine, or None when it has none."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None
+
+
 @dataclass
 class Slurm:
-    """Runs Slurm's commands with a clean environment (``SLURM_CONF`` kept)."""
+    """Runs Slurm's commands with a clean environment (``SLURM_CONF`` kept).
+
+    ``uid``: the user Slurm knows the API's jobs by (the one running ``sbatch``: this
+    process's); queries and cancels see that user's jobs only.
+    """
 
     timeout_s: float = 30.0
     env: Mapping[str, str] = field(default_factory=lambda: _clean_env(os.environ))
+    uid: int = field(default_factory=os.geteuid)
+
+    @property
+    def user_filter(self) -> list[str]:
+        """``-u <name>``: the jobs of the user the API submits as (``--me`` for a nameless uid)."""
+        name = user_name(self.uid)
+        if name is None:
+            return ["--me"]
+        return ["-u", name]
+
+    def owns(self, uid: str) -> bool:
+        """Whether a job's ``%U`` (numeric user id) is the API's user."""
+        return uid.strip() == str(self.uid)
 
     def run(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, check: bool = True) -> str:
         try:
@@ -101,19 +132,22 @@ class Slurm:
     # --- jobs ---------------------------------------------------------------------------
 
     def queue(self) -> dict[str, SlurmJob]:
-        """``squeue -h -t all -o '%i|%j|%T|%r|%N'``: every job Slurm still remembers, by id."""
+        """``squeue -h -t all -u USER -o '%i|%j|%T|%r|%U|%N'``: every job of the API's user
+        Slurm still remembers, by id."""
         jobs = {}
-        for line in self.run(["squeue", "-h", "-t", "all", "-o", "%i|%j|%T|%r|%N"]).splitlines():
-            parts = line.strip().split("|", 4)
-            if len(parts) == 5:
-                job = SlurmJob(id=parts[0], name=parts[1], state=parts[2], reason=parts[3], nodes=parts[4])
+        argv = ["squeue", "-h", "-t", "all", *self.user_filter, "-o", "%i|%j|%T|%r|%U|%N"]
+        for line in self.run(argv).splitlines():
+            parts = line.strip().split("|", 5)
+            if len(parts) == 6 and self.owns(parts[4]):
+                job = SlurmJob(id=parts[0], name=parts[1], state=parts[2], reason=parts[3], nodes=parts[5])
                 jobs[job.id] = job
         return jobs
 
     def job_ids_named(self, name: str) -> list[str]:
-        """Ids of the jobs named ``name`` (any state Slurm still remembers)."""
-        out = self.run(["squeue", "-h", "-t", "all", "-n", name, "-o", "%i|%T"])
-        return [line.split("|", 1)[0] for line in out.split() if line]
+        """Ids of the API's user's jobs named ``name`` (any state Slurm still remembers)."""
+        out = self.run(["squeue", "-h", "-t", "all", *self.user_filter, "-n", name, "-o", "%i|%T|%U"])
+        rows = [line.split("|") for line in out.split() if line]
+        return [row[0] for row in rows if len(row) == 3 and self.owns(row[2])]
 
     def show_job(self, job_id: str) -> dict[str, str]:
         """``scontrol -o show job ID`` as a dict (empty once Slurm forgot the job)."""
@@ -133,7 +167,8 @@ class Slurm:
         return None
 
     def cancel(self, job_id: str) -> None:
-        self.run(["scancel", job_id], check=False)
+        """``scancel -u USER ID``: never another user's job, whatever the id."""
+        self.run(["scancel", *self.user_filter, job_id], check=False)
 
 
 @dataclass(frozen=True)

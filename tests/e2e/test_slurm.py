@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import re
 import shlex
 import shutil
@@ -336,6 +337,48 @@ def test_pending_reasons_cancel_outside_scancel_and_api_restart(slurm: SlurmEnv)
     assert slurm.wait(third)["status"] == "cancelled"
     slurm.cluster.command("scancel", outside)
     slurm.wait_slurm_empty(third)
+
+
+def test_another_users_job_under_a_torchyard_name_is_never_adopted(slurm: SlurmEnv) -> None:
+    """Another user of the cluster (``nobody``) submits a job named as a torchyard attempt
+    while the API is down between its commit and ``sbatch``: the restarted API submits its
+    own job, and never adopts, polls or cancels the other user's."""
+    outside = slurm.fill()  # the nodes are busy: the jobs below stay pending
+    job_id = slurm.script(["python", "probe.py"])
+    job = slurm.wait(job_id, lambda j: bool(j["attempts"] and j["attempts"][0]["engine_job_id"]), timeout=30)
+    first = job["attempts"][0]["engine_job_id"]
+    name = f"torchyard-{job_id}-1"
+    slurm.api.kill()
+    # As if the API had stopped before its sbatch: no job of its own has the name...
+    slurm.cluster.command("scontrol", "update", f"jobid={first}", f"jobname=renamed-{job_id}")
+    with sqlite3.connect(slurm.api.data_dir / "torchyard.db") as db:
+        db.execute("UPDATE attempts SET engine_job_id = NULL WHERE job_id = ?", (job_id,))
+    # ...and another user's job (held: it never runs) has it.
+    foreign = slurm.cluster.command(
+        "sbatch", "--parsable", "--uid=nobody", "--hold", "-J", name, "--output=/dev/null",
+        "--wrap", "sleep 600",
+    ).strip()  # fmt: skip
+    try:
+        slurm.api.start().wait_ready()
+        job = slurm.wait(job_id, lambda j: j["attempts"][0]["engine_job_id"] is not None, timeout=30)
+        ours = job["attempts"][0]["engine_job_id"]
+        assert ours not in (foreign, first), (ours, foreign, first)
+        users = dict(
+            line.split("|", 1)
+            for line in slurm.cluster.command("squeue", "-h", "-t", "all", "-n", name, "-o", "%i|%u").split()
+        )
+        assert users == {foreign: "nobody", ours: pwd.getpwuid(os.geteuid()).pw_name}, users
+        assert slurm.user.post(f"/v1/jobs/{job_id}/cancel").status_code == 200
+        assert slurm.wait(job_id)["status"] == "cancelled"
+        deadline = time.monotonic() + 30
+        while any(j["id"] == ours for j in slurm.slurm_jobs(job_id)):
+            assert time.monotonic() < deadline, slurm.slurm_jobs(job_id)
+            time.sleep(0.2)
+        # The other user's job was left alone: still pending, held.
+        assert [(j["id"], j["state"]) for j in slurm.slurm_jobs(job_id)] == [(foreign, "PENDING")]
+    finally:
+        slurm.cluster.command("scancel", foreign, first, outside, check=False)
+    slurm.wait_slurm_empty(job_id)
 
 
 def test_cancel_while_running_leaves_no_slurm_job_and_no_process(slurm: SlurmEnv) -> None:

@@ -89,7 +89,8 @@ def test_script_job_is_queued_with_its_spec_normalized(client: TestClient, ready
     assert body["command"] == ["python", "train.py", "--rank", "$RANK"]
     assert body["distribution"] == {"launch": "per_process"}
     assert body["inputs"] == {"data": ready["data"]}
-    assert body["environment"] == {"variables": {"K": "V"}, "pip": []}
+    assert body["environment"]["variables"] == {"K": "V"} and body["environment"]["pip"] == []
+    assert body["environment"]["build_timeout_s"] == 900
     assert body["outputs"] == "node0"
     assert body["resources"]["max_restarts"] == 0 and body["resources"]["hang_timeout_s"] == 1800
     assert body["model"] is None and body["parameters"] is None
@@ -123,6 +124,9 @@ def test_script_job_is_queued_with_its_spec_normalized(client: TestClient, ready
         ({"environment": {"pip": ["x @ file:///etc/x"]}}, "environment.pip", 422),
         ({"environment": {"pip": ["./local-folder"]}}, "environment.pip", 422),
         ({"environment": {"pip": ["https://example.invalid/x.whl"]}}, "environment.pip", 422),
+        ({"environment": {"build_timeout_s": 29}}, "environment.build_timeout_s", 422),
+        ({"environment": {"build_timeout_s": 7201}}, "environment.build_timeout_s", 422),
+        ({"environment": {"build_timeout_s": None}}, "environment.build_timeout_s", 422),
         ({"model": {"architecture": "resnet18"}}, "model", 422),
         ({"resources": {"process_count_per_node": 5}}, "process_count_per_node", 422),
     ],
@@ -134,6 +138,21 @@ def test_bad_script_specs_name_the_field(
     assert r.status_code == status, r.text
     body = r.json()
     assert field in " ".join([*errors_of(r), str(body.get("details")), body["message"]]), body
+
+
+@pytest.mark.parametrize("seconds", [30, 1200, 7200])
+def test_build_timeout_in_range_is_accepted(client: TestClient, ready: dict[str, str], seconds: int) -> None:
+    pip = {"pip": ["some-package==1.2"], "build_timeout_s": seconds}
+    r = client.post("/v1/jobs", json=script_spec(ready["code"], environment=pip))
+    assert r.status_code == 201, r.text
+    assert r.json()["environment"]["build_timeout_s"] == seconds
+    client.post(f"/v1/jobs/{r.json()['id']}/cancel")
+
+
+def test_build_timeout_out_of_range_says_what_is_allowed(client: TestClient, ready: dict[str, str]) -> None:
+    r = client.post("/v1/jobs", json=script_spec(ready["code"], environment={"build_timeout_s": 10}))
+    assert r.status_code == 422 and errors_of(r) == ["environment.build_timeout_s"], r.text
+    assert ">= 30 and <= 7200" in r.text, r.text
 
 
 def test_missing_code_field(client: TestClient, ready: dict[str, str]) -> None:

@@ -170,6 +170,10 @@ MAX_ARG_CHARS = 10_000
 MAX_ENV_VARIABLES = 200
 MAX_ENV_VALUE_CHARS = 32_768
 MAX_PIP_REQUIREMENTS = 100
+# How long building a job's pip environment may take on a node (environment.build_timeout_s).
+DEFAULT_BUILD_TIMEOUT_S = 900
+MIN_BUILD_TIMEOUT_S = 30
+MAX_BUILD_TIMEOUT_S = 7200
 MAX_INPUTS = 32
 
 # Variables the agent sets for every script process; a spec may not set them itself.
@@ -261,6 +265,14 @@ class EnvironmentFields(BaseModel):
         description="pip requirements installed into a virtual environment built once per node over "
         "the worker's own torch (--system-site-packages), cached by requirement set.",
         json_schema_extra=allowed(f"at most {MAX_PIP_REQUIREMENTS} requirement strings, no pip options"),
+    )
+    build_timeout_s: int = Field(
+        default=DEFAULT_BUILD_TIMEOUT_S,
+        ge=MIN_BUILD_TIMEOUT_S,
+        le=MAX_BUILD_TIMEOUT_S,
+        description="How long building the pip environment may take on a node; past it the build is "
+        "stopped, its node slots freed, and the job fails with EnvironmentBuildError.",
+        json_schema_extra=allowed(f">= {MIN_BUILD_TIMEOUT_S} and <= {MAX_BUILD_TIMEOUT_S} (2 hours)"),
     )
 
     @field_validator("variables")

@@ -11,7 +11,9 @@ into its ``bin/`` naming the new environment's interpreter, so whatever a job st
 under a per-key lock file: two jobs asking for the same set on one node build it once,
 the second one waits and reuses it. An environment is ready once its marker file is
 written after pip succeeded; a failed build leaves nothing behind and is an
-``EnvironmentBuildError`` carrying pip's last lines.
+``EnvironmentBuildError`` carrying pip's last lines. A build has the job's
+``environment.build_timeout_s`` (``BUILD_TIMEOUT_S`` by default): past it every process
+of the build is killed and the job fails, naming the timeout and how to raise it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 
 from torchyard.contract.errors import EnvironmentBuildError
 from torchyard.contract.files import locked
+from torchyard.contract.jobspec import DEFAULT_BUILD_TIMEOUT_S, MAX_BUILD_TIMEOUT_S
 from worker.agent import sandbox
 from worker.agent.launcher import _SECRETS
 from worker.agent.sandbox import Sandbox
@@ -37,7 +40,7 @@ from worker.agent.sandbox import Sandbox
 log = logging.getLogger(__name__)
 
 PIP_TAIL_LINES = 30
-BUILD_TIMEOUT_S = 3600
+BUILD_TIMEOUT_S = DEFAULT_BUILD_TIMEOUT_S
 READY_MARKER = ".torchyard-ready"
 SCRIPTS_MARKER = ".torchyard-scripts"
 _SKIPPED_SCRIPTS = ("activate", "python", "pip")
@@ -58,7 +61,20 @@ def _site_packages(env_dir: Path) -> Path:
     return env_dir / "lib" / version / "site-packages"
 
 
-def _run(command: list[str], log_file: Path, stop: threading.Event | None, box: Sandbox | None = None) -> int:
+class _BuildTimedOut(Exception):
+    """The build ran past its deadline (its processes are killed)."""
+
+
+def _run(
+    command: list[str],
+    log_file: Path,
+    stop: threading.Event | None,
+    box: Sandbox | None = None,
+    *,
+    deadline: float,
+) -> int:
+    """Run one step of a build; its exit code, -9 when ``stop`` was set. Past ``deadline``
+    (``time.monotonic()``) its whole process group is killed and ``_BuildTimedOut`` raised."""
     env = None
     if box is not None:
         # In the sandbox: its processes (setup code of a package built from source) see the
@@ -75,14 +91,16 @@ def _run(command: list[str], log_file: Path, stop: threading.Event | None, box: 
             start_new_session=True,
             env=env,
         )
-        deadline = time.monotonic() + BUILD_TIMEOUT_S
         while True:
             try:
                 return process.wait(0.2)
             except subprocess.TimeoutExpired:
-                if (stop is not None and stop.is_set()) or time.monotonic() > deadline:
+                timed_out = time.monotonic() > deadline
+                if timed_out or (stop is not None and stop.is_set()):
                     os.killpg(process.pid, 9)
                     process.wait()
+                    if timed_out:
+                        raise _BuildTimedOut() from None
                     return -9
 
 
@@ -147,9 +165,12 @@ def ensure_environment(
     stop: threading.Event | None = None,
     on_build: logging.Logger | None = None,
     hidden: list[Path] | None = None,
+    timeout_s: float = BUILD_TIMEOUT_S,
 ) -> tuple[Path, bool]:
     """The folder of the environment for ``requirements``, and whether this call built it;
-    pip runs in the node's sandbox (``hidden``: folders it never shows) unless it is off."""
+    pip runs in the node's sandbox (``hidden``: folders it never shows) unless it is off. A
+    build longer than ``timeout_s`` (the job's ``environment.build_timeout_s``) is killed:
+    ``EnvironmentBuildError`` naming the timeout."""
     key = requirements_key(requirements)
     envs_dir.mkdir(parents=True, exist_ok=True)
     final = envs_dir / key
@@ -168,13 +189,17 @@ def ensure_environment(
         build_log.unlink(missing_ok=True)
         logger = on_build or log
         started = time.monotonic()
-        logger.info("building the pip environment %s: %s", key, " ".join(requirements))
+        deadline = started + timeout_s
+        logger.info(
+            "building the pip environment %s (at most %g s): %s", key, timeout_s, " ".join(requirements)
+        )
         try:
             # No pip inside (fast): the worker's own pip installs into it (pip --python).
             code = _run(
                 [sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(work)],
                 build_log,
                 stop,
+                deadline=deadline,
             )
             box = None
             if sandbox.mode() == sandbox.BWRAP:
@@ -189,7 +214,7 @@ def ensure_environment(
                 (_site_packages(work) / "_torchyard_worker.pth").write_text("\n".join(lines) + "\n")
                 pip = [sys.executable, "-m", "pip", "--python", str(env_python(work)), "install"]
                 options = ["--disable-pip-version-check", "--no-input"]
-                code = _run([*pip, *options, *requirements], build_log, stop, box)
+                code = _run([*pip, *options, *requirements], build_log, stop, box, deadline=deadline)
             if code != 0:
                 tail = _tail(build_log, PIP_TAIL_LINES)
                 raise EnvironmentBuildError(
@@ -198,6 +223,16 @@ def ensure_environment(
                 )
             add_console_scripts(work)
             (work / READY_MARKER).write_text(json.dumps({"requirements": requirements}))
+        except _BuildTimedOut:
+            shutil.rmtree(work, ignore_errors=True)
+            tail = _tail(build_log, PIP_TAIL_LINES)
+            raise EnvironmentBuildError(
+                f"the pip environment for {requirements} was not built within {timeout_s:g} s "
+                f"(environment.build_timeout_s): the build was stopped. If its packages need longer "
+                f"to build, submit the job again with a larger environment.build_timeout_s (at most "
+                f"{MAX_BUILD_TIMEOUT_S} s). pip's last lines:\n{tail}",
+                details={"requirements": requirements, "build_timeout_s": timeout_s},
+            ) from None
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise

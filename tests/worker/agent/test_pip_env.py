@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
+import tarfile
+import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +20,10 @@ import pytest
 from service.config import Settings
 from tests.e2e.test_script_jobs import SCRIPT_SETTINGS
 from tests.support.script_helpers import ScriptEnv, script_env
+from tests.support.worker_fixtures import wait_until_gone
+from torchyard.contract.errors import EnvironmentBuildError
+from torchyard.contract.files import locked
+from worker.agent.pip_env import ensure_environment, requirements_key
 
 
 @pytest.fixture
@@ -97,3 +104,50 @@ def test_a_failed_build_is_an_environment_build_error(env: ScriptEnv, tmp_path: 
     assert job["failure"]["code"] == "EnvironmentBuildError", job["failure"]
     assert "absent-package" in job["failure"]["message"]  # pip's own words
     assert [p for p in (agent.work_dir / "envs").iterdir() if not p.name.startswith(".")] == []
+
+
+def build_hanging_sdist(folder: Path, name: str = "hangpkg", version: str = "0.1") -> Path:
+    """A source package whose build never ends: its in-tree build backend sleeps an hour."""
+    base = f"{name}-{version}"
+    files = {
+        f"{base}/PKG-INFO": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{base}/pyproject.toml": b'[build-system]\nrequires = []\nbuild-backend = "hang_backend"\n'
+        b'backend-path = ["."]\n',
+        f"{base}/hang_backend.py": b"import time\ntime.sleep(3600)\n",
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    sdist = folder / f"{base}.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tf:
+        for path, data in files.items():
+            info = tarfile.TarInfo(path)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return sdist
+
+
+def test_a_build_past_its_timeout_is_stopped_naming_the_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A package whose build hangs: the build is killed at the job's build timeout (here 3 s,
+    not the default 900 s), nothing of it is left (no process, no folder, the lock free), and
+    the error names ``environment.build_timeout_s``. Outside the sandbox: the timeout is
+    the subject here (the sandboxed build is one process group too, killed the same way)."""
+    links = build_hanging_sdist(tmp_path / "sdists").parent
+    monkeypatch.setenv("TORCHYARD_SANDBOX", "off")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    envs = tmp_path / "envs"
+    started = time.monotonic()
+    with pytest.raises(EnvironmentBuildError) as caught:
+        ensure_environment(envs, ["hangpkg==0.1"], timeout_s=3)
+    took = time.monotonic() - started
+    assert 3 <= took < 30, took  # it hung until the timeout, not failed at once
+    message = caught.value.message
+    assert "not built within 3 s (environment.build_timeout_s)" in message, message
+    assert "larger environment.build_timeout_s (at most 7200 s)" in message, message
+    assert "Getting requirements to build wheel: started" in message, message  # the backend hung
+    assert caught.value.details["build_timeout_s"] == 3
+    assert wait_until_gone(str(links), timeout=5) == []  # the backend's sleep was killed with pip
+    assert [p for p in envs.iterdir() if not p.name.startswith(".")] == []
+    with locked(envs / f".{requirements_key(['hangpkg==0.1'])}.lock", blocking=False):
+        pass  # the next job asking for this set builds it at once
