@@ -59,7 +59,24 @@ class Settings(BaseSettings):
     )
     max_code_files: int = Field(default=50_000, gt=0, description="Most files a code archive may hold.")
     max_outputs_bytes: int = Field(
-        default=4 * 1024**3, gt=0, description="Largest outputs archive a script job may upload."
+        default=4 * 1024**3,
+        gt=0,
+        description="Largest outputs archive a script job may upload (as sent; once unpacked it may "
+        "hold at most 8 GiB in 100,000 entries, the contract's MAX_OUTPUTS_UNCOMPRESSED_BYTES and "
+        "MAX_OUTPUTS_FILES).",
+    )
+    max_metric_points_per_job: int = Field(
+        default=500_000,
+        gt=0,
+        description="Metric points one job may store (all attempts); the points of its reports past "
+        "it are dropped (the rest of each report is kept), said once in the job's `service` log "
+        "stream and counted in the job's `metrics_dropped`.",
+    )
+    max_metric_names_per_job: int = Field(
+        default=200,
+        gt=0,
+        description="Distinct metric names one job may store; points of further names are dropped as "
+        "past TORCHYARD_MAX_METRIC_POINTS_PER_JOB.",
     )
     max_concurrent_uploads_per_user: int = Field(
         default=2,

@@ -194,6 +194,12 @@ class Job(Base):
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     # Script jobs: the MLflow runs their processes logged, with params and tags (docs/script-jobs.md).
     tracking: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # Metric points stored for the job (every attempt), the distinct metric names among them,
+    # and the points its reports sent past the job's limits (not stored): counted as reports
+    # arrive, under the job's row lock, so the limits cost no count of the metrics table.
+    metric_points: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    metric_names: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    metrics_dropped: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     failure_code: Mapped[str | None] = mapped_column(String(64))
     failure_message: Mapped[str | None] = mapped_column(Text)
     failure_rank: Mapped[int | None] = mapped_column(Integer)

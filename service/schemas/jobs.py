@@ -227,6 +227,13 @@ class JobPublic(BaseModel):
     result: dict[str, Any] | None = None
     model_sha256: str | None = None
     model_size: int | None = None
+    metric_points: int = Field(default=0, description="Metric points stored (every attempt).")
+    metrics_dropped: int = Field(
+        default=0,
+        description="Metric points its reports sent past the job's limits, not stored "
+        "(TORCHYARD_MAX_METRIC_POINTS_PER_JOB, TORCHYARD_MAX_METRIC_NAMES_PER_JOB; the "
+        "``service`` log stream says so).",
+    )
     nodes: list[str] = []
     restarts: int = Field(
         default=0, description="Restarts used after retryable failures (preemptions not counted)."

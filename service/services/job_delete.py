@@ -7,6 +7,14 @@ metric points, log chunks, status history, attempts with their placements, check
 and the files under the data directory (model archive and its unpacked copy, a script
 job's outputs, checkpoint files).
 
+The metric points and log chunks, which can be many (a job keeps up to
+``TORCHYARD_MAX_METRIC_POINTS_PER_JOB`` points), go first, at most :data:`DELETE_BATCH_ROWS`
+points or :data:`DELETE_BATCH_LOG_CHUNKS` log chunks per transaction, each committed, so
+that another writer (SQLite has one at a time) never waits for more than one batch. The
+job is marked deleted with the rest in a last transaction, which checks again that it may
+be; a delete interrupted half-way leaves the job there, with what was not yet removed,
+and is simply asked again.
+
 A job that has not ended is refused (409: cancel it first), and so is one whose model is
 registered as a live model version (409 naming the versions: the registry serves the
 model from the job's files, so delete the versions first or keep the job), and one a
@@ -50,6 +58,9 @@ log = logging.getLogger(__name__)
 
 # Finished jobs removed by one retention pass at most (the next pass goes on).
 RETENTION_BATCH = 20
+# Rows deleted per transaction: metric points (small rows), and log chunks (up to 256 KiB each).
+DELETE_BATCH_ROWS = 10_000
+DELETE_BATCH_LOG_CHUNKS = 1_000
 
 
 def blockers(session: Session, job: Job) -> ConflictError | None:
@@ -91,8 +102,24 @@ def blockers(session: Session, job: Job) -> ConflictError | None:
     return None
 
 
+def _delete_in_batches(session: Session, job_id: str) -> None:
+    """Delete the job's metric points and log chunks a batch per transaction, committing
+    each (the session holds nothing once this returns)."""
+    for table, batch in ((Metric, DELETE_BATCH_ROWS), (LogChunk, DELETE_BATCH_LOG_CHUNKS)):
+        while True:
+            chosen = select(table.seq).where(table.job_id == job_id).limit(batch)
+            result = session.execute(
+                delete(table).where(table.seq.in_(chosen.scalar_subquery())),
+                execution_options={"synchronize_session": False},
+            )
+            session.commit()
+            if result.rowcount < batch:  # type: ignore[attr-defined]
+                break
+
+
 def _forget(session: Session, job: Job) -> None:
-    """Remove the job's rows (all but its own, which is marked deleted)."""
+    """Remove the job's rows (all but its own, which is marked deleted); what is left of
+    its points and log chunks after :func:`_delete_in_batches` (nothing, or a few)."""
     for table in (Metric, LogChunk, Checkpoint, JobEvent):
         session.execute(delete(table).where(table.job_id == job.id))
     session.execute(delete(Attempt).where(Attempt.job_id == job.id))  # placements cascade
@@ -127,6 +154,13 @@ def delete_job(session: Session, settings: Settings, principal: Principal, job_r
     refused = blockers(session, job)
     if refused is not None:
         raise refused
+    job_id = job.id
+    session.commit()
+    _delete_in_batches(session, job_id)
+    job = get_job(session, principal, job_id, for_update=True)
+    refused = blockers(session, job)  # again: something may have started using it meanwhile
+    if refused is not None:
+        raise refused
     _forget(session, job)
     session.commit()
     remove_files(settings.data_dir, job.id)
@@ -159,14 +193,36 @@ def apply_retention(db: Database, settings: Settings) -> int:
     for job_id in candidates:
         if removed >= RETENTION_BATCH:
             break
-        with db.transaction() as session:
-            job = session.scalars(
-                select(Job).where(Job.id == job_id, Job.deleted_at.is_(None)).with_for_update()
-            ).first()
-            if job is None or blockers(session, job) is not None:
-                continue
-            _forget(session, job)
+        if not _retire(db, job_id):
+            continue
         remove_files(settings.data_dir, job_id)
         removed += 1
         log.info("job %s deleted: finished more than %.0f s ago (retention)", job_id, settings.retention_s)
     return removed
+
+
+def _deletable(session: Session, job_id: str) -> Job | None:
+    """The job, locked, unless it is gone or may not be deleted now."""
+    job = session.scalars(
+        select(Job).where(Job.id == job_id, Job.deleted_at.is_(None)).with_for_update()
+    ).first()
+    if job is None or blockers(session, job) is not None:
+        return None
+    return job
+
+
+def _retire(db: Database, job_id: str) -> bool:
+    """Delete a job the retention pass found, unless it is gone or may not be deleted
+    (checked before the batches and again in the last transaction); whether it was."""
+    with db.session() as session:
+        if _deletable(session, job_id) is None:
+            return False
+        session.commit()
+        _delete_in_batches(session, job_id)
+        job = _deletable(session, job_id)
+        if job is None:
+            session.rollback()
+            return False
+        _forget(session, job)
+        session.commit()
+        return True

@@ -216,6 +216,8 @@ def job_public(
         result=job.result,
         model_sha256=job.model_sha256,
         model_size=job.model_size,
+        metric_points=job.metric_points or 0,
+        metrics_dropped=job.metrics_dropped or 0,
         nodes=nodes,
         restarts=job.restarts or 0,
         attempts=attempts,

@@ -6,8 +6,13 @@ serves, ETag = sha256). With ``"outputs": "all"`` each node's upload is kept as
 ``<job id>/node-<rank>.tar.gz`` and the served archive is rebuilt from all of them, each
 under ``node-<rank>/``. An upload is streamed to a temporary file, its sha256 checked
 against the announced one, its members checked (regular files and folders with safe
-names only), then moved into place with one rename. Single files asked for with
-``?path=`` are extracted once into ``<job id>.files/`` and served from there.
+names only) and counted: past :data:`~torchyard.contract.archive.MAX_OUTPUTS_FILES`
+entries or :data:`~torchyard.contract.archive.MAX_OUTPUTS_UNCOMPRESSED_BYTES` bytes once
+unpacked (all nodes' together with ``"outputs": "all"``) it is refused with 413 and
+nothing is kept; then it is moved into place with one rename. Single files asked for with
+``?path=`` are extracted once into ``<job id>.files/`` and served from there, each read
+from the archive's index (:mod:`service.services.outputs_index`): the archive is read
+whole once per API process, not once per file.
 """
 
 from __future__ import annotations
@@ -31,15 +36,17 @@ from service.services.artifacts import IncomingModel, ModelFile
 from service.services.job_lookup import get_job
 from service.services.kinds import kind_of
 from service.services.leases import lock_lease, placement_for_lease
+from service.services.outputs_index import ArchiveReadError, copy_file, index_of
 from service.services.tokens import Principal
 from service.states import JobStatus
-from torchyard.contract.archive import safe_member_parts
+from torchyard.contract.archive import MAX_OUTPUTS_FILES, MAX_OUTPUTS_UNCOMPRESSED_BYTES, safe_member_parts
 from torchyard.contract.deflate import SAMPLE_BYTES, GzipWriter, LevelChooser
 from torchyard.contract.errors import (
     ConflictError,
     InvalidDatasetError,
     NotFoundError,
     OutputsNotReadyError,
+    PayloadTooLargeError,
     PermissionDeniedError,
     RequestValidationError,
     StaleLeaseError,
@@ -56,7 +63,6 @@ _UPLOAD_STATUSES = (
     JobStatus.CANCELLING.value,
     JobStatus.FAILED.value,
 )
-MAX_MEMBERS = 200_000
 
 
 class OutputsStore:
@@ -102,27 +108,54 @@ def authorize_upload(session: Session, principal: Principal, job_id: str, lease_
     _check_uploader(session.get_one(Job, job_id), placement.node_rank)
 
 
-def check_archive(path: Path, max_unpacked: int) -> int:
-    """The upload (its checksum already checked) is a plain .tar.gz of files and folders;
-    its file count."""
-    files = total = 0
+class _Totals:
+    """What an outputs archive holds once unpacked, refused (413) past the contract's caps."""
+
+    def __init__(self) -> None:
+        self.entries = self.files = self.bytes = 0
+
+    def add(self, member: tarfile.TarInfo) -> None:
+        self.entries += 1
+        if member.isreg():
+            self.files += 1
+            self.bytes += member.size
+        if self.entries > MAX_OUTPUTS_FILES:
+            raise PayloadTooLargeError(
+                f"the outputs archive holds more than {MAX_OUTPUTS_FILES} entries (files and folders; "
+                "MAX_OUTPUTS_FILES)",
+                details={"max_files": MAX_OUTPUTS_FILES},
+            )
+        if self.bytes > MAX_OUTPUTS_UNCOMPRESSED_BYTES:
+            raise PayloadTooLargeError(
+                f"the outputs archive expands to more than {MAX_OUTPUTS_UNCOMPRESSED_BYTES} bytes "
+                f"(at member {member.name!r}; MAX_OUTPUTS_UNCOMPRESSED_BYTES)",
+                details={"max_uncompressed_bytes": MAX_OUTPUTS_UNCOMPRESSED_BYTES},
+            )
+
+
+def _check_member(member: tarfile.TarInfo) -> tuple[str, ...]:
+    parts = safe_member_parts(member.name)
+    if not (member.isreg() or member.isdir()) or member.issparse():
+        raise RequestValidationError(f"outputs archive member {member.name!r} is not a file or folder")
+    return parts
+
+
+def check_archive(path: Path) -> int:
+    """The upload (its checksum already checked) is a plain .tar.gz of files and folders,
+    within the caps once unpacked (413 past them, from the sizes its headers declare before
+    their data is read); its file count."""
+    totals = _Totals()
     try:
         with tarfile.open(path, "r:gz") as tf:
-            for member in tf:
-                safe_member_parts(member.name)
-                if not (member.isreg() or member.isdir()):
-                    raise RequestValidationError(
-                        f"outputs archive member {member.name!r} is not a file or folder"
-                    )
-                files += member.isreg()
-                total += member.size
-                if files > MAX_MEMBERS or total > max_unpacked:
-                    raise RequestValidationError("the outputs archive is too large once unpacked")
+            while (member := tf.next()) is not None:
+                tf.members = []  # type: ignore[attr-defined]  # a walk keeps no member it has seen
+                _check_member(member)
+                totals.add(member)
     except InvalidDatasetError as exc:
         raise RequestValidationError(f"outputs archive: {exc.message}") from None
     except (tarfile.TarError, OSError, EOFError, gzip.BadGzipFile) as exc:
         raise RequestValidationError(f"the outputs archive cannot be read: {exc}") from None
-    return files
+    return totals.files
 
 
 class _Prefixed:
@@ -146,25 +179,31 @@ class _Prefixed:
         return out
 
 
-def _combine(store: OutputsStore, job_id: str, target: Path) -> None:
-    """One archive of every node's outputs, each under ``node-<rank>/`` (sorted, fixed times)."""
-    parts = sorted((store.root / job_id).glob("node-*.tar.gz"), key=lambda p: int(p.name[5:].split(".")[0]))
+def _combine(store: OutputsStore, job_id: str, target: Path, incoming: tuple[int, Path]) -> None:
+    """One archive of every node's outputs, each under ``node-<rank>/`` (sorted, fixed times):
+    the stored ones, with ``incoming`` (node rank, file) in place of that node's. 413 when
+    they hold more than the caps together (``target`` is then left half-written)."""
+    stored = {int(p.name[5:].split(".")[0]): p for p in (store.root / job_id).glob("node-*.tar.gz")}
+    stored[incoming[0]] = incoming[1]
     levels = LevelChooser()  # weights and images stored, text deflated
+    totals = _Totals()
     with (
         open(target, "wb") as raw,
         GzipWriter(raw) as gz,
         tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as out,  # type: ignore[call-overload]
     ):
-        for part in parts:
-            prefix = part.name.removesuffix(".tar.gz")
+        for rank in sorted(stored):
+            prefix = f"node-{rank}"
             folder = tarfile.TarInfo(prefix)
             folder.type, folder.mode = tarfile.DIRTYPE, 0o755
+            totals.add(folder)
             out.addfile(folder)
-            with tarfile.open(part, "r:gz") as tf:
+            with tarfile.open(stored[rank], "r:gz") as tf:
                 for member in tf:
                     inner = "/".join(safe_member_parts(member.name))
                     if not inner:
                         continue
+                    totals.add(member)
                     member.name = f"{prefix}/{inner}"
                     data = tf.extractfile(member) if member.isreg() else None
                     if data is None:
@@ -193,9 +232,13 @@ def publish(
         if job.spec.get("outputs") == "all":
             node_file = store.node_archive(job_id, placement.node_rank)
             node_file.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(incoming.path, node_file)
             tmp = store.incoming / f"combined-{job_id}.tar.gz"
-            _combine(store, job_id, tmp)
+            try:
+                _combine(store, job_id, tmp, (placement.node_rank, incoming.path))
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            os.replace(incoming.path, node_file)
             os.replace(tmp, target)
             digest, size = sha256_file(target), target.stat().st_size
         else:
@@ -230,7 +273,8 @@ def outputs_for_user(session: Session, principal: Principal, store: OutputsStore
 
 
 def output_file(store: OutputsStore, archive: ModelFile, job_id: str, wanted: str) -> ModelFile:
-    """One file of the outputs archive (``wanted`` relative to its root), extracted once."""
+    """One file of the outputs archive (``wanted`` relative to its root), extracted once,
+    from the archive's index (the archive is not read whole again for each file)."""
     try:
         parts = safe_member_parts(wanted)
     except InvalidDatasetError:
@@ -242,21 +286,22 @@ def output_file(store: OutputsStore, archive: ModelFile, job_id: str, wanted: st
     dest = folder.joinpath(*parts)
     with store.lock(job_id):
         if not dest.is_file():
-            found = None
-            with tarfile.open(archive.path, "r:gz") as tf:
-                for member in tf:
-                    if member.isreg() and "/".join(safe_member_parts(member.name)) == rel:
-                        found = tf.extractfile(member)
-                        dest.parent.mkdir(parents=True, exist_ok=True)
-                        tmp = dest.with_name(f".{dest.name}.part")
-                        with open(tmp, "wb") as out:
-                            shutil.copyfileobj(found or io.BytesIO(), out)
-                        os.replace(tmp, dest)
-                        break
-            if found is None:
+            index = index_of(archive.path, archive.sha256)
+            if index.problem is not None:
+                raise PayloadTooLargeError(index.problem, details={"path": rel})
+            if rel not in index.files:
                 raise NotFoundError(
                     f"the outputs of job {job_id} hold no file {rel!r}", details={"path": rel}
                 )
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_name(f".{dest.name}.part")
+            try:
+                with open(tmp, "wb") as out:
+                    copy_file(archive.path, index, rel, out)
+            except ArchiveReadError as exc:
+                tmp.unlink(missing_ok=True)
+                raise RequestValidationError(str(exc)) from None
+            os.replace(tmp, dest)
     return ModelFile(path=dest, sha256=sha256_file(dest), size=dest.stat().st_size, filename=parts[-1])
 
 

@@ -6,7 +6,14 @@ Storage is append-only rows with a global ``seq``:
   retried batch a no-op (insert-on-conflict-do-nothing);
 * ``log_chunks``: one row per piece of a stream (``rank-N`` or ``agent-<node>``),
   keyed by attempt/stream/byte offset, so a retried chunk is skipped too. Offsets count
-  UTF-8 bytes; ``size`` is the chunk's length in bytes.
+  UTF-8 bytes; ``size`` is the chunk's length in bytes. The service writes its own notes
+  on a job to the stream ``service`` (agents cannot send it).
+
+A job stores at most :attr:`MetricLimits.max_points` metric points, of at most
+:attr:`MetricLimits.max_names` distinct names (the settings
+``TORCHYARD_MAX_METRIC_POINTS_PER_JOB`` and ``TORCHYARD_MAX_METRIC_NAMES_PER_JOB``), counted
+on the job's row as they are stored. Points past them are dropped, the rest of the report
+is stored as usual, and the first drop is said in the ``service`` stream.
 
 Every report of a job is written under the job's row lock (taken before the
 placement's, the order every worker write follows), so within one job ``seq`` order
@@ -24,7 +31,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Table, exists, func, select
+from sqlalchemy import ColumnElement, Select, String, Table, exists, func, literal, select, union_all
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
@@ -49,7 +56,19 @@ from torchyard.contract.reports import (
 # Rows one log read looks at; chunks are small, a reader continues from X-Next-Offset.
 _LOG_ROWS_PER_READ = 2000
 _INSERT_ROWS = 500
+# Metric names looked up in one query (one index probe each) when a report brings them.
+_NAMES_PER_QUERY = 100
 _LIVE_ATTEMPT = [s.value for s in LIVE_ATTEMPT_STATUSES]
+# The stream of the service's own notes on a job (never one an agent may send).
+SERVICE_STREAM = "service"
+
+
+@dataclass(frozen=True)
+class MetricLimits:
+    """What one job may store of metric points: the settings of the same names."""
+
+    max_points: int
+    max_names: int
 
 
 # --- ingestion ------------------------------------------------------------------------------
@@ -66,6 +85,110 @@ def _insert_new(session: Session, table: Table, rows: list[dict[str, Any]]) -> i
     for start in range(0, len(rows), _INSERT_ROWS):
         inserted += len(session.execute(stmt, rows[start : start + _INSERT_ROWS]).all())
     return inserted
+
+
+def _stored_names(session: Session, job_id: str, names: list[str]) -> set[str]:
+    """Those of ``names`` the job already has points of (one index probe per name)."""
+    found: set[str] = set()
+    for start in range(0, len(names), _NAMES_PER_QUERY):
+        probes: list[Select[Any]] = [
+            select(literal(name, String)).where(exists().where(Metric.job_id == job_id, Metric.name == name))
+            for name in names[start : start + _NAMES_PER_QUERY]
+        ]
+        stmt = probes[0] if len(probes) == 1 else union_all(*probes)
+        found.update(session.scalars(stmt))
+    return found
+
+
+def _store_metrics(
+    session: Session, job: Job, rows: list[dict[str, Any]], limits: MetricLimits
+) -> tuple[int, int]:
+    """Insert the report's points within the job's limits, in report order; ``(stored, dropped)``.
+
+    Points of a name the job does not have yet are dropped once it has ``max_names``
+    names, and every point once it has ``max_points`` points. Points already stored (a
+    retried report) are skipped without using any of the room, except at the very
+    limit, where the rest of the report is dropped unread.
+    """
+    if not rows:
+        return 0, 0
+    names = list(dict.fromkeys(row["name"] for row in rows))
+    known = _stored_names(session, job.id, names)
+    names_left = limits.max_names - job.metric_names
+    allowed = set(known)
+    for name in names:
+        if name not in allowed and names_left > 0:
+            allowed.add(name)
+            names_left -= 1
+    kept = [row for row in rows if row["name"] in allowed]
+    room = limits.max_points - job.metric_points
+    dialect = session.get_bind().dialect.name
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    table = Metric.__table__
+    stmt = insert(table).on_conflict_do_nothing().returning(table.c.name)  # type: ignore[arg-type]
+    stored = position = 0
+    stored_names: set[str] = set()
+    while position < len(kept) and room > 0:
+        part = kept[position : position + min(room, _INSERT_ROWS)]
+        position += len(part)
+        inserted = list(session.scalars(stmt, part))
+        stored += len(inserted)
+        room -= len(inserted)
+        stored_names.update(inserted)
+    job.metric_points += stored
+    job.metric_names += len(stored_names - known)
+    return stored, len(rows) - position  # the names refused, and what the room did not reach
+
+
+def _count_dropped(
+    session: Session,
+    job: Job,
+    attempt: Attempt,
+    placement: Placement,
+    limits: MetricLimits,
+    dropped: int,
+    now: datetime,
+) -> bool:
+    """Count ``dropped`` points on the job, saying so in its ``service`` stream the first
+    time; whether the job changed as its readers see it (its first drop)."""
+    if not dropped:
+        return False
+    first = not job.metrics_dropped
+    if first:
+        _note_first_drop(session, job, attempt, placement, limits, now)
+    job.metrics_dropped += dropped
+    return first
+
+
+def _note_first_drop(
+    session: Session, job: Job, attempt: Attempt, placement: Placement, limits: MetricLimits, now: datetime
+) -> None:
+    """Say in the job's ``service`` stream that its metric points are being dropped."""
+    node_name = session.scalars(select(Node.name).where(Node.id == placement.node_id)).one()
+    reached = (
+        f"it stored {job.metric_points} points, the most a job may"
+        if job.metric_points >= limits.max_points
+        else f"it has points of {job.metric_names} metric names, the most a job may"
+    )
+    text = (
+        f"{now.isoformat(timespec='seconds')} metric points reported from node {node_name} are being "
+        f"dropped: {reached}. A job stores at most {limits.max_points} metric points of at most "
+        f"{limits.max_names} names (TORCHYARD_MAX_METRIC_POINTS_PER_JOB, "
+        "TORCHYARD_MAX_METRIC_NAMES_PER_JOB); points past them are not stored, the rest of each "
+        "report is. The job's metrics_dropped counts them; this is said once.\n"
+    )
+    offset = _stream_end(session, job.id, attempt.id, SERVICE_STREAM)
+    session.add(
+        LogChunk(
+            job_id=job.id,
+            attempt_id=attempt.id,
+            stream=SERVICE_STREAM,
+            offset=offset,
+            size=len(text.encode("utf-8")),
+            data=text,
+            created_at=now,
+        )
+    )
 
 
 def _node_streams(session: Session, job: Job, placement: Placement) -> tuple[range, str]:
@@ -183,13 +306,20 @@ def _result_of(attempt: Attempt, result: ResultIn) -> dict[str, Any]:
 
 
 def ingest_report(
-    session: Session, principal: Principal, job_id: str, lease_token: str | None, batch: ReportBatch
+    session: Session,
+    principal: Principal,
+    job_id: str,
+    lease_token: str | None,
+    batch: ReportBatch,
+    *,
+    limits: MetricLimits,
 ) -> ReportAccepted:
     """Store one report batch from the agent holding ``lease_token``, and commit.
 
     Updates the job's ``progress`` (latest epoch/step), ``best`` (validation metrics of
     the lowest-loss epoch so far) and ``result`` (the trainer's summary). A stale lease
-    or an invalid batch changes nothing.
+    or an invalid batch changes nothing. Metric points past the job's ``limits`` are
+    dropped (counted in the answer and on the job); the rest of the batch is stored.
     """
     job, placement = lock_lease(session, principal, lease_token, job_id=job_id)
     _check_batch(session, job, placement, batch)
@@ -223,10 +353,10 @@ def ingest_report(
                 "created_at": now,
             }
         )
-    new_metrics = _insert_new(session, Metric.__table__, metric_rows)  # type: ignore[arg-type]
+    new_metrics, dropped = _store_metrics(session, job, metric_rows, limits)
     new_logs = _insert_new(session, LogChunk.__table__, log_rows)  # type: ignore[arg-type]
 
-    changed = False
+    changed = _count_dropped(session, job, attempt, placement, limits, dropped, now)
     if batch.progress is not None:
         progress = _progress_of(attempt, batch.progress)
         if progress != job.progress:
@@ -256,7 +386,8 @@ def ingest_report(
     session.commit()
     return ReportAccepted(
         metrics=new_metrics,
-        metrics_duplicate=len(metric_rows) - new_metrics,
+        metrics_duplicate=len(metric_rows) - new_metrics - dropped,
+        metrics_dropped=dropped,
         logs=new_logs,
         logs_duplicate=len(log_rows) - new_logs,
         progress=batch.progress is not None,
@@ -407,10 +538,12 @@ def resolve_stream(
             .where(Placement.attempt_id == attempt.id, Placement.node_rank == 0)
         ).first()
         return None if node_name is None else f"agent-{node_name}"
+    elif stream == SERVICE_STREAM:
+        return stream
     elif not is_stream_name(stream):
         raise RequestValidationError(
-            f"stream {stream!r} is not a log stream: use rank-<N>, agent, agent-<node name> "
-            "or file-<node rank>/<path>"
+            f"stream {stream!r} is not a log stream: use rank-<N>, agent, agent-<node name>, "
+            f"file-<node rank>/<path> or {SERVICE_STREAM}"
         )
     if stream.startswith("rank-") and int(stream.removeprefix("rank-")) >= world_size:
         raise RequestValidationError(

@@ -3,16 +3,17 @@ since, and what the job routes answer for references and results that are not th
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import func, select, update
+from sqlalchemy import Engine, event, func, insert, select, update
 
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Attempt, Checkpoint, Job, JobEvent, ModelVersion, utcnow
+from service.db.models import Attempt, Checkpoint, Job, JobEvent, LogChunk, Metric, ModelVersion, utcnow
 from service.services import job_delete
 from service.services.artifacts import ModelStore
 from service.services.checkpoints import CheckpointStore
@@ -101,6 +102,76 @@ def test_delete_refuses_an_unfinished_job_then_removes_everything(
     assert client.get("/v1/jobs/digits-resnet18", headers=user).json()["id"] == other.job_id
     # The other job of the same user lost nothing.
     assert all(p.exists() for p in other_files)
+
+
+def test_delete_removes_many_points_in_batches_each_committed(
+    client: TestClient, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another writer waits for one batch at most, not for the whole job's rows."""
+    monkeypatch.setattr(job_delete, "DELETE_BATCH_ROWS", 1000)
+    monkeypatch.setattr(job_delete, "DELETE_BATCH_LOG_CHUNKS", 100)
+    job = start_running_job(settings, client)
+    kept = start_running_job(settings, client, user_token=job.user_token)
+    _report(client, kept)
+    now = utcnow()
+    db = Database(settings.sqlalchemy_url)
+    try:
+        with db.transaction() as session:
+            common = {"job_id": job.job_id, "attempt_id": job.attempt_id}
+            session.execute(
+                insert(Metric),
+                [
+                    {
+                        **common,
+                        "name": "train.loss",
+                        "value": 1.0,
+                        "epoch": 1,
+                        "step": s,
+                        "rank": 0,
+                        "time": now,
+                    }
+                    for s in range(3500)
+                ],
+            )
+            session.execute(
+                insert(LogChunk),
+                [
+                    {**common, "stream": "rank-0", "offset": 10 * i, "size": 10, "data": "0123456789"}
+                    for i in range(250)
+                ],
+            )
+    finally:
+        db.dispose()
+    finish_job(settings, job, "failed")
+    assert stored_counts(settings, job.job_id) == (3500, 250)
+
+    deleted: list[dict[str, int]] = []  # rows deleted by each committed transaction
+    pending = {"metrics": 0, "log_chunks": 0}
+
+    def counted(_conn: Any, cursor: Any, statement: str, *_args: Any) -> None:
+        found = re.match(r"\s*DELETE FROM (metrics|log_chunks)\b", statement)
+        if found:
+            pending[found.group(1)] += cursor.rowcount
+
+    def committed(_conn: Any) -> None:
+        if any(pending.values()):
+            deleted.append(dict(pending))
+        pending.update(metrics=0, log_chunks=0)
+
+    event.listen(Engine, "after_cursor_execute", counted)
+    event.listen(Engine, "commit", committed)
+    try:
+        r = client.delete(f"/v1/jobs/{job.job_id}", headers=auth(job.user_token))
+    finally:
+        event.remove(Engine, "after_cursor_execute", counted)
+        event.remove(Engine, "commit", committed)
+    assert r.status_code == 200, r.text
+    assert stored_counts(settings, job.job_id) == (0, 0)
+    assert stored_counts(settings, kept.job_id) == (3, 1)
+    assert sum(d["metrics"] for d in deleted) == 3500 and sum(d["log_chunks"] for d in deleted) == 250
+    # Several transactions, none deleting more than a batch.
+    assert max(d["metrics"] for d in deleted) == 1000 and max(d["log_chunks"] for d in deleted) == 100
+    assert len(deleted) >= 4 + 3
 
 
 def test_delete_is_refused_while_the_model_is_a_registered_version(

@@ -64,3 +64,51 @@ def test_downgrade_to_base_and_back(empty_db: str) -> None:
 
 def test_single_head() -> None:
     assert len(ScriptDirectory.from_config(alembic_config("sqlite://")).get_heads()) == 1
+
+
+def test_metric_counts_are_filled_in_for_the_jobs_already_there(empty_db: str) -> None:
+    """0014 counts each job's stored points and names on its row (the per-job limits start
+    from them)."""
+    upgrade(empty_db, "0013")
+    engine = sa.create_engine(empty_db)
+    at = "2026-11-01 00:00:00+00:00"
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO tokens (id, name, role, token_hash, created_at) VALUES ('t1', 'u', 'user', 'h', :at)"
+            ),
+            {"at": at},
+        )
+        for job_id in ("j1", "j2"):
+            conn.execute(
+                sa.text(
+                    "INSERT INTO jobs (id, owner_id, name, status, type, spec, node_count, "
+                    "process_count_per_node, priority, attempts_count, created_at, updated_at) "
+                    "VALUES (:id, 't1', 'n', 'running', 'evaluate', '{}', 1, 1, 0, 1, :at, :at)"
+                ),
+                {"id": job_id, "at": at},
+            )
+        conn.execute(
+            sa.text(
+                "INSERT INTO attempts (id, job_id, number, status, master_addr, master_port, created_at) "
+                "VALUES ('a1', 'j1', 1, 'running', '127.0.0.1', 29500, :at)"
+            ),
+            {"at": at},
+        )
+        for seq, (name, step) in enumerate([("loss", 0), ("loss", 1), ("loss", 2), ("lr", 0), ("lr", 1)], 1):
+            conn.execute(
+                sa.text(
+                    "INSERT INTO metrics (seq, job_id, attempt_id, name, value, epoch, step, rank, time) "
+                    "VALUES (:seq, 'j1', 'a1', :name, 1.0, 0, :step, 0, :at)"
+                ),
+                {"seq": seq, "name": name, "step": step, "at": at},
+            )
+    engine.dispose()
+    upgrade(empty_db)
+    engine = sa.create_engine(empty_db)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT id, metric_points, metric_names, metrics_dropped FROM jobs ORDER BY id")
+        ).all()
+    engine.dispose()
+    assert [tuple(r) for r in rows] == [("j1", 5, 2, 0), ("j2", 0, 0, 0)]

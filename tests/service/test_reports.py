@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from service.api.app import create_app
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import utcnow
+from service.db.models import Job, utcnow
 from service.services.leases import LEASE_HEADER
 from service.services.reaper import sweep
 from tests.support.factories import auth, create_token
@@ -66,6 +67,7 @@ def test_batch_is_stored_and_a_retry_duplicates_nothing(client: TestClient, sett
     assert first.json() == {
         "metrics": 20,
         "metrics_duplicate": 0,
+        "metrics_dropped": 0,
         "logs": 3,
         "logs_duplicate": 0,
         "progress": True,
@@ -338,6 +340,69 @@ def test_agent_stream_and_stream_listing(client: TestClient, settings: Settings)
     assert [s["name"] for s in listing["streams"]][-4:] == ["rank-0", "rank-1", "rank-2", "rank-3"]
     rank3 = next(s for s in listing["streams"] if s["name"] == "rank-3")
     assert rank3["rank"] == 3 and rank3["node"] is None
+
+
+def test_metric_points_past_the_jobs_limits_are_dropped_and_said_once(make_settings: Any) -> None:
+    settings = make_settings(max_metric_points_per_job=30, max_metric_names_per_job=3)
+    with TestClient(create_app(settings)) as client:
+        client.headers["Authorization"] = f"Bearer {settings.admin_token_path.read_text().strip()}"
+        job = start_running_job(settings, client)
+        user = auth(job.user_token)
+        first = [point("train.loss", 1.0, 1, s) for s in range(20)]
+        assert post_report(client, job, metrics=first).json()["metrics"] == 20
+        # A retried batch below the limit uses none of the room.
+        again = post_report(client, job, metrics=first).json()
+        assert (again["metrics"], again["metrics_duplicate"], again["metrics_dropped"]) == (0, 20, 0)
+
+        # Past the limit: the points beyond it go, the rest of the report is kept, no error.
+        over = post_report(
+            client,
+            job,
+            metrics=[point("train.loss", 0.5, 2, s) for s in range(20, 40)],
+            logs=[{"stream": "rank-0", "offset": 0, "data": "epoch 2\n"}],
+            progress={"epoch": 2, "epochs": 5, "step": 39, "total_steps": 100},
+        )
+        assert over.status_code == 200, over.text
+        body = over.json()
+        assert (body["metrics"], body["metrics_duplicate"], body["metrics_dropped"]) == (10, 0, 10)
+        assert body["logs"] == 1 and body["progress"] is True
+        more = post_report(client, job, metrics=[point("train.loss", 0.4, 3, s) for s in range(40, 45)])
+        assert more.status_code == 200 and more.json()["metrics_dropped"] == 5
+        assert stored_counts(settings, job.job_id) == (30, 2)  # 2 log chunks: rank-0 and the note
+        assert [i["step"] for i in all_metrics(client, job)] == list(range(30))
+        shown = client.get(f"/v1/jobs/{job.job_id}", headers=user).json()
+        assert (shown["metric_points"], shown["metrics_dropped"]) == (30, 15)
+        assert shown["progress"]["step"] == 39
+        assert read_all_logs(client, job, "rank-0") == b"epoch 2\n"
+        # Said once, in the job's service stream (listed with the others); agents cannot write it.
+        note = read_all_logs(client, job, "service").decode()
+        assert note.count("\n") == 1 and "metric points reported from node" in note
+        assert "TORCHYARD_MAX_METRIC_POINTS_PER_JOB" in note and "stored 30 points" in note
+        streams = client.get(f"/v1/jobs/{job.job_id}/logs/streams", headers=user).json()["streams"]
+        assert {"name": "service", "size": len(note.encode()), "rank": None, "node": None} in streams
+        forged = post_report(client, job, logs=[{"stream": "service", "offset": 500, "data": "x"}])
+        assert forged.status_code == 422
+
+        # Names: a job keeps at most 3; points of a fourth name go, those of known names stay.
+        named = start_running_job(settings, client, user_token=job.user_token)
+        r = post_report(
+            client, named, metrics=[point(n, 1.0, 1, 0) for n in ("a.x", "b.x", "c.x", "d.x", "e.x")]
+        ).json()
+        assert (r["metrics"], r["metrics_dropped"]) == (3, 2)
+        r = post_report(client, named, metrics=[point("a.x", 2.0, 1, 1), point("f.x", 2.0, 1, 1)]).json()
+        assert (r["metrics"], r["metrics_dropped"]) == (1, 1)
+        assert sorted({i["name"] for i in all_metrics(client, named)}) == ["a.x", "b.x", "c.x"]
+        note = read_all_logs(client, named, "service").decode()
+        assert note.count("\n") == 1 and "3 metric names" in note
+        shown = client.get(f"/v1/jobs/{named.job_id}", headers=user).json()
+        assert (shown["metric_points"], shown["metrics_dropped"]) == (4, 3)
+    db = Database(settings.sqlalchemy_url)
+    try:
+        with db.read_session() as session:
+            counted = session.get_one(Job, named.job_id)
+            assert (counted.metric_points, counted.metric_names) == (4, 3)
+    finally:
+        db.dispose()
 
 
 def test_progress_and_best_metrics_show_on_the_job(client: TestClient, settings: Settings) -> None:

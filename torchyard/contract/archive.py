@@ -50,6 +50,13 @@ _MAX_SINGLE_READ = 4 * _CHUNK
 _TAR_OVERHEAD_PER_ENTRY = 4096
 _DRIVE = re.compile(r"^[A-Za-z]:")
 
+# What a script job's outputs archive (``outputs.tar.gz``: a node's ``outputs/`` and
+# ``logs/``) may hold once unpacked, in bytes of file content and in entries (files and
+# folders). The API refuses an upload past either (413) and never unpacks more of a stored
+# archive when it serves one of its files; the worker packs within them.
+MAX_OUTPUTS_UNCOMPRESSED_BYTES = 8 * 1024**3
+MAX_OUTPUTS_FILES = 100_000
+
 
 @dataclass(frozen=True)
 class ExtractionLimits:

@@ -193,6 +193,9 @@ class ReportBatch(StrictModel):
 class ReportAccepted(BaseModel):
     metrics: int = Field(description="Metric points stored by this request.")
     metrics_duplicate: int = Field(description="Points already stored by an earlier try, skipped.")
+    metrics_dropped: int = Field(
+        default=0, description="Points not stored: past the job's limits on metric points and names."
+    )
     logs: int = Field(description="Log chunks stored by this request.")
     logs_duplicate: int = Field(description="Log chunks already stored, skipped.")
     progress: bool = False

@@ -51,7 +51,8 @@ async def upload_outputs(
     ] = None,
 ) -> OutputsUploaded:
     """Upload a node's output folder as .tar.gz (streamed to disk, checksum and members
-    checked, nothing kept on any refusal)."""
+    checked, nothing kept on any refusal). 413 past TORCHYARD_MAX_OUTPUTS_BYTES as sent, or
+    once unpacked past 100,000 entries or 8 GiB (all nodes' together with ``"outputs": "all"``)."""
     announced = check_sha256_header(sha256)
     limit = settings.max_outputs_bytes
     store = OutputsStore(settings.data_dir)
@@ -63,7 +64,7 @@ async def upload_outputs(
         limit=limit,
         authorize=lambda session: outputs.authorize_upload(session, worker, job_id, lease),
         start=store.start_upload,
-        check=lambda incoming: outputs.check_archive(incoming.path, limit * 4),
+        check=lambda incoming: outputs.check_archive(incoming.path),
         publish=lambda session, incoming, actual: outputs.publish(
             session, worker, store, job_id, lease, incoming, actual
         ),
@@ -86,6 +87,7 @@ def _user_outputs(db: Database, user: Principal, store: OutputsStore, job_id: st
         206: {"description": "The requested byte range."},
         404: {"description": "No such job, or no such file in its outputs."},
         409: {"description": "OutputsNotReadyError: nothing uploaded yet (the job has not ended)."},
+        413: {"description": "With path: an archive stored before the caps on outputs, past them."},
     },
 )
 def download_outputs(

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from starlette.exceptions import HTTPException
 
-from service.api.deps import LeaseHeader, SessionDep, WorkerDep
+from service.api.deps import LeaseHeader, SessionDep, SettingsDep, WorkerDep
 from service.api.routing import SessionScopedRoute, UnicodeCheckedRequest
 from service.services import reports as reports_service
 from torchyard.contract.reports import MAX_REPORT_BODY_BYTES, ReportAccepted, ReportBatch
@@ -56,8 +56,18 @@ router = APIRouter(route_class=_CappedBodyRoute)
 
 @router.post("/v1/worker/jobs/{job_id}/reports", tags=["worker"])
 def post_report(
-    job_id: str, batch: ReportBatch, session: SessionDep, worker: WorkerDep, lease: LeaseHeader = None
+    job_id: str,
+    batch: ReportBatch,
+    session: SessionDep,
+    settings: SettingsDep,
+    worker: WorkerDep,
+    lease: LeaseHeader = None,
 ) -> ReportAccepted:
     """Store a batch of metric points and log chunks and update the job's progress, best
-    metrics and result. Idempotent: points and chunks already stored are skipped."""
-    return reports_service.ingest_report(session, worker, job_id, lease, batch)
+    metrics and result. Idempotent: points and chunks already stored are skipped. Points
+    past the job's limits (TORCHYARD_MAX_METRIC_POINTS_PER_JOB, TORCHYARD_MAX_METRIC_NAMES_PER_JOB)
+    are dropped and counted in ``metrics_dropped``; the rest of the batch is stored."""
+    limits = reports_service.MetricLimits(
+        max_points=settings.max_metric_points_per_job, max_names=settings.max_metric_names_per_job
+    )
+    return reports_service.ingest_report(session, worker, job_id, lease, batch, limits=limits)
