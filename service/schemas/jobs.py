@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag, TypeAdapter
+from pydantic import BaseModel, Discriminator, Field, Tag, TypeAdapter, model_validator
 
 from service.schemas.common import StrictModel
 from service.schemas.reports import MetricSeries
@@ -89,6 +89,23 @@ class ScriptJobCreate(ScriptFields, StrictModel):
         description="Higher runs first; FIFO among equal priorities.",
         json_schema_extra=allowed("-100..100"),
     )
+
+    @model_validator(mode="after")
+    def _check_network(self) -> ScriptJobCreate:
+        if self.environment.network != "none":
+            return self
+        if self.resources.node_count != 1:
+            raise ValueError(
+                "environment.network none is for one node: the nodes of a multi-node job talk over "
+                "the network (use network host)"
+            )
+        if self.distribution.launch == "per_process" and self.resources.process_count_per_node != 1:
+            raise ValueError(
+                "environment.network none runs one sandbox per process with the per_process launch, "
+                "and they could not reach each other: use distribution.launch per_node (the command, "
+                "e.g. torchrun, starts its processes in one sandbox) or one process per node"
+            )
+        return self
 
 
 class EvaluateJobCreate(StrictModel):

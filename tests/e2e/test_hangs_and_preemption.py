@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Env, run_dir
-from tests.support.worker_fixtures import AgentProcess, start_agent, wait_for_node
+from tests.support.worker_fixtures import AgentProcess, agent_log_of, start_agent, wait_for_node
 from worker.agent.watchdog import host_pid
 from worker.trainer.control import PREEMPT_REQUEST_FILE
 
@@ -152,7 +152,7 @@ def test_preempted_then_killed_job_resumes_exactly(env: Env) -> None:
     log = first.log_text()
     assert "SIGTERM: draining node cpu-1" in log and "every placement preempted" in log
     assert (directory / "preempted.json").is_file()
-    assert "checkpoint of epoch 1 step" in (directory / "agent.log").read_text()
+    assert "checkpoint of epoch 1 step" in agent_log_of(directory).read_text()
     preempted = env.user.get(f"/v1/jobs/{job_id}").json()
     assert preempted["restarts"] == 0, preempted
     assert preempted["attempts"][0]["status"] == "preempted", preempted
@@ -166,8 +166,8 @@ def test_preempted_then_killed_job_resumes_exactly(env: Env) -> None:
     runs = sorted((second.work_dir / "runs").glob(f"{job_id}-a2-*"))
     assert len(runs) == 1
     _wait_for_file(runs[0] / "paused-validation-3", timeout=400)
-    _wait_for_text(runs[0] / "agent.log", "checkpoint of epoch 2 uploaded", timeout=120)
-    assert "resuming from it" in (runs[0] / "agent.log").read_text()
+    _wait_for_text(agent_log_of(runs[0]), "checkpoint of epoch 2 uploaded", timeout=120)
+    assert "resuming from it" in (agent_log_of(runs[0])).read_text()
     # A rank is killed from outside: a retryable RankKilledError, restart 1.
     os.kill(_rank_pid(runs[0], 1, second), signal.SIGKILL)
     env.wait(job_id, lambda j: len(j["attempts"]) == 3 and j["status"] == "running", timeout=300)

@@ -225,7 +225,13 @@ def test_the_agent_follows_no_link_nor_fifo_of_the_run_and_the_run_is_unprivileg
     secret.chmod(0o600)
     # Files of the host the agent would write through the links, had it followed them.
     victims = {}
-    for name in (".tracking.json.tmp", "tracking.json", "metrics/mlflow-rank-0.jsonl", "metrics/tensorboard.jsonl", "outputs.tar.gz"):
+    for name in (
+        ".tracking.json.tmp",
+        "tracking.json",
+        "metrics/mlflow-rank-0.jsonl",
+        "metrics/tensorboard.jsonl",
+        "outputs.tar.gz",
+    ):
         victim = host / f"victim-{name.replace('/', '-')}"
         victim.write_text(f"untouched {name}\n")
         victims[name] = str(victim)
@@ -265,3 +271,56 @@ def test_the_agent_follows_no_link_nor_fifo_of_the_run_and_the_run_is_unprivileg
     placement = agent.work_dir / "placements" / run_dir.name
     assert (placement / "agent.log").is_file() and not (run_dir / "agent.log").exists()
     assert (run_dir / "tracking.json").is_symlink()  # its own link, never written through
+
+
+# A job with no network: the API, the node's loopback services and the outside are out of
+# reach; its MLflow endpoint still answers, and each of its ranks' points keeps its rank.
+OFFLINE = textwrap.dedent(
+    """
+    import json, os, socket, subprocess, sys
+
+    targets = json.load(open("targets.json"))
+    reached = []
+    for host, port in targets["addresses"]:
+        try:
+            socket.create_connection((host, port), timeout=3).close()
+            reached.append(f"{host}:{port}")
+        except OSError:
+            pass
+    with open(os.path.join(os.environ["TORCHYARD_OUTPUT_DIR"], "reached.json"), "w") as fh:
+        json.dump(reached, fh)
+    rank_code = "import mlflow, os; mlflow.log_metric('offline_rank', float(os.environ['RANK']), step=0)"
+    children = [subprocess.Popen([sys.executable, "-c", rank_code], env={**os.environ, "RANK": str(r)}) for r in (0, 1)]
+    sys.exit(max(c.wait() for c in children))
+    """
+)
+
+
+def test_a_job_without_network_reaches_nothing_but_its_mlflow_endpoint(env: ScriptEnv) -> None:
+    from urllib.parse import urlsplit
+
+    env.agent("offline", slots=2)
+    api = urlsplit(env.server.url)
+    addresses = [[api.hostname, api.port], ["127.0.0.1", 5432], ["127.0.0.1", 22]]
+    code = env.upload_code({"offline.py": OFFLINE, "targets.json": json.dumps({"addresses": addresses})})
+    body = {
+        "type": "script",
+        "code": code,
+        "command": ["python", "offline.py"],
+        "environment": {"network": "none"},
+        "distribution": {"launch": "per_node"},
+        "resources": {"process_count_per_node": 2},
+    }
+    r = env.user.post("/v1/jobs", json=body)
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    job = env.wait(job_id, timeout=120)
+    assert job["status"] == "succeeded", (job, env.log(job_id, rank=0))
+    assert json.loads(env.outputs(job_id)["reached.json"]) == []
+    points = env.user.get(f"/v1/jobs/{job_id}/metrics", params={"name": "offline_rank"}).json()["items"]
+    assert sorted((p["rank"], p["value"]) for p in points) == [(0, 0.0), (1, 1.0)]
+    # A control: the same reach test with the node's network finds the API.
+    code = env.upload_code({"offline.py": OFFLINE, "targets.json": json.dumps({"addresses": addresses[:1]})})
+    job_id = env.submit(code, ["python", "offline.py"], distribution={"launch": "per_node"})
+    assert env.wait(job_id, timeout=120)["status"] == "succeeded"
+    assert json.loads(env.outputs(job_id)["reached.json"]) == [f"{api.hostname}:{api.port}"]

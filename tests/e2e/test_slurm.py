@@ -29,7 +29,7 @@ from tests.support.api_process import ApiProcess
 from tests.support.factories import auth
 from tests.support.script_helpers import code_archive
 from tests.support.slurm_cluster import SlurmCluster, require_slurm
-from tests.support.worker_fixtures import upload_digits, user_client, wait_for_job
+from tests.support.worker_fixtures import agent_log_of, upload_digits, user_client, wait_for_job
 from worker.trainer.control import PREEMPT_REQUEST_FILE
 
 pytestmark = [pytest.mark.slow]
@@ -429,10 +429,10 @@ def test_preemption_by_a_higher_priority_partition_resumes_exactly(slurm: SlurmE
     first, second = job["attempts"]
     assert first["status"] == "preempted" and second["status"] == "succeeded", job["attempts"]
     assert first["engine_job_id"] != second["engine_job_id"]
-    assert re.search(r"checkpoint of epoch \d step \d+ uploaded", (first_run / "agent.log").read_text())
+    assert re.search(r"checkpoint of epoch \d step \d+ uploaded", agent_log_of(first_run).read_text())
     assert (
         "resuming from it"
-        in slurm.run_dir(job_id, 2, first_run.name.rsplit("-", 1)[1]).joinpath("agent.log").read_text()
+        in agent_log_of(slurm.run_dir(job_id, 2, first_run.name.rsplit("-", 1)[1])).read_text()
     )
     got = slurm.history(job_id)
     assert sorted(got) == sorted(reference)
@@ -462,7 +462,7 @@ def test_a_node_cut_off_is_worker_lost_and_the_job_resumes(slurm: SlurmEnv) -> N
         job_id = slurm.train(nodes=1)
         paused = slurm.wait_file(job_id, 1, "paused-train-2")
     node = paused.parent.name.rsplit("-", 1)[1]
-    _wait_for_text(paused.parent / "agent.log", "checkpoint of epoch 1 uploaded")
+    _wait_for_text(agent_log_of(paused.parent), "checkpoint of epoch 1 uploaded")
     slurm.cluster.link(node, up=False)
     try:
         job = slurm.wait(job_id, lambda j: len(j["attempts"]) >= 2, timeout=60)
@@ -478,7 +478,7 @@ def test_a_node_cut_off_is_worker_lost_and_the_job_resumes(slurm: SlurmEnv) -> N
     assert job["status"] == "succeeded" and job["restarts"] == 1, job
     (other,) = job["attempts"][1]["nodes"]
     assert other != node
-    assert "resuming from it" in (slurm.run_dir(job_id, 2, other) / "agent.log").read_text()
+    assert "resuming from it" in agent_log_of(slurm.run_dir(job_id, 2, other)).read_text()
     assert sorted(slurm.top1(job_id)) == [1, 2]
 
 

@@ -17,10 +17,7 @@ import pytest
 import torch
 
 from tests.e2e.conftest import LEASE_TIMEOUT_S, Env, run_dir
-from tests.support.worker_fixtures import (
-    processes_mentioning,
-    wait_until_gone,
-)
+from tests.support.worker_fixtures import agent_log_of, processes_mentioning, wait_until_gone
 
 pytestmark = pytest.mark.slow
 
@@ -109,7 +106,7 @@ def test_cancel_mid_epoch_stops_every_process(env: Env) -> None:
     # Within a heartbeat, the SIGTERM grace period and a report.
     assert took < 0.5 + 5 + 5, took
     assert wait_until_gone(str(directory), timeout=5) == []
-    assert "stopping the ranks (cancelled" in (directory / "agent.log").read_text()
+    assert "stopping the ranks (cancelled" in agent_log_of(directory).read_text()
     # The node is free again: the next job runs.
     nxt = env.submit(parameters={"epochs": 1}, resources={"node_count": 1, "process_count_per_node": 1})
     env.wait(nxt, lambda j: j["status"] in ("running", "succeeded", "failed"), timeout=60)

@@ -155,6 +155,29 @@ def test_build_timeout_out_of_range_says_what_is_allowed(client: TestClient, rea
     assert ">= 30 and <= 7200" in r.text, r.text
 
 
+@pytest.mark.parametrize(
+    ("extra", "accepted"),
+    [
+        ({}, True),
+        ({"distribution": {"launch": "per_node"}, "resources": {"process_count_per_node": 2}}, True),
+        ({"resources": {"node_count": 2}}, False),
+        ({"resources": {"process_count_per_node": 2}}, False),
+    ],
+)
+def test_a_network_of_its_own_is_for_one_node_and_one_sandbox(
+    client: TestClient, ready: dict[str, str], extra: dict[str, Any], accepted: bool
+) -> None:
+    spec = script_spec(ready["code"], environment={"network": "none"}, **extra)
+    r = client.post("/v1/jobs", json=spec)
+    if accepted:
+        assert r.status_code == 201 and r.json()["environment"]["network"] == "none", r.text
+        client.post(f"/v1/jobs/{r.json()['id']}/cancel")
+    else:
+        assert r.status_code == 422 and "environment.network none" in r.text, r.text
+    r = client.post("/v1/jobs", json=script_spec(ready["code"], environment={"network": "off"}))
+    assert r.status_code == 422 and "host or none" in r.text, r.text
+
+
 def test_missing_code_field(client: TestClient, ready: dict[str, str]) -> None:
     r = client.post("/v1/jobs", json={"type": "script", "command": ["python", "x.py"]})
     assert r.status_code == 422 and errors_of(r) == ["code"], r.text

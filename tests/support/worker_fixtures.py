@@ -283,3 +283,9 @@ def checkpoint_epoch(db_url: str, job_id: str) -> int:
     finally:
         db.dispose()
     return int(epoch or 0)
+
+
+def agent_log_of(run_dir: Path) -> Path:
+    """The agent's own log of a placement whose run folder is ``run_dir`` (``<work dir>/runs/<run>``):
+    it lies in ``<work dir>/placements/<run>/``, out of the run's reach."""
+    return run_dir.parent.parent / "placements" / run_dir.name / "agent.log"

@@ -201,6 +201,9 @@ def input_variable(name: str) -> str:
     return f"TORCHYARD_INPUT_{name.upper()}"
 
 
+Network = Literal["host", "none"]
+
+
 class DistributionFields(BaseModel):
     """How a script job's command is started on each node."""
 
@@ -273,6 +276,14 @@ class EnvironmentFields(BaseModel):
         description="How long building the pip environment may take on a node; past it the build is "
         "stopped, its node slots freed, and the job fails with EnvironmentBuildError.",
         json_schema_extra=allowed(f">= {MIN_BUILD_TIMEOUT_S} and <= {MAX_BUILD_TIMEOUT_S} (2 hours)"),
+    )
+    network: Network = Field(
+        default="host",
+        description="host: the processes share the node's network (what a multi-node job needs; "
+        "they reach whatever the node reaches, its loopback services included); none: a network "
+        "of their own with only a loopback interface, where the job's MLflow endpoint still "
+        "answers (one node, and one process per node or the per_node launch).",
+        json_schema_extra=allowed("host or none"),
     )
 
     @field_validator("variables")

@@ -54,7 +54,6 @@ import os
 import re
 import secrets
 import socket
-import struct
 import threading
 import time
 import uuid
@@ -68,7 +67,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from torchyard.contract.metrics import is_metric_name
 from torchyard.contract.reports import MAX_TRACKING_ITEMS, MAX_TRACKING_RUNS, MAX_TRACKING_VALUE
-from worker.agent import sandbox
+from worker.agent import peers, sandbox
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +181,23 @@ class TrackingStore:
         self.runs: dict[str, _Run] = {}
         self.processes: dict[str, _Process] = {}
         self._history_points = 0
+        # Connections relayed from a run without network (worker.agent.net_bridge): the
+        # bridge's own address of each → the rank its relay found for the caller.
+        self._bridged: dict[tuple[str, int], tuple[int | None]] = {}
+
+    def bridge(self, address: tuple[str, int], rank: int | None) -> None:
+        """Say which rank a connection relayed from ``address`` comes from (None: unknown)."""
+        with self.lock:
+            self._bridged[address] = (rank,)
+
+    def unbridge(self, address: tuple[str, int]) -> None:
+        with self.lock:
+            self._bridged.pop(address, None)
+
+    def bridged_rank(self, address: Any) -> tuple[int | None] | None:
+        """The rank a bridge gave for a connection, in a 1-tuple; None for a direct one."""
+        with self.lock:
+            return self._bridged.get(tuple(address[:2])) if isinstance(address, tuple) else None
 
     # --- who is asking -------------------------------------------------------------------
 
@@ -685,7 +701,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _caller_rank(self) -> int | None:
         """The ``RANK`` of the process at the other end of this connection (looked up once)."""
         if not hasattr(self, "_rank"):
-            self._rank = caller_rank(self.client_address, self.server.server_address)
+            bridged = self.server.store.bridged_rank(self.client_address)
+            if bridged is not None:  # relayed from a run without network: its relay said
+                self._rank = bridged[0]
+            else:
+                self._rank = caller_rank(self.client_address, self.server.server_address)
         return self._rank
 
     def _read(self, method: str) -> dict[str, Any]:
@@ -830,6 +850,12 @@ class TrackingEndpoint:
         self._thread: threading.Thread | None = None
 
     @property
+    def address(self) -> tuple[str, int]:
+        """Where the endpoint listens (host, port)."""
+        assert self._server is not None, "the endpoint is not started"
+        return self.host, int(self._server.server_address[1])
+
+    @property
     def uri(self) -> str:
         assert self._server is not None, "the endpoint is not started"
         return f"http://{self.host}:{self._server.server_address[1]}"
@@ -858,64 +884,16 @@ class TrackingEndpoint:
 
 # --- who is calling ------------------------------------------------------------------------
 
-MAX_RANK = 1 << 20
 
-
-def _proc_net_address(host: str, port: int) -> str:
-    """An IPv4 address as ``/proc/net/tcp`` prints it (the address in the machine's byte order)."""
-    (number,) = struct.unpack("=I", socket.inet_aton(host))
-    return f"{number:08X}:{port:04X}"
-
-
-def socket_owner(client: tuple[Any, ...], server: tuple[Any, ...]) -> int | None:
-    """The pid of a process of this user (or of the user the sandbox runs jobs as) holding
-    the client end of a loopback TCP connection."""
-    local, remote = _proc_net_address(client[0], client[1]), _proc_net_address(server[0], server[1])
-    inode = None
-    with contextlib.suppress(OSError), open("/proc/net/tcp") as table:
-        for line in table:
-            fields = line.split()
-            if len(fields) > 9 and fields[1] == local and fields[2] == remote:
-                inode = fields[9]
-                break
-    if inode is None or inode == "0":
-        return None
-    wanted, uids = f"socket:[{inode}]", {os.getuid()}
+def caller_rank(client: tuple[Any, ...], server: tuple[Any, ...]) -> int | None:
+    """``RANK`` of the process at the client end of a loopback connection: a process of the
+    agent's user or of the user the sandbox runs jobs as (None where there is none)."""
+    uids: set[int] = set()
     with contextlib.suppress(ValueError):
         job_user = sandbox.run_user()
         if job_user is not None:
             uids.add(job_user[0])
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if entry.stat().st_uid not in uids:
-                continue
-            for fd in os.scandir(f"/proc/{entry.name}/fd"):
-                with contextlib.suppress(OSError):
-                    if os.readlink(fd.path) == wanted:
-                        return int(entry.name)
-    return None
-
-
-def caller_rank(client: tuple[Any, ...], server: tuple[Any, ...]) -> int | None:
-    """``RANK`` in the environment of the process at the client end of a loopback connection
-    (None where there is no such process of this user, or no rank in its environment)."""
-    pid = socket_owner(client, server)
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            environ = f.read()
-    except OSError:
-        return None
-    for item in environ.split(b"\0"):
-        if item.startswith(b"RANK="):
-            value = item[5:].decode(errors="replace")
-            if value.isdigit() and int(value) < MAX_RANK:
-                return int(value)
-            return None
-    return None
+    return peers.caller_rank(client, server, uids)
 
 
 def tracking_snapshot(state_dir: Path) -> Callable[[], bytes | None]:

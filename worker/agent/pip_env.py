@@ -34,6 +34,7 @@ from torchyard.contract.errors import EnvironmentBuildError
 from torchyard.contract.files import locked
 from torchyard.contract.jobspec import DEFAULT_BUILD_TIMEOUT_S, MAX_BUILD_TIMEOUT_S
 from worker.agent import sandbox
+from worker.agent.job_tree import give_to
 from worker.agent.launcher import _SECRETS
 from worker.agent.sandbox import Sandbox
 
@@ -158,6 +159,33 @@ def add_console_scripts(env_dir: Path, worker_bin: Path | None = None) -> list[s
     return added
 
 
+def _pip_install(
+    work: Path,
+    requirements: list[str],
+    build_log: Path,
+    stop: threading.Event | None,
+    box: Sandbox | None,
+    deadline: float,
+) -> int:
+    """pip installs ``requirements`` into the new environment ``work`` (in ``box``, as its
+    user); pip's exit code."""
+    # The worker's own packages (torch...) stay visible even when it runs in a venv: its
+    # site folders are added as site folders (their .pth files count).
+    base = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    lines = [f"import site; site.addsitedir({path!r})" for path in base]
+    (_site_packages(work) / "_torchyard_worker.pth").write_text("\n".join(lines) + "\n")
+    pip = [sys.executable, "-m", "pip", "--python", str(env_python(work)), "install"]
+    options = ["--disable-pip-version-check", "--no-input"]
+    if box is not None:
+        box.give_writable()  # pip runs as the sandbox's user (a root agent's: nobody)
+    try:
+        return _run([*pip, *options, *requirements], build_log, stop, box, deadline=deadline)
+    finally:
+        if box is not None and box.user is not None:
+            # Built: the agent's again, shown read-only to the runs that use it.
+            give_to(work, os.getuid(), os.getgid())
+
+
 def ensure_environment(
     envs_dir: Path,
     requirements: list[str],
@@ -201,20 +229,13 @@ def ensure_environment(
                 stop,
                 deadline=deadline,
             )
-            box = None
-            if sandbox.mode() == sandbox.BWRAP:
-                box = sandbox.Sandbox(
-                    writable=work, hidden=hidden or [envs_dir], read_only=_local_find_links()
-                )
             if code == 0:
-                # The worker's own packages (torch...) stay visible even when it runs in a
-                # venv: its site folders are added as site folders (their .pth files count).
-                base = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
-                lines = [f"import site; site.addsitedir({path!r})" for path in base]
-                (_site_packages(work) / "_torchyard_worker.pth").write_text("\n".join(lines) + "\n")
-                pip = [sys.executable, "-m", "pip", "--python", str(env_python(work)), "install"]
-                options = ["--disable-pip-version-check", "--no-input"]
-                code = _run([*pip, *options, *requirements], build_log, stop, box, deadline=deadline)
+                box = None
+                if sandbox.mode() == sandbox.BWRAP:
+                    box = sandbox.Sandbox(
+                        writable=work, hidden=hidden or [envs_dir], read_only=_local_find_links()
+                    )
+                code = _pip_install(work, requirements, build_log, stop, box, deadline)
             if code != 0:
                 tail = _tail(build_log, PIP_TAIL_LINES)
                 raise EnvironmentBuildError(

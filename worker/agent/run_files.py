@@ -434,6 +434,7 @@ class RunFileReader:
         self._refresh_sources()
         total = 0
         for source in list(self.files.values()):
+            source.open(self.root)
             size = source.size()
             if size is not None:
                 total += max(0, size - source.position)

@@ -224,6 +224,10 @@ class Sandbox:
     user: tuple[int, int] | None = field(default_factory=lambda: run_user())
     # Paths under ``writable`` the run may read but not own (inputs linked from the cache).
     not_given: Sequence[Path] = ()
+    # False: a network namespace of the run's own, with only a loopback interface.
+    network: bool = True
+    # More host paths shown at a path of the sandbox's (a socket of the agent's): (host, inside).
+    binds: Sequence[tuple[Path, str]] = ()
 
     def give_writable(self) -> None:
         """Hand the run's directory (and ``shared_shm``) to the run's user before it starts."""
@@ -253,6 +257,8 @@ class Sandbox:
         bwrap = _bwrap_path()
         assert bwrap is not None
         args = [bwrap, "--die-with-parent", "--unshare-pid", "--cap-drop", "ALL", *self._user_caps()]
+        if not self.network:
+            args.append("--unshare-net")
         args += system_binds()
         args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp"]
         if self.shared_shm is not None:
@@ -274,6 +280,8 @@ class Sandbox:
         for path in self.read_only:
             if path.exists():
                 args += ["--ro-bind", str(path), str(path)]
+        for host, inside in self.binds:
+            args += ["--bind", str(host), inside]
         args += ["--chdir", str(cwd), "--"]
         return args + self._as_user() + list(argv)
 

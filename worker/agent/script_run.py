@@ -44,12 +44,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from torchyard.contract.archive import MAX_OUTPUTS_FILES, MAX_OUTPUTS_UNCOMPRESSED_BYTES
 from torchyard.contract.deflate import GzipWriter, LevelChooser
 from torchyard.contract.errors import SandboxUnavailableError
 from torchyard.contract.files import sha256_file
 from torchyard.contract.jobspec import input_variable
 from torchyard.contract.reports import log_file_stream
-from worker.agent import guard, job_tree, sandbox
+from worker.agent import guard, job_tree, net_relay, sandbox
 from worker.agent.api import retrying
 from worker.agent.launcher import (
     _SCRUBBED,
@@ -65,6 +66,7 @@ from worker.agent.launcher import (
     visible_devices,
 )
 from worker.agent.mlflow_endpoint import TrackingEndpoint, tracking_snapshot
+from worker.agent.net_bridge import SOCKET_IN_SANDBOX, Bridge
 from worker.agent.retry import Deadline
 from worker.agent.tensorboard_scalars import ScalarTailer
 
@@ -132,6 +134,9 @@ class ScriptLaunch:
     # The agent's own folder of the placement (never shown to the processes); by default
     # beside the run's folder.
     own_dir: Path | None = None
+    # environment.network: host, or none (a network of the run's own, its MLflow endpoint
+    # reached through a socket of the agent's: worker.agent.net_bridge).
+    network: str = "host"
 
     @property
     def agent_dir(self) -> Path:
@@ -264,6 +269,11 @@ class ScriptGroup:
         if "MLFLOW_TRACKING_URI" not in launch.variables:  # the job's own server otherwise
             self.tracking = TrackingEndpoint(launch.agent_dir, launch.outputs_dir, launch.node_rank)
             self.tracking.start()
+        self.bridge: Bridge | None = None
+        if launch.network == "none" and self.tracking is not None and launch.box is not None:
+            launch.agent_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.bridge = Bridge(launch.agent_dir / "mlflow.sock", self.tracking, launch.box.user)
+            self.bridge.start()
         self.processes: list[ScriptProcess] = []
         for local in locals_:
             rank = launch.node_rank * launch.nproc + (local or 0)
@@ -328,8 +338,16 @@ class ScriptGroup:
             shm = self.shared_shm
             shm.mkdir(mode=0o700, exist_ok=True)
         run_box = dataclasses.replace(box, gpus=bool(self.launch.gpu_ids), shared_shm=shm)
+        argv = proc.argv
+        if self.launch.network == "none":
+            run_box = dataclasses.replace(run_box, network=False)
+            if self.bridge is not None and self.tracking is not None:
+                # The endpoint's port on the run's own loopback, relayed to the bridge.
+                run_box = dataclasses.replace(run_box, binds=[(self.bridge.path, SOCKET_IN_SANDBOX)])
+                relay = [sys.executable, "-I", net_relay.__file__, SOCKET_IN_SANDBOX]
+                argv = [*relay, str(self.tracking.address[1]), "--", *argv]
         run_box.give_writable()
-        return run_box.command(proc.argv, proc.cwd)
+        return run_box.command(argv, proc.cwd)
 
     @property
     def shared_shm(self) -> Path:
@@ -521,6 +539,9 @@ class ScriptGroup:
         """Stop the MLflow endpoint and read the TensorBoard files a last time (every process
         has ended)."""
         self.scalars.stop()
+        if self.bridge is not None:
+            self.bridge.stop()
+            self.bridge = None
         if self.tracking is not None:
             self.tracking.stop()
             self.tracking = None
@@ -600,6 +621,11 @@ def prepare_script(
     from worker.agent.dataset_cache import fetch_dataset
     from worker.agent.pip_env import ensure_environment
 
+    if work.spec.environment.network == "none" and ctx.sandbox != sandbox.BWRAP:
+        raise SandboxUnavailableError(
+            f"node {ctx.node_name} cannot give this job a network of its own (environment.network "
+            f"none) without its sandbox: {sandbox.unavailable_reason() or 'it is turned off'}"
+        )
     if ctx.sandbox == sandbox.UNAVAILABLE:
         raise SandboxUnavailableError(
             f"node {ctx.node_name} runs no script job without its sandbox: {sandbox.unavailable_reason()}; "
@@ -636,7 +662,12 @@ def prepare_script(
     requirements = list(spec.environment.pip)
     if requirements:
         env_dir, built = ensure_environment(
-            ctx.work_dir / "envs", requirements, stop=stop, on_build=logger, hidden=[ctx.work_dir]
+            ctx.work_dir / "envs",
+            requirements,
+            stop=stop,
+            on_build=logger,
+            hidden=[ctx.work_dir],
+            timeout_s=spec.environment.build_timeout_s,
         )
         logger.info("pip environment %s %s", env_dir.name, "built" if built else "reused")
     box = None
@@ -666,6 +697,7 @@ def prepare_script(
         grace_s=ctx.grace_s,
         box=box,
         own_dir=agent_dir,
+        network=spec.environment.network,
     )
 
 
@@ -684,9 +716,11 @@ def _regular_files(folder: Path, note: Callable[[str], None], shown: str) -> lis
     return files
 
 
-def _kept_logs(folder: Path, taken: set[str], note: Callable[[str], None]) -> list[tuple[str, Path, str]]:
+def _kept_logs(
+    folder: Path, taken: set[str], note: Callable[[str], None]
+) -> list[tuple[str, Path, str, int]]:
     """The files of ``folder`` (the node's ./logs) as ``logs/<path>`` members, within the bounds."""
-    kept: list[tuple[str, Path, str]] = []
+    kept: list[tuple[str, Path, str, int]] = []
     total = 0
     for relative, size in _regular_files(folder, note, "logs/"):
         name = f"logs/{relative}"
@@ -701,22 +735,54 @@ def _kept_logs(folder: Path, taken: set[str], note: Callable[[str], None]) -> li
         elif total + size > MAX_ARCHIVED_LOG_BYTES:
             note(f"{name} is left out (logs/ is kept up to {MAX_ARCHIVED_LOG_BYTES} bytes in all)")
         else:
-            kept.append((name, folder, relative))
+            kept.append((name, folder, relative, size))
             total += size
     return kept
 
 
+def _within_caps(
+    members: list[tuple[str, Path, str, int]], max_files: int, max_bytes: int, say: Callable[[str], None]
+) -> list[tuple[str, Path, str, int]]:
+    """The members that fit the archive's caps, in order; the rest named, in one note."""
+    kept: list[tuple[str, Path, str, int]] = []
+    total = left_bytes = 0
+    left: list[str] = []
+    for member in members:
+        size = member[3]
+        if len(kept) >= max_files or total + size > max_bytes:
+            left.append(member[0])
+            left_bytes += size
+            continue
+        kept.append(member)
+        total += size
+    if left:
+        shown = ", ".join(left[:10]) + (f" and {len(left) - 10} more" if len(left) > 10 else "")
+        say(
+            f"{len(left)} file(s) ({left_bytes} bytes) are left out: the outputs archive holds at most "
+            f"{max_files} files and {max_bytes} bytes uncompressed ({shown})"
+        )
+    return kept
+
+
 def pack_outputs(
-    folder: Path, archive: Path, logs: Path | None = None, note: Callable[[str], None] | None = None
+    folder: Path,
+    archive: Path,
+    logs: Path | None = None,
+    note: Callable[[str], None] | None = None,
+    *,
+    max_files: int = MAX_OUTPUTS_FILES,
+    max_bytes: int = MAX_OUTPUTS_UNCOMPRESSED_BYTES,
 ) -> tuple[str, int, int]:
     """A deterministic .tar.gz of the regular files under ``folder`` and, under ``logs/``, those
     of ``logs`` within the bounds above (links and other special files are left out, each
-    named through ``note``); its sha256, size and file count. The files are read through
-    job_tree: the run's folders may hold links to anything of the host's."""
+    named through ``note``), at most ``max_files`` files and ``max_bytes`` bytes in all (what
+    the API accepts); its sha256, size and file count. The files are read through job_tree:
+    the run's folders may hold links to anything of the host's."""
     say = note or (lambda text: log.warning("outputs: %s", text))
-    members = [(relative, folder, relative) for relative, _size in _regular_files(folder, say, "")]
+    found = [(relative, folder, relative, size) for relative, size in _regular_files(folder, say, "")]
     if logs is not None:
-        members += _kept_logs(logs, {name for name, _, _ in members}, say)
+        found += _kept_logs(logs, {name for name, _, _, _ in found}, say)
+    members = [(name, root, rel) for name, root, rel, _ in _within_caps(found, max_files, max_bytes, say)]
     levels = LevelChooser()  # weights and images stored, text deflated
     with (
         open(archive, "wb") as raw,

@@ -318,6 +318,34 @@ def test_outputs_archive_holds_the_logs_folder_within_its_bounds(
         assert tf.extractfile("logs/lightning_logs/version_0/last.ckpt").read() == b"\x00ckpt"  # type: ignore[union-attr]
 
 
+def test_the_outputs_archive_keeps_within_what_the_api_accepts(tmp_path: Path) -> None:
+    import tarfile
+
+    import worker.agent.script_run as script_run
+
+    outputs, logs = tmp_path / "outputs", tmp_path / "logs"
+    outputs.mkdir()
+    logs.mkdir()
+    for i in range(5):
+        (outputs / f"f{i}.bin").write_bytes(b"x" * 100)
+    (logs / "run.log").write_text("log")
+    notes: list[str] = []
+    _sha, _size, count = script_run.pack_outputs(
+        outputs, tmp_path / "o.tar.gz", logs, notes.append, max_files=3, max_bytes=10_000
+    )
+    with tarfile.open(tmp_path / "o.tar.gz") as tf:
+        assert sorted(tf.getnames()) == ["f0.bin", "f1.bin", "f2.bin"] and count == 3
+    assert notes == [
+        "3 file(s) (203 bytes) are left out: the outputs archive holds at most 3 files and 10000 bytes "
+        "uncompressed (f3.bin, f4.bin, logs/run.log)"
+    ]
+    notes.clear()
+    script_run.pack_outputs(outputs, tmp_path / "o.tar.gz", logs, notes.append, max_files=100, max_bytes=250)
+    with tarfile.open(tmp_path / "o.tar.gz") as tf:
+        assert sorted(tf.getnames()) == ["f0.bin", "f1.bin", "logs/run.log"]
+    assert len(notes) == 1 and notes[0].startswith("3 file(s) (300 bytes) are left out")
+
+
 def test_model_files_left_in_the_working_copy_are_named_in_the_job_log(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
