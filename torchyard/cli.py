@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from torchyard import __version__, commands, demo
 from torchyard.client import ServiceUnreachableError
-from torchyard.commands.common import SpecFileError
+from torchyard.commands.common import SpecFileError, add_client_options
 from torchyard.contract.errors import TorchyardError
 from torchyard.extras import MissingExtraError, extra_providing
 
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--version", action="version", version=f"torchyard {__version__}")
+    add_client_options(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
     parts = command_parts()
@@ -55,7 +56,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.register(sub)
     demo.register(sub)
+    _accept_global_options(parser)
     return parser
+
+
+# The options of the ``torchyard`` parser that each command accepts after its name too.
+GLOBAL_OPTIONS = frozenset({"verbose", "url", "token", "json"})
+
+
+def _accept_global_options(parser: argparse.ArgumentParser) -> None:
+    """Let ``-v`` follow every command, and keep a global option given before a command:
+    a command's own ``--url``, ``--token``, ``--json`` and ``-v`` default to nothing
+    (``SUPPRESS``), so they set the value only when given after the command's name."""
+    seen: set[int] = set()
+    stack = [parser]
+    while stack:
+        current = stack.pop()
+        for action in current._actions:
+            if not isinstance(action, argparse._SubParsersAction):
+                continue
+            for child in action.choices.values():
+                if id(child) in seen:  # an alias names the same parser
+                    continue
+                seen.add(id(child))
+                for option in child._actions:
+                    if option.dest in GLOBAL_OPTIONS:
+                        option.default = argparse.SUPPRESS
+                if "-v" not in child._option_string_actions:
+                    child.add_argument(
+                        "-v",
+                        "--verbose",
+                        action="store_true",
+                        default=argparse.SUPPRESS,
+                        help="debug logging",
+                    )
+                stack.append(child)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

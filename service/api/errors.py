@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from service.db.engine import is_unavailable
+from service.schemas.common import suggested_field
 from torchyard.contract.errors import ServiceUnavailableError, TorchyardError
 
 log = logging.getLogger(__name__)
@@ -110,14 +111,22 @@ def _allowed_for(models: list[type[BaseModel]], loc: tuple[Any, ...]) -> str | N
     return None
 
 
+def _body_model(request: Request) -> Any:
+    """The annotation of the body the request's route reads (None without one)."""
+    body_field = getattr(request.scope.get("route"), "body_field", None)
+    return getattr(getattr(body_field, "field_info", None), "annotation", None)
+
+
 def _validation_body(exc: FastAPIValidationError, request: Request) -> dict[str, Any]:
     from service.schemas.jobs import JOB_CREATE_MODELS
 
     errors = []
     for err in exc.errors():
         loc = tuple(err.get("loc", ()))
+        body_model = _body_model(request)
         if len(loc) > 1 and loc[0] == "body" and loc[1] in JOB_CREATE_MODELS:
             # The job spec union's tag (its ``type``) is not a field of the body.
+            body_model = JOB_CREATE_MODELS[loc[1]]
             loc = (loc[0], *loc[2:])
         if err.get("type") == "invalid_job_type":
             loc = ("body", "type")
@@ -134,6 +143,10 @@ def _validation_body(exc: FastAPIValidationError, request: Request) -> dict[str,
         }
         if err.get("type") == "extra_forbidden":
             item["message"] = f"unknown field {field!r}"
+            suggestion = suggested_field(body_model, loc[1:]) if where == "body" else None
+            if suggestion is not None:
+                item["message"] += f": did you mean {suggestion!r}?"
+                item["suggestion"] = suggestion
         elif err.get("type") == "json_invalid":
             # FastAPI puts the character position where a field name would be.
             position = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else 0

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import ColumnElement, Text, cast, delete, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
@@ -94,14 +95,28 @@ def list_jobs(
     statuses: list[JobStatus] | None,
     limit: int,
     cursor: str | None,
+    tags: list[str] | None = None,
+    sweep_id: str | None = None,
 ) -> tuple[list[Job], str | None]:
-    """Newest first; ``cursor`` continues after the last job of the previous page."""
+    """Newest first; ``cursor`` continues after the last job of the previous page. With
+    ``tags``, only jobs that have every one of them; with ``sweep_id``, only its trials."""
     stmt = select(Job).where(Job.deleted_at.is_(None))
     if not principal.is_admin:
         stmt = stmt.where(Job.owner_id == principal.id)
     if statuses:
         stmt = stmt.where(Job.status.in_([s.value for s in statuses]))
+    for tag in dict.fromkeys(tags or []):
+        stmt = stmt.where(has_tag(tag))
+    if sweep_id is not None:
+        stmt = stmt.where(Job.sweep_id == sweep_id)
     return refs.page_newest_first(session, Job, stmt, limit=limit, cursor=cursor)
+
+
+def has_tag(tag: str) -> ColumnElement[bool]:
+    """The job's tags hold ``tag``, on SQLite and PostgreSQL alike: the JSON text of the
+    list holds the JSON text of the tag (both written by ``json.dumps``: a quote inside a
+    tag is escaped, so ``"tag"`` matches one whole item; LIKE's wildcards are escaped)."""
+    return cast(Job.tags, Text).contains(json.dumps(tag), autoescape=True)
 
 
 def cancel_job(session: Session, principal: Principal, job_id: str) -> Job:

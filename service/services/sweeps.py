@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Job, Metric, Sweep, SweepTrial, Token, utcnow
+from service.schemas.common import closest_name, field_names_at, suggested_field
 from service.schemas.jobs import JOB_CREATE, JOB_CREATE_MODELS, ScriptJobCreate, TrainJobCreate
 from service.schemas.sweeps import (
     MAX_KEYS,
@@ -72,10 +73,15 @@ _RETRIED = {TrialState.FAILED.value, TrialState.CANCELLED.value}
 MAX_REDRAWS = 50
 
 
-def _invalid(field_name: str, message: str, allowed: str | None = None) -> RequestValidationError:
+def _invalid(
+    field_name: str, message: str, allowed: str | None = None, suggestion: str | None = None
+) -> RequestValidationError:
     item: dict[str, Any] = {"field": field_name, "message": message}
     if allowed is not None:
         item["allowed"] = allowed
+    if suggestion is not None:
+        item["message"] = message = f"{message}: did you mean {suggestion!r}?"
+        item["suggestion"] = suggestion
     text = f"{field_name}: {message}" + (f" (allowed: {allowed})" if allowed else "")
     return RequestValidationError(f"invalid request: {text}", details={**item, "errors": [item]})
 
@@ -90,11 +96,52 @@ def _parse_job(raw: dict[str, Any]) -> TrainJobCreate | ScriptJobCreate:
         first = exc.errors()[0]
         loc = [str(p) for p in first["loc"] if str(p) not in JOB_TYPES]
         where = ".".join(["job", *loc])
-        message = f"unknown field {where!r}" if first["type"] == "extra_forbidden" else str(first["msg"])
-        raise _invalid(where, message, _allowed_at(raw, loc)) from exc
+        unknown = first["type"] == "extra_forbidden"
+        message = f"unknown field {where!r}" if unknown else str(first["msg"])
+        suggestion = _suggested_job_field(raw, first["loc"]) if unknown else None
+        raise _invalid(where, message, _allowed_at(raw, loc), suggestion) from exc
     if not isinstance(spec, TrainJobCreate | ScriptJobCreate):
         raise _invalid("job.type", "a sweep runs train or script jobs", "train or script")
     return spec
+
+
+def _suggested_job_field(raw: Any, loc: tuple[Any, ...]) -> str | None:
+    """``job.<the field an unknown job field most likely means>``, or None."""
+    job_type = str(loc[0]) if loc and loc[0] in JOB_CREATE_MODELS else None
+    if job_type is None:
+        job_type = raw.get("type", DEFAULT_JOB_TYPE) if isinstance(raw, dict) else DEFAULT_JOB_TYPE
+        if job_type not in JOB_CREATE_MODELS:
+            return None
+    path = list(loc[1:]) if loc and loc[0] == job_type else list(loc)
+    found = suggested_field(JOB_CREATE_MODELS[job_type], path)
+    return None if found is None else f"job.{found}"
+
+
+def _search_keys(spec: TrainJobCreate | ScriptJobCreate) -> list[str]:
+    """The search-space keys a sweep of this job may vary (``section.field``), and for a
+    script job ``command_args.NAME`` for each ``$NAME`` its command uses."""
+    keys = []
+    for section in _SPEC_SECTIONS[spec.type]:
+        for name in field_names_at(JOB_CREATE_MODELS[spec.type], [section]) or []:
+            if section != "model" or name in _MODEL_KEYS:
+                keys.append(f"{section}.{name}")
+    if isinstance(spec, ScriptJobCreate):
+        used = {m for arg in spec.command for m in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", arg)}
+        keys += [f"command_args.{name}" for name in sorted(used)]
+    return keys
+
+
+def _suggested_key(spec: TrainJobCreate | ScriptJobCreate, key: str) -> str | None:
+    """The search-space key an unknown ``key`` most likely means: a field of the same
+    section when the section is right (``parameters.epoch``: ``parameters.epochs``), else
+    the closest key of all."""
+    keys = _search_keys(spec)
+    section, _, name = key.partition(".")
+    fields = [k.partition(".")[2] for k in keys if k.partition(".")[0] == section]
+    if fields and name:
+        found = closest_name(name, fields)
+        return None if found is None else f"{section}.{found}"
+    return closest_name(key, keys)
 
 
 def _field_info(job_type: str, path: list[str]) -> Any:
@@ -172,7 +219,12 @@ def _check_key(spec: TrainJobCreate | ScriptJobCreate, raw_job: dict[str, Any], 
         hint = ", ".join(f"{s}.<field>" for s in sections)
         if isinstance(spec, ScriptJobCreate):
             hint += ", command_args.<NAME>"
-        raise _invalid(where, f"unknown key {key!r}: not a field of a {spec.type} job a search may set", hint)
+        raise _invalid(
+            where,
+            f"unknown key {key!r}: not a field of a {spec.type} job a search may set",
+            hint,
+            _suggested_key(spec, key),
+        )
     _check_type(spec.type, key, rng)
     allowed = _allowed_at(raw_job, path)
     base = spec.model_dump(mode="json", exclude_none=True)

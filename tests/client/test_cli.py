@@ -256,6 +256,10 @@ def test_logs_metrics_and_cluster(
     watched, err = watch.communicate(timeout=60)
     assert watch.returncode == 0, err
     lines = watched.strip().splitlines()
+    # On a pipe too: a plain line for each status before the end (the end has its own).
+    statuses = [line for line in lines if line.startswith(f"-- job {job_id} ")]
+    assert [line.split()[3] for line in statuses] == ["queued", "scheduled", "running"], lines
+    lines = [line for line in lines if line not in statuses]
     # Before the first epoch ends: the step it reached (one line, not one per point).
     assert lines[0].startswith("-- epoch 1/5  step 100  train.loss 0.0909"), lines
     assert sum(line.startswith("-- epoch") for line in lines) == 1

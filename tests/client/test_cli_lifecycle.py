@@ -95,8 +95,9 @@ def test_a_finished_job_tags_note_show_clone_tail_since_and_delete(
         # what a new user meets
         short = fails(cli(env, "show", job_id[:3]), "NotFoundError")
         assert "an id prefix needs at least 4 characters" in short
-        cancelled = cli(env, "cancel", job_id)
-        assert cancelled.returncode == 1 and "had already ended (failed)" in cancelled.stderr
+        cancelled = cli(env, "cancel", job_id)  # no failure: it says so (as `sweep cancel` does)
+        assert cancelled.returncode == 0 and "had already ended (failed)" in cancelled.stderr
+        assert cancelled.stdout == f"{job_id} failed\n"
         unknown = cli(env, "metrics", job_id, "--name", "val.loss", "--name", "nope")
         assert unknown.returncode == 1 and "has no metric 'nope'" in unknown.stderr
         assert "epoch.seconds, train.loss, val.loss" in unknown.stderr

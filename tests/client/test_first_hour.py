@@ -341,7 +341,11 @@ class TestCommandLine:
         watched, err = watch.communicate(timeout=60)
         assert watch.returncode == 0, err
         lines = watched.rstrip("\n").splitlines()
-        # Step lines (`metrics --watch` on a pipe, while an epoch runs) aside: the table.
+        # Status lines and step lines (`metrics --watch` on a pipe, while an epoch runs)
+        # aside: the table.
+        statuses = [line for line in lines if line.startswith(f"-- job {job_id} ")]
+        assert statuses[-1] == f"-- job {job_id} running (ranks started on {agent.name})", lines
+        lines = [line for line in lines if line not in statuses]
         steps = [line for line in lines if line.startswith("-- ")]
         assert all(line.startswith("-- epoch") and "  step " in line for line in steps), steps
         lines = [line for line in lines if not line.startswith("-- ")]

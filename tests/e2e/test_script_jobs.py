@@ -110,13 +110,15 @@ def test_per_process_1x2_variables_metrics_logs_and_outputs(env: ScriptEnv, tmp_
         single = client.download_outputs(job_id, tmp_path / "rank-0.json", path="rank-0.json")
     assert hashlib.sha256(whole.read_bytes()).hexdigest() == job["outputs_sha256"]
     assert json.loads(single.read_text())["RANK"] == "0"
-    # The same through the command line: torchyard download JOB --outputs [--path F].
+    # The same through the command line: torchyard download JOB --outputs [-o DIR or
+    # NAME.tar.gz] [--path F]: unpacked into a new directory, or the archive as it is.
     cli_dir = tmp_path / "cli"
     cli_dir.mkdir()
     cli_env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
     cli_env.update(TORCHYARD_URL=env.server.url, TORCHYARD_TOKEN=env.user.headers["Authorization"].split()[1])
     for args, name in (
-        (["--outputs"], f"outputs-{job_id}.tar.gz"),
+        (["--outputs"], f"outputs-{job_id}"),
+        (["--outputs", "-o", "outputs.tar.gz"], "outputs.tar.gz"),
         (["--outputs", "--path", "rank-1.json"], "rank-1.json"),
     ):
         done = subprocess.run(
@@ -125,9 +127,10 @@ def test_per_process_1x2_variables_metrics_logs_and_outputs(env: ScriptEnv, tmp_
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == name
-    got = (cli_dir / f"outputs-{job_id}.tar.gz").read_bytes()
+    got = (cli_dir / "outputs.tar.gz").read_bytes()
     assert hashlib.sha256(got).hexdigest() == job["outputs_sha256"]
     assert json.loads((cli_dir / "rank-1.json").read_text())["RANK"] == "1"
+    assert json.loads((cli_dir / f"outputs-{job_id}" / "rank-1.json").read_text())["RANK"] == "1"
     missing_cli = subprocess.run(
         [sys.executable, "-m", "torchyard.cli", "download", job_id, "--outputs", "--path", "nope.txt"],
         env=cli_env, cwd=cli_dir, capture_output=True, text=True, timeout=120, check=False,

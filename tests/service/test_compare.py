@@ -147,7 +147,7 @@ def test_cli_text_shows_differing_parameters_and_results(
         params={"ids": f"{a.job_id},{b.job_id}", "metrics": "val.top1"},
         headers=auth(user),
     ).json()
-    text = comparison_text(JobComparison.model_validate(body))
+    text = comparison_text(JobComparison.model_validate(body), width=200)
     lines = text.splitlines()
     assert lines[0].split() == ["PARAMETER", a.job_id[:8], b.job_id[:8]]
     assert lines[1].split() == ["parameters.learning_rate", "0.1", "0.01"]

@@ -185,6 +185,32 @@ def test_unknown_fields_are_refused(
     assert client.get("/v1/jobs").json()["items"] == []
 
 
+@pytest.mark.parametrize(
+    ("overrides", "field", "suggestion"),
+    [
+        ({"parameters": {"epoch": 3}}, "parameters.epoch", "parameters.epochs"),
+        ({"parameters": {"learningrate": 0.1}}, "parameters.learningrate", "parameters.learning_rate"),
+        ({"resources": {"node_cont": 1}}, "resources.node_cont", "resources.node_count"),
+        ({"modle": {"architecture": "resnet18"}}, "modle", "model"),
+        ({"type": "script", "code": "x", "command": ["true"], "input": {}}, "input", "inputs"),
+    ],
+)
+def test_an_unknown_field_names_the_field_it_most_likely_means(
+    client: TestClient, ready: dict[str, str], overrides: dict[str, Any], field: str, suggestion: str
+) -> None:
+    """As an unknown architecture does: in the message and in the error's own fields."""
+    r = _submit(client, ready, **overrides)
+    assert r.status_code == 422, r.text
+    body = r.json()
+    err = next(e for e in body["errors"] if e["field"] == field)
+    assert err["type"] == "extra_forbidden" and err["suggestion"] == suggestion
+    assert err["message"] == f"unknown field {field!r}: did you mean {suggestion!r}?"
+    assert f"did you mean {suggestion!r}?" in body["message"]
+    # Nothing close: no guess.
+    far = _submit(client, ready, parameters={"momentum": 0.9}).json()["errors"][0]
+    assert far["message"] == "unknown field 'parameters.momentum'" and "suggestion" not in far
+
+
 def test_unknown_architecture(client: TestClient, ready: dict[str, str]) -> None:
     r = _submit(client, ready, model={"architecture": "resnet19"})
     assert r.status_code == 422

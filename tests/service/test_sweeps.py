@@ -191,6 +191,36 @@ def test_bad_search_spaces_are_422_naming_the_field_and_store_nothing(
         assert session.scalars(select(Job)).first() is None
 
 
+@pytest.mark.parametrize(
+    ("key", "suggestion"),
+    [
+        ("parameters.epoch", "parameters.epochs"),
+        ("parameters.learningrate", "parameters.learning_rate"),
+        ("paramters.batch_size", "parameters.batch_size"),
+        ("resources.node_cont", "resources.node_count"),
+    ],
+)
+def test_an_unknown_search_space_key_names_the_key_it_most_likely_means(
+    client: TestClient, user: tuple[str, str], key: str, suggestion: str
+) -> None:
+    token, dataset = user
+    space = {key: {"type": "int", "low": 1, "high": 2}}
+    r = client.post("/v1/sweeps", json=_body(dataset, search_space=space), headers=auth(token))
+    assert r.status_code == 422, r.text
+    body = r.json()
+    assert body["details"]["field"] == f"search_space.{key}"
+    assert body["details"]["suggestion"] == suggestion
+    assert f"unknown key {key!r}" in body["message"] and f"did you mean {suggestion!r}?" in body["message"]
+    # An unknown field of the sweep's job: the field of the job it most likely means.
+    job = _body(dataset)["job"]
+    job["parameters"] = {"epoch": 2}
+    r = client.post("/v1/sweeps", json=_body(dataset, job=job), headers=auth(token))
+    assert r.status_code == 422, r.text
+    details = r.json()["details"]
+    assert details["field"] == "job.parameters.epoch" and details["suggestion"] == "job.parameters.epochs"
+    assert details["message"] == "unknown field 'job.parameters.epoch': did you mean 'job.parameters.epochs'?"
+
+
 def test_unknown_dataset_is_a_404_and_stores_nothing(
     client: TestClient, user: tuple[str, str], db: Database
 ) -> None:

@@ -29,20 +29,34 @@ class JobCalls:
         status: str | Sequence[str] | None = None,
         limit: int | None = None,
         cursor: str | None = None,
+        tag: str | Sequence[str] | None = None,
+        sweep: str | None = None,
     ) -> Page[Job]:
+        """A page of jobs, newest first: with ``status`` one of these, with ``tag`` every one
+        of these tags, with ``sweep`` the trials of that sweep (id, name or id prefix)."""
         params: dict[str, Any] = {}
         if status:
             params["status"] = _one_or_many(status)
+        if tag:
+            params["tag"] = _one_or_many(tag)
+        if sweep:
+            params["sweep"] = sweep
         if limit is not None:
             params["limit"] = limit
         if cursor:
             params["cursor"] = cursor
         return Page[Job].model_validate(self._transport.json("GET", "/v1/jobs", params=params))
 
-    def iter_jobs(self, *, status: str | Sequence[str] | None = None) -> Iterator[Job]:
+    def iter_jobs(
+        self,
+        *,
+        status: str | Sequence[str] | None = None,
+        tag: str | Sequence[str] | None = None,
+        sweep: str | None = None,
+    ) -> Iterator[Job]:
         cursor: str | None = None
         while True:
-            page = self.list_jobs(status=status, limit=200, cursor=cursor)
+            page = self.list_jobs(status=status, limit=200, cursor=cursor, tag=tag, sweep=sweep)
             yield from page.items
             if not page.next_cursor:
                 return

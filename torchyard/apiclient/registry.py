@@ -26,6 +26,8 @@ class ModelVersion(ApiModel):
     image_size: int = 0
     sha256: str = ""
     onnx: bool = False
+    # The best validation top-1 (0-1) its job reported; None where it reported none.
+    top1: float | None = None
 
 
 class RegisteredModel(ApiModel):

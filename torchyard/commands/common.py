@@ -8,13 +8,13 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from torchyard.client import Client, missing_token_message
-from torchyard.contract.errors import AuthenticationError
+from torchyard.contract.errors import AuthenticationError, TorchyardError
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -89,17 +89,36 @@ def _note(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def add_client_options(parser: argparse.ArgumentParser, *, default: Any = None) -> None:
+    """``--url``, ``--token`` and ``--json`` on ``parser``, each with ``default`` (``--json``:
+    False when ``default`` is None)."""
+    conn = parser.add_argument_group("connection")
+    conn.add_argument(
+        "--url", default=default, help="API URL (default: $TORCHYARD_URL, else http://127.0.0.1:8000)"
+    )
+    conn.add_argument(
+        "--token",
+        default=default,
+        help="API token (default: $TORCHYARD_TOKEN, else <data dir>/admin.token)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        default=False if default is None else default,
+        help="machine-readable JSON output",
+    )
+
+
 def client_options() -> argparse.ArgumentParser:
-    """Options shared by every command that talks to the API."""
+    """Options shared by every command that talks to the API. The ``torchyard`` parser has
+    them too, with their defaults: here they default to nothing (``SUPPRESS``), so that a
+    value given before the command (``torchyard --url U jobs``) is kept, and one given
+    after it (``torchyard jobs --url U``) is taken."""
     parent = argparse.ArgumentParser(add_help=False)
-    conn = parent.add_argument_group("connection")
-    conn.add_argument(
-        "--url", default=None, help="API URL (default: $TORCHYARD_URL, else http://127.0.0.1:8000)"
+    add_client_options(parent, default=argparse.SUPPRESS)
+    parent.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging"
     )
-    conn.add_argument(
-        "--token", default=None, help="API token (default: $TORCHYARD_TOKEN, else <data dir>/admin.token)"
-    )
-    parent.add_argument("--json", action="store_true", help="machine-readable JSON output")
     return parent
 
 
@@ -194,3 +213,25 @@ def _resolve_datasets(client: Client, spec: dict[str, Any]) -> None:
     model = spec.get("model")
     if isinstance(model, dict) and isinstance(model.get("init_from_job"), str) and model["init_from_job"]:
         model["init_from_job"] = client.get_job(model["init_from_job"]).id
+
+
+def dataset_names(client: Client, ids: Iterable[Any]) -> dict[str, str]:
+    """The names of the datasets of these ids, those that can still be read (a deleted
+    dataset is left out: it is shown by its id)."""
+    names: dict[str, str] = {}
+    for dataset_id in dict.fromkeys(i for i in ids if isinstance(i, str) and i):
+        try:
+            names[dataset_id] = client.get_dataset(dataset_id).name
+        except TorchyardError as exc:
+            if exc.status_code != 404:
+                raise
+    return names
+
+
+def dataset_text(dataset_id: Any, names: Mapping[str, str], *, with_id: bool = True) -> str:
+    """A dataset as people know it: ``digits-train (0123abcd)``, its name and the start of
+    its id (which every command takes); its id alone when its name is not known."""
+    if not isinstance(dataset_id, str) or dataset_id not in names:
+        return "-" if dataset_id is None else str(dataset_id)
+    name = names[dataset_id]
+    return f"{name} ({dataset_id[:8]})" if with_id else name

@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +21,19 @@ from torchyard.commands.common import (
     _note,
     _print_json,
     _resolve_datasets,
+    dataset_names,
+    dataset_text,
     load_spec,
     parse_value,
     set_path,
 )
+from torchyard.contract.archive import (
+    MAX_OUTPUTS_FILES,
+    MAX_OUTPUTS_UNCOMPRESSED_BYTES,
+    ExtractionLimits,
+    extract_archive,
+)
+from torchyard.contract.errors import InvalidDatasetError, TorchyardError
 from torchyard.contract.jobspec import JobKind
 from torchyard.terminal import (
     LiveProgress,
@@ -126,19 +138,39 @@ def _best_top1(job: Job) -> str:
     return f"{float(value):.2%}" if isinstance(value, int | float) else "-"
 
 
+# The widest the TAGS column of ``torchyard jobs`` gets: more is cut short with "…".
+TAGS_WIDTH = 24
+
+
+def tags_text(tags: list[str], width: int = TAGS_WIDTH) -> str:
+    """A job's tags for a table column: ``a,b,c``, cut short with ``…`` past ``width``."""
+    text = ",".join(tags)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 def _jobs(args: argparse.Namespace) -> int:
+    filters: dict[str, Any] = {"status": args.status, "tag": args.tag, "sweep": args.sweep}
     with _client(args) as client:
         if args.all:
-            items = list(client.iter_jobs(status=args.status))
+            items = list(client.iter_jobs(**filters))
         else:
-            items = client.list_jobs(status=args.status, limit=args.limit).items
+            items = client.list_jobs(limit=args.limit, **filters).items
     if args.json:
         _print_json(items)
         return 0
     rows = [
-        (j.id, j.name, j.status, _progress_text(j), _best_top1(j), format_time(j.created_at)) for j in items
+        (
+            j.id,
+            j.name,
+            j.status,
+            _progress_text(j),
+            _best_top1(j),
+            tags_text(j.tags) or "-",
+            format_time(j.created_at),
+        )
+        for j in items
     ]
-    print(format_table(["ID", "NAME", "STATUS", "PROGRESS", "BEST TOP-1", "CREATED"], rows))
+    print(format_table(["ID", "NAME", "STATUS", "PROGRESS", "BEST TOP-1", "TAGS", "CREATED"], rows))
     return 0
 
 
@@ -173,7 +205,19 @@ def _kv(value: Any) -> str:
     return str(value)
 
 
-def print_job(job: Job) -> None:
+def job_dataset_ids(job: Job) -> list[str]:
+    """The ids of the datasets a job names: training and validation, an evaluation's
+    dataset, a script job's inputs."""
+    inputs = (job.model_extra or {}).get("inputs")
+    found = [job.train_dataset, job.validation_dataset, job.dataset]
+    if isinstance(inputs, dict):
+        found += list(inputs.values())
+    return [i for i in found if isinstance(i, str) and i]
+
+
+def print_job(job: Job, datasets: Mapping[str, str] | None = None) -> None:
+    """What ``show`` prints; ``datasets`` names the datasets by id (else ids are shown)."""
+    names = datasets or {}
     print(f"id:          {job.id}")
     print(f"name:        {job.name}")
     print(f"status:      {job.status}")
@@ -191,12 +235,19 @@ def print_job(job: Job) -> None:
         print(f"code:        {job.code}")
         print(f"command:     {shlex.join(job.command or [])}")
         if extra.get("inputs"):
-            print(f"inputs:      {_kv(extra['inputs'])}")
+            inputs = ", ".join(f"{k}={dataset_text(v, names)}" for k, v in extra["inputs"].items())
+            print(f"inputs:      {inputs}")
         if job.outputs_sha256:
             print(f"outputs:     sha256 {job.outputs_sha256} ({human_bytes(job.outputs_size or 0)})")
+    elif job.type == JobKind.EVALUATE:
+        print(f"model:       {job.model}")
+        print(f"dataset:     {dataset_text(job.dataset, names)}")
     else:
         print(f"model:       {_kv(job.model)}")
-        print(f"datasets:    train {job.train_dataset}, validation {job.validation_dataset}")
+        print(
+            f"datasets:    train {dataset_text(job.train_dataset, names)}, "
+            f"validation {dataset_text(job.validation_dataset, names)}"
+        )
         print(f"parameters:  {_kv(job.parameters)}")
     print(f"resources:   {_kv(job.resources)}")
     _print_outcome(job)
@@ -285,10 +336,11 @@ def _print_times(job: Job) -> None:
 def _show(args: argparse.Namespace) -> int:
     with _client(args) as client:
         job = client.get_job(args.id)
-    if args.json:
-        _print_json(job)
-    else:
-        print_job(job)
+        if args.json:
+            _print_json(job)
+            return 0
+        names = dataset_names(client, job_dataset_ids(job))
+    print_job(job, names)
     return 0
 
 
@@ -341,27 +393,63 @@ def _clone(args: argparse.Namespace) -> int:
 
 
 def _cancel(args: argparse.Namespace) -> int:
+    """Cancel a job; one that had already ended is left as it is, said on stderr, and is
+    no failure (exit status 0), as with ``sweep cancel``."""
     with _client(args) as client:
         before = client.get_job(args.id)
         job = client.cancel_job(before.id)
         if args.wait and not job.is_final:
             job = client.wait(job.id)
-    ended = before.is_final and before.status != "cancelled"
-    if args.json:
-        _print_json(job)
-    elif ended:
+    if before.is_final and before.status != "cancelled":
         _note(f"job {job.id} had already ended ({job.status}): there was nothing to cancel")
-    else:
-        print(f"{job.id} {job.status}")
-    return 1 if ended else 0
+    return _answer(args, job, f"{job.id} {job.status}")
+
+
+# ``download --outputs -o NAME``: a NAME with one of these endings is the archive itself.
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz")
+
+
+def unpack_outputs(archive: Path, target: Path) -> Path:
+    """Unpack a downloaded outputs archive into the new folder ``target``: regular files and
+    folders only, every member inside it (no link, no absolute path or ``..``), within the
+    outputs' limits; on any refusal nothing is left. A folder appears whole or not at all."""
+    limits = ExtractionLimits(max_bytes=MAX_OUTPUTS_UNCOMPRESSED_BYTES, max_files=MAX_OUTPUTS_FILES)
+    try:
+        unpacked = extract_archive(archive, target.parent, limits)
+    except InvalidDatasetError as exc:  # the archive's checks speak of datasets
+        raise TorchyardError(f"the outputs archive was not unpacked: {exc.message}") from exc
+    try:
+        if target.is_dir():
+            target.rmdir()  # empty: checked before the download
+        os.replace(unpacked, target)
+    except OSError:
+        shutil.rmtree(unpacked, ignore_errors=True)
+        raise
+    mask = os.umask(0)
+    os.umask(mask)
+    target.chmod(0o777 & ~mask)  # made under a temporary name, private until now
+    return target
 
 
 def _download_outputs(args: argparse.Namespace) -> int:
     with _client(args) as client:
         job = client.get_job(args.id)
-        default = Path(args.path).name if args.path else f"outputs-{job.id}.tar.gz"
-        out = Path(args.output) if args.output else Path(default)
-        path = client.download_outputs(job.id, out, path=args.path)
+        if args.path:  # one file of the outputs, as it is
+            out = Path(args.output) if args.output else Path(Path(args.path).name)
+            path = client.download_outputs(job.id, out, path=args.path)
+            return _answer(args, {"job": job.id, "path": str(path), "sha256": job.outputs_sha256}, path)
+        out = Path(args.output) if args.output else Path(f"outputs-{job.id}")
+        if out.name.endswith(ARCHIVE_SUFFIXES):  # the archive as the service keeps it
+            path = client.download_outputs(job.id, out)
+            return _answer(args, {"job": job.id, "path": str(path), "sha256": job.outputs_sha256}, path)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise FileExistsError(f"{out} already exists and is not empty")
+        archive = client.download_outputs(job.id, out.with_name(out.name + ".tar.gz"))
+    try:
+        path = unpack_outputs(archive, out)
+    finally:
+        if not args.keep_archive:
+            archive.unlink(missing_ok=True)
     return _answer(args, {"job": job.id, "path": str(path), "sha256": job.outputs_sha256}, path)
 
 
@@ -423,6 +511,12 @@ def register(
 
     jobs = sub.add_parser("jobs", parents=[common], help="list jobs, newest first")
     jobs.add_argument("--status", action="append", help="only jobs with this status (repeatable)")
+    jobs.add_argument(
+        "--tag", action="append", help="only jobs with this tag (repeatable: jobs with every one of them)"
+    )
+    jobs.add_argument(
+        "--sweep", metavar="SWEEP", help="only the trials of this sweep (id, name or id prefix)"
+    )
     jobs.add_argument("--limit", type=int, default=50)
     jobs.add_argument("--all", action="store_true", help="every page")
     jobs.set_defaults(handler=_jobs)
@@ -465,18 +559,32 @@ def register(
     clone.add_argument("--follow", "-f", action="store_true", help="show live progress until the job ends")
     clone.set_defaults(handler=_clone)
 
-    cancel = sub.add_parser("cancel", parents=[common], help="cancel a job (idempotent)")
+    cancel = sub.add_parser(
+        "cancel",
+        parents=[common],
+        help="cancel a job (idempotent; a job that had already ended is said so, exit status 0)",
+    )
     cancel.add_argument("id", metavar="JOB", help=_JOB_HELP)
     cancel.add_argument("--wait", action="store_true", help="wait until the job is cancelled")
     cancel.set_defaults(handler=_cancel)
     download = sub.add_parser(
-        "download", parents=[common], help="download, verify and unpack a succeeded job's model directory"
+        "download",
+        parents=[common],
+        help="download, verify and unpack a succeeded job's model directory (or a script job's outputs)",
+        description="Download a job's model directory, or with --outputs a script job's outputs "
+        "folder: checked against its sha256 and unpacked into a new directory (-o). With --outputs, "
+        "an -o ending in .tar.gz or .tgz is the archive itself, not unpacked; --path gets one file.",
     )
     download.add_argument("id", metavar="JOB", help=_JOB_HELP)
-    download.add_argument("-o", "--output", help="directory to create (default: ./model-<job id>)")
+    download.add_argument(
+        "-o",
+        "--output",
+        help="directory to create (default: ./model-<job id>, with --outputs ./outputs-<job id>); "
+        "with --outputs, NAME.tar.gz or NAME.tgz keeps the archive as it is instead",
+    )
     download.add_argument("--keep-archive", action="store_true", help="keep the .tar.gz beside the directory")
     download.add_argument(
-        "--outputs", action="store_true", help="a script job's outputs folder as .tar.gz instead of a model"
+        "--outputs", action="store_true", help="a script job's outputs folder instead of a model"
     )
-    download.add_argument("--path", help="with --outputs: only this file of the outputs")
+    download.add_argument("--path", help="with --outputs: only this file of the outputs, as it is")
     download.set_defaults(handler=_download)

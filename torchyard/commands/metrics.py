@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from torchyard.client import Client, Event, JobComparison, MetricPoint
-from torchyard.commands.common import _JOB_HELP, _answer, _client, _print_json
+from torchyard.commands.common import (
+    _JOB_HELP,
+    _client,
+    _print_json,
+    dataset_names,
+    dataset_text,
+)
 from torchyard.terminal import (
     EpochLines,
     EpochTable,
@@ -55,7 +62,15 @@ def _metrics(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     with _client(args) as client:
         comparison = client.compare(args.ids, metrics=args.metric)
-    return _answer(args, comparison, comparison_text(comparison))
+        if args.json:
+            _print_json(comparison)
+            return 0
+        names = dataset_names(
+            client,
+            (j.parameters.get(k) for j in comparison.jobs for k in comparison.differing if _is_dataset(k)),
+        )
+    print(comparison_text(comparison, datasets=names))
+    return 0
 
 
 def _shown(value: Any) -> str:
@@ -64,37 +79,175 @@ def _shown(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def comparison_text(comparison: JobComparison) -> str:
-    """What ``torchyard compare`` prints: the parameters that differ, then one row per job
-    with its status, duration, images/s and each metric's best (epoch) and final value."""
+# Spec keys (as ``compare`` flattens them) that hold a dataset's id.
+_DATASET_KEYS = frozenset({"train_dataset", "validation_dataset", "dataset"})
+
+
+def _is_dataset(key: str) -> bool:
+    return key in _DATASET_KEYS or key.startswith("inputs.")
+
+
+# Metrics where a higher value is a better model (the last part of the name), and those
+# where a lower one is; any other metric (time, learning rate, throughput) is not ranked.
+_HIGHER_IS_BETTER = frozenset({"top1", "top5", "accuracy", "acc", "f1", "precision", "recall", "auc", "iou"})
+
+
+def quality_goal(metric: str) -> str | None:
+    """``max`` for an accuracy, ``min`` for a loss, None for a metric that says nothing of
+    how good a model is (``epoch.seconds``, ``train.lr``, ``train.images_per_sec``)."""
+    last = metric.rsplit(".", 1)[-1].lower()
+    if last.endswith("loss"):
+        return "min"
+    if last in _HIGHER_IS_BETTER or last.endswith(("_acc", "_accuracy", "_top1", "_top5")):
+        return "max"
+    return None
+
+
+def _ranked(comparison: JobComparison, metric: str) -> str | None:
+    """The way a metric is ranked by ``compare``: a quality metric whose best value the
+    service picked the same way; None for the others (their final value alone is shown)."""
+    goal = quality_goal(metric)
+    return goal if goal is not None and comparison.goals.get(metric, goal) == goal else None
+
+
+def _best_text(metric: Any) -> str:
+    best = metric.best if metric else None
+    return "-" if best is None else f"{best.value:.4g} (epoch {best.epoch})"
+
+
+def _final_text(metric: Any) -> str:
+    final = metric.final if metric else None
+    return "-" if final is None else f"{final.value:.4g}"
+
+
+# The narrowest a column of ``compare`` is cut to before another layout is taken.
+MIN_COLUMN = 8
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+
+
+def fit_table(
+    headers: Sequence[str], rows: Sequence[Sequence[Any]], width: int, shrink: Sequence[int] = ()
+) -> str | None:
+    """:func:`format_table` in at most ``width`` columns, cutting the cells of the
+    ``shrink`` columns (widest first, down to :data:`MIN_COLUMN`) with ``…``; None when even
+    that is too wide."""
+    cells = [[_shown(v) if not isinstance(v, str) else v for v in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    floor = {i: max(len(headers[i]), MIN_COLUMN) for i in shrink}
+    total = sum(widths) + 2 * (len(widths) - 1)
+    while total > width:
+        cuttable = [i for i in shrink if widths[i] > floor[i]]
+        if not cuttable:
+            return None
+        widest = max(cuttable, key=lambda i: widths[i])
+        widths[widest] -= 1
+        total -= 1
+    return format_table(headers, [[_cut(v, widths[i]) for i, v in enumerate(row)] for row in cells])
+
+
+def comparison_text(
+    comparison: JobComparison, *, width: int | None = None, datasets: Mapping[str, str] | None = None
+) -> str:
+    """What ``torchyard compare`` prints, in ``width`` columns (default: the terminal's):
+    the parameters that differ (datasets by name), one row per job with its status,
+    duration and images/s, and each metric's best (epoch) and final value: beside the jobs
+    when that fits, else one row per metric and job. Only accuracies (highest best) and
+    losses (lowest best) are ranked; other metrics show their final value."""
+    width = width or shutil.get_terminal_size().columns
     jobs = comparison.jobs
     labels = [j.id[:8] for j in jobs]
-    if comparison.differing:
-        rows = [[key, *(_shown(j.parameters.get(key)) for j in jobs)] for key in comparison.differing]
-        parameters = format_table(["PARAMETER", *labels], rows)
-    else:
-        parameters = "no parameter differs"
+    return "\n\n".join(
+        [
+            _parameters_text(comparison, labels, width, datasets or {}),
+            _results_text(comparison, labels, width),
+        ]
+    )
+
+
+def _parameter_cells(comparison: JobComparison, key: str, datasets: Mapping[str, str]) -> list[str]:
+    values = [j.parameters.get(key) for j in comparison.jobs]
+    if not _is_dataset(key):
+        return [_shown(v) for v in values]
+    # A name alone, unless two different datasets of the row share it.
+    named = {v: datasets[v] for v in values if isinstance(v, str) and v in datasets}
+    shared = {name for v, name in named.items() if any(w != v and n == name for w, n in named.items())}
+    return [
+        dataset_text(v, datasets, with_id=isinstance(v, str) and named.get(v, "") in shared) for v in values
+    ]
+
+
+def _parameters_text(
+    comparison: JobComparison, labels: list[str], width: int, datasets: Mapping[str, str]
+) -> str:
+    if not comparison.differing:
+        return "no parameter differs"
+    cells = {key: _parameter_cells(comparison, key, datasets) for key in comparison.differing}
+    rows = [[key, *cells[key]] for key in comparison.differing]
+    wide = fit_table(["PARAMETER", *labels], rows, width)
+    if wide is not None:
+        return wide
+    # Too wide with a column per job: a row per parameter and job, long values cut short.
+    long = [
+        [key if i == 0 else "", label, value]
+        for key in comparison.differing
+        for i, (label, value) in enumerate(zip(labels, cells[key], strict=True))
+    ]
+    return fit_table(["PARAMETER", "JOB", "VALUE"], long, width, shrink=(0, 2)) or format_table(
+        ["PARAMETER", "JOB", "VALUE"], long
+    )
+
+
+def _results_text(comparison: JobComparison, labels: list[str], width: int) -> str:
     headers = ["JOB", "NAME", "STATUS", "DURATION", "IMAGES/S"]
-    for name in comparison.metrics:
-        goal = comparison.goals.get(name, "max")
-        headers += [f"{name} BEST ({goal})", f"{name} FINAL"]
-    rows = []
-    for label, job in zip(labels, jobs, strict=True):
-        row: list[Any] = [
+    rows: list[list[str]] = [
+        [
             label,
             job.name,
             job.status,
             format_duration(job.duration_s),
             "-" if job.images_per_sec is None else f"{job.images_per_sec:.1f}",
         ]
-        for name in comparison.metrics:
+        for label, job in zip(labels, comparison.jobs, strict=True)
+    ]
+    goals = {name: _ranked(comparison, name) for name in comparison.metrics}
+    # The ranked metrics (accuracies, losses) first, then the others, each in the given order.
+    metrics = sorted(comparison.metrics, key=lambda name: goals[name] is None)
+    wide_headers = list(headers)
+    wide_rows = [list(row) for row in rows]
+    for name in metrics:
+        if goals[name]:
+            wide_headers.append(f"{name} BEST ({goals[name]})")
+        wide_headers.append(f"{name} FINAL")
+        for row, job in zip(wide_rows, comparison.jobs, strict=True):
             metric = job.metrics.get(name)
-            best = metric.best if metric else None
-            final = metric.final if metric else None
-            row.append("-" if best is None else f"{best.value:.4g} (epoch {best.epoch})")
-            row.append("-" if final is None else f"{final.value:.4g}")
-        rows.append(row)
-    return f"{parameters}\n\n{format_table(headers, rows)}"
+            if goals[name]:
+                row.append(_best_text(metric))
+            row.append(_final_text(metric))
+    wide = fit_table(wide_headers, wide_rows, width, shrink=(1,))
+    if wide is not None:
+        return wide
+    jobs_table = fit_table(headers, rows, width, shrink=(1,)) or format_table(headers, rows)
+    if not metrics:
+        return jobs_table
+    # Too wide with the metrics beside the jobs: a row per metric and job below them.
+    metric_rows = [
+        [
+            (name + (f" ({goals[name]})" if goals[name] else "")) if i == 0 else "",
+            label,
+            _best_text(job.metrics.get(name)) if goals[name] else "",
+            _final_text(job.metrics.get(name)),
+        ]
+        for name in metrics
+        for i, (label, job) in enumerate(zip(labels, comparison.jobs, strict=True))
+    ]
+    metric_headers = ["METRIC", "JOB", "BEST", "FINAL"]
+    metrics_table = fit_table(metric_headers, metric_rows, width, shrink=(0,)) or format_table(
+        metric_headers, metric_rows
+    )
+    return f"{jobs_table}\n\n{metrics_table}"
 
 
 def _watch_metrics(client: Client, args: argparse.Namespace) -> int:
@@ -102,6 +255,7 @@ def _watch_metrics(client: Client, args: argparse.Namespace) -> int:
     otherwise (a pipe or a file), each with the elapsed training time and the time left."""
     job = client.get_job(args.id)  # the full id, whatever the user typed, and the epoch count
     view = _MetricsView(job.id, job.parameters.get("epochs"), as_json=args.json)
+    view.wait_reason = job.reason if job.status == "queued" else None
     for event in client.events(job.id, logs=False):
         if event.kind == "metric":
             if args.name and event.data.get("name") not in args.name:
@@ -140,6 +294,10 @@ class _MetricsView:
         # The newest training step seen: (epoch, step, train.loss), shown until its epoch ends.
         self.step: tuple[int, int, float] | None = None
         self._step_shown_at: float | None = None
+        # Why the job waits in the queue (the job's ``reason`` when the watch began), and
+        # the last status a line was printed for (on a pipe or in a file).
+        self.wait_reason: str | None = None
+        self._status_shown: str | None = None
 
     def note_point(self, data: dict[str, Any]) -> None:
         if data.get("name") == "train.loss" and int(data.get("rank", 0)) == 0:
@@ -182,6 +340,7 @@ class _MetricsView:
             return
         if requeue:
             print(requeue, flush=True)
+        self._print_status(event, shown=requeue is not None)
         self._print_step()
         for epoch in sorted(self.table.rows):
             if epoch in self.printed or not (self.table.is_complete(epoch) or event.is_final):
@@ -191,6 +350,23 @@ class _MetricsView:
                 print(self.lines.header())
             print(self.lines.row(epoch), flush=True)
             self.printed.add(epoch)
+
+    def _print_status(self, event: Event, *, shown: bool) -> None:
+        """A line for each status the job goes through before it ends (``-- job ID queued
+        (waiting for ...)``), once per change: what a terminal shows at the top of its table
+        (the final status has its own line at the end)."""
+        if event.kind != "status" or event.is_final:
+            return
+        status = str(event.data.get("status"))
+        if status == self._status_shown:
+            return
+        self._status_shown = status
+        if shown:  # a requeue has its own line
+            return
+        text = describe_status(event.data)
+        if status == "queued" and self.wait_reason:
+            text = f"queued ({self.wait_reason})"
+        print(f"-- job {self.job_id} {text}", flush=True)
 
     def _print_step(self) -> None:
         """A line with the step reached, while no epoch has ended yet or an epoch is long:

@@ -77,13 +77,14 @@ def _version_row(v: ModelVersion) -> list[str]:
         str(v.version),
         v.architecture,
         str(len(v.classes)),
+        "-" if v.top1 is None else f"{v.top1:.2%}",
         "yes" if v.onnx else "no",
         v.job_id[:12],
         str(created)[:19],
     ]
 
 
-_VERSION_HEADER = ["NAME", "VERSION", "ARCHITECTURE", "CLASSES", "ONNX", "JOB", "CREATED"]
+_VERSION_HEADER = ["NAME", "VERSION", "ARCHITECTURE", "CLASSES", "TOP-1", "ONNX", "JOB", "CREATED"]
 
 
 def _model_register(args: argparse.Namespace) -> int:

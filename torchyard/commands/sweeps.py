@@ -142,8 +142,12 @@ def _trials(args: argparse.Namespace) -> int:
 
 
 def _cancel(args: argparse.Namespace) -> int:
+    """Cancel a sweep; one that had already ended is left as it is, said on stderr, and is
+    no failure (exit status 0), as with ``cancel`` of a job."""
     with _client(args) as client:
         sweep = client.cancel_sweep(args.id)
+    if sweep.status != "cancelled":  # only a running sweep is cancelled
+        _note(f"sweep {sweep.id} had already ended ({sweep.status}): there was nothing to cancel")
     return _answer(args, sweep, f"sweep {sweep.id} {sweep.status}")
 
 
@@ -180,6 +184,10 @@ def register(
     trials.add_argument("id", help="sweep id, name or id prefix")
     trials.add_argument("--sort", choices=["number", "value"], default="number", help="order of the rows")
     trials.set_defaults(handler=_trials)
-    cancel = sweep_sub.add_parser("cancel", parents=[common], help="cancel a sweep and every live trial")
+    cancel = sweep_sub.add_parser(
+        "cancel",
+        parents=[common],
+        help="cancel a sweep and every live trial (a sweep that had already ended is said so, exit status 0)",
+    )
     cancel.add_argument("id", help="sweep id, name or id prefix")
     cancel.set_defaults(handler=_cancel)

@@ -3,6 +3,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, status
+from pydantic import Field
 
 from service.api.deps import CurrentUser, ReadSessionDep, SchedulingDep, SessionDep, SettingsDep
 from service.api.routing import SessionScopedRoute
@@ -10,6 +11,7 @@ from service.schemas.jobs import JobComparison, JobCreate, JobList, JobPublic, J
 from service.services import compare as compare_service
 from service.services import job_delete
 from service.services import jobs as jobs_service
+from service.services import sweeps as sweeps_service
 from service.services.kinds import kind_of
 from service.states import JobStatus
 from torchyard.contract.errors import ConflictError, NotFoundError
@@ -40,9 +42,21 @@ def list_jobs(
     status_: Annotated[list[JobStatus] | None, Query(alias="status")] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     cursor: Annotated[str | None, Query(max_length=500)] = None,
+    tag: Annotated[
+        list[Annotated[str, Field(max_length=64)]] | None,
+        Query(max_length=20, description="Only jobs with this tag (repeatable: with every one of them)."),
+    ] = None,
+    sweep: Annotated[
+        str | None,
+        Query(max_length=200, description="Only the trials of this sweep (its id, name or id prefix)."),
+    ] = None,
 ) -> JobList:
-    """Jobs newest first; filter by one or more ``status``; follow ``next_cursor`` for more."""
-    rows, next_cursor = jobs_service.list_jobs(session, user, statuses=status_, limit=limit, cursor=cursor)
+    """Jobs newest first; filter by one or more ``status``, by ``tag`` (a job with every tag
+    given) and by ``sweep``; follow ``next_cursor`` for more (with the same filters)."""
+    sweep_id = None if sweep is None else sweeps_service.get_sweep(session, user, sweep).id
+    rows, next_cursor = jobs_service.list_jobs(
+        session, user, statuses=status_, limit=limit, cursor=cursor, tags=tag, sweep_id=sweep_id
+    )
     attempts = jobs_service.attempts_public(session, [j.id for j in rows])
     return JobList(
         items=[jobs_service.job_public(session, j, detail=False, attempts=attempts[j.id]) for j in rows],
