@@ -4,7 +4,9 @@ directly and in a run's bubblewrap sandbox, alternated, ``--runs`` times each.
 Two commands: ``true`` (the sandbox's own cost: namespaces, mounts, PID 1) and
 ``python -c pass`` with the worker's interpreter (what a rank or a script process pays
 before its first line). Prints the median and 90th percentile of each, and the median
-difference.
+difference. Run as root, it also times the sandbox keeping root (``TORCHYARD_SANDBOX_USER=root``)
+against the default (``setpriv`` to ``nobody``), and a run without network
+(``environment.network: none``: its own network namespace).
 
 Usage::
 
@@ -14,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import subprocess
 import sys
@@ -49,15 +52,25 @@ def main() -> None:
         run_dir = Path(tmp) / "work" / "runs" / "job-a1-node"
         run_dir.mkdir(parents=True)
         box = sandbox.Sandbox(writable=run_dir, hidden=[Path(tmp) / "work"])
+        boxes = {"sandboxed": box}
+        if box.user is not None:
+            boxes = {
+                "sandboxed, root": dataclasses.replace(box, user=None),
+                "sandboxed, nobody": box,
+                "+ no network": dataclasses.replace(box, network=False),
+            }
+        box.give_writable()
         for name, command in (("true", ["true"]), ("python -c pass", [sys.executable, "-c", "pass"])):
             plain: list[float] = []
-            boxed: list[float] = []
+            boxed: dict[str, list[float]] = {label: [] for label in boxes}
             for _ in range(args.runs):
                 plain.append(_time(command))
-                boxed.append(_time(box.command(command, run_dir)))
-            extra = statistics.median(boxed) - statistics.median(plain)
-            print(f"{name:16s} direct     {_summary(plain)}")
-            print(f"{name:16s} sandboxed  {_summary(boxed)}   (+{extra:.1f} ms a start)")
+                for label, each in boxes.items():
+                    boxed[label].append(_time(each.command(command, run_dir)))
+            print(f"{name:16s} {'direct':18s} {_summary(plain)}")
+            for label, values in boxed.items():
+                extra = statistics.median(values) - statistics.median(plain)
+                print(f"{name:16s} {label:18s} {_summary(values)}   (+{extra:.1f} ms a start)")
 
 
 if __name__ == "__main__":

@@ -219,7 +219,7 @@ def test_a_quick_restart_of_serve_while_a_job_runs_loses_neither_the_node_nor_th
     assert not [pid for pid in old_workers if _running(pid)]
     cluster = serve.wait_ready()
     assert cluster["ready_nodes"] == 1
-    (lock,) = Path(f"{serve.data_dir}-worker").glob("*.lock")
+    (lock,) = Path(f"{serve.data_dir}/worker").glob("*.lock")
     holder = int(lock.read_text())
     assert holder not in old_workers and _running(holder)
     worker_log = (serve.data_dir / "logs" / "local-worker.log").read_text(errors="replace")
