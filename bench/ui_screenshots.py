@@ -3,9 +3,10 @@ docs/ui-evaluation.png).
 
 Starts ``torchyard serve`` in a temporary data dir, fills it with sample jobs (one
 running with a long metric history, written into its database as a training run
-leaves it, plus queued, succeeded, failed and cancelled ones, and a succeeded
-evaluation with its results) and photographs the jobs list, the running job's page and
-the evaluation's page in headless Chromium (Debian's package, driven by Playwright).
+leaves it, with its tags and note, plus queued, succeeded, failed and cancelled ones,
+and a succeeded evaluation with its results) and photographs the jobs list, the
+running job's page and the evaluation's page in headless Chromium (Debian's package,
+driven by Playwright).
 
 Usage::
 
@@ -174,6 +175,9 @@ def main() -> None:
         user = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
         owner = user.get("/v1/whoami").json()["id"]
         running = write_job(service, owner, 40_000)
+        # Its tags and note, as its owner would set them on its page.
+        labels = {"tags": ["baseline", "long-run"], "note": "The reference run for the next sweep."}
+        user.patch(f"/v1/jobs/{running}", json=labels).raise_for_status()
         spec = user.get(f"/v1/jobs/{running}").json()
         train = spec["train_dataset"]
 

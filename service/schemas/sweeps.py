@@ -142,3 +142,18 @@ class SweepPublic(BaseModel):
 class SweepList(BaseModel):
     items: list[SweepPublic]
     next_cursor: str | None = None
+
+
+class SweepImportance(BaseModel):
+    sweep_id: str
+    objective: dict[str, Any]
+    completed: int = Field(
+        description="Completed trials with a value: what the importances are computed from."
+    )
+    importances: dict[str, float] | None = Field(
+        default=None,
+        description="Each search-space key's importance for the objective (0-1, together 1, largest "
+        "first), by Optuna's get_param_importances (PED-ANOVA) over the completed trials; null "
+        "until they are enough to tell the keys apart.",
+    )
+    message: str | None = Field(default=None, description="Why importances is null.")

@@ -7,6 +7,7 @@ Optuna (or NumPy, which it brings).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import optuna
@@ -102,3 +103,16 @@ def study(
         study.add_trial(frozen)
         ids[trial.id] = study.trials[-1]._trial_id
     return study, ids
+
+
+def importances(study: optuna.Study) -> tuple[dict[str, float] | None, str | None]:
+    """Each parameter's importance for the objective over the study's completed trials
+    (Optuna's default evaluator, PED-ANOVA), largest first; None and Optuna's reason where
+    it would give every parameter the same share for want of trials."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        values = optuna.importance.get_param_importances(study)
+    for warning in caught:
+        if "will be equal" in str(warning.message):
+            return None, str(warning.message).split(". ")[0]
+    return {key: float(value) for key, value in values.items()}, None

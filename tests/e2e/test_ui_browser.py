@@ -115,8 +115,30 @@ def test_new_job_form_shows_each_422_next_to_its_field_then_submits(
     page = ui.page
     page.click("#nav-new")
     page.wait_for_selector("#new-job-form")
-    # Every parameter shows its range.
+    # Every parameter shows its range, readably: no machine epsilon, no "null".
     assert "16..1024" in page.text_content(".field[data-field='parameters.image_size']")
+    lr_hint = page.text_content(".field[data-field='parameters.learning_rate'] .hint") or ""
+    assert "allowed: > 0" in lr_hint and "e-16" not in lr_hint
+    assert "2147483647" not in (page.text_content(".field[data-field='parameters.epochs'] .hint") or "")
+    assert "empty for no limit" in (page.text_content(".field[data-field='resources.max_runtime_s']") or "")
+    # Readable labels; the spec's field name in the label's title.
+    lr_label = page.locator("label[for='f-parameters-learning_rate']")
+    assert lr_label.text_content() == "Learning rate"
+    assert lr_label.get_attribute("title") == "parameters.learning_rate"
+    assert page.text_content("label[for='f-resources-process_count_per_node']") == "Processes per node"
+    # It starts from what the README and the demo use on small images; the service's own
+    # defaults (for photographs) are one choice away.
+    fields = ("learning_rate", "image_size", "augmentation", "warmup_epochs", "batch_size")
+
+    def values() -> list[str]:
+        return [page.input_value(f"#f-parameters-{name}") for name in fields]
+
+    assert values() == ["0.02", "32", "light", "1", "32"]
+    page.select_option("#f-preset", "photos")
+    assert values() == ["0.001", "224", "standard", "0", "16"]
+    page.select_option("#f-preset", "small")
+    assert values() == ["0.02", "32", "light", "1", "32"]
+    ui.assert_clean_text()
     page.fill("#f-name", "shapes")
     assert "shapes-train (9 images, 3 classes)" in page.text_content("#f-train_dataset")
     page.select_option("#f-train_dataset", value=train)
@@ -376,6 +398,11 @@ def test_a_restarted_job_shows_its_attempts_end_reasons_and_each_attempts_log(
     # The chart has each epoch once: attempt 1's redone epochs are left out.
     page.wait_for_selector("#charts[data-ready='true']")
     assert page.get_attribute("#chart-loss", "data-points") == "14"
+    # The log's font stack ends with emoji fonts, so MLflow's "🏃 View run" is drawn where
+    # one is installed (and the page needs none).
+    family = page.evaluate("getComputedStyle(document.querySelector('#log')).fontFamily")
+    assert "monospace" in family and "Noto Color Emoji" in family and "Segoe UI Emoji" in family
+    ui.assert_clean_text()
     assert ui.errors == []
 
 
@@ -454,6 +481,9 @@ def test_register_a_succeeded_jobs_model_then_predict_on_the_models_page(
     page.wait_for_selector("#version-2")
     assert page.text_content("#model-name") == "Model digits"
     assert page.locator("section.model-version").count() == 2
+    # Nothing but the versions under the heading (no "null" for the note it has not).
+    assert page.locator("#model-note").count() == 0
+    ui.assert_clean_text()
     assert "(latest)" in page.text_content("#version-2 h2")
     assert "resnet18 · 32 px · 10 classes" in page.text_content("#version-1")
 
@@ -654,10 +684,11 @@ def test_select_jobs_in_the_list_and_compare_them(
 ) -> None:
     token, _ = _user(admin, "quinn")
     jobs = []
-    for name, lr, top1 in (
-        ("cmp-a", 0.1, [0.4, 0.8]),
-        ("cmp-b", 0.02, [0.3, 0.5]),
-        ("cmp-c", 0.1, [0.6, 0.6]),
+    # cmp-c has twice the batch size: half the steps per epoch.
+    for name, lr, batch, top1 in (
+        ("cmp-a", 0.1, 16, [0.4, 0.8]),
+        ("cmp-b", 0.017439263563117445, 16, [0.3, 0.5]),
+        ("cmp-c", 0.1, 32, [0.6, 0.6]),
     ):
         job = start_running_job(
             live_server.settings,
@@ -665,12 +696,36 @@ def test_select_jobs_in_the_list_and_compare_them(
             per_node=1,
             user_token=token,
             name=name,
-            parameters={"learning_rate": lr},
+            parameters={"learning_rate": lr, "batch_size": batch},
         )
-        points = [point("val.top1", v, epoch=e, step=e * 10) for e, v in enumerate(top1, start=1)]
-        points += [point("train.loss", 2.0 / e, epoch=e, step=e * 10) for e in (1, 2)]
+        steps = 160 // batch
+        points = [point("val.top1", v, epoch=e, step=e * steps) for e, v in enumerate(top1, start=1)]
+        # The rest of what the trainer reports: seven metrics, fourteen results columns.
+        for metric, value in (
+            ("train.loss", 2.0),
+            ("train.lr", lr),
+            ("train.images_per_sec", 150.0),
+            ("val.loss", 1.5),
+            ("val.top5", 0.9),
+            ("epoch.seconds", 31.5),
+        ):
+            points += [point(metric, value / e, epoch=e, step=e * steps) for e in (1, 2)]
         assert post_report(admin, job, metrics=points).status_code == 200
         jobs.append(job)
+    with httpx.Client(base_url=live_server.url, headers=auth(token), timeout=30) as user:
+        code = user.post(
+            "/v1/code",
+            data={"name": "probe"},
+            files={"file": ("src.tar.gz", code_archive({"train.py": "print(1)\n"}), "application/gzip")},
+        )
+        assert code.status_code == 201, code.text
+        command = ["python", "train.py", "--epochs", "3"]
+        r = user.post(
+            "/v1/jobs",
+            json={"type": "script", "name": "cmp-script", "code": code.json()["id"], "command": command},
+        )
+        assert r.status_code == 201, r.text
+        script = r.json()["id"]
     ui = open_ui(live_server.url)
     ui.sign_in(token)
     page = ui.page
@@ -683,17 +738,24 @@ def test_select_jobs_in_the_list_and_compare_them(
     page.wait_for_selector("#compare-results")
     # A deep link: the URL names the jobs.
     assert f"ids={jobs[0].job_id},{jobs[1].job_id}" in page.url
-    # One chart per metric, a line per job, labelled by what differs.
+    # One chart per metric, a line per job named by the job alone; what differs shows on
+    # hovering its legend entry.
     page.wait_for_selector(
         "#compare-charts[data-ready='true'] .chart-box[data-metric='val.top1'][data-points='4']"
     )
-    assert page.locator("#compare-charts .chart-box").count() == 2
-    legend = page.text_content(".chart-box[data-metric='val.top1'] .u-legend") or ""
-    assert "cmp-a (learning_rate=0.1)" in legend and "cmp-b (learning_rate=0.02)" in legend
-    # The differing parameter first, marked.
+    assert page.locator("#compare-charts .chart-box").count() == 7
+    legend = page.locator(".chart-box[data-metric='val.top1'] .u-legend")
+    assert "learning_rate" not in (legend.text_content() or "")
+    entry = legend.locator(".u-series").nth(1)
+    assert (entry.text_content() or "").startswith("cmp-a")
+    assert "learning_rate = 0.1" in (entry.get_attribute("title") or "")
+    assert "learning_rate = 0.01744" in (legend.locator(".u-series").nth(2).get_attribute("title") or "")
+    # The differing parameter first, marked, its value to 4 significant digits (all of it on hover).
     first = page.locator("#compare-params tbody tr").first
     assert first.get_attribute("data-key") == "parameters.learning_rate"
     assert first.get_attribute("class") == "differs"
+    assert first.locator("td").all_text_contents() == ["parameters.learning_rate", "0.1", "0.01744"]
+    assert first.locator("td").nth(2).get_attribute("title") == "0.017439263563117445"
     # The results table: best with its epoch, sortable.
     rows = page.locator("#compare-results tbody tr")
     assert [rows.nth(i).get_attribute("data-job-id") for i in range(2)] == [j.job_id for j in jobs[:2]]
@@ -703,12 +765,38 @@ def test_select_jobs_in_the_list_and_compare_them(
     assert rows.nth(0).get_attribute("data-job-id") == jobs[1].job_id
     best_top1.click()  # descending: cmp-a (0.8) first
     assert rows.nth(0).get_attribute("data-job-id") == jobs[0].job_id
-    # Opened directly, with a metric chosen, it shows that metric alone.
-    page.goto(f"/#/compare?ids={jobs[0].job_id},{jobs[2].job_id}&metrics=train.loss")
+
+    # Opened directly with a metric chosen: that metric alone, on the epoch axis, where cmp-c's
+    # 10 steps and cmp-a's 20 are both epoch 2; the step axis on asking.
+    page.goto(f"/#/compare?ids={jobs[0].job_id},{jobs[2].job_id}&metrics=val.top1")
     page.wait_for_selector(
-        "#compare-charts[data-ready='true'] .chart-box[data-metric='train.loss'][data-points='4']"
+        "#compare-charts[data-ready='true'][data-axis='epoch'] .chart-box[data-points='4']"
     )
     assert page.locator("#compare-charts .chart-box").count() == 1
+    box = page.locator(".chart-box[data-metric='val.top1']")
+    assert box.locator(".u-legend .u-series").first.text_content() == "epoch2"
+    assert max(float(t) for t in (box.get_attribute("data-x-ticks") or "").split()) <= 2
+    page.select_option("#compare-x", "step")
+    page.wait_for_selector("#compare-charts[data-ready='true'][data-axis='step'] .chart-box[data-points='4']")
+    assert box.locator(".u-legend .u-series").first.text_content() != "epoch2"
+    assert (
+        page.locator(".chart-box[data-metric='val.top1'] .u-legend .u-series").first.text_content()
+        == "step20"
+    )
+    assert page.url.endswith("&x=step")
+
+    # A training job beside a script job in a 1400 px window: the page stays 1400 px wide (the
+    # wide tables scroll in their boxes), the script (no epochs) is named beside the axis
+    # switch, and parallel coordinates draw a line per job.
+    page.set_viewport_size({"width": 1400, "height": 900})
+    ids = ",".join([*(j.job_id for j in jobs), script])
+    page.goto(f"/#/compare?ids={ids}&x=epoch")
+    page.wait_for_selector("#compare-charts[data-ready='true'][data-axis='epoch']")
+    assert page.evaluate("document.documentElement.scrollWidth") <= 1400
+    assert "cmp-script" in (page.text_content("#compare-x-note") or "")
+    assert page.locator("#compare-parallel-chart path.pc-line").count() == 4
+    assert int(page.get_attribute("#compare-parallel-chart", "data-axes") or 0) >= 3
+    ui.assert_clean_text()
     assert ui.errors == []
 
 
@@ -789,6 +877,43 @@ def _succeeded_evaluation(settings: Settings, owner: str, dataset: str) -> str:
                 )
             )
             return job.id
+    finally:
+        db.dispose()
+
+
+def _steps_only(settings: Settings, job_id: str, name: str, values: list[float]) -> None:
+    """A script job that reported ``name`` at steps 0, 1, 2… and no epoch in its first attempt
+    (the one its placement made, else a new one), then succeeded."""
+    from sqlalchemy import select
+
+    from service.db.engine import Database
+    from service.db.models import Attempt, Job, Metric, utcnow
+
+    db = Database(settings.sqlalchemy_url)
+    now = utcnow()
+    try:
+        with db.transaction() as session:
+            job = session.get_one(Job, job_id)
+            job.status, job.started_at, job.finished_at, job.attempts_count = "succeeded", now, now, 1
+            attempt = session.scalars(select(Attempt).where(Attempt.job_id == job_id)).first()
+            if attempt is None:
+                attempt = Attempt(job_id=job_id, number=1, master_addr="127.0.0.1", master_port=29500)
+                session.add(attempt)
+            attempt.status, attempt.started_at, attempt.finished_at = "succeeded", now, now
+            session.flush()
+            for step, value in enumerate(values):
+                session.add(
+                    Metric(
+                        job_id=job_id,
+                        attempt_id=attempt.id,
+                        name=name,
+                        value=value,
+                        epoch=0,
+                        step=step,
+                        rank=0,
+                        time=now,
+                    )
+                )
     finally:
         db.dispose()
 
@@ -876,6 +1001,8 @@ def test_each_job_type_shows_what_it_has_in_the_list_and_on_its_page(
     assert page.locator("tr.attempt-row").count() == 1
     spec = page.text_content("#spec pre") or ""
     assert '"dataset": "' + dataset + '"' in spec and '"batch_size": 64' in spec
+    # No note, no failure: nothing reads null (the tags card had it).
+    ui.assert_clean_text()
 
     # A training job's page: the effective learning rate, the best values in %, the loss on a
     # logarithmic axis and the accuracy in %.
@@ -886,6 +1013,7 @@ def test_each_job_type_shows_what_it_has_in_the_list_and_on_its_page(
     assert page.get_attribute("#chart-loss", "data-scale") == "log"
     assert page.get_attribute("#chart-accuracy", "data-unit") == "percent"
     assert "90%" in (page.text_content("#chart-accuracy .u-legend") or "")
+    ui.assert_clean_text()
 
     # A script job's page: no trainer charts before it reports a metric, no learning rate.
     page.goto(f"/#/jobs/{script}")
@@ -894,6 +1022,14 @@ def test_each_job_type_shows_what_it_has_in_the_list_and_on_its_page(
     assert page.is_visible("#charts .no-metrics")
     assert "python train.py --epochs 3" in (page.text_content("#summary") or "")
     assert page.locator("#effective-lr, #evaluation").count() == 0
+    ui.assert_clean_text()
+    # Its metric at steps 0, 1 and 2: whole steps on the x axis, never 0.5 or 1.5.
+    _steps_only(live_server.settings, script, "loss", [0.9, 0.5, 0.4])
+    page.reload()
+    page.wait_for_selector("#charts[data-ready='true'] #chart-loss[data-x-ticks]")
+    ticks = [float(t) for t in (page.get_attribute("#chart-loss", "data-x-ticks") or "").split()]
+    assert ticks and all(t.is_integer() for t in ticks), ticks
+    ui.assert_clean_text()
     assert ui.errors == []
 
 
@@ -940,6 +1076,10 @@ def test_a_jobs_tags_note_clone_and_delete_on_its_page(
     page.goto(f"/#/jobs/{job_id}")
     page.wait_for_selector("#labels")
     assert "no tags" in page.text_content("#job-tags")
+    # No note: nothing under the tags (never the word null).
+    assert page.locator("#job-note").count() == 0
+    assert "null" not in (page.text_content("#labels") or "")
+    ui.assert_clean_text()
     page.click("#edit-labels")
     page.fill("#tags-input", "baseline, lr-0.05")
     page.fill("#note-input", "first try: <b>kept as text</b>")
@@ -1001,23 +1141,59 @@ def test_sweeps_list_and_a_sweeps_live_trials_table_and_charts(
         ui.sign_in(token)
         page = ui.page
         page.click("#nav-sweeps")
-        page.wait_for_selector(f"#sweeps-table tr[data-id='{sweep['id']}']")
+        listed = page.locator(f"#sweeps-table tr[data-id='{sweep['id']}']")
+        listed.wait_for()
+        # The objective is an accuracy: in %, as everywhere in the UI.
+        assert listed.locator("td").nth(4).text_content() == "90.0%"
         page.click(f"#sweeps-table tr[data-id='{sweep['id']}'] a")
         page.wait_for_selector("#trials-table")
         rows = page.locator("#trials-table tbody tr")
         assert rows.count() == 3
-        assert "Best: trial 1, 0.9" in (page.text_content("#sweep-best") or "")
+        assert "Best: trial 1, val.top1 90.0%" in (page.text_content("#sweep-best") or "")
         # One chart against the trial number and one per parameter, a point per scored trial.
         assert page.locator("#sweep-charts svg.scatter[data-points='2']").count() == 3
+        # Each on proper axes: 5 or more ticks up the side (in %), whole trial numbers, no point
+        # on an axis, and the best trial a ring around its dot (which stays drawn).
+        for chart in page.locator("#sweep-charts svg.scatter").all():
+            y_ticks = chart.locator(".tick-y").all_text_contents()
+            assert len(y_ticks) >= 5 and all(t.endswith("%") for t in y_ticks), y_ticks
+            assert chart.locator("circle.dot").count() == 2
+            assert chart.locator("circle.best-ring").count() == 1
+        trial_ticks = page.locator("#chart-trial-number .tick-x").all_text_contents()
+        assert trial_ticks and all(t.isdigit() for t in trial_ticks), trial_ticks
+        inside = page.evaluate(
+            """() => [...document.querySelectorAll('#sweep-charts svg.scatter')].every((svg) => {
+                const area = svg.querySelector('rect.plot-area').getBBox();
+                return [...svg.querySelectorAll('circle.dot')].every((c) => {
+                    const [x, y] = [+c.getAttribute('cx'), +c.getAttribute('cy')];
+                    return x - area.x >= 5 && area.x + area.width - x >= 5 && y - area.y >= 5
+                        && area.y + area.height - y >= 5;
+                });
+            })"""
+        )
+        assert inside
+        ring = "getComputedStyle(document.querySelector('#chart-trial-number .best-ring')).fill"
+        assert page.evaluate(ring) == "none"
+        # Each parameter's importance (Optuna's), and parallel coordinates: a line per scored
+        # trial across both parameters and the objective, the best one marked.
+        page.wait_for_selector("#sweep-importance .importance-row >> nth=1")
+        keys = {r.get_attribute("data-key") for r in page.locator("#sweep-importance .importance-row").all()}
+        assert keys == {"parameters.learning_rate", "parameters.batch_size"}
+        assert page.locator("#sweep-parallel-chart path.pc-line").count() == 2
+        assert page.get_attribute("#sweep-parallel-chart", "data-axes") == "3"
+        assert page.locator("#sweep-parallel-chart path.pc-line.best").count() == 1
         # Sortable: by value, descending puts the best trial first.
         page.locator("#trials-table th", has_text="Value").click()
         page.locator("#trials-table th", has_text="Value").click()
         assert rows.nth(0).get_attribute("data-number") == "1"
+        assert "90.0%" in (rows.nth(0).text_content() or "")
         # Live: the third trial's end shows without reloading.
         third = _trial_jobs(db, sweep["id"])[2]
         _report(db, third.id, [0.95], end="succeeded")
         page.wait_for_selector("#trials-table tr[data-number='2'][data-state='completed']", timeout=30_000)
         page.wait_for_selector("#sweep-charts svg.scatter[data-points='3']")
+        page.wait_for_selector("#sweep-parallel-chart[data-lines='3']")
+        ui.assert_clean_text()
         assert ui.errors == []
     finally:
         db.dispose()

@@ -253,6 +253,10 @@ def test_random_sweep_runs_its_trials_as_jobs_and_names_the_best(
         assert 0.001 <= params["parameters.learning_rate"] <= 0.5
         public = client.get(f"/v1/jobs/{job.id}", headers=auth(token)).json()
         assert public["sweep_id"] == sweep["id"] and public["trial_number"] == job.trial_number
+    # No trial has completed: no importances yet, and the reason.
+    early = client.get(f"/v1/sweeps/{sweep['id']}/importance", headers=auth(token)).json()
+    assert early["completed"] == 0 and early["importances"] is None
+    assert "2 completed trials are needed" in early["message"]
     values = {0: [0.3, 0.6, 0.5], 1: [0.2, 0.4, 0.45], 2: [0.5, 0.7, 0.8], 3: [0.1, 0.2, 0.3]}
     for number in range(4):
         sweeps_service.drive(db, settings)
@@ -277,6 +281,19 @@ def test_random_sweep_runs_its_trials_as_jobs_and_names_the_best(
     assert _get(client, token, "digits-lr")["id"] == sweep["id"]
     other = create_token(client, "user", "bob")
     assert client.get(f"/v1/sweeps/{sweep['id']}", headers=auth(other)).status_code == 404
+    # Each key's importance for the objective (Optuna's, over the completed trials),
+    # largest first, together 1; asked again, the same answer.
+    r = client.get("/v1/sweeps/digits-lr/importance", headers=auth(token))
+    assert r.status_code == 200, r.text
+    found = r.json()
+    assert found["sweep_id"] == sweep["id"] and found["completed"] == 4 and found["message"] is None
+    assert found["objective"] == {"metric": "val.top1", "goal": "maximize"}
+    shares = found["importances"]
+    assert set(shares) == {"parameters.learning_rate", "parameters.batch_size"}
+    assert abs(sum(shares.values()) - 1) < 1e-6 and all(v >= 0 for v in shares.values())
+    assert list(shares.values()) == sorted(shares.values(), reverse=True)
+    assert client.get(f"/v1/sweeps/{sweep['id']}/importance", headers=auth(token)).json() == found
+    assert client.get(f"/v1/sweeps/{sweep['id']}/importance", headers=auth(other)).status_code == 404
 
 
 def test_asha_prunes_a_trial_below_the_rung_and_cancels_its_job(

@@ -7,6 +7,7 @@ skip with a message, unless ``TORCHYARD_REQUIRE_BROWSER=1`` (CI), where that is 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -19,6 +20,45 @@ CHROMIUM_CANDIDATES = ("chromium", "chromium-browser")
 # A 4xx answer is logged by the browser as a failed resource: the tests check the answers
 # themselves (a 401 before sign-in, the form's 422s). Script errors and CSP refusals count.
 EXPECTED_CONSOLE = ("Failed to load resource: the server responded with a status of 4",)
+# Where the page may show the words null and undefined: code, logs, specs and form fields.
+_RAW_TEXT = "pre, code, textarea, script, style"
+# The word null or undefined in a text: a value missing where text was expected
+# (replaceChildren(null) writes "null", a template string "undefined").
+_MISSING = r"(^|[^\w.$-])(null|undefined)([^\w.-]|$)"
+# Run in every page before its own scripts: each such text put into the page (outside
+# _RAW_TEXT) is logged as a console error, which UiPage.errors records, and kept in
+# window.__textProblems; window.__textScan() finds those the page holds now.
+_WATCH_TEXT = """(() => {
+  const raw = RAW, word = new RegExp(MISSING);
+  const problems = (window.__textProblems = []);
+  const problem = (node) => {
+    const parent = node.parentElement;
+    if (!node.data || !word.test(node.data) || !parent || parent.closest(raw)) return null;
+    const where = parent.id ? "#" + parent.id : parent.tagName.toLowerCase() + "." + parent.className;
+    return "the page shows " + JSON.stringify(node.data.trim().slice(0, 80)) + " in " + where;
+  };
+  const texts = (node) => {
+    if (node.nodeType === Node.TEXT_NODE) return [node];
+    if (node.nodeType !== Node.ELEMENT_NODE) return [];
+    const out = [], walker = document.createTreeWalker(node, NodeFilter.SHOW_TEXT);
+    for (let n = walker.nextNode(); n; n = walker.nextNode()) out.push(n);
+    return out;
+  };
+  const check = (node) => {
+    const found = problem(node);
+    if (found) {
+      problems.push(found);
+      console.error(found);
+    }
+  };
+  window.__textScan = () => texts(document.body).map(problem).filter(Boolean);
+  new MutationObserver((records) => {
+    for (const r of records) {
+      if (r.type === "characterData") check(r.target);
+      else r.addedNodes.forEach((n) => texts(n).forEach(check));
+    }
+  }).observe(document, { childList: true, subtree: true, characterData: true });
+})();""".replace("RAW", json.dumps(_RAW_TEXT)).replace("MISSING", json.dumps(_MISSING))
 
 
 def chromium_path() -> str | None:
@@ -67,6 +107,7 @@ class UiPage:
     def __init__(self, browser: Any, base_url: str) -> None:
         self.context = browser.new_context(base_url=base_url, viewport={"width": 1280, "height": 900})
         self.context.set_default_timeout(30_000)
+        self.context.add_init_script(_WATCH_TEXT)
         self.page = self.context.new_page()
         self.errors: list[str] = []
         self.page.on("console", self._console)
@@ -83,6 +124,19 @@ class UiPage:
         self.page.fill("#token", token)
         self.page.click("#signin-submit")
         self.page.wait_for_selector("#whoami")
+
+    def text_problems(self) -> list[str]:
+        """The texts reading null or undefined (outside code, logs and fields) that the page
+        holds now or showed since it was loaded."""
+        found: list[str] = self.page.evaluate(
+            "() => [...new Set([...(window.__textProblems || []), ...window.__textScan()])]"
+        )
+        return found
+
+    def assert_clean_text(self) -> None:
+        """No text of the page reads null or undefined where a value should be."""
+        problems = self.text_problems()
+        assert problems == [], problems
 
     def close(self) -> None:
         self.context.close()

@@ -6,7 +6,8 @@ from fastapi import APIRouter, Query, status
 
 from service.api.deps import CurrentUser, ReadSessionDep, SessionDep, SettingsDep, WakeupDep
 from service.api.routing import SessionScopedRoute
-from service.schemas.sweeps import SweepCreate, SweepList, SweepPublic
+from service.schemas.sweeps import SweepCreate, SweepImportance, SweepList, SweepPublic
+from service.services import sweep_importance
 from service.services import sweeps as sweeps_service
 from service.states import SweepStatus
 
@@ -46,6 +47,13 @@ def get_sweep(sweep_id: str, session: ReadSessionDep, user: CurrentUser) -> Swee
     """Status, every trial (parameters, state, objective value, epochs run) and ``best_trial``."""
     sweep = sweeps_service.get_sweep(session, user, sweep_id)
     return sweeps_service.sweeps_public(session, [sweep], detail=True)[0]
+
+
+@router.get("/{sweep_id}/importance")
+def get_sweep_importance(sweep_id: str, session: ReadSessionDep, user: CurrentUser) -> SweepImportance:
+    """How much each search-space key mattered to the objective: Optuna's parameter importances
+    (PED-ANOVA) over the completed trials, largest first; null until two trials completed."""
+    return sweep_importance.importance(session, user, sweep_id)
 
 
 @router.post("/{sweep_id}/cancel")

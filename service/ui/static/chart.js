@@ -5,10 +5,14 @@
 // carries data-points (points held) and data-draws (draws done). Away from the cursor, the
 // legend shows each series' latest value.
 
-const PALETTE = [
+export const PALETTE = [
   "#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#65a30d", "#475569", "#ea580c",
 ];
 const HEIGHT = 200;
+// Tick steps of an axis whose values are whole numbers (steps, epochs, trial numbers): no
+// tick at 0.5 or 1.5.
+const INTEGER_INCRS = [];
+for (let e = 0; e <= 12; e++) for (const m of [1, 2, 5]) INTEGER_INCRS.push(m * 10 ** e);
 
 export function formatNumber(v) {
   if (v === null || v === undefined || !Number.isFinite(v)) return "–";
@@ -22,7 +26,8 @@ export function formatNumber(v) {
   return v.toExponential(1);
 }
 
-const ticks = (u, values) => values.map(formatNumber);
+// A tick uPlot leaves unlabelled (a log axis' minor ticks) comes as null: no text.
+const ticks = (u, values) => values.map((v) => (v === null ? "" : formatNumber(v)));
 
 export function formatPercent(v) {
   if (v === null || v === undefined || !Number.isFinite(v)) return "–";
@@ -31,17 +36,24 @@ export function formatPercent(v) {
 }
 
 export class LineChart {
-  // series: [{name, label}]. log: a logarithmic y axis (non-positive values are left out);
-  // percent: the values are fractions 0-1 shown as percentages.
-  constructor(root, { title, series, log = false, percent = false }) {
+  // series: [{name, label, title}] (title: shown on hovering the series' legend). log: a
+  // logarithmic y axis (non-positive values are left out); percent: the values are fractions
+  // 0-1 shown as percentages. xLabel: what x is (step, epoch); integerX: ticks on whole
+  // numbers only.
+  constructor(root, { title, series, log = false, percent = false, xLabel = "step", integerX = true }) {
     this.root = root;
     this.root.classList.add("chart");
     this.log = log;
     if (log) this.root.dataset.scale = "log";
     if (percent) this.root.dataset.unit = "percent";
     const fmt = percent ? formatPercent : formatNumber;
-    const yTicks = (u, values) => values.map(fmt);
-    this.series = series.map((s, i) => ({ ...s, color: PALETTE[i % PALETTE.length], x: [], y: [] }));
+    const yTicks = (u, values) => values.map((v) => (v === null ? "" : fmt(v)));
+    // The x ticks drawn are kept in data-x-ticks (the canvas has no text to read).
+    const xTicks = (u, values) => {
+      this.root.dataset.xTicks = values.join(" ");
+      return ticks(u, values);
+    };
+    this.series = series.map((s, i) => ({ ...s, color: s.color || PALETTE[i % PALETTE.length], x: [], y: [] }));
     this.pending = false;
     this.drawCount = 0;
     this.lastDrawMs = 0;
@@ -55,7 +67,7 @@ export class LineChart {
         height: HEIGHT,
         scales: log ? { x: { time: false }, y: { distr: 3 } } : { x: { time: false } },
         series: [
-          { label: "step", value: (u, v, i, idx) => formatNumber(idx === null ? this.lastStep() : v) },
+          { label: xLabel, value: (u, v, i, idx) => formatNumber(idx === null ? this.lastStep() : v) },
           ...this.series.map((s) => ({
             label: s.label,
             stroke: s.color,
@@ -64,12 +76,17 @@ export class LineChart {
             value: (u, v, i, idx) => fmt(idx === null ? s.y[s.y.length - 1] : v),
           })),
         ],
-        axes: [{ values: ticks }, { values: yTicks, size: 56 }],
+        axes: [{ values: xTicks, incrs: integerX ? INTEGER_INCRS : undefined }, { values: yTicks, size: 56 }],
         hooks: { draw: [() => this.drawn()] },
       },
       this.data(),
       root,
     );
+    // Each series' title (a job's parameters) on its legend entry; the first entry is x.
+    const entries = root.querySelectorAll(".u-legend .u-series");
+    this.series.forEach((s, i) => {
+      if (s.title && entries[i + 1]) entries[i + 1].title = s.title;
+    });
     this.observer = new ResizeObserver(() => this.resize());
     this.observer.observe(this.root);
     this.root.dataset.points = "0";

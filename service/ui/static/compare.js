@@ -1,57 +1,87 @@
-// Several jobs side by side (#/compare?ids=a,b,c[&metrics=m1,m2]), from GET /v1/jobs/compare:
-// one chart per metric with a line per job (labelled by the parameters that differ), the
-// parameters table with the differing rows first, and a sortable results table.
+// Several jobs side by side (#/compare?ids=a,b,c[&metrics=m1,m2][&x=epoch|step]), from GET
+// /v1/jobs/compare: one chart per metric with a line per job (named by the job; its
+// differing parameters on hovering its legend entry), on an epoch axis where the jobs have
+// epochs (jobs with other batch sizes line up) or a step axis; a sortable results table;
+// parallel coordinates of the differing parameters and each metric's best value; and the
+// parameters table with the differing rows first.
 
 import { api } from "./api.js";
-import { h, badge, duration, isFraction, percent } from "./dom.js";
-import { LineChart, formatNumber } from "./chart.js";
+import { h, fill, badge, duration, isFraction, percent, sig } from "./dom.js";
+import { LineChart, PALETTE, formatNumber, formatPercent } from "./chart.js";
+import { parallelCoordinates } from "./svgplot.js";
 
+const MAX_PARALLEL_AXES = 12;
+
+// A parameter's key as the legend and the charts say it (parameters.learning_rate is
+// learning_rate; model.architecture stays).
 function shortKey(key) {
-  return key.split(".").slice(-1)[0];
+  return key.startsWith("parameters.") ? key.slice("parameters.".length) : key;
 }
 
-// A parameter as the spec holds it (0.1 stays 0.1).
+// A parameter as a person reads it: numbers to 4 significant digits.
 function shown(value) {
   if (value === null || value === undefined) return "–";
-  if (typeof value === "object") return JSON.stringify(value);
-  return String(value);
+  return sig(value);
 }
 
-// What tells the jobs apart in a legend: the differing parameters (datasets and other long
-// values left out), else the job's name.
-function legendOf(job, differing) {
-  const parts = differing
-    .filter((k) => k.startsWith("parameters.") || k.startsWith("model.") || k.startsWith("resources."))
-    .map((k) => `${shortKey(k)}=${shown(job.parameters[k])}`);
-  return parts.length ? `${job.name} (${parts.join(", ")})` : job.name;
+// Each job's name in legends and headers; a name two jobs share gets the start of the id.
+function shortNames(jobs) {
+  const count = new Map();
+  for (const j of jobs) count.set(j.name, (count.get(j.name) || 0) + 1);
+  return new Map(jobs.map((j) => [j.id, count.get(j.name) > 1 ? `${j.name} · ${j.id.slice(0, 6)}` : j.name]));
 }
 
-function paramsTable(comparison) {
+// What tells a job apart, for a tooltip: its differing parameters, one a line.
+function paramsTitle(job, differing, name) {
+  const lines = differing.map((k) => `${shortKey(k)} = ${shown(job.parameters[k])}`);
+  return [`${name} (${job.type || "train"}, ${job.status})`, ...lines].join("\n");
+}
+
+// Steps per epoch of a job: from its progress (total steps / epochs), else from its points
+// (a validation metric is reported at an epoch's last step: the largest step / epoch).
+// Null for a job without epochs (a script that reports steps only).
+function stepsPerEpoch(job, detail) {
+  const p = detail && detail.progress;
+  if (p && p.total_steps > 0 && p.epochs > 0) return p.total_steps / p.epochs;
+  let most = 0;
+  for (const m of Object.values(job.metrics || {})) {
+    for (const pt of [m.best, m.final]) if (pt && pt.epoch > 0 && pt.step > 0) most = Math.max(most, pt.step / pt.epoch);
+  }
+  return most || null;
+}
+
+function swatch(color) {
+  const el = h("span", { class: "swatch" });
+  el.style.backgroundColor = color;
+  return el;
+}
+
+function paramsTable(comparison, names, colors) {
   const differing = new Set(comparison.differing);
   const keys = [...new Set(comparison.jobs.flatMap((j) => Object.keys(j.parameters)))].sort();
   keys.sort((a, b) => Number(differing.has(b)) - Number(differing.has(a)));
+  const cell = (value) => {
+    const text = shown(value);
+    const full = value !== null && typeof value === "object" ? JSON.stringify(value) : String(value);
+    return h("td", { title: full !== text ? full : undefined }, text);
+  };
   return h(
     "table",
     { class: "table", id: "compare-params" },
-    h("thead", {}, h("tr", {}, h("th", {}, "Parameter"), ...comparison.jobs.map((j) => h("th", {}, j.name)))),
+    h("thead", {}, h("tr", {}, h("th", {}, "Parameter"), ...comparison.jobs.map((j) => h("th", {}, swatch(colors.get(j.id)), names.get(j.id))))),
     h(
       "tbody",
       {},
       ...keys.map((key) =>
-        h(
-          "tr",
-          { class: differing.has(key) ? "differs" : "same", dataset: { key } },
-          h("td", { class: "mono small" }, key),
-          ...comparison.jobs.map((j) => h("td", {}, shown(j.parameters[key]))),
-        ),
+        h("tr", { class: differing.has(key) ? "differs" : "same", dataset: { key } }, h("td", { class: "mono small" }, key), ...comparison.jobs.map((j) => cell(j.parameters[key]))),
       ),
     ),
   );
 }
 
-function resultsTable(comparison) {
+function resultsTable(comparison, names, colors) {
   const columns = [
-    { title: "Job", value: (j) => j.name, cell: (j) => h("a", { href: `#/jobs/${encodeURIComponent(j.id)}` }, j.name) },
+    { title: "Job", value: (j) => names.get(j.id), cell: (j) => [swatch(colors.get(j.id)), h("a", { href: `#/jobs/${encodeURIComponent(j.id)}` }, names.get(j.id))] },
     { title: "Status", value: (j) => j.status, cell: (j) => badge(j.status) },
     { title: "Duration", value: (j) => j.duration_s, cell: (j) => duration(j.duration_s) },
     { title: "Images/s", value: (j) => j.images_per_sec, cell: (j) => formatNumber(j.images_per_sec) },
@@ -61,7 +91,7 @@ function resultsTable(comparison) {
     const best = (j) => j.metrics[name] && j.metrics[name].best;
     const final = (j) => j.metrics[name] && j.metrics[name].final;
     // Accuracies in %, as everywhere in the UI and the CLI.
-    const fmt = isFraction(name) ? (v) => percent(v) : formatNumber;
+    const fmt = isFraction(name) ? (v) => percent(v) : (v) => sig(v);
     columns.push({
       title: `${name} best (${goal})`,
       metric: name,
@@ -75,9 +105,7 @@ function resultsTable(comparison) {
     });
   }
   const body = h("tbody", {});
-  const rows = comparison.jobs.map((job) =>
-    h("tr", { class: "compare-row", dataset: { jobId: job.id } }, ...columns.map((c) => h("td", {}, c.cell(job)))),
-  );
+  const rows = comparison.jobs.map((job) => h("tr", { class: "compare-row", dataset: { jobId: job.id } }, ...columns.map((c) => h("td", {}, c.cell(job)))));
   body.append(...rows);
   let sorted = { index: -1, descending: false };
   const sortBy = (index) => {
@@ -99,64 +127,151 @@ function resultsTable(comparison) {
       th.dataset.sorted = i === index ? (descending ? "desc" : "asc") : "";
     });
   };
-  const headers = columns.map((c, i) =>
-    h("th", { class: "sortable", title: "sort", dataset: { column: String(i) }, onclick: () => sortBy(i) }, c.title),
-  );
+  const headers = columns.map((c, i) => h("th", { class: "sortable", title: "sort", dataset: { column: String(i) }, onclick: () => sortBy(i) }, c.title));
   return h("table", { class: "table", id: "compare-results" }, h("thead", {}, h("tr", {}, ...headers)), body);
+}
+
+// A value fit for an axis of parallel coordinates: a number, a boolean (as text) or a short text.
+function axisValue(v) {
+  if (typeof v === "number" && Number.isFinite(v)) return v;
+  if (typeof v === "boolean") return String(v);
+  if (typeof v === "string" && v.length <= 24) return v;
+  return null;
+}
+
+// The differing parameters (those with values an axis can show) and each metric's best value.
+function parallelBlock(comparison, names, colors) {
+  const jobs = comparison.jobs;
+  const axes = [];
+  for (const key of comparison.differing) {
+    const raw = jobs.map((j) => j.parameters[key]);
+    const values = raw.map(axisValue);
+    // Worth an axis: two values at least (a key only some jobs have, the same in all of
+    // them, says nothing a line could show).
+    if (new Set(values.filter((v) => v !== null).map(String)).size < 2) continue;
+    const numeric = values.every((v) => v === null || typeof v === "number");
+    const positive = numeric && values.every((v) => v === null || v > 0);
+    const nums = values.filter((v) => typeof v === "number");
+    const log = positive && nums.length > 1 && Math.max(...nums) / Math.min(...nums) >= 100;
+    axes.push({ key, label: shortKey(key), title: key, values: numeric ? values : values.map((v) => (v === null ? null : String(v))), log, integer: numeric && nums.every(Number.isInteger) });
+  }
+  const params = axes.slice(0, MAX_PARALLEL_AXES - Math.min(comparison.metrics.length, 4));
+  const metrics = [];
+  for (const name of comparison.metrics) {
+    if (params.length + metrics.length >= MAX_PARALLEL_AXES) break;
+    const values = jobs.map((j) => (j.metrics[name] && j.metrics[name].best ? j.metrics[name].best.value : null));
+    if (values.filter((v) => v !== null).length < 2) continue;
+    metrics.push({ key: name, label: `${name} best`, title: `${name}: the best value (${comparison.goals[name] || "max"})`, values, fmt: isFraction(name) ? formatPercent : sig });
+  }
+  const all = [...params, ...metrics];
+  if (jobs.length < 2 || all.length < 2) return null;
+  const lines = jobs.map((j) => ({ label: names.get(j.id), title: paramsTitle(j, comparison.differing, names.get(j.id)), color: colors.get(j.id) }));
+  return h(
+    "section",
+    { class: "card", id: "compare-parallel" },
+    h("h2", {}, "Parallel coordinates"),
+    h("p", { class: "hint" }, "One line per job across the parameters that differ and each metric's best value; hover a line for its job."),
+    h("div", { class: "parallel-box" }, parallelCoordinates({ id: "compare-parallel-chart", axes: all, lines })),
+  );
 }
 
 export async function renderCompare(ctx) {
   const ids = (ctx.params.get("ids") || "").split(",").filter(Boolean);
   const metrics = (ctx.params.get("metrics") || "").split(",").filter(Boolean);
   if (!ids.length) {
-    ctx.main.replaceChildren(
-      h("h1", {}, "Compare jobs"),
-      h("p", { class: "hint", id: "compare-empty" }, "Select jobs in the jobs list, then Compare."),
-    );
+    ctx.main.replaceChildren(h("h1", {}, "Compare jobs"), h("p", { class: "hint", id: "compare-empty" }, "Select jobs in the jobs list, then Compare."));
     return;
   }
   const q = new URLSearchParams({ ids: ids.join(","), points: "2000" });
   if (metrics.length) q.set("metrics", metrics.join(","));
+  // Each job's progress (its steps per epoch) is asked for beside the comparison.
+  const details = Promise.all(ids.map((id) => api(`/v1/jobs/${encodeURIComponent(id)}`).catch(() => null)));
   const comparison = await api(`/v1/jobs/compare?${q}`);
+  const byId = new Map((await details).filter(Boolean).map((j) => [j.id, j]));
+  const jobs = comparison.jobs;
+  const names = shortNames(jobs);
+  const colors = new Map(jobs.map((j, i) => [j.id, PALETTE[i % PALETTE.length]]));
+  const perEpoch = new Map(jobs.map((j) => [j.id, stepsPerEpoch(j, byId.get(j.id))]));
+  const withEpochs = jobs.filter((j) => perEpoch.get(j.id));
+  const asked = ctx.params.get("x");
+  // Epochs when every job with points has them (a job without points draws no line anyway).
+  const charted = jobs.filter((j) => Object.values(j.metrics || {}).some((m) => m.series && m.series.x.length));
+  const allEpochs = charted.every((j) => perEpoch.get(j.id));
+  let axis = asked === "epoch" || asked === "step" ? asked : allEpochs ? "epoch" : "step";
+  if (!withEpochs.length) axis = "step";
+
   const charts = h("div", { class: "charts", id: "compare-charts" });
-  ctx.main.replaceChildren(
-    h("div", { class: "page-head" }, h("h1", {}, `Compare ${comparison.jobs.length} jobs`)),
+  const xSelect = h(
+    "select",
+    { id: "compare-x", title: "Epochs line up jobs with different batch sizes; steps are what each job counted" },
+    h("option", { value: "epoch", selected: axis === "epoch", disabled: !withEpochs.length }, "epoch"),
+    h("option", { value: "step", selected: axis === "step" }, "step"),
+  );
+  const xNote = h("span", { id: "compare-x-note", class: "hint" });
+  const parallel = parallelBlock(comparison, names, colors);
+  fill(
+    ctx.main,
+    h("div", { class: "page-head" }, h("h1", {}, `Compare ${jobs.length} jobs`), h("label", { for: "compare-x", class: "inline" }, "x axis "), xSelect, xNote),
     charts,
     h("h2", {}, "Results"),
-    resultsTable(comparison),
+    h("div", { class: "table-scroll" }, resultsTable(comparison, names, colors)),
+    parallel,
     h("h2", {}, "Parameters"),
     comparison.differing.length
       ? h("p", { class: "hint" }, `${comparison.differing.length} parameter(s) differ; they come first.`)
       : h("p", { class: "hint" }, "No parameter differs."),
-    paramsTable(comparison),
+    h("div", { class: "table-scroll" }, paramsTable(comparison, names, colors)),
   );
-  const drawn = [];
-  for (const name of comparison.metrics) {
-    const box = h("div", { class: "chart-box", dataset: { metric: name } });
-    charts.append(box);
-    const chart = new LineChart(box, {
-      title: name,
-      percent: isFraction(name),
-      log: /loss$/.test(name),
-      series: comparison.jobs.map((j) => ({ name: j.id, label: legendOf(j, comparison.differing) })),
-    });
-    for (const job of comparison.jobs) {
-      const s = job.metrics[name] && job.metrics[name].series;
-      const line = chart.byName(job.id);
-      if (s && line) {
-        line.x = s.x;
-        line.y = s.y;
-      }
-    }
-    drawn.push(chart);
-  }
+
+  let drawn = [];
   ctx.onLeave(() => drawn.forEach((c) => c.destroy()));
-  // Every chart drawn once with all its lines: then the page is ready (its mark is what
-  // bench/bench_ui.py reads).
-  await Promise.all(drawn.map((c) => c.draw()));
-  drawn.forEach((c) => {
-    c.root.dataset.points = String(c.points());
+  const draw = async () => {
+    drawn.forEach((c) => c.destroy());
+    drawn = [];
+    charts.replaceChildren();
+    charts.dataset.ready = "false";
+    charts.dataset.axis = axis;
+    const shownJobs = axis === "epoch" ? withEpochs : jobs;
+    const left = jobs.filter((j) => !shownJobs.includes(j)).map((j) => names.get(j.id));
+    xNote.textContent = left.length ? `without epochs, shown on the step axis only: ${left.join(", ")}` : "";
+    for (const name of comparison.metrics) {
+      const box = h("div", { class: "chart-box", dataset: { metric: name } });
+      charts.append(box);
+      const chart = new LineChart(box, {
+        title: name,
+        percent: isFraction(name),
+        log: /loss$/.test(name),
+        xLabel: axis,
+        integerX: axis === "step",
+        series: shownJobs.map((j) => ({ name: j.id, label: names.get(j.id), title: paramsTitle(j, comparison.differing, names.get(j.id)), color: colors.get(j.id) })),
+      });
+      for (const job of shownJobs) {
+        const s = job.metrics[name] && job.metrics[name].series;
+        const line = chart.byName(job.id);
+        if (s && line) {
+          const per = perEpoch.get(job.id);
+          line.x = axis === "epoch" ? s.x.map((v) => v / per) : s.x;
+          line.y = s.y;
+        }
+      }
+      drawn.push(chart);
+    }
+    // Every chart drawn once with all its lines: then the page is ready (its mark is what
+    // bench/bench_ui.py reads).
+    await Promise.all(drawn.map((c) => c.draw()));
+    drawn.forEach((c) => {
+      c.root.dataset.points = String(c.points());
+    });
+    charts.dataset.ready = "true";
+  };
+  xSelect.addEventListener("change", () => {
+    axis = xSelect.value;
+    // The link says the axis chosen, without drawing the page again.
+    const params = new URLSearchParams(ctx.params);
+    params.set("x", axis);
+    history.replaceState(null, "", `#/compare?${params.toString().replace(/%2C/g, ",")}`);
+    draw();
   });
+  await draw();
   performance.mark("torchyard:compare-ready");
-  charts.dataset.ready = "true";
 }

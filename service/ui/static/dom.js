@@ -19,6 +19,13 @@ export function h(tag, attrs = {}, ...children) {
   return el;
 }
 
+// el.replaceChildren(...children) leaving out null, undefined and false (which
+// replaceChildren would write as the text "null"): for children shown only sometimes.
+export function fill(el, ...children) {
+  el.replaceChildren(...children.flat().filter((c) => c !== null && c !== undefined && c !== false));
+  return el;
+}
+
 export const FINAL = new Set(["succeeded", "failed", "cancelled"]);
 
 export function badge(status) {
@@ -87,4 +94,43 @@ export function effectiveLrText(lr, processes) {
   if (typeof lr !== "number" || !Number.isFinite(lr)) return "";
   const eff = +(lr * processes).toPrecision(6);
   return processes > 1 ? `${lr} × ${processes} processes = ${eff} effective` : `${lr} (1 process: effective ${eff})`;
+}
+
+// A number as a person reads it: integers whole, others to `digits` significant digits
+// (0.017439263563117445 is 0.01744); anything else as text ("–" when missing).
+export function sig(v, digits = 4) {
+  if (v === null || v === undefined) return "–";
+  if (typeof v !== "number") return typeof v === "object" ? JSON.stringify(v) : String(v);
+  if (!Number.isFinite(v) || Number.isInteger(v)) return String(v);
+  return String(Number(v.toPrecision(digits)));
+}
+
+// Readable names for the fields of a job spec (their keys stay in a title).
+const LABELS = {
+  architecture: "Architecture",
+  pretrained: "Pretrained weights",
+  memory_efficient: "Memory-efficient",
+  init_from_job: "Start from job",
+  epochs: "Epochs",
+  batch_size: "Batch size (per process)",
+  warmup_epochs: "Warm-up epochs",
+  learning_rate: "Learning rate",
+  random_seed: "Random seed",
+  patience: "Patience (epochs)",
+  print_frequency: "Print every (steps)",
+  image_size: "Image size (px)",
+  augmentation: "Augmentation",
+  node_count: "Nodes",
+  process_count_per_node: "Processes per node",
+  max_runtime_s: "Time limit (s)",
+  max_restarts: "Max restarts",
+  priority: "Priority",
+  launch: "Launch",
+};
+
+export function fieldLabel(key) {
+  const name = String(key).split(".").pop();
+  if (LABELS[name]) return LABELS[name];
+  const words = name.replace(/_s$/, " (s)").replace(/_/g, " ");
+  return words.charAt(0).toUpperCase() + words.slice(1);
 }

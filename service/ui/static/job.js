@@ -10,6 +10,7 @@ import { api, followText } from "./api.js";
 import { LineChart } from "./chart.js";
 import {
   h,
+  fill,
   badge,
   duration,
   secondsSince,
@@ -411,7 +412,8 @@ function labelsBlock(job, refresh) {
   const box = h("section", { id: "labels", class: "card" });
   const show = () => {
     const tags = (job.tags || []).map((t) => h("span", { class: "tag" }, t));
-    box.replaceChildren(
+    fill(
+      box,
       h(
         "div",
         { class: "page-head" },
@@ -664,7 +666,7 @@ export async function renderJob(ctx, jobId) {
     logs.setAttempts(job);
     head.replaceChildren(h("h1", { id: "job-name" }, job.name), badge(job.status), h("span", { class: "spacer" }), ...actions(ctx, job, refresh, onRegistered));
     if (!status.contains(document.getElementById("labels-form"))) labels = labelsBlock(job, refresh);
-    status.replaceChildren(summaryBlock(job, extra), progressBlock(job, pace), failureBlock(job) || "", labels, attemptsBlock(job) || "", specBlock(job));
+    fill(status, summaryBlock(job, extra), progressBlock(job, pace), failureBlock(job), labels, attemptsBlock(job), specBlock(job));
     if (type === "evaluate") results.replaceChildren(evaluationBlock(job));
   };
   draw();

@@ -3,7 +3,7 @@
 // deleting a version, and predicting the label of an image dropped on a version.
 
 import { api } from "./api.js";
-import { h, when, errorBox, percent } from "./dom.js";
+import { h, fill, when, errorBox, percent } from "./dom.js";
 
 function downloads(name, v) {
   const q = (s) => encodeURIComponent(s);
@@ -122,7 +122,8 @@ export async function renderModels(ctx, name) {
   // Newest version first.
   const versions = [...(model.versions || [])].reverse();
   const deleted = ctx.params.get("deleted");
-  ctx.main.replaceChildren(
+  fill(
+    ctx.main,
     h("h1", { id: "model-name" }, `Model ${name}`),
     deleted ? h("p", { id: "model-note", class: "hint" }, `Deleted version ${deleted}.`) : null,
     ...versions.map((v) => {

@@ -5,7 +5,7 @@
 // next to its field.
 
 import { api, ApiError, jsonWithIntegers } from "./api.js";
-import { h, errorBox, processCount, effectiveLrText } from "./dom.js";
+import { h, errorBox, processCount, effectiveLrText, fieldLabel, sig } from "./dom.js";
 
 // Used when the schema cannot be read: the fields of docs/datasets.md.
 const FALLBACK = {
@@ -19,6 +19,19 @@ const FALLBACK = {
   resources: { node_count: { type: "integer", default: 1 }, process_count_per_node: { type: "integer", default: 1 } },
 };
 const FALLBACK_PRIORITY = { type: "integer", default: 0, minimum: -100, maximum: 100 };
+
+// Where a training job's form starts. The service's defaults (224 px, standard augmentation,
+// learning rate 0.001) suit photographs; on small images such as the demo's 8×8 digits they
+// train slowly and poorly, and the README and `torchyard demo` use 32 px, light
+// augmentation and a learning rate of 0.02 with one warm-up epoch instead.
+const PRESETS = {
+  small: {
+    label: "small images (up to 64 px)",
+    values: { "parameters.image_size": 32, "parameters.augmentation": "light", "parameters.learning_rate": 0.02, "parameters.warmup_epochs": 1, "parameters.batch_size": 32 },
+  },
+  photos: { label: "photographs (224 px)", values: {} },
+};
+const FIRST_PRESET = "small";
 
 function resolve(schema, node) {
   let cur = node || {};
@@ -68,13 +81,29 @@ function kind(prop) {
   return { type, nullable, choices };
 }
 
+// The integers' cap (2³¹−1), which every integer field has: not worth a word in each hint.
+const INT_CAP = /,? and <= 2147483647\b/;
+
+// A field's allowed range as a person reads it: "> 0" for the smallest positive float
+// (machine epsilon, 2.220446049250313e-16), "empty" for null (an empty field sends it),
+// long decimals shortened, ≥ and ≤.
+export function readableRange(text) {
+  return String(text)
+    .replace(/>= ?([0-9.]+e-\d+)( and finite)?/, (m, n) => (Number(n) > 0 && Number(n) < 1e-9 ? "> 0" : m))
+    .replace(INT_CAP, "")
+    .replace(/\d+\.\d{5,}(e[-+]?\d+)?/g, (n) => sig(Number(n)))
+    .replace(/\bnull\b/g, "empty")
+    .replace(/>=/g, "≥")
+    .replace(/<=/g, "≤");
+}
+
 function rangeText(prop) {
-  if (prop.allowed) return prop.allowed;
+  if (prop.allowed) return readableRange(prop.allowed);
   const bits = [];
   if (prop.minimum !== undefined) bits.push(`>= ${prop.minimum}`);
   if (prop.exclusiveMinimum !== undefined) bits.push(`> ${prop.exclusiveMinimum}`);
   if (prop.maximum !== undefined) bits.push(`<= ${prop.maximum}`);
-  return bits.join(" and ");
+  return readableRange(bits.join(" and "));
 }
 
 function fieldRow(path, prop) {
@@ -99,13 +128,15 @@ function fieldRow(path, prop) {
   input.dataset.type = type;
   if (nullable) input.dataset.nullable = "true";
   const range = rangeText(prop);
-  const hint = [range ? `allowed: ${range}` : "", prop.default !== undefined ? `default: ${prop.default === null ? "none" : prop.default}` : ""]
+  const hint = [range ? `allowed: ${range}` : "", prop.default !== undefined ? `default: ${prop.default === null ? "none" : sig(prop.default)}` : ""]
     .filter(Boolean)
     .join("; ");
+  // A readable label; the field's name in the spec (parameters.learning_rate) in its title.
+  const key = path.replace(/^script\./, "");
   return h(
     "div",
     { class: "field", dataset: { field: path } },
-    h("label", { for: id }, path.split(".").pop()),
+    h("label", { for: id, title: key, dataset: { key } }, fieldLabel(key)),
     input,
     h("div", { class: "hint", title: prop.description || "" }, hint),
     h("div", { class: "field-error", id: `err-${id}` }),
@@ -213,12 +244,38 @@ export async function renderNewJob(ctx) {
     h("fieldset", { class: "card" }, h("legend", {}, section), ...Object.entries(fields).map(([name, prop]) => fieldRow(`${section}.${name}`, prop))),
   );
   const lrHint = h("div", { id: "effective-lr-hint", class: "hint lr-hint" });
+  const preset = h("select", { id: "f-preset", name: "preset" }, ...Object.entries(PRESETS).map(([value, p]) => h("option", { value, selected: value === FIRST_PRESET }, p.label)));
   const train = h(
     "div",
     { id: "train-fields", dataset: { type: "train" } },
-    h("fieldset", { class: "card" }, h("legend", {}, "data"), datasetPicker("train_dataset", "training dataset", datasets), datasetPicker("validation_dataset", "validation dataset", datasets)),
+    h(
+      "fieldset",
+      { class: "card" },
+      h("legend", {}, "data"),
+      datasetPicker("train_dataset", "Training dataset", datasets),
+      datasetPicker("validation_dataset", "Validation dataset", datasets),
+      h(
+        "div",
+        { class: "field", dataset: { field: "preset" } },
+        h("label", { for: "f-preset" }, "Settings for"),
+        preset,
+        h("div", { class: "hint" }, "fills image size, augmentation, learning rate, warm-up and batch size: 32 px, light, 0.02, 1 epoch and 32 for small images such as the demo's digits; for photographs the service's defaults (224 px, standard, 0.001, none, 16)"),
+      ),
+    ),
     ...groups,
   );
+  // The preset's values, over the service's defaults (read from its schema).
+  const applyPreset = () => {
+    for (const input of train.querySelectorAll("fieldset [name*='.']")) {
+      const [section, field] = input.name.split(".");
+      const fallback = spec[section]?.[field]?.default;
+      const value = input.name in PRESETS[preset.value].values ? PRESETS[preset.value].values[input.name] : fallback;
+      if (value === undefined || input.type === "checkbox") continue;
+      input.value = value === null ? "" : String(value);
+    }
+    train.dispatchEvent(new Event("input"));
+  };
+  preset.addEventListener("change", applyPreset);
   // The trainer scales the learning rate by the number of processes: say what it will be.
   const lrBox = train.querySelector(".field[data-field='parameters.learning_rate']");
   if (lrBox) lrBox.append(lrHint);
@@ -229,7 +286,7 @@ export async function renderNewJob(ctx) {
     lrHint.textContent = Number.isFinite(lr) && lr > 0 ? `effective: ${effectiveLrText(lr, processes)} (the learning rate is multiplied by the number of processes)` : "";
   };
   train.addEventListener("input", showLr);
-  showLr();
+  applyPreset();
 
   // Script.
   const scriptResources = sectionOf(ctx.schema, "ScriptJobCreate", "resources", FALLBACK.resources);
@@ -241,9 +298,9 @@ export async function renderNewJob(ctx) {
       "fieldset",
       { class: "card" },
       h("legend", {}, "script"),
-      selectField("code", "code package", code.map((c) => [c.id, `${c.name || c.id.slice(0, 8)} (${c.id.slice(0, 8)})`]), ["choose a code package", "no code packages: upload one with `torchyard code upload`"]),
-      textField("command", "command", { placeholder: "python train.py --epochs 3" }, "as you would type it; quotes group words; no shell"),
-      selectField("inputs.data", "input dataset (optional)", datasets.map((d) => [d.id, d.name]), ["none", "none (no datasets yet)"]),
+      selectField("code", "Code package", code.map((c) => [c.id, `${c.name || c.id.slice(0, 8)} (${c.id.slice(0, 8)})`]), ["choose a code package", "no code packages: upload one with `torchyard code upload`"]),
+      textField("command", "Command", { placeholder: "python train.py --epochs 3" }, "as you would type it; quotes group words; no shell"),
+      selectField("inputs.data", "Input dataset (optional)", datasets.map((d) => [d.id, d.name]), ["none", "none (no datasets yet)"]),
       launch ? fieldRow("distribution.launch", launch) : null,
     ),
     h("fieldset", { class: "card" }, h("legend", {}, "resources"), ...Object.entries(scriptResources).map(([name, prop]) => fieldRow(`script.resources.${name}`, prop))),
@@ -261,8 +318,8 @@ export async function renderNewJob(ctx) {
       "fieldset",
       { class: "card" },
       h("legend", {}, "evaluation"),
-      selectField("model", "model version", versions, ["choose a model version", "no models: register one from a succeeded job's page"]),
-      datasetPicker("dataset", "dataset", datasets),
+      selectField("model", "Model version", versions, ["choose a model version", "no models: register one from a succeeded job's page"]),
+      datasetPicker("dataset", "Dataset", datasets),
       fieldRow("batch_size", batch),
     ),
   );
@@ -275,8 +332,8 @@ export async function renderNewJob(ctx) {
       "fieldset",
       { class: "card" },
       h("legend", {}, "job"),
-      h("div", { class: "field", dataset: { field: "type" } }, h("label", { for: "f-type" }, "type"), typeSelect, h("div", { class: "hint" }), h("div", { class: "field-error", id: "err-f-type" })),
-      h("div", { class: "field", dataset: { field: "name" } }, h("label", { for: "f-name" }, "name"), h("input", { id: "f-name", name: "name", value: "" }), h("div", { class: "hint" }, "empty: a name is made up"), h("div", { class: "field-error", id: "err-f-name" })),
+      h("div", { class: "field", dataset: { field: "type" } }, h("label", { for: "f-type" }, "Type"), typeSelect, h("div", { class: "hint" }), h("div", { class: "field-error", id: "err-f-type" })),
+      h("div", { class: "field", dataset: { field: "name" } }, h("label", { for: "f-name" }, "Name"), h("input", { id: "f-name", name: "name", value: "" }), h("div", { class: "hint" }, "empty: a name is made up"), h("div", { class: "field-error", id: "err-f-name" })),
       priority,
     ),
     train,
