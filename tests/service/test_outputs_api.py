@@ -128,7 +128,9 @@ def _upload(client: TestClient, job: RunningJob, body: bytes, node_rank: int = 0
 
 def _left_on_disk(settings: Settings) -> list[str]:
     root = OutputsStore(settings.data_dir).root
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+    return sorted(
+        str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")
+    )
 
 
 def _refused_and_nothing_kept(
@@ -210,7 +212,10 @@ def test_files_are_served_without_reading_the_whole_archive_again(
     missing = client.get(url, params={"path": "run/nope.txt"}, headers=user)
     assert missing.status_code == 404, missing.text
     whole = client.get(url, headers=user)
-    assert whole.status_code == 200 and hashlib.sha256(whole.content).hexdigest() == hashlib.sha256(body).hexdigest()
+    assert (
+        whole.status_code == 200
+        and hashlib.sha256(whole.content).hexdigest() == hashlib.sha256(body).hexdigest()
+    )
     assert len(built) == 1
 
 
