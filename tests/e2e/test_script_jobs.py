@@ -307,7 +307,7 @@ import os, sys
 import lightning as L
 import mlflow
 import torch
-from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
 
 
 class Linear(L.LightningModule):
@@ -335,7 +335,7 @@ trainer = L.Trainer(
     log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
     enable_model_summary=False,
     logger=[MLFlowLogger(experiment_name="lightning", prefix="mlflow"),
-            TensorBoardLogger("tb_logs", prefix="tb")],
+            TensorBoardLogger("tb_logs", prefix="tb"), CSVLogger(".")],
 )
 trainer.fit(Linear(), torch.utils.data.DataLoader(data, batch_size=8))
 # Lightning's loggers write from rank 0 only; a rank may still call MLflow itself.
@@ -345,9 +345,10 @@ with mlflow.start_run(run_name=f"rank{trainer.global_rank}"):
 
 
 def test_lightning_mlflow_and_tensorboard_loggers_1_and_2_processes(env: ScriptEnv) -> None:
-    """docs/script-jobs.md: Lightning's ``MLFlowLogger`` and ``TensorBoardLogger``, unchanged, in a
-    1-process job and a 2-process ``per_node`` job (``torchrun`` starting Lightning's DDP
-    ranks): what they log is the job's metrics, with the rank of the process that logged."""
+    """docs/script-jobs.md: Lightning's ``MLFlowLogger``, ``TensorBoardLogger`` and ``CSVLogger``,
+    unchanged, in a 1-process job and a 2-process ``per_node`` job (``torchrun`` starting
+    Lightning's DDP ranks): what they log is the job's metrics, with the rank of the process
+    that logged; the working copy's ``lightning_logs/`` is in the outputs."""
     pytest.importorskip("lightning")
     env.agent("solo", slots=3)
     code = env.upload_code({"fit.py": LIGHTNING})
@@ -371,6 +372,12 @@ def test_lightning_mlflow_and_tensorboard_loggers_1_and_2_processes(env: ScriptE
         assert [(r, s) for r, s, _ in mlflow_loss] == [(0, s) for s in range(steps)], mlflow_loss
         assert [(r, s) for r, s, _ in tb_loss] == [(0, s) for s in range(steps)], tb_loss
         assert [v for _, _, v in tb_loss] == pytest.approx([v for _, _, v in mlflow_loss], rel=1e-6)
+        # CSVLogger's ./lightning_logs/version_0/metrics.csv: read as metrics, kept in the outputs.
+        csv_loss = _metrics(env, job_id, "train_loss")
+        assert [(r, s) for r, s, _ in csv_loss] == [(0, s) for s in range(steps)], csv_loss
+        assert [v for _, _, v in csv_loss] == pytest.approx([v for _, _, v in mlflow_loss], rel=1e-6)
+        assert b"train_loss" in env.outputs(job_id)["lightning_logs/version_0/metrics.csv"]
+        assert "not kept: lightning_logs/" not in env.log(job_id, stream="agent")
         # Each rank's own MLflow call carries its rank (per_node: the RANK torchrun gave it).
         assert _metrics(env, job_id, "rank_seen") == [(r, 0, float(r)) for r in ranks]
         assert job["tracking"]["params"]["lr"] == "0.1"

@@ -34,12 +34,13 @@ import secrets
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tarfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -68,7 +69,7 @@ from worker.agent.launcher import (
 from worker.agent.mlflow_endpoint import TrackingEndpoint, tracking_snapshot
 from worker.agent.net_bridge import SOCKET_IN_SANDBOX, Bridge
 from worker.agent.retry import Deadline
-from worker.agent.tensorboard_scalars import ScalarTailer
+from worker.agent.tensorboard_scalars import ScalarTailer, mlflow_artifacts
 
 if TYPE_CHECKING:
     from torchyard.contract.protocol import ScriptPlacement
@@ -91,9 +92,22 @@ _TEXT_SNIFF_BYTES = 8192
 MAX_ARCHIVED_LOG_FILES = 1000
 MAX_ARCHIVED_LOG_BYTES = 512 << 20
 MAX_ARCHIVED_LOG_FILE_BYTES = 256 << 20
-# Files at the top of a working copy that look like a model a script meant to keep: they
-# are not (only outputs/ and logs/ are), and the job's log says so.
+# Files that look like a model a script meant to keep: of the files written in a working
+# copy (not kept, only outputs/ and logs/ are, each named in the job's log) they are named
+# first when there are too many to name each.
 MODEL_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors", ".onnx")
+# The files written in a working copy are named one a line up to this many; past it, a
+# count, their size and the first few names.
+MAX_UNKEPT_NAMED = 20
+_UNKEPT_SHOWN = 5
+# At most this many files of a working copy are looked at when it ends.
+MAX_UNKEPT_SCANNED = 100_000
+# Lightning's default root folder (``default_root_dir``: the working directory) for its
+# loggers and checkpoints: a working copy's is kept in the outputs archive under
+# ``lightning_logs/``, at most this many files and bytes (the rest named in the job's log).
+LIGHTNING_LOGS = "lightning_logs"
+MAX_ARCHIVED_LIGHTNING_FILES = 1000
+MAX_ARCHIVED_LIGHTNING_BYTES = 2 << 30
 
 
 def expand(arg: str, variables: Mapping[str, str]) -> str:
@@ -162,7 +176,7 @@ class ScriptLaunch:
 
     @property
     def agent_metrics_dir(self) -> Path:
-        """The metric files the agent writes (MLflow points, TensorBoard scalars)."""
+        """The metric files the agent writes (MLflow points, TensorBoard scalars, CSV points)."""
         return self.agent_dir / "metrics"
 
     @property
@@ -301,7 +315,9 @@ class ScriptGroup:
         first = launch.node_rank * launch.nproc
         roots = [(p.cwd, p.rank, False) for p in self.processes]
         roots += [(launch.outputs_dir, first, True), (launch.logs_dir, first, True)]
-        self.scalars = ScalarTailer(roots, launch.agent_metrics_dir, self.job_log)
+        # Files mlflow.log_artifact(s) copied to the endpoint's artifact folders are not read.
+        skip = mlflow_artifacts(launch.outputs_dir) if self.tracking is not None else None
+        self.scalars = ScalarTailer(roots, launch.agent_metrics_dir, self.job_log, skip=skip)
         self.failed: ScriptProcess | None = None
         # ./logs files already judged: their stream name, or None when left out.
         self._log_dir_files: dict[Path, str | None] = {}
@@ -527,7 +543,7 @@ class ScriptGroup:
 
     def metric_files(self) -> list[Path]:
         """The processes' metric files (``metrics/*.jsonl`` of the run's folder, read through
-        job_tree), then the agent's own (MLflow points, TensorBoard scalars)."""
+        job_tree), then the agent's own (MLflow points, TensorBoard scalars, CSV points)."""
         own = sorted(self.launch.metrics_dir.glob("*.jsonl"))
         return own + sorted(self.launch.agent_metrics_dir.glob("*.jsonl"))
 
@@ -546,21 +562,44 @@ class ScriptGroup:
             self.tracking.stop()
             self.tracking = None
 
-    def name_unkept_files(self) -> list[str]:
-        """Say in the job's log which model-like files the processes left at the top of their
-        working copies: only outputs/ and logs/ are kept."""
-        found = []
-        for cwd in dict.fromkeys(p.cwd for p in self.processes):
-            with contextlib.suppress(OSError):
-                for path in sorted(cwd.iterdir()):
-                    if path.suffix.lower() in MODEL_SUFFIXES and path.is_file() and not path.is_symlink():
-                        found.append(f"{cwd.name}/{path.name}")
-        for name in found:
+    def working_copies(self) -> list[Path]:
+        return list(dict.fromkeys(p.cwd for p in self.processes))
+
+    def name_unkept_files(self, kept: Collection[str] = ()) -> list[str]:
+        """Say in the job's log which files the processes wrote in their working copies (not
+        under outputs/ and logs/, which are links to the kept folders, nor under the top
+        folders in ``kept``, which the outputs archive takes): they are not kept. A file the
+        code package brought, unchanged, was not written. One line a file, or past
+        MAX_UNKEPT_NAMED one line a working copy; the files as ``<copy>/<path>``."""
+        found: list[str] = []
+        kept_names = ["outputs/", "logs/", *(f"{k}/" for k in kept)]
+        also = ", ".join(kept_names[:-1]) + " and " + kept_names[-1]
+        for cwd in self.working_copies():
+            written, scanned_all = _written_files(cwd, self.launch.code_dir, set(kept))
+            found += [f"{cwd.name}/{relative}" for relative, _ in written]
+            if not written:
+                continue
+            if len(written) <= MAX_UNKEPT_NAMED:
+                for relative, _size in written:
+                    self.job_log.warning(
+                        "not kept: %s was written in the working copy of %s, not under outputs/ "
+                        "(only %s are kept with the job)",
+                        relative,
+                        cwd.name,
+                        also,
+                    )
+                continue
+            models = [r for r, _ in written if r.lower().endswith(MODEL_SUFFIXES)]
+            first = list(dict.fromkeys([*models, *(r for r, _ in written)]))[:_UNKEPT_SHOWN]
             self.job_log.warning(
-                "not kept: %s was written in the working copy of %s, not under outputs/ "
-                "(only outputs/ and logs/ are kept with the job)",
-                name.split("/", 1)[1],
-                name.split("/", 1)[0],
+                "not kept: %s%d files (%s) were written in the working copy of %s, not under outputs/ "
+                "(only %s are kept with the job), among them %s",
+                "" if scanned_all else "at least ",
+                len(written),
+                _size_text(sum(size for _, size in written)),
+                cwd.name,
+                also,
+                ", ".join(first),
             )
         return found
 
@@ -582,6 +621,61 @@ class ScriptGroup:
             "traceback": _tail(proc.log_path, TRACEBACK_TAIL_LINES) or None,
             "secondary": False,
         }
+
+
+def _size_text(n: int) -> str:
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n} bytes" if n != 1 else "1 byte"
+
+
+def _written_files(cwd: Path, code_dir: Path | None, kept: set[str]) -> tuple[list[tuple[str, int]], bool]:
+    """The regular files of a working copy (no link followed) that its code package did not
+    bring as they are, by path, with their sizes; and whether every file was looked at (at
+    most MAX_UNKEPT_SCANNED are). ``__pycache__`` folders and the top folders in ``kept``
+    are left out."""
+    written: list[tuple[str, int]] = []
+    scanned = 0
+    try:
+        if not stat.S_ISDIR(os.lstat(cwd).st_mode):
+            return written, True
+        for folder, dirs, names, dir_fd in os.fwalk(cwd, follow_symlinks=False):
+            under = Path(folder).relative_to(cwd)
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not (under == Path(".") and d in kept))
+            for name in sorted(names):
+                scanned += 1
+                if scanned > MAX_UNKEPT_SCANNED:
+                    return written, False
+                with contextlib.suppress(OSError):
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                    relative = (under / name).as_posix()
+                    if stat.S_ISREG(st.st_mode) and not _brought(code_dir, relative, st, dir_fd, name):
+                        written.append((relative, st.st_size))
+    except OSError:
+        pass  # the copy went away (or was made unreadable)
+    return written, True
+
+
+def _brought(code_dir: Path | None, relative: str, st: os.stat_result, dir_fd: int, name: str) -> bool:
+    """Whether a working copy's file is its code package's, unchanged: the same size, and the
+    same modification time (the copy keeps it) or the same bytes."""
+    if code_dir is None:
+        return False
+    try:
+        package = os.stat(code_dir / relative, follow_symlinks=False)
+    except OSError:
+        return False
+    if not stat.S_ISREG(package.st_mode) or package.st_size != st.st_size:
+        return False
+    if package.st_mtime_ns == st.st_mtime_ns:
+        return True
+    with job_tree.open_at(dir_fd, name) as copy, open(code_dir / relative, "rb") as original:
+        while True:
+            a, b = copy.read(1 << 20), original.read(1 << 20)
+            if a != b:
+                return False
+            if not a:
+                return True
 
 
 # --- inputs ------------------------------------------------------------------------------
@@ -720,23 +814,70 @@ def _kept_logs(
     folder: Path, taken: set[str], note: Callable[[str], None]
 ) -> list[tuple[str, Path, str, int]]:
     """The files of ``folder`` (the node's ./logs) as ``logs/<path>`` members, within the bounds."""
+    return _kept_folder(
+        folder,
+        "logs/",
+        taken,
+        note,
+        MAX_ARCHIVED_LOG_FILES,
+        MAX_ARCHIVED_LOG_BYTES,
+        MAX_ARCHIVED_LOG_FILE_BYTES,
+        "the outputs hold a file of that name",
+    )
+
+
+def _kept_folder(
+    folder: Path,
+    prefix: str,
+    taken: set[str],
+    note: Callable[[str], None],
+    max_files: int,
+    max_bytes: int,
+    max_file_bytes: int,
+    taken_why: str,
+    counted: int = 0,
+    counted_bytes: int = 0,
+) -> list[tuple[str, Path, str, int]]:
+    """The files of ``folder`` as ``<prefix><path>`` members, within the bounds (``counted``
+    files and ``counted_bytes`` of the same bounds already taken)."""
     kept: list[tuple[str, Path, str, int]] = []
-    total = 0
-    for relative, size in _regular_files(folder, note, "logs/"):
-        name = f"logs/{relative}"
+    total = counted_bytes
+    for relative, size in _regular_files(folder, note, prefix):
+        name = f"{prefix}{relative}"
         if name in taken:
-            note(f"{name} is left out (the outputs hold a file of that name)")
-        elif len(kept) >= MAX_ARCHIVED_LOG_FILES:
-            note(f"{name} is left out (at most {MAX_ARCHIVED_LOG_FILES} files of logs/ are kept)")
-        elif size > MAX_ARCHIVED_LOG_FILE_BYTES:
-            note(
-                f"{name} is left out ({size} bytes; a file of logs/ is kept up to {MAX_ARCHIVED_LOG_FILE_BYTES})"
-            )
-        elif total + size > MAX_ARCHIVED_LOG_BYTES:
-            note(f"{name} is left out (logs/ is kept up to {MAX_ARCHIVED_LOG_BYTES} bytes in all)")
+            note(f"{name} is left out ({taken_why})")
+        elif counted + len(kept) >= max_files:
+            note(f"{name} is left out (at most {max_files} files of {prefix} are kept)")
+        elif size > max_file_bytes:
+            note(f"{name} is left out ({size} bytes; a file of {prefix} is kept up to {max_file_bytes})")
+        elif total + size > max_bytes:
+            note(f"{name} is left out ({prefix} is kept up to {max_bytes} bytes in all)")
         else:
             kept.append((name, folder, relative, size))
             total += size
+    return kept
+
+
+def _kept_lightning_logs(
+    folders: Sequence[Path], taken: set[str], note: Callable[[str], None]
+) -> list[tuple[str, Path, str, int]]:
+    """The files of the working copies' ``lightning_logs`` folders as ``lightning_logs/<path>``
+    members, within their bounds (a name already taken, by the outputs or an earlier copy,
+    is left out)."""
+    kept: list[tuple[str, Path, str, int]] = []
+    for folder in folders:
+        kept += _kept_folder(
+            folder,
+            f"{LIGHTNING_LOGS}/",
+            taken | {name for name, _, _, _ in kept},
+            note,
+            MAX_ARCHIVED_LIGHTNING_FILES,
+            MAX_ARCHIVED_LIGHTNING_BYTES,
+            MAX_ARCHIVED_LIGHTNING_BYTES,
+            "the outputs or another working copy hold a file of that name",
+            len(kept),
+            sum(size for _, _, _, size in kept),
+        )
     return kept
 
 
@@ -772,16 +913,21 @@ def pack_outputs(
     *,
     max_files: int = MAX_OUTPUTS_FILES,
     max_bytes: int = MAX_OUTPUTS_UNCOMPRESSED_BYTES,
+    lightning_logs: Sequence[Path] = (),
 ) -> tuple[str, int, int]:
-    """A deterministic .tar.gz of the regular files under ``folder`` and, under ``logs/``, those
-    of ``logs`` within the bounds above (links and other special files are left out, each
-    named through ``note``), at most ``max_files`` files and ``max_bytes`` bytes in all (what
-    the API accepts); its sha256, size and file count. The files are read through job_tree:
-    the run's folders may hold links to anything of the host's."""
+    """A deterministic .tar.gz of the regular files under ``folder``, under ``logs/`` those of
+    ``logs`` and under ``lightning_logs/`` those of the ``lightning_logs`` folders (the
+    working copies' own) within the bounds above (links and other special files are left
+    out, each named through ``note``), at most ``max_files`` files and ``max_bytes`` bytes in
+    all (what the API accepts; the outputs first); its sha256, size and file count. The
+    files are read through job_tree: the run's folders may hold links to anything of the
+    host's."""
     say = note or (lambda text: log.warning("outputs: %s", text))
     found = [(relative, folder, relative, size) for relative, size in _regular_files(folder, say, "")]
     if logs is not None:
         found += _kept_logs(logs, {name for name, _, _, _ in found}, say)
+    if lightning_logs:
+        found += _kept_lightning_logs(lightning_logs, {name for name, _, _, _ in found}, say)
     members = [(name, root, rel) for name, root, rel, _ in _within_caps(found, max_files, max_bytes, say)]
     levels = LevelChooser()  # weights and images stored, text deflated
     with (
@@ -834,13 +980,14 @@ def upload_outputs_of(
     *,
     outage_deadline: Deadline | None = None,
     archive_dir: Path | None = None,
+    lightning_logs: Sequence[Path] = (),
 ) -> str:
-    """Pack the outputs (and ``logs``) into ``archive_dir`` (the agent's folder of the
-    placement; beside ``folder`` by default) and upload them under the session's lease; the
-    archive's sha256."""
+    """Pack the outputs (and ``logs``, and the ``lightning_logs`` folders) into ``archive_dir``
+    (the agent's folder of the placement; beside ``folder`` by default) and upload them under
+    the session's lease; the archive's sha256."""
     archive = (archive_dir or folder.parent) / "outputs.tar.gz"
     try:
-        sha256, size, count = pack_outputs(folder, archive, logs, note)
+        sha256, size, count = pack_outputs(folder, archive, logs, note, lightning_logs=lightning_logs)
         session.upload_outputs(
             archive,
             sha256,

@@ -10,6 +10,23 @@ name is skipped, said once in the job's log), the event's step its step. A file 
 process's own working copy carries that process's rank; one under the shared folders (or a
 ``per_node`` command's copy) the node's first rank.
 
+A metric is named as TensorBoard shows its series, so that none hides another (the API
+keeps the first point of a name, rank and step):
+
+* ``SummaryWriter.add_scalars("L", {"a": ..., "b": ...})`` writes each key's series to an
+  event file of its own in ``<log dir>/L_a/``, ``L_b/``..., all with the tag ``L``: the
+  scalars of tag ``T`` in a folder named ``<T with / as _>_<key>`` are the metric ``T/<key>``;
+* when event files of two folders (two writers, ``runs/train`` and ``runs/val``, both
+  logging ``loss``) give one name for one rank, the folder found later names its series
+  (``val/loss``; its parent folders too, ``runs/val/loss``, if that name is taken as well),
+  said once in the job's log (:class:`MetricNames`).
+
+The MLflow endpoint's artifact folders (``outputs/mlflow/<run id>/artifacts``) are not
+walked: event files there are copies ``mlflow.log_artifacts`` made, not series being
+written. Nor is a file of the name of one already read for the rank (a writer names its
+file by time, host and process: it is a copy, said once). The same walk finds the metrics CSV files of Lightning's ``CSVLogger`` and timm
+(:mod:`worker.agent.csv_metrics`), named by the same rules.
+
 Those folders are the script's to write, and the agent reading them is shared by every job
 of the node, so an event file is read on the agent's terms:
 
@@ -35,12 +52,13 @@ import re
 import stat
 import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from torchyard.contract.metrics import is_metric_name
+from worker.agent import csv_metrics
 from worker.agent.job_tree import NotRegularFileError, open_at
 
 log = logging.getLogger(__name__)
@@ -58,6 +76,8 @@ MAX_RECORD_BYTES = 4 << 20
 MAX_BYTES_PER_POLL = 8 << 20
 # Lines are appended to the metrics file in batches of at most this many.
 _WRITE_BATCH = 4096
+# Series named (a name of a folder's file for a rank) at most; past it new ones are not kept.
+MAX_SERIES = 10_000
 _HEADER = struct.Struct("<QI")  # the record's length, the masked CRC32C of the length
 _FOOTER = 4  # the masked CRC32C of the data (not checked: a bad record fails to parse)
 _SPACES = re.compile(r"\s")
@@ -97,6 +117,87 @@ def _size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n} bytes"
 
 
+def mlflow_artifacts(outputs_dir: Path) -> Callable[[Path], bool]:
+    """Whether a folder is one of the MLflow endpoint's artifact folders,
+    ``<outputs>/mlflow/<run id>/artifacts`` (``worker.agent.mlflow_endpoint``)."""
+    top = outputs_dir / "mlflow"
+    return lambda folder: folder.name == "artifacts" and folder.parent.parent == top
+
+
+def _sanitized(text: str) -> str:
+    return _SPACES.sub("_", text)
+
+
+class MetricNames:
+    """The metric name of each series a placement's files hold, told apart by folder.
+
+    A series is a base name (a tag, a CSV column) in the files of one folder (its owner)
+    for one rank. The first owner of a name for a rank keeps it; another folder's series of
+    that name is named ``<folder>/<name>``, then with the folder's parents
+    (``<parent>/<folder>/<name>``...), the first that is a metric name no other folder holds
+    for that rank; said once. A series that finds none is not kept (said once)."""
+
+    def __init__(self, job_log: logging.Logger) -> None:
+        self.job_log = job_log
+        # (name, rank) → (the owner holding it, its folder as the job's log shows it)
+        self._holder: dict[tuple[str, int], tuple[Hashable, str]] = {}
+        self._chosen: dict[tuple[Hashable, int, str], str | None] = {}
+        self._said_full = False
+
+    def name(self, owner: Hashable, rank: int, base: str, folder: Sequence[str], what: str) -> str | None:
+        """The metric name of ``base`` from the files of ``owner`` (whose folder's parts, the
+        walked root's name first, are ``folder``); None when it is not kept."""
+        key = (owner, rank, base)
+        if key in self._chosen:
+            return self._chosen[key]
+        if len(self._chosen) >= MAX_SERIES:
+            if not self._said_full:
+                self._said_full = True
+                self.job_log.warning(
+                    "%s of %s is not kept: at most %d series are read from a job's files",
+                    what,
+                    "/".join(folder),
+                    MAX_SERIES,
+                )
+            return None
+        parts = [_sanitized(p) for p in folder]
+        candidates = [base] + ["/".join([*parts[i:], base]) for i in range(len(parts) - 1, -1, -1)]
+        shown = "/".join(folder)
+        chosen = None
+        for candidate in candidates:
+            if not is_metric_name(candidate):
+                continue
+            holder = self._holder.get((candidate, rank))
+            if holder is None or holder[0] == owner:
+                chosen = candidate
+                break
+        self._chosen[key] = chosen
+        first = self._holder.get((base, rank))
+        if chosen is None:
+            self.job_log.warning(
+                "%s of %s is not kept: rank %d's metric %s comes from %s, and no name of its folder "
+                "is free (a metric name is letters, digits and _ . : / -, at most 64)",
+                what,
+                shown,
+                rank,
+                base,
+                first[1] if first else "another folder",
+            )
+            return None
+        self._holder[(chosen, rank)] = (owner, shown)
+        if chosen != base:
+            self.job_log.warning(
+                "%s of %s is the metric %s: rank %d's %s comes from %s",
+                what,
+                shown,
+                chosen,
+                rank,
+                base,
+                first[1] if first else "another folder",
+            )
+        return chosen
+
+
 @dataclass
 class _EventFile:
     """One event file, opened once, and how far it was read."""
@@ -104,6 +205,8 @@ class _EventFile:
     fh: BinaryIO
     name: str  # as the job's log names it
     rank: int
+    owner: Hashable = None  # its folder (see MetricNames)
+    folder: tuple[str, ...] = ()  # its folder's parts, the walked root's name first
     position: int = 0
     done: bool = False  # not read any more (corrupt, or the tailer stopped)
     skipped: bool = False  # a record over the cap was said
@@ -169,14 +272,34 @@ def _scalar(value: Any) -> float | None:
     return None
 
 
+def _series_key(tag: str, folder: str) -> str | None:
+    """The key of an ``add_scalars`` series: ``a`` for the tag ``L`` in the folder ``L_a``
+    (``SummaryWriter`` names the folder ``<tag, / as _>_<key>``); None for another folder."""
+    prefix = tag.replace("/", "_") + "_"
+    if tag and folder.startswith(prefix) and len(folder) > len(prefix):
+        return folder[len(prefix) :]
+    return None
+
+
 class ScalarTailer:
-    """Reads the event files of one placement as they grow."""
+    """Reads the event files (and metrics CSV files) of one placement as they grow."""
 
     def __init__(
-        self, roots: list[tuple[Path, int, bool]], metrics_dir: Path, job_log: logging.Logger
+        self,
+        roots: list[tuple[Path, int, bool]],
+        metrics_dir: Path,
+        job_log: logging.Logger,
+        *,
+        skip: Callable[[Path], bool] | None = None,
     ) -> None:
         # (folder, rank of what is found there, whether the folder is shared by the node)
         self.roots = roots
+        # Folders not walked (the MLflow endpoint's artifact folders: mlflow_artifacts).
+        self.skip = skip
+        self.names = MetricNames(job_log)
+        self.csv = csv_metrics.CsvMetrics(
+            metrics_dir / csv_metrics.METRICS_FILE_NAME, job_log, self._csv_name
+        )
         # The agent's own folder (out of the script's reach), made at the first write.
         self.out = metrics_dir / METRICS_FILE_NAME
         self.job_log = job_log
@@ -185,6 +308,9 @@ class ScalarTailer:
         # Names left out (not regular files), said once each; at most MAX_EVENT_FILES kept.
         self._left_out: set[tuple[int, str]] = set()
         self._said_too_many = False
+        # (rank, file name) → the file as the job's log names it: an event file's name is
+        # its writer's own (time, host, process), so one found again is a copy of it.
+        self._by_name: dict[tuple[int, str], str] = {}
         self._skipped_tags: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -205,31 +331,66 @@ class ScalarTailer:
             for file in self.files.values():
                 file.done = True
                 file.fh.close()
+            self.csv.close()
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
             self.poll()
 
     def _find(self) -> None:
-        """Open the event files not seen before (links are not followed, nor opened)."""
+        """Open the event files and metrics CSV files not seen before (links are not
+        followed, nor opened)."""
         for index, (root, rank, _) in enumerate(self.roots):
             try:
                 if not stat.S_ISDIR(os.lstat(root).st_mode):
                     continue
                 for folder, dirs, names, dir_fd in os.fwalk(root, follow_symlinks=False):
-                    dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
+                    dirs[:] = sorted(
+                        d
+                        for d in dirs
+                        if not d.startswith(".")
+                        and d != "__pycache__"
+                        and not (self.skip is not None and self.skip(Path(folder) / d))
+                    )
                     under = Path(folder).relative_to(root)
                     for name in sorted(names):
-                        if "tfevents" in name:
+                        if "tfevents" in name and self.available:
                             self._open(index, (under / name).as_posix(), dir_fd, name, rank)
+                        elif name in csv_metrics.CSV_NAMES:
+                            parts = (root.name, *under.parts)
+                            self.csv.found(
+                                (index, (under / name).as_posix()),
+                                dir_fd,
+                                name,
+                                f"{root.name}/{(under / name).as_posix()}",
+                                rank,
+                                ("csv", index, under.as_posix()),
+                                parts,
+                            )
             except OSError:
                 continue  # the folder went away (or was made unreadable) between two looks
+
+    def _csv_name(self, file: csv_metrics.CsvFile, column: str) -> str | None:
+        return self.names.name(
+            file.owner, file.rank, column, file.folder, f"the column {column!r} of {file.name}"
+        )
 
     def _open(self, index: int, relative: str, dir_fd: int, name: str, rank: int) -> None:
         key = (index, relative)
         if key in self.files or key in self._left_out:
             return
         shown = f"{self.roots[index][0].name}/{relative}"
+        original = self._by_name.get((rank, name))
+        if original is not None:
+            if len(self._left_out) < MAX_EVENT_FILES:
+                self._left_out.add(key)
+                self.job_log.warning(
+                    "TensorBoard event file %s is not read: it is a copy of %s (an event file's name "
+                    "is its writer's own)",
+                    shown,
+                    original,
+                )
+            return
         if len(self.files) >= MAX_EVENT_FILES:
             if not self._said_too_many:
                 self._said_too_many = True
@@ -256,28 +417,33 @@ class ScalarTailer:
                     shown,
                 )
             return
-        self.files[key] = _EventFile(fh, shown, rank)
+        under = Path(relative).parent
+        self._by_name[(rank, name)] = shown
+        self.files[key] = _EventFile(
+            fh, shown, rank, ("tfevents", index, under.as_posix()), (self.roots[index][0].name, *under.parts)
+        )
 
     def poll(self) -> int:
-        """Append the scalars written since the last look; how many."""
-        if not self.available:
-            return 0
+        """Append the scalars (and CSV points) written since the last look; how many."""
         with self._lock:
-            try:
-                parse, corrupt = _event_parser()
-            except ImportError:
-                self.available = False
-                self.job_log.warning(
-                    "TensorBoard event files are not read: this worker lacks the tensorboard package"
-                )
-                return 0
+            parser = None
+            if self.available:
+                try:
+                    parser = _event_parser()
+                except ImportError:
+                    self.available = False
+                    self.job_log.warning(
+                        "TensorBoard event files are not read: this worker lacks the tensorboard package"
+                    )
             count = 0
             try:
                 self._find()
-                for file in list(self.files.values()):
-                    count += self._read(file, parse, corrupt)
+                if parser is not None:
+                    for file in list(self.files.values()):
+                        count += self._read(file, *parser)
+                count += self.csv.poll()
             except Exception:  # a reading bug must not stop the job
-                log.exception("reading TensorBoard event files failed")
+                log.exception("reading TensorBoard event files and metrics CSV files failed")
             return count
 
     def _read(self, file: _EventFile, parse: Callable[[bytes], Any], corrupt: type[Exception]) -> int:
@@ -295,7 +461,7 @@ class ScalarTailer:
                     file.position - len(data) - _HEADER.size - _FOOTER,
                 )
                 break
-            lines.extend(self._lines(event, file.rank))
+            lines.extend(self._lines(event, file))
             if len(lines) >= _WRITE_BATCH:
                 count += self._write(lines)
                 lines = []
@@ -308,27 +474,36 @@ class ScalarTailer:
                 fh.write("".join(lines))
         return len(lines)
 
-    def _lines(self, event: Any, rank: int) -> Iterator[str]:
+    def _lines(self, event: Any, file: _EventFile) -> Iterator[str]:
         if event.HasField("summary"):
             for value in event.summary.value:
                 number = _scalar(value)
                 if number is None or not math.isfinite(number):
                     continue  # the metrics API holds finite numbers
-                name = _SPACES.sub("_", value.tag)
-                if not is_metric_name(name):
-                    if value.tag not in self._skipped_tags:
-                        self._skipped_tags.add(value.tag)
+                tag, folder = value.tag, file.folder
+                series = _series_key(tag, folder[-1] if len(folder) > 1 else "")
+                if series is not None:
+                    # add_scalars: the key's own folder names the series; its writer's
+                    # folder tells it from another writer's.
+                    tag, folder = f"{tag}/{series}", folder[:-1]
+                base = _sanitized(tag)
+                if not is_metric_name(base):
+                    if tag not in self._skipped_tags and len(self._skipped_tags) < MAX_SERIES:
+                        self._skipped_tags.add(tag)
                         self.job_log.warning(
                             "TensorBoard scalar %r is not kept: a metric name is letters, digits and "
                             "_ . : / - (at most 64)",
-                            value.tag,
+                            tag,
                         )
+                    continue
+                name = self.names.name(file.owner, file.rank, base, folder, f"TensorBoard scalar {tag!r}")
+                if name is None:
                     continue
                 point = {
                     "name": name,
                     "value": number,
                     "step": max(0, int(event.step)),
-                    "rank": rank,
+                    "rank": file.rank,
                     "time": float(event.wall_time),
                 }
                 yield json.dumps(point, separators=(",", ":")) + "\n"

@@ -346,20 +346,136 @@ def test_the_outputs_archive_keeps_within_what_the_api_accepts(tmp_path: Path) -
     assert len(notes) == 1 and notes[0].startswith("3 file(s) (300 bytes) are left out")
 
 
-def test_model_files_left_in_the_working_copy_are_named_in_the_job_log(
+def test_files_written_in_the_working_copy_are_named_in_the_job_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every file a process wrote in its working copy, at any depth (Lightning's checkpoints,
+    ``mnist/mnist_cnn.pt``), is named: not what the code package brought unchanged, not what
+    went through ./outputs or ./logs, not ``__pycache__``; nor ``lightning_logs/`` when the
+    outputs archive takes it."""
+    import logging
+
+    code = tmp_path / "code"
+    (code / "data").mkdir(parents=True)
+    (code / "train.py").write_text("print()")
+    (code / "data" / "labels.txt").write_text("a\nb\n")
+    (code / "data" / "same.txt").write_text("same")
+    launch = _launch(tmp_path, node_rank=0, nproc=1, code_dir=code)
+    group = ScriptGroup(launch, job_log=logging.getLogger("test.job"))
+    group.close_tracking()
+    group._prepare()
+    cwd = group.processes[0].cwd
+    (cwd / "model.pt").write_bytes(b"w")
+    (cwd / "mnist").mkdir()
+    (cwd / "mnist" / "mnist_cnn.pt").write_bytes(b"x" * 10)
+    checkpoints = cwd / "lightning_logs" / "version_0" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "epoch=1-step=4.ckpt").write_bytes(b"c")
+    (cwd / "data" / "labels.txt").write_text("a\nc\n")  # changed, same size
+    (cwd / "data" / "same.txt").write_text("same")  # written again as it was
+    (cwd / "__pycache__").mkdir()
+    (cwd / "__pycache__" / "train.cpython-311.pyc").write_bytes(b"\0")
+    (cwd / "outputs" / "kept.pt").write_bytes(b"k")
+    (cwd / "logs" / "run.log").write_text("kept")
+    (cwd / "link.pt").symlink_to(cwd / "model.pt")
+    ckpt = "lightning_logs/version_0/checkpoints/epoch=1-step=4.ckpt"
+    with caplog.at_level(logging.WARNING, logger="test.job"):
+        assert group.name_unkept_files() == [
+            "rank-0/model.pt",
+            "rank-0/data/labels.txt",
+            f"rank-0/{ckpt}",
+            "rank-0/mnist/mnist_cnn.pt",
+        ]
+    said = [r.getMessage() for r in caplog.records if r.name == "test.job"]
+    assert said == [
+        f"not kept: {name} was written in the working copy of rank-0, not under outputs/ "
+        "(only outputs/ and logs/ are kept with the job)"
+        for name in ("model.pt", "data/labels.txt", ckpt, "mnist/mnist_cnn.pt")
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="test.job"):
+        assert group.name_unkept_files(kept=("lightning_logs",)) == [
+            "rank-0/model.pt",
+            "rank-0/data/labels.txt",
+            "rank-0/mnist/mnist_cnn.pt",
+        ]
+    assert "(only outputs/, logs/ and lightning_logs/ are kept with the job)" in caplog.text
+
+
+def test_many_files_written_in_a_working_copy_are_named_in_one_line(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     import logging
 
     group = ScriptGroup(_launch(tmp_path, node_rank=0, nproc=1), job_log=logging.getLogger("test.job"))
     group.close_tracking()
+    group._prepare()
     cwd = group.processes[0].cwd
-    cwd.mkdir(parents=True)
-    (cwd / "model.pt").write_bytes(b"w")
-    (cwd / "train.py").write_text("")
+    (cwd / "data" / "raw").mkdir(parents=True)
+    for i in range(30):
+        (cwd / "data" / "raw" / f"part-{i:02}.bin").write_bytes(b"x" * 1000)
+    (cwd / "zz").mkdir()
+    (cwd / "zz" / "best.pth").write_bytes(b"w" * 100)
     with caplog.at_level(logging.WARNING, logger="test.job"):
-        assert group.name_unkept_files() == ["rank-0/model.pt"]
-    assert "not kept: model.pt was written in the working copy of rank-0, not under outputs/" in caplog.text
+        names = group.name_unkept_files()
+    assert len(names) == 31
+    said = [r.getMessage() for r in caplog.records if r.name == "test.job"]
+    assert said == [
+        "not kept: 31 files (30100 bytes) were written in the working copy of rank-0, not under outputs/ "
+        "(only outputs/ and logs/ are kept with the job), among them zz/best.pth, data/raw/part-00.bin, "
+        "data/raw/part-01.bin, data/raw/part-02.bin, data/raw/part-03.bin"
+    ]
+
+
+def test_the_outputs_archive_keeps_the_working_copies_lightning_logs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning writes its logs and checkpoints under ``lightning_logs/`` of the working
+    directory: the outputs archive keeps them there, within their bounds, each file left out
+    named."""
+    import tarfile
+
+    import worker.agent.script_run as script_run
+
+    outputs, logs = tmp_path / "outputs", tmp_path / "logs"
+    outputs.mkdir()
+    logs.mkdir()
+    (outputs / "model.pt").write_bytes(b"weights")
+    (logs / "run.log").write_text("log")
+    one, two = tmp_path / "rank-0" / "lightning_logs", tmp_path / "rank-1" / "lightning_logs"
+    (one / "version_0" / "checkpoints").mkdir(parents=True)
+    (one / "version_0" / "checkpoints" / "epoch=1-step=4.ckpt").write_bytes(b"\x00ckpt")
+    (one / "version_0" / "metrics.csv").write_text("epoch,step,loss\n")
+    (one / "version_0" / "hparams.yaml").symlink_to(tmp_path / "outputs" / "model.pt")
+    (two / "version_0").mkdir(parents=True)
+    (two / "version_0" / "metrics.csv").write_text("other")
+    (two / "version_1").mkdir()
+    (two / "version_1" / "big.ckpt").write_bytes(b"x" * 100)
+    monkeypatch.setattr(script_run, "MAX_ARCHIVED_LIGHTNING_BYTES", 50)
+    notes: list[str] = []
+    _sha, _size, count = script_run.pack_outputs(
+        outputs,
+        tmp_path / "o.tar.gz",
+        logs,
+        notes.append,
+        lightning_logs=[one, two, tmp_path / "rank-2" / "lightning_logs"],
+    )
+    with tarfile.open(tmp_path / "o.tar.gz") as tf:
+        assert sorted(tf.getnames()) == [
+            "lightning_logs/version_0/checkpoints/epoch=1-step=4.ckpt",
+            "lightning_logs/version_0/metrics.csv",
+            "logs/run.log",
+            "model.pt",
+        ]
+        ckpt = tf.extractfile("lightning_logs/version_0/checkpoints/epoch=1-step=4.ckpt")
+        assert ckpt is not None and ckpt.read() == b"\x00ckpt"
+    assert count == 4
+    assert sorted(notes) == [
+        "lightning_logs/version_0/hparams.yaml is left out (not a regular file)",
+        "lightning_logs/version_0/metrics.csv is left out (the outputs or another working copy hold a "
+        "file of that name)",
+        "lightning_logs/version_1/big.ckpt is left out (100 bytes; a file of lightning_logs/ is kept up to 50)",
+    ]
 
 
 def test_the_pip_environment_gets_the_worker_console_scripts(tmp_path: Path) -> None:

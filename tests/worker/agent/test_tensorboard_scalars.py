@@ -210,3 +210,135 @@ def test_summary_writer_files_are_read_and_the_metrics_folder_is_made(tmp_path: 
         ("train/loss", 0.25, 2, 0),
     ]
     assert tailer.poll() == 0  # nothing appended: nothing read twice
+
+
+def test_add_scalars_series_are_named_as_tensorboard_shows_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``add_scalars`` writes each key's series to a folder ``<tag>_<key>`` of its own, all
+    with the one tag: named by the tag alone, the second series would be dropped as repeated
+    points of the first (the PyTorch tutorial's validation loss)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    tailer, runs, metrics, job_log = _tailer(tmp_path)
+    writer = SummaryWriter(log_dir=str(runs / "exp"))
+    for epoch in range(1, 3):
+        writer.add_scalars(
+            "Training vs. Validation Loss", {"Training": 1.0 / epoch, "Validation": 2.0 / epoch}, epoch
+        )
+        writer.add_scalars("acc/top", {"1": 0.5, "5": 0.75}, epoch)
+    writer.add_scalar("lr", 0.125, 1)
+    writer.close()
+    caplog.set_level(logging.INFO)
+    assert tailer.poll() == 9
+    assert sorted(_points(metrics)) == [
+        ("Training_vs._Validation_Loss/Training", 0.5, 2, 0),
+        ("Training_vs._Validation_Loss/Training", 1.0, 1, 0),
+        ("Training_vs._Validation_Loss/Validation", 1.0, 2, 0),
+        ("Training_vs._Validation_Loss/Validation", 2.0, 1, 0),
+        ("acc/top/1", 0.5, 1, 0),
+        ("acc/top/1", 0.5, 2, 0),
+        ("acc/top/5", 0.75, 1, 0),
+        ("acc/top/5", 0.75, 2, 0),
+        ("lr", 0.125, 1, 0),
+    ]
+    assert _warnings(caplog, job_log) == []
+
+
+def test_one_tag_of_two_writers_is_two_metrics_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two SummaryWriters (``runs/train``, ``runs/val``) both logging ``loss``: the folder
+    found later names its series (``val/loss``), said once; another rank's ``loss`` is its
+    own, and two series that would both be ``val/loss`` are told apart by the parent folder."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    tailer, runs, metrics, job_log = _tailer(tmp_path)
+    other = tmp_path / "run" / "work" / "rank-1"
+    tailer.roots.append((other, 1, False))
+    caplog.set_level(logging.INFO)
+    train, val = SummaryWriter(log_dir=str(runs / "train")), SummaryWriter(log_dir=str(runs / "val"))
+    for step in range(2):
+        train.add_scalar("loss", 1.0 + step, step)
+        val.add_scalar("loss", 10.0 + step, step)
+    train.flush()
+    val.flush()
+    assert tailer.poll() == 4
+    train.add_scalar("loss", 3.0, 2)
+    val.add_scalar("loss", 12.0, 2)
+    train.close()
+    val.close()
+    for folder in (other / "runs" / "val", runs / "again" / "val"):
+        writer = SummaryWriter(log_dir=str(folder))
+        writer.add_scalar("loss", 7.0, 0)
+        writer.close()
+    assert tailer.poll() == 4
+    assert sorted(_points(metrics)) == [
+        ("again/val/loss", 7.0, 0, 0),
+        ("loss", 1.0, 0, 0),
+        ("loss", 2.0, 1, 0),
+        ("loss", 3.0, 2, 0),
+        ("loss", 7.0, 0, 1),
+        ("val/loss", 10.0, 0, 0),
+        ("val/loss", 11.0, 1, 0),
+        ("val/loss", 12.0, 2, 0),
+    ]
+    said = _warnings(caplog, job_log)
+    assert said == [
+        "TensorBoard scalar 'loss' of rank-0/runs/val is the metric val/loss: rank 0's loss comes from "
+        "rank-0/runs/train",
+        "TensorBoard scalar 'loss' of rank-0/runs/again/val is the metric again/val/loss: rank 0's "
+        "loss comes from rank-0/runs/train",
+    ], said
+
+
+def test_event_files_copied_to_the_mlflow_artifacts_are_not_read_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``mlflow.log_artifacts(<log dir>)`` copies event files into the MLflow endpoint's
+    artifact folder in the outputs: they are no series being written (MLflow's own example
+    logs ``train_loss`` to MLflow and to a temporary log dir it then keeps as artifacts).
+    Another copy of a file already read (the same name, the writer's own) is not read either."""
+    import shutil
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from worker.agent.script_run import ScriptGroup, ScriptLaunch
+
+    launch = ScriptLaunch(
+        run_dir=tmp_path / "runs" / "r1",
+        node_name="n1",
+        node_rank=0,
+        node_count=1,
+        nproc=1,
+        master_addr="127.0.0.1",
+        master_port=29400,
+        cpus=1,
+        command=("python", "train.py"),
+    )
+    job_log = logging.getLogger(f"test.tensorboard.{tmp_path.name}")
+    group = ScriptGroup(launch, job_log=job_log)
+    caplog.set_level(logging.INFO)
+    try:
+        work = group.processes[0].cwd
+        work.mkdir(parents=True)
+        elsewhere = tmp_path / "tmp" / "tb"
+        writer = SummaryWriter(log_dir=str(elsewhere))
+        for step in range(10):
+            writer.add_scalar("train_loss", 1.0 / (step + 1), step)
+        writer.close()
+        shutil.copytree(elsewhere, launch.outputs_dir / "mlflow" / "0123abcd" / "artifacts" / "events")
+        shutil.copytree(elsewhere, launch.outputs_dir / "tb")
+        assert group.scalars.poll() == 10
+        shutil.copytree(elsewhere, work / "tb-copy")
+        assert group.scalars.poll() == 0
+    finally:
+        group.close_tracking()
+    points = _points(launch.agent_metrics_dir)
+    assert [(p[0], p[2]) for p in points] == [("train_loss", step) for step in range(10)]
+    said = _warnings(caplog, job_log)
+    assert (
+        len(said) == 1
+        and "rank-0/tb-copy/events.out.tfevents" in said[0]
+        and "is a copy of outputs/tb/" in said[0]
+    )

@@ -14,7 +14,13 @@ from torchyard.contract.jobspec import JobKind
 from torchyard.contract.protocol import ScriptPlacement
 from worker.agent.kinds.base import Failure, KindRun, PlacementHost
 from worker.agent.reporting import RunReporter
-from worker.agent.script_run import ScriptGroup, ScriptLaunch, prepare_script, upload_outputs_of
+from worker.agent.script_run import (
+    LIGHTNING_LOGS,
+    ScriptGroup,
+    ScriptLaunch,
+    prepare_script,
+    upload_outputs_of,
+)
 
 
 class ScriptRun(KindRun):
@@ -75,7 +81,8 @@ class ScriptRun(KindRun):
         h = self.host
         assert self.group is not None and self.launched is not None
         h.log.info("script ended: exit code %s", exit_code)
-        self.group.name_unkept_files()
+        # The working copies' lightning_logs/ go into the outputs archive of a node that keeps its outputs.
+        self.group.name_unkept_files(kept=(LIGHTNING_LOGS,) if self._keeps_outputs() else ())
         state, failure = "stopped", None
         if not h.stop_event.is_set():
             state = "succeeded" if exit_code == 0 else "failed"
@@ -92,12 +99,16 @@ class ScriptRun(KindRun):
             )
         return state, failure
 
+    def _keeps_outputs(self) -> bool:
+        """Whether this node uploads its outputs: node rank 0, or every node with outputs "all"."""
+        return self.host.node_rank == 0 or self.work.spec.outputs == "all"
+
     def _keep_outputs(self, state: str, failure: Failure | None) -> tuple[str, Failure | None]:
         """Upload the output folder (node rank 0; every node with outputs "all"), succeeded
         or failed. A success whose outputs cannot be kept is a failure."""
         h = self.host
-        assert self.launched is not None
-        if h.node_rank != 0 and self.work.spec.outputs != "all":
+        assert self.launched is not None and self.group is not None
+        if not self._keeps_outputs():
             return state, failure
         try:
             upload_outputs_of(
@@ -107,6 +118,7 @@ class ScriptRun(KindRun):
                 lambda text: h.log.warning("outputs: %s", text),
                 outage_deadline=h.report.outage_deadline(),
                 archive_dir=self.launched.agent_dir,
+                lightning_logs=[cwd / LIGHTNING_LOGS for cwd in self.group.working_copies()],
             )
         except Exception as exc:
             h.log.error("job %s: the outputs could not be uploaded: %s", h.job_id, exc)
