@@ -387,7 +387,9 @@ class Metric(Base):
 
     __tablename__ = "metrics"
     __table_args__ = (
-        UniqueConstraint("job_id", "attempt_id", "name", "rank", "epoch", "step", name="uq_metrics_point"),
+        UniqueConstraint(
+            "job_id", "attempt_id", "name", "rank", "epoch", "step", "occurrence", name="uq_metrics_point"
+        ),
         Index("ix_metrics_job_seq", "job_id", "seq"),
         Index("ix_metrics_job_name_seq", "job_id", "name", "seq"),
         # Finds the later attempt's point that supersedes one (the default history).
@@ -405,6 +407,8 @@ class Metric(Base):
     step: Mapped[int] = mapped_column(Integer)
     rank: Mapped[int] = mapped_column(Integer)
     time: Mapped[datetime] = mapped_column(UTCDateTime)
+    # Which value at its name, rank, epoch and step (0 the first): MLflow keeps several.
+    occurrence: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class LogChunk(Base):

@@ -2,8 +2,9 @@
 
 Storage is append-only rows with a global ``seq``:
 
-* ``metrics``: one row per point; the key job/attempt/name/rank/epoch/step makes a
-  retried batch a no-op (insert-on-conflict-do-nothing);
+* ``metrics``: one row per point; the key job/attempt/name/rank/epoch/step/occurrence
+  makes a retried batch a no-op (insert-on-conflict-do-nothing; ``occurrence`` tells apart
+  several values at one step, as MLflow keeps them, in the order they were logged);
 * ``log_chunks``: one row per piece of a stream (``rank-N`` or ``agent-<node>``),
   keyed by attempt/stream/byte offset, so a retried chunk is skipped too. Offsets count
   UTF-8 bytes; ``size`` is the chunk's length in bytes. The service writes its own notes
@@ -49,6 +50,8 @@ from torchyard.contract.reports import (
     ReportBatch,
     ResultIn,
     TrackingIn,
+    TrackingModelIn,
+    TrackingRunIn,
     file_stream_node_rank,
     is_stream_name,
 )
@@ -201,10 +204,12 @@ def _node_streams(session: Session, job: Job, placement: Placement) -> tuple[ran
 
 def _check_tracking(job: Job, tracking: TrackingIn, world_size: int) -> None:
     kind_of(job).check_tracking(job)
-    for i, run in enumerate(tracking.runs):
-        if run.rank >= world_size:
+    ranks = [("runs", i, r.rank) for i, r in enumerate(tracking.runs)]
+    ranks += [("models", i, m.rank) for i, m in enumerate(tracking.models)]
+    for what, i, rank in ranks:
+        if rank >= world_size:
             raise RequestValidationError(
-                f"tracking.runs[{i}]: rank {run.rank} is outside the job's world size {world_size}"
+                f"tracking.{what}[{i}]: rank {rank} is outside the job's world size {world_size}"
             )
 
 
@@ -251,7 +256,7 @@ def _best_from_metrics(session: Session, job: Job, attempt: Attempt) -> dict[str
     ones the model directory will hold.
     """
     best = session.execute(
-        select(Metric.epoch, Metric.step, Metric.rank)
+        select(Metric.epoch, Metric.step, Metric.rank, Metric.value)
         .where(Metric.job_id == job.id, Metric.attempt_id == attempt.id, Metric.name == "val.loss")
         .order_by(Metric.value, Metric.epoch, Metric.step)
         .limit(1)
@@ -259,7 +264,8 @@ def _best_from_metrics(session: Session, job: Job, attempt: Attempt) -> dict[str
     if best is None:
         return None
     values = session.execute(
-        select(Metric.name, Metric.value).where(
+        select(Metric.name, Metric.value)
+        .where(
             Metric.job_id == job.id,
             Metric.attempt_id == attempt.id,
             Metric.epoch == best.epoch,
@@ -267,26 +273,39 @@ def _best_from_metrics(session: Session, job: Job, attempt: Attempt) -> dict[str
             Metric.rank == best.rank,
             Metric.name.in_(VAL_METRICS),
         )
+        .order_by(Metric.seq)  # several values at the step (a script's): the latest of each name
     ).all()
-    return {"attempt": attempt.number, "epoch": best.epoch, **{name: value for name, value in values}}
+    found = {name: value for name, value in values} | {"val.loss": best.value}
+    return {"attempt": attempt.number, "epoch": best.epoch, **found}
 
 
 def _tracking_of(job: Job, attempt: Attempt, placement: Placement, tracking: TrackingIn) -> dict[str, Any]:
-    """The job's ``tracking``: this node's runs replace what it sent before; ``params`` and
-    ``tags`` gather every run's (system tags ``mlflow.*`` left out; a later run wins a key)."""
-    sent = {run.id for run in tracking.runs}
-    runs = [r for r in (job.tracking or {}).get("runs", []) if r.get("id") not in sent]
-    runs += [
-        {**run.model_dump(mode="json"), "attempt": attempt.number, "node_rank": placement.node_rank}
-        for run in tracking.runs
-    ]
-    runs.sort(key=lambda r: (r.get("attempt", 0), r.get("rank", 0), r.get("name", ""), r.get("id", "")))
+    """The job's ``tracking``: this node's runs and logged models replace what it sent before;
+    ``params`` and ``tags`` gather every run's (system tags ``mlflow.*`` left out; a later run
+    wins a key); ``models`` (MLflow 3's logged models) only once there are any."""
+    before = job.tracking or {}
+    node = {"attempt": attempt.number, "node_rank": placement.node_rank}
+
+    def merged(
+        old: list[dict[str, Any]], new: list[TrackingRunIn] | list[TrackingModelIn]
+    ) -> list[dict[str, Any]]:
+        sent = {item.id for item in new}
+        items = [r for r in old if r.get("id") not in sent]
+        items += [{**item.model_dump(mode="json"), **node} for item in new]
+        items.sort(key=lambda r: (r.get("attempt", 0), r.get("rank", 0), r.get("name", ""), r.get("id", "")))
+        return items
+
+    runs = merged(before.get("runs", []), tracking.runs)
     params: dict[str, str] = {}
     tags: dict[str, str] = {}
     for run in runs:
         params.update(run.get("params") or {})
         tags.update({k: v for k, v in (run.get("tags") or {}).items() if not k.startswith("mlflow.")})
-    return {"params": params, "tags": tags, "runs": runs}
+    out: dict[str, Any] = {"params": params, "tags": tags, "runs": runs}
+    models = merged(before.get("models", []), tracking.models)
+    if models:
+        out["models"] = models
+    return out
 
 
 def _apply_tracking(job: Job, attempt: Attempt, placement: Placement, tracking: TrackingIn) -> bool:
@@ -336,6 +355,7 @@ def ingest_report(
             "step": p.step,
             "rank": p.rank,
             "time": p.time,
+            "occurrence": p.occurrence,
         }
         for p in batch.metrics
     ]
@@ -401,7 +421,8 @@ def ingest_report(
 
 def not_superseded() -> ColumnElement[bool]:
     """A ``Metric`` point that no later attempt reported again (the same name, epoch, step
-    and rank): the rule of the default metrics history and of the chart series."""
+    and rank): the rule of the default metrics history and of the chart series. Every value
+    of an earlier attempt at that step goes, whatever its ``occurrence``: the step was redone."""
     later = aliased(Metric)
     return ~exists().where(
         later.job_id == Metric.job_id,
@@ -426,8 +447,9 @@ def metric_points_after(
 
     Without ``include_superseded``, a point that a later attempt reported again (the same
     name, epoch, step and rank: an epoch redone after a restart) is left out, so each
-    appears once, from the latest attempt that reported it. No owner check here: callers
-    resolve the job for the principal first.
+    appears once, from the latest attempt that reported it. Several values at one step
+    (``occurrence``) come in the order they were logged (``seq``). No owner check here:
+    callers resolve the job for the principal first.
     """
     stmt = (
         select(

@@ -251,7 +251,7 @@ with mlflow.start_run(run_name=f"rank{rank}") as run:
     for step in range(3):
         mlflow.log_metric("loss", rank + 1.0 / (step + 1), step=step)
     mlflow.log_metrics({"acc": 0.5, "top 5": 0.9})
-    mlflow.log_metric("again", 1.0)  # no step: the next one each time
+    mlflow.log_metric("again", 1.0)  # no step: MLflow's client sends step 0, both kept
     mlflow.log_metric("again", 2.0)
     notes = pathlib.Path(f"notes-{rank}.txt")
     notes.write_text(f"notes of rank {rank}")
@@ -279,7 +279,7 @@ def test_mlflow_tensorboard_and_logs_of_an_unmodified_script_1x2(env: ScriptEnv)
     loss = _metrics(env, job_id, "loss")
     assert [(r, s) for r, s, _ in loss] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
     assert [v for _, _, v in loss] == pytest.approx([1.0, 0.5, 1 / 3, 2.0, 1.5, 1 + 1 / 3])
-    assert _metrics(env, job_id, "again") == [(0, 0, 1.0), (0, 1, 2.0), (1, 0, 1.0), (1, 1, 2.0)]
+    assert _metrics(env, job_id, "again") == [(0, 0, 1.0), (0, 0, 2.0), (1, 0, 1.0), (1, 0, 2.0)]
     assert _metrics(env, job_id, "top_5") == [(0, 0, 0.9), (1, 0, 0.9)]
     assert _metrics(env, job_id, "tb/loss") == [(r, s, 2.0 - s / 2) for r in (0, 1) for s in range(4)]
     tracking = job["tracking"]

@@ -112,3 +112,58 @@ def test_metric_counts_are_filled_in_for_the_jobs_already_there(empty_db: str) -
         ).all()
     engine.dispose()
     assert [tuple(r) for r in rows] == [("j1", 5, 2, 0), ("j2", 0, 0, 0)]
+
+
+def test_metric_points_get_occurrence_0_and_several_values_fit_one_step(empty_db: str) -> None:
+    """0015 gives the points already stored occurrence 0 and puts it in the key: a second
+    value at one step is stored, the same value again (a retried report) is not; going back
+    keeps the first value at each step."""
+    upgrade(empty_db, "0014")
+    engine = sa.create_engine(empty_db)
+    at = "2026-11-01 00:00:00+00:00"
+    point = (
+        "INSERT INTO metrics (job_id, attempt_id, name, value, epoch, step, rank, time{extra}) "
+        "VALUES ('j1', 'a1', 'loss', :value, 0, 5, 0, :at{values})"
+    )
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO tokens (id, name, role, token_hash, created_at) VALUES ('t1', 'u', 'user', 'h', :at)"
+            ),
+            {"at": at},
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO jobs (id, owner_id, name, status, type, spec, node_count, process_count_per_node, "
+                "priority, attempts_count, created_at, updated_at, metric_points, metric_names) "
+                "VALUES ('j1', 't1', 'n', 'running', 'evaluate', '{}', 1, 1, 0, 1, :at, :at, 1, 1)"
+            ),
+            {"at": at},
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO attempts (id, job_id, number, status, master_addr, master_port, created_at) "
+                "VALUES ('a1', 'j1', 1, 'running', '127.0.0.1', 29500, :at)"
+            ),
+            {"at": at},
+        )
+        conn.execute(sa.text(point.format(extra="", values="")), {"value": 1.0, "at": at})
+    engine.dispose()
+    upgrade(empty_db)
+    engine = sa.create_engine(empty_db)
+    with engine.begin() as conn:
+        conn.execute(sa.text(point.format(extra=", occurrence", values=", 1")), {"value": 2.0, "at": at})
+        conn.execute(sa.text("UPDATE jobs SET metric_points = 2"))
+    with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+        conn.execute(sa.text(point.format(extra=", occurrence", values=", 1")), {"value": 3.0, "at": at})
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT value, occurrence FROM metrics ORDER BY seq")).all()
+    engine.dispose()
+    assert [tuple(r) for r in rows] == [(1.0, 0), (2.0, 1)]
+    command.downgrade(alembic_config(empty_db), "0014")
+    engine = sa.create_engine(empty_db)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT value FROM metrics")).all()
+        counted = conn.execute(sa.text("SELECT metric_points FROM jobs")).scalar_one()
+    engine.dispose()
+    assert [tuple(r) for r in rows] == [(1.0,)] and counted == 1

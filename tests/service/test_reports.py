@@ -259,6 +259,56 @@ def test_metrics_pagination_and_name_filters(client: TestClient, settings: Setti
     assert client.get(url, params={"limit": 10000}, headers=user).status_code == 200
 
 
+def test_several_values_at_one_step_are_kept_in_order_once_and_redone_whole(
+    client: TestClient, settings: Settings
+) -> None:
+    """MLflow keeps several values at one step (``occurrence`` 0, 1...): all are stored, in the
+    order logged, a retried report adds none, a point without ``occurrence`` is the first, and
+    a later attempt that redoes the step supersedes every value of the earlier one there."""
+    from service.db.models import Attempt, Metric
+
+    job = start_running_job(settings, client, per_node=1)
+    points = [
+        point("loss", 1.0, 0, 5),
+        {**point("loss", 2.0, 0, 5), "occurrence": 1},
+        point("loss", 3.0, 0, 6),
+        point("val.loss", 0.5, 0, 7),
+        {**point("val.loss", 0.75, 0, 7), "occurrence": 1},
+        {**point("val.top1", 0.25, 0, 7), "occurrence": 0},
+        {**point("val.top1", 0.5, 0, 7), "occurrence": 1},
+    ]
+    first = post_report(client, job, metrics=points)
+    assert first.status_code == 200 and first.json()["metrics"] == 7, first.text
+    again = post_report(client, job, metrics=points)
+    assert again.json()["metrics"] == 0 and again.json()["metrics_duplicate"] == 7
+    user = auth(job.user_token)
+    url = f"/v1/jobs/{job.job_id}/metrics"
+    loss = client.get(url, params={"name": "loss"}, headers=user).json()["items"]
+    assert [(p["step"], p["value"]) for p in loss] == [(5, 1.0), (5, 2.0), (6, 3.0)]
+    # The lowest val.loss, with the latest other value at its step.
+    best = client.get(f"/v1/jobs/{job.job_id}", headers=user).json()["best"]
+    assert best == {"attempt": 1, "epoch": 0, "val.loss": 0.5, "val.top1": 0.5}
+    bad = post_report(client, job, metrics=[{**point("loss", 1.0, 0, 8), "occurrence": -1}])
+    assert bad.status_code == 422 and "occurrence" in bad.text
+    # Attempt 2 (not live: one attempt is at a time) redoes step 5 with one value: both of
+    # attempt 1's values there are superseded.
+    db = Database(settings.sqlalchemy_url)
+    try:
+        with db.transaction() as session:
+            second = Attempt(job_id=job.job_id, number=2, status="failed", master_addr="127.0.0.1",
+                             master_port=29500)  # fmt: skip
+            session.add(second)
+            session.flush()
+            session.add(Metric(job_id=job.job_id, attempt_id=second.id, attempt=2, name="loss", value=9.0,
+                               epoch=0, step=5, rank=0, time=utcnow()))  # fmt: skip
+    finally:
+        db.dispose()
+    current = client.get(url, params={"name": "loss"}, headers=user).json()["items"]
+    assert [(p["step"], p["value"], p["attempt"]) for p in current] == [(6, 3.0, 1), (5, 9.0, 2)]
+    series = client.get(f"/v1/jobs/{job.job_id}/metrics/series", headers=user).json()["series"]
+    assert series["loss"] == {"x": [6, 5], "y": [3.0, 9.0], "count": 2}
+
+
 def test_logs_read_from_any_offset(client: TestClient, settings: Settings) -> None:
     job = start_running_job(settings, client)
     text = "".join(f"line {i} ünïcödé ✓\n" for i in range(200))
@@ -510,12 +560,24 @@ def test_a_script_jobs_mlflow_runs_show_on_the_job_as_tracking(
     ]
     assert tracking["params"] == {"lr": "0.2", "depth": "3"}  # the later run wins a key
     assert tracking["tags"] == {"team": "vision"}  # MLflow's own mlflow.* tags only on the run
+    assert "models" not in tracking  # until a script logs a model (MLflow 3's logged models)
+    m = "m-" + "c" * 32
+    model = {"id": m, "name": "net", "experiment": "Default", "status": "PENDING", "rank": 1, "run": b,
+             "type": None, "artifacts": f"mlflow/models/{m}/artifacts", "params": {"lr": "0.2"}, "tags": {}}  # fmt: skip
+    for status in ("PENDING", "READY"):  # the node's runs and models, again
+        model["status"] = status
+        r = post_report(client, job, node_rank=1, tracking={"runs": [run_b], "models": [model]})
+        assert r.status_code == 200, r.text
+    tracking = client.get(show, headers=user).json()["tracking"]
+    assert tracking["models"] == [{**model, "attempt": 1, "node_rank": 1}]
     # Bad tracking is a 422 naming the field; the job keeps what it had.
     for bad, words in (
         ({"runs": [_tracking_run("x", 0)]}, "tracking.runs.0.id"),
         ({"runs": [_tracking_run(a, 5)]}, "world size"),
         ({"runs": [_tracking_run(a, 0, params={"k": "v" * 9000})]}, "tracking.runs.0.params"),
         ({"runs": [_tracking_run(a, 0, status="DONE")]}, "tracking.runs.0.status"),
+        ({"runs": [], "models": [{**model, "artifacts": "../etc"}]}, "tracking.models.0.artifacts"),
+        ({"runs": [], "models": [{**model, "rank": 5}]}, "world size"),
     ):
         r = post_report(client, job, tracking=bad)
         assert r.status_code == 422 and words in r.text, r.text

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import AwareDatetime, BaseModel, Field, field_validator
+from pydantic import AwareDatetime, BaseModel, Field, field_validator, model_validator
 
 from torchyard.contract.base import StrictModel
 from torchyard.contract.metrics import METRIC_NAME_PATTERN, MetricName
@@ -69,6 +69,11 @@ class MetricIn(StrictModel):
     rank: int = Field(ge=0, le=MAX_RANK)
     time: AwareDatetime = Field(
         strict=False, description="When the point was measured (ISO 8601 with a time zone)."
+    )
+    occurrence: Count = Field(
+        default=0,
+        description="Which value this is at its name, rank, epoch and step: 0 for the first, 1 for "
+        "the next... (MLflow keeps several values at one step). Part of the point's key.",
     )
 
 
@@ -161,24 +166,52 @@ class TrackingRunIn(StrictModel):
     ]
 
 
+class TrackingModelIn(StrictModel):
+    """One MLflow logged model (MLflow 3's ``log_model``) of a script job as its node's endpoint
+    knows it; its files are in the node's outputs, at ``artifacts``."""
+
+    id: str = Field(pattern=r"^m-[0-9a-f]{32}$")
+    name: str = Field(max_length=MAX_TRACKING_KEY)
+    experiment: str = Field(max_length=500)
+    status: str = Field(pattern=r"^(PENDING|READY|FAILED)$")
+    rank: int = Field(ge=0, le=MAX_RANK)
+    run: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$", description="The run that logged it.")
+    type: str | None = Field(default=None, max_length=MAX_TRACKING_KEY)
+    artifacts: str = Field(
+        pattern=r"^mlflow/models/m-[0-9a-f]{32}/artifacts$", description="Its folder in the node's outputs."
+    )
+    params: dict[
+        Annotated[str, Field(max_length=MAX_TRACKING_KEY)],
+        Annotated[str, Field(max_length=MAX_TRACKING_VALUE)],
+    ]
+    tags: dict[
+        Annotated[str, Field(max_length=MAX_TRACKING_KEY)],
+        Annotated[str, Field(max_length=MAX_TRACKING_VALUE)],
+    ]
+
+
 class TrackingIn(StrictModel):
-    """The MLflow runs of one node (all of them each time: sending it again changes nothing)."""
+    """The MLflow runs and logged models of one node (all of them each time: sending it again
+    changes nothing)."""
 
     runs: list[TrackingRunIn] = Field(max_length=MAX_TRACKING_RUNS)
+    models: list[TrackingModelIn] = Field(default_factory=list, max_length=MAX_TRACKING_RUNS)
 
-    @field_validator("runs")
-    @classmethod
-    def _check_size(cls, runs: list[TrackingRunIn]) -> list[TrackingRunIn]:
-        items = sum(len(r.params) + len(r.tags) for r in runs)
+    @model_validator(mode="after")
+    def _check_size(self) -> TrackingIn:
+        items = sum(len(r.params) + len(r.tags) for r in self.runs)
+        items += sum(len(m.params) + len(m.tags) for m in self.models)
         if items > MAX_TRACKING_ITEMS:
-            raise ValueError(f"the runs hold at most {MAX_TRACKING_ITEMS} params and tags, not {items}")
-        return runs
+            raise ValueError(
+                f"the runs and models hold at most {MAX_TRACKING_ITEMS} params and tags, not {items}"
+            )
+        return self
 
 
 class ReportBatch(StrictModel):
     """One batch from a worker agent. Retrying a batch is harmless: points and chunks
-    already stored are skipped (metrics by job/attempt/name/rank/epoch/step, log chunks
-    by attempt/stream/offset)."""
+    already stored are skipped (metrics by job/attempt/name/rank/epoch/step/occurrence, log
+    chunks by attempt/stream/offset)."""
 
     metrics: list[MetricIn] = Field(default_factory=list, max_length=MAX_METRICS_PER_BATCH)
     logs: list[LogChunkIn] = Field(default_factory=list, max_length=MAX_LOG_CHUNKS_PER_BATCH)

@@ -21,15 +21,23 @@ placement's reporter already ships exactly once:
 * a metric point is one JSON line appended to ``metrics/mlflow-<process>.jsonl`` (in the
   agent's own folder of the placement, out of the script's reach) before
   the answer is sent (the reporter ships those lines like ``torchyard.run.log_metric``'s,
-  keyed by name, rank and step, so an API outage or a retried batch loses or doubles
-  nothing). A step already used by that name and rank (MLflow's default step is 0 for
-  every call) takes the next step above the highest one so far; non-finite values are
-  kept in the run's history here but not shipped (the metrics API holds finite numbers);
-* params, tags and the runs are the file ``tracking.json`` (rewritten whole on each
-  change; the reporter sends it when it changed), shown as the job's ``tracking``;
+  keyed by name, rank, step and ``occurrence``, so an API outage or a retried batch loses
+  or doubles nothing). A point keeps its step; several values at one step of a name and
+  rank (MLflow's history keeps them all) are told apart by their ``occurrence`` there, 0,
+  1..., counted here in the order they were logged. Only a metric sent without a step
+  takes the next step above the highest one so far. Non-finite values are kept in the
+  run's history here but not shipped (the metrics API holds finite numbers);
+* params, tags, the runs and MLflow 3's logged models are the file ``tracking.json``
+  (rewritten whole on each change; the reporter sends it when it changed), shown as the
+  job's ``tracking``;
 * a run's ``artifact_uri`` is a folder under the node's outputs
   (``outputs/mlflow/<run id>/artifacts``), so ``mlflow.log_artifact(s)`` copies files there
-  itself and they are part of the job's outputs archive.
+  itself and they are part of the job's outputs archive; so is a logged model's
+  (``outputs/mlflow/models/<model id>/artifacts``).
+
+``GET /`` (where MLflow's "View run" links lead: their ``#/...`` stays in the browser) is a
+page saying that there is no web UI here and where the job's data are; the processes also
+get ``MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT`` so that the client prints no such link.
 
 Errors are MLflow's: ``{"error_code": "INVALID_PARAMETER_VALUE", "message": ...}`` with a
 4xx status for bad input, ``RESOURCE_DOES_NOT_EXIST`` (404) for an unknown run or
@@ -63,7 +71,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, cast
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from torchyard.contract.metrics import is_metric_name
 from torchyard.contract.reports import MAX_TRACKING_ITEMS, MAX_TRACKING_RUNS, MAX_TRACKING_VALUE
@@ -119,6 +127,7 @@ class _Run:
     tags: dict[str, str] = field(default_factory=dict)
     latest: dict[str, dict[str, Any]] = field(default_factory=dict)
     history: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    outputs: list[dict[str, Any]] = field(default_factory=list)  # logged models: model_id, step
 
     def info(self) -> dict[str, Any]:
         info: dict[str, Any] = {
@@ -144,12 +153,62 @@ class _Run:
         }
 
 
+# A logged model's status: MLflow's REST name → the short name the job's tracking shows.
+_MODEL_STATUS = {"LOGGED_MODEL_PENDING": "PENDING", "LOGGED_MODEL_READY": "READY",
+                 "LOGGED_MODEL_UPLOAD_FAILED": "FAILED"}  # fmt: skip
+
+
+@dataclass
+class _Model:
+    """An MLflow 3 logged model (``mlflow.<flavor>.log_model``, ``mlflow.initialize_logged_model``)."""
+
+    model_id: str
+    experiment_id: str
+    name: str
+    source_run_id: str
+    model_type: str
+    rank: int
+    created: int
+    artifact_uri: str
+    artifact_path: str  # in the node's outputs
+    status: str = "LOGGED_MODEL_PENDING"
+    updated: int = 0
+    params: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, dict[str, Any]] = field(default_factory=dict)  # the latest of each name
+
+    def proto(self) -> dict[str, Any]:
+        info: dict[str, Any] = {
+            "model_id": self.model_id,
+            "experiment_id": self.experiment_id,
+            "name": self.name,
+            "creation_timestamp_ms": self.created,
+            "last_updated_timestamp_ms": self.updated or self.created,
+            "artifact_uri": self.artifact_uri,
+            "status": self.status,
+            "tags": [{"key": k, "value": v} for k, v in self.tags.items()],
+        }
+        if self.source_run_id:
+            info["source_run_id"] = self.source_run_id
+        if self.model_type:
+            info["model_type"] = self.model_type
+        return {
+            "info": info,
+            "data": {
+                "params": [{"key": k, "value": v} for k, v in self.params.items()],
+                "metrics": list(self.metrics.values()),
+            },
+        }
+
+
 @dataclass
 class _Process:
     rank: int
     name: str  # "rank-<rank>" or "node-<node rank>"
     metrics_path: Path
-    used_steps: dict[str, set[int]] = field(default_factory=dict)
+    # Per metric: the values shipped at each step so far (the next one's occurrence), and
+    # the highest step (where a call without a step goes next).
+    step_values: dict[str, dict[int, int]] = field(default_factory=dict)
     top_step: dict[str, int] = field(default_factory=dict)
     # per_node: the node's command starts its ranks; each caller's rank is its RANK.
     ranks_from_caller: bool = False
@@ -179,6 +238,7 @@ class TrackingStore:
             DEFAULT_EXPERIMENT: self._experiment(DEFAULT_EXPERIMENT, "Default", {})
         }
         self.runs: dict[str, _Run] = {}
+        self.models: dict[str, _Model] = {}
         self.processes: dict[str, _Process] = {}
         self._history_points = 0
         # Connections relayed from a run without network (worker.agent.net_bridge): the
@@ -280,7 +340,7 @@ class TrackingStore:
                 artifact_uri=(self.outputs_dir / "mlflow" / run_id / "artifacts").as_uri(),
                 rank=proc.rank,
             )
-            self._check_total(len(tags), "tags")
+            self._check_total(len(set(tags) | {"mlflow.runName"}))
             run.tags.update(tags)
             run.tags["mlflow.runName"] = name
             self.runs[run_id] = run
@@ -320,8 +380,12 @@ class TrackingStore:
                         f"logged with value='{old}' for run ID='{run_id}'. Attempted logging new value "
                         f"'{value}'."
                     )
-            self._check_total(len(set(params) - set(run.params)), "params")
-            self._check_total(len(set(tags) - set(run.tags)), "tags")
+            self._check_total(len(set(params) - set(run.params)) + len(set(tags) - set(run.tags)))
+            for m in metrics:
+                if m["step"] is None:  # no step in the call: the next one above the highest
+                    step = proc.top_step.get(m["key"], -1) + 1
+                    m["step"] = proc.top_step[m["key"]] = step
+            metrics = self._model_metrics(run, metrics)
             lines = [self._point(proc, m) for m in metrics]
             shipped = [line for line in lines if line is not None]
             if shipped:
@@ -355,13 +419,12 @@ class TrackingStore:
         if not math.isfinite(value):
             return None
         name = metric["key"]
-        used = proc.used_steps.setdefault(name, set())
         step = metric["step"]
-        if step in used:
-            step = proc.top_step.get(name, -1) + 1
-        used.add(step)
+        values = proc.step_values.setdefault(name, {})
+        occurrence = values.get(step, 0)
+        values[step] = occurrence + 1
         proc.top_step[name] = max(step, proc.top_step.get(name, -1))
-        return {
+        point = {
             "name": name,
             "value": value,
             "step": step,
@@ -369,11 +432,35 @@ class TrackingStore:
             "rank": proc.rank,
             "time": metric["timestamp"] / 1000.0,
         }
+        if occurrence:
+            point["occurrence"] = occurrence
+        return point
 
-    def _check_total(self, adding: int, what: str) -> None:
-        total = sum(len(getattr(r, what)) for r in self.runs.values()) + adding
+    def _model_metrics(self, run: _Run, metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Give the metrics that name a logged model to it; the call's metrics less those the run
+        has already (``log_model`` logs the run's metrics at its step again, for the model:
+        MLflow's store keeps one point of the same name, value, time and step)."""
+        fresh = []
+        for m in metrics:
+            model_id = m.get("model_id")
+            if not model_id:
+                fresh.append(m)
+                continue
+            model = self.models.get(model_id)
+            point = {"key": m["key"], "value": _json_number(m["value"]), "timestamp": m["timestamp"],
+                     "step": m["step"]}  # fmt: skip
+            if model is not None:
+                model.metrics[m["key"]] = {**point, "model_id": model_id, "run_id": run.run_id}
+            if point not in run.history.get(m["key"], ()):
+                fresh.append(m)
+        return fresh
+
+    def _check_total(self, adding: int) -> None:
+        """Params and tags of the runs and logged models together, with ``adding`` more."""
+        total = sum(len(r.params) + len(r.tags) for r in self.runs.values()) + adding
+        total += sum(len(m.params) + len(m.tags) for m in self.models.values())
         if total > MAX_TRACKING_ITEMS:
-            raise MlflowError(f"a job holds at most {MAX_TRACKING_ITEMS} {what}")
+            raise MlflowError(f"a job holds at most {MAX_TRACKING_ITEMS} params and tags")
 
     def _write_tracking(self) -> None:
         """``tracking.json``: the runs with their params and tags (lock held)."""
@@ -389,15 +476,232 @@ class TrackingStore:
             }
             for r in self.runs.values()
         ]
+        tracking: dict[str, Any] = {"runs": runs}
+        if self.models:  # only then: an API that knows no logged models takes the runs as before
+            tracking["models"] = [
+                {
+                    "id": m.model_id,
+                    "name": m.name,
+                    "experiment": self.experiments[m.experiment_id]["name"],
+                    "status": _MODEL_STATUS[m.status],
+                    "rank": m.rank,
+                    "run": m.source_run_id or None,
+                    "type": m.model_type or None,
+                    "artifacts": m.artifact_path,
+                    "params": dict(m.params),
+                    "tags": dict(m.tags),
+                }
+                for m in self.models.values()
+            ]
         path = self.state_dir / TRACKING_FILE
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps({"runs": runs}, sort_keys=True))
+        tmp.write_text(json.dumps(tracking, sort_keys=True))
         os.replace(tmp, path)
 
     def history(self, run_id: str, key: str) -> list[dict[str, Any]]:
         run = self.run(run_id)
         with self.lock:
             return list(run.history.get(key, []))
+
+    def log_outputs(self, run_id: str, outputs: list[dict[str, Any]]) -> None:
+        """A run's outputs: the logged models it made (``log_model`` within a run)."""
+        run = self.run(run_id)
+        with self.lock:
+            for output in outputs:
+                if output not in run.outputs and len(run.outputs) < MAX_TRACKING_RUNS:
+                    run.outputs.append(output)
+
+    # --- logged models (MLflow 3) --------------------------------------------------------
+
+    def create_model(self, proc: _Process, experiment_id: str, name: str | None, source_run_id: str | None,
+                     model_type: str | None, params: dict[str, str], tags: dict[str, str]) -> _Model:  # fmt: skip
+        """A logged model, PENDING, its artifacts a folder of the node's outputs
+        (``mlflow/models/<model id>/artifacts``, where MLflow's server puts them under the
+        experiment's artifact location): the client copies its files there itself."""
+        self.experiment(experiment_id)
+        if source_run_id:
+            self.run(source_run_id)
+        model_id = f"m-{uuid.uuid4().hex}"
+        path = f"mlflow/models/{model_id}/artifacts"
+        now = _now_ms()
+        with self.lock:
+            if len(self.models) >= MAX_TRACKING_RUNS:
+                raise MlflowError(f"a job holds at most {MAX_TRACKING_RUNS} logged models per node")
+            self._check_total(len(params) + len(tags))
+            model = _Model(
+                model_id=model_id,
+                experiment_id=experiment_id,
+                name=name or f"model-{model_id[2:10]}",
+                source_run_id=source_run_id or "",
+                model_type=model_type or "",
+                rank=proc.rank,
+                created=now,
+                artifact_uri=(self.outputs_dir / path).as_uri(),
+                artifact_path=path,
+                params=dict(params),
+                tags=dict(tags),
+            )
+            self.models[model_id] = model
+            self._write_tracking()
+        return model
+
+    def model(self, model_id: str) -> _Model:
+        with self.lock:
+            found = self.models.get(model_id)
+        if found is None:
+            raise MlflowError(f"Logged model with ID '{model_id}' not found.", "RESOURCE_DOES_NOT_EXIST", 404)
+        return found
+
+    def change_model(self, model_id: str, *, status: str | None = None, params: dict[str, str] | None = None,
+                     tags: dict[str, str] | None = None, delete_tag: str | None = None) -> _Model:  # fmt: skip
+        """Finalize a model, log params or set tags on it, or delete one of its tags."""
+        model = self.model(model_id)
+        with self.lock:
+            params, tags = params or {}, tags or {}
+            self._check_total(len(set(params) - set(model.params)) + len(set(tags) - set(model.tags)))
+            if delete_tag is not None and delete_tag not in model.tags:
+                raise MlflowError(
+                    f"No tag with key {delete_tag!r} found for model with ID {model_id!r}.",
+                    "RESOURCE_DOES_NOT_EXIST",
+                    404,
+                )
+            if status is not None:
+                model.status = status
+            model.params.update(params)
+            model.tags.update(tags)
+            if delete_tag is not None:
+                del model.tags[delete_tag]
+            model.updated = _now_ms()
+            self._write_tracking()
+        return model
+
+    def search_models(self, experiment_ids: list[str], where: Callable[[_Model], bool],
+                      order: list[tuple[str, bool]]) -> list[_Model]:  # fmt: skip
+        """The models of ``experiment_ids`` (all where none) that ``where`` keeps, in MLflow's
+        order: by ``order``'s fields (those a model lacks last), then the newest first, then by id."""
+        with self.lock:
+            found = [
+                m
+                for m in self.models.values()
+                if (not experiment_ids or m.experiment_id in experiment_ids) and where(m)
+            ]
+        found.sort(key=lambda m: m.model_id)
+        if not any(_MODEL_FIELDS.get(name) == "created" for name, _ascending in order):
+            found.sort(key=lambda m: m.created, reverse=True)
+        for name, ascending in reversed(order):
+            present = [m for m in found if _model_field(m, name) is not None]
+            present.sort(key=lambda m: cast(Any, _model_field(m, name)), reverse=not ascending)
+            found = present + [m for m in found if _model_field(m, name) is None]
+        return found
+
+
+# What a search of logged models may filter and order by: MLflow's names of a model's
+# attributes (the numeric ones compare as numbers), and ``metrics.`` / ``params.`` / ``tags.``.
+_MODEL_FIELDS = {
+    "name": "name", "model_id": "model_id", "model_type": "model_type", "status": "status",
+    "source_run_id": "source_run_id", "creation_time": "created", "creation_timestamp": "created",
+    "creation_timestamp_ms": "created", "last_updated_time": "updated", "last_updated_timestamp": "updated",
+    "last_updated_timestamp_ms": "updated",
+}  # fmt: skip
+_NUMERIC_MODEL_FIELDS = ("created", "updated")
+_ENTITIES = {"metric": "metrics", "metrics": "metrics", "param": "params", "params": "params",
+             "parameter": "params", "parameters": "params", "tag": "tags", "tags": "tags",
+             "attribute": "", "attributes": "", "attr": ""}  # fmt: skip
+
+
+def _check_model_field(name: str) -> str:
+    """``name`` as a field of a logged model (``metrics.loss``, ``tags.team``, ``name``...)."""
+    entity, dot, key = name.partition(".")
+    key = key.strip('`"')
+    if dot and entity.lower() in _ENTITIES:
+        prefix = _ENTITIES[entity.lower()]
+        name = f"{prefix}.{key}" if prefix else key
+    if name.partition(".")[0] in ("metrics", "params", "tags") and name.partition(".")[2]:
+        return name
+    if name not in _MODEL_FIELDS:
+        raise MlflowError(
+            f"Invalid logged model search key '{name}': one of {', '.join(sorted(_MODEL_FIELDS))}, or "
+            "metrics.<name>, params.<name>, tags.<name>."
+        )
+    return name
+
+
+def _model_field(model: _Model, name: str) -> Any:
+    """The value of a field :func:`_check_model_field` gave (None where the model has none)."""
+    entity, _dot, key = name.partition(".")
+    if entity == "metrics":
+        metric = model.metrics.get(key)
+        return None if metric is None else float(metric["value"])
+    if entity == "params":
+        return model.params.get(key)
+    if entity == "tags":
+        return model.tags.get(key)
+    field_name = _MODEL_FIELDS[name]
+    if field_name == "status":
+        return _MODEL_STATUS[model.status]
+    if field_name == "updated":
+        return model.updated or model.created
+    return getattr(model, field_name) or None
+
+
+_CLAUSE = re.compile(
+    r"""\s*(?P<key>[A-Za-z_][\w.\-/:]*(?:`[^`]*`|"[^"]*")?)\s*"""
+    r"""(?P<op>!=|>=|<=|=|<|>|(?i:ilike|like)(?=[\s'"]))\s*"""
+    r"""(?P<value>'[^']*'|"[^"]*"|-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)\s*(?P<more>(?i:and)\s|$)"""
+)
+
+
+def _like(pattern: str, flags: int = 0) -> re.Pattern[str]:
+    """SQL's LIKE pattern (``%`` any text, ``_`` any character) as a regular expression."""
+    parts = [".*" if c == "%" else "." if c == "_" else re.escape(c) for c in pattern]
+    return re.compile("".join(parts), flags | re.DOTALL)
+
+
+def _model_filter(text: str | None) -> Callable[[_Model], bool]:
+    """MLflow's filter of a search of logged models: clauses ``<field> <op> <value>`` joined
+    by ``AND``; metrics and the timestamps compare as numbers (``= != < <= > >=``), the rest
+    as text (``= != LIKE ILIKE``)."""
+    clauses: list[tuple[str, str, Any]] = []
+    position = 0
+    text = (text or "").strip()
+    while position < len(text):
+        found = _CLAUSE.match(text, position)
+        if found is None:
+            raise MlflowError(
+                f"Invalid filter {text!r} at {text[position : position + 40]!r}: clauses "
+                "<field> <comparator> <value> joined by AND (values quoted, numbers as they are)."
+            )
+        name = _check_model_field(found["key"])
+        op, raw = found["op"].upper(), found["value"]
+        numeric = name.startswith("metrics.") or _MODEL_FIELDS.get(name) in _NUMERIC_MODEL_FIELDS
+        quoted = raw[0] in "'\""
+        wrong = (quoted or "LIKE" in op) if numeric else (not quoted or op in ("<", "<=", ">", ">="))
+        if wrong:
+            kind = "a number" if numeric else "quoted text"
+            raise MlflowError(
+                f"Invalid filter clause {found.group(0).strip()!r}: {name} compares with {kind}."
+            )
+        value: Any = float(raw) if numeric else raw[1:-1]
+        if "LIKE" in op:
+            value = _like(value, re.IGNORECASE if op == "ILIKE" else 0)
+        clauses.append((name, op, value))
+        position = found.end()
+
+    def keep(model: _Model) -> bool:
+        for name, op, value in clauses:
+            have = _model_field(model, name)
+            if have is None:
+                return False
+            if op in ("LIKE", "ILIKE"):
+                ok = value.fullmatch(have) is not None
+            else:
+                ok = {"=": have == value, "!=": have != value, "<": have < value, "<=": have <= value,
+                      ">": have > value, ">=": have >= value}[op]  # fmt: skip
+            if not ok:
+                return False
+        return True
+
+    return keep
 
 
 def _json_number(value: float) -> float | str:
@@ -453,12 +757,12 @@ def _metric(item: Any) -> dict[str, Any]:
         raise MlflowError(f"Invalid value {raw!r} for metric '{key}': a number is expected.")
     else:
         value = float(raw)
-    step = _integer(item.get("step"), "step", 0)
-    assert step is not None
-    if step < 0 or step >= 2**31:
+    step = _integer(item.get("step"), "step", None)  # None: none given (MLflow's client always sends one)
+    if step is not None and not 0 <= step < 2**31:
         raise MlflowError(f"Invalid step {step} for metric '{key}': 0 to 2147483647.")
     timestamp = _integer(item.get("timestamp"), "timestamp", _now_ms())
-    return {"key": name, "value": value, "step": step, "timestamp": timestamp}
+    model_id = _text(item, "model_id", required=False)  # a logged model's metric (MLflow 3)
+    return {"key": name, "value": value, "step": step, "timestamp": timestamp, "model_id": model_id}
 
 
 def _pairs(items: Any, what: str, limit: int, value_limit: int) -> dict[str, str]:
@@ -539,7 +843,11 @@ def _create_run(store: TrackingStore, proc: _Process, body: dict[str, Any]) -> A
 
 def _get_run(store: TrackingStore, proc: _Process, body: dict[str, Any]) -> Any:
     run = store.run(_run_id(body))
-    return {"run": {"info": run.info(), "data": run.data(), "inputs": {}}}
+    with store.lock:
+        found = {"info": run.info(), "data": run.data(), "inputs": {}}
+        if run.outputs:
+            found["outputs"] = {"model_outputs": list(run.outputs)}
+    return {"run": found}
 
 
 def _get_history(store: TrackingStore, proc: _Process, body: dict[str, Any]) -> Any:
@@ -595,8 +903,122 @@ def _delete_tag(store: TrackingStore, proc: _Process, body: dict[str, Any]) -> A
 
 
 def _accept(store: TrackingStore, proc: _Process, body: dict[str, Any]) -> Any:
-    store.run(_run_id(body))  # datasets and models are not tracked: accepted, nothing kept
+    store.run(_run_id(body))  # inputs (datasets, models), MLflow 2's model metadata: nothing kept
     return {}
+
+
+def _log_outputs(store: TrackingStore, proc: _Process, body: dict[str, Any]) -> Any:
+    models = body.get("models") or []
+    if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
+        raise MlflowError("'models' must be a list of {model_id, step} objects.")
+    outputs = []
+    for m in models:
+        step = _integer(m.get("step"), "step", 0)
+        outputs.append({"model_id": _required(m, "model_id"), "step": step})
+    store.log_outputs(_run_id(body), outputs)
+    return {}
+
+
+# --- logged models (MLflow 3: /logged-models/...) -------------------------------------------
+
+
+def _create_model(store: TrackingStore, proc: _Process, body: dict[str, Any]) -> Any:
+    model = store.create_model(
+        proc,
+        _required(body, "experiment_id"),
+        _text(body, "name", required=False),
+        _text(body, "source_run_id", required=False),
+        _text(body, "model_type", required=False),
+        _pairs(body.get("params"), "params", MAX_BATCH_PARAMS, MAX_TRACKING_VALUE),
+        _pairs(body.get("tags"), "tags", MAX_BATCH_TAGS, MAX_TRACKING_VALUE),
+    )
+    return {"model": model.proto()}
+
+
+def _get_model(store: TrackingStore, proc: _Process, body: dict[str, Any]) -> Any:
+    return {"model": store.model(body["model_id"]).proto()}
+
+
+_FINAL_STATUS = {"LOGGED_MODEL_PENDING": 1, "LOGGED_MODEL_READY": 2, "LOGGED_MODEL_UPLOAD_FAILED": 3}
+
+
+def _finalize_model(store: TrackingStore, proc: _Process, body: dict[str, Any]) -> Any:
+    status = body.get("status")
+    by_number = {number: name for name, number in _FINAL_STATUS.items()}
+    status = by_number.get(status, status) if isinstance(status, int) else status
+    if status not in _FINAL_STATUS:
+        raise MlflowError(
+            f"Invalid value {status!r} for parameter 'status': one of {', '.join(_FINAL_STATUS)}."
+        )
+    return {"model": store.change_model(body["model_id"], status=status).proto()}
+
+
+def _set_model_tags(store: TrackingStore, proc: _Process, body: dict[str, Any]) -> Any:
+    store.change_model(
+        body["model_id"], tags=_pairs(body.get("tags"), "tags", MAX_BATCH_TAGS, MAX_TRACKING_VALUE)
+    )
+    return {}
+
+
+def _delete_model_tag(store: TrackingStore, proc: _Process, body: dict[str, Any]) -> Any:
+    store.change_model(body["model_id"], delete_tag=body["tag_key"])
+    return {}
+
+
+def _log_model_params(store: TrackingStore, proc: _Process, body: dict[str, Any]) -> Any:
+    params = _pairs(body.get("params"), "params", MAX_BATCH_PARAMS, MAX_TRACKING_VALUE)
+    store.change_model(body["model_id"], params=params)
+    return {}
+
+
+MAX_SEARCH_RESULTS = 1000
+
+
+def _search_models(store: TrackingStore, proc: _Process, body: dict[str, Any]) -> Any:
+    experiment_ids = body.get("experiment_ids") or []
+    if not isinstance(experiment_ids, list) or not all(isinstance(e, str) for e in experiment_ids):
+        raise MlflowError("'experiment_ids' must be a list of experiment ids.")
+    where = _model_filter(_text(body, "filter", required=False, limit=MAX_TRACKING_VALUE))
+    order = []
+    for item in body.get("order_by") or []:
+        if not isinstance(item, dict):
+            raise MlflowError("'order_by' must be a list of {field_name, ascending} objects.")
+        ascending = item.get("ascending", True)
+        order.append((_check_model_field(_required(item, "field_name")), ascending is not False))
+    limit = _integer(body.get("max_results"), "max_results", 100)
+    assert limit is not None
+    if not 1 <= limit <= MAX_SEARCH_RESULTS:
+        raise MlflowError(f"Invalid value {limit} for parameter 'max_results': 1 to {MAX_SEARCH_RESULTS}.")
+    token = _text(body, "page_token", required=False) or "0"
+    if not token.isdigit():
+        raise MlflowError(f"Invalid page token {token!r}.")
+    start = int(token)
+    found = store.search_models(experiment_ids, where, order)
+    with store.lock:
+        page = [m.proto() for m in found[start : start + limit]]
+    answer: dict[str, Any] = {"models": page}
+    if start + limit < len(found):
+        answer["next_page_token"] = str(start + limit)
+    return answer
+
+
+def _model_call(method: str, call: str, body: dict[str, Any]) -> _Call | None:
+    """The call on one logged model (``logged-models/<id>[/tags[/<key>]|/params]``): its
+    handler, with the id (and a tag's key) put in ``body``; None for a call not served."""
+    parts = call.split("/", 3)
+    if len(parts) < 2 or parts[0] != "logged-models":
+        return None
+    body["model_id"] = unquote(parts[1])
+    handler: _Call | None = {
+        ("GET", 2, ""): _get_model,
+        ("PATCH", 2, ""): _finalize_model,
+        ("PATCH", 3, "tags"): _set_model_tags,
+        ("DELETE", 4, "tags"): _delete_model_tag,
+        ("POST", 3, "params"): _log_model_params,
+    }.get((method, len(parts), parts[2] if len(parts) > 2 else ""))
+    if len(parts) == 4:
+        body["tag_key"] = unquote(parts[3])
+    return handler
 
 
 _CALLS: dict[tuple[str, str], _Call] = {
@@ -615,15 +1037,31 @@ _CALLS: dict[tuple[str, str], _Call] = {
     ("POST", "runs/set-tag"): _set_tag,
     ("POST", "runs/delete-tag"): _delete_tag,
     ("POST", "runs/log-inputs"): _accept,
-    ("POST", "runs/log-outputs"): _accept,
+    ("POST", "runs/log-model"): _accept,  # MLflow 2's log_model: its files are the run's artifacts
+    ("POST", "runs/outputs"): _log_outputs,
+    ("POST", "logged-models"): _create_model,
+    ("POST", "logged-models/search"): _search_models,
 }
 
 
 def _dispatch(store: TrackingStore, proc: _Process, method: str, call: str, body: dict[str, Any]) -> Any:
-    handler = _CALLS.get((method, call))
+    handler = _CALLS.get((method, call)) or _model_call(method, call, body)
     if handler is None:
         raise MlflowError(f"{method} /{call} is not served here", "ENDPOINT_NOT_FOUND", 404)
     return handler(store, proc, body)
+
+
+NO_UI_PAGE = b"""<!doctype html>
+<html><head><meta charset="utf-8"><title>torchyard: MLflow tracking endpoint</title></head>
+<body><h1>MLflow tracking endpoint of a torchyard job</h1>
+<p>This address is the MLflow tracking endpoint that the worker node runs for one script job.
+It serves MLflow's REST calls from the job's processes and has no web UI.</p>
+<p>The job's metrics, params, tags, runs and logged models are on the job's page in
+torchyard's web UI, in <code>torchyard metrics JOB</code> and in <code>GET /v1/jobs/JOB</code>
+(<code>tracking</code>) on the API; the files MLflow logged are in the job's outputs under
+<code>mlflow/</code>.</p>
+</body></html>
+"""
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -658,11 +1096,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         super().handle_one_request()
 
-    def _answer(self, status: int, body: Any) -> None:
-        data = json.dumps(body).encode()
+    def _answer(self, status: int, body: Any, content_type: str = "application/json") -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
         head = [
             f"{self.protocol_version} {status} {HTTPStatus(status).phrase}",
-            "Content-Type: application/json",
+            f"Content-Type: {content_type}",
             f"Content-Length: {len(data)}",
         ]
         if self.close_connection:
@@ -673,6 +1111,10 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self, method: str) -> None:
         try:
             body = self._read(method)
+            if method == "GET" and urlsplit(self.path).path == "/":
+                # The page of MLflow's "View run" link (its #/experiments/... part stays in the browser).
+                self._answer(200, NO_UI_PAGE, "text/html; charset=utf-8")
+                return
             auth = self.headers.get("Authorization", "")
             token = auth[7:].strip() if auth[:7].lower() == "bearer " else None
             proc = self.server.store.process(token)
@@ -872,7 +1314,12 @@ class TrackingEndpoint:
         """The variables that point one process's MLflow client here (``ranks_from_caller``:
         a node's command whose ranks, started by it, share them)."""
         token = self.store.add_process(rank, name, ranks_from_caller=ranks_from_caller)
-        return {"MLFLOW_TRACKING_URI": self.uri, "MLFLOW_TRACKING_TOKEN": token}
+        return {
+            "MLFLOW_TRACKING_URI": self.uri,
+            "MLFLOW_TRACKING_TOKEN": token,
+            # The client's "View run ... at" links would name this node's loopback, no UI.
+            "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+        }
 
     def stop(self) -> None:
         if self._server is not None:

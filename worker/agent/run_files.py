@@ -213,11 +213,14 @@ def _result(event: dict[str, Any]) -> dict[str, Any] | None:
 def _script_metric(record: dict[str, Any], auto_steps: dict[tuple[str, int], int]) -> dict[str, Any] | None:
     """A line of a script's metrics file (``torchyard.run.log_metric`` or hand-written JSON):
     ``{"name", "value", "step"?, "epoch"?, "rank"?, "time"?}``. A missing step takes the next
-    one of that name and rank, so repeated values are kept rather than dropped as duplicates."""
+    one of that name and rank, so repeated values are kept rather than dropped as duplicates.
+    The MLflow endpoint's lines also carry ``occurrence`` (the value's ordinal at its step)
+    where it is not 0."""
     name, value = record.get("name"), _finite(record.get("value"))
     rank = _int(record.get("rank", 0))
     epoch = _int(record.get("epoch", 0)) if record.get("epoch") is not None else 0
-    if not is_metric_name(name) or value is None or rank is None or epoch is None:
+    occurrence = _int(record.get("occurrence", 0))
+    if not is_metric_name(name) or value is None or rank is None or epoch is None or occurrence is None:
         return None
     assert isinstance(name, str)
     key = (name, rank)
@@ -225,7 +228,7 @@ def _script_metric(record: dict[str, Any], auto_steps: dict[tuple[str, int], int
     if step is None:
         return None
     auto_steps[key] = max(step, auto_steps.get(key, -1))
-    return {
+    point = {
         "name": name,
         "value": value,
         "epoch": epoch,
@@ -233,6 +236,9 @@ def _script_metric(record: dict[str, Any], auto_steps: dict[tuple[str, int], int
         "rank": rank,
         "time": _iso_time(record.get("time")),
     }
+    if occurrence:
+        point["occurrence"] = occurrence
+    return point
 
 
 @dataclass
