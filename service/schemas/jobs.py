@@ -318,6 +318,18 @@ class ComparedJob(BaseModel):
     finished_at: datetime | None = None
     duration_s: float | None = Field(default=None, description="Started to finished (or to now, if running).")
     images_per_sec: float | None = Field(default=None, description="Mean training throughput (all ranks).")
+    axis: Literal["epoch", "step"] = Field(
+        default="epoch",
+        description="How the job counts its metrics: ``epoch`` for a training job or one whose points "
+        "span more than one epoch, ``step`` otherwise (a script that reports steps only).",
+    )
+    logged: dict[str, str] = Field(
+        default_factory=dict,
+        description="What the job's MLflow runs logged (script jobs), as rows beside ``parameters``: "
+        "``mlflow: <param>`` and ``mlflow tag: <tag>`` (MLflow's own ``mlflow.*`` tags left out), of "
+        "the runs of the latest attempt that has runs; with several runs, each key names its run: "
+        "``mlflow: <run>: <param>``.",
+    )
     metrics: dict[str, ComparedMetric]
 
 
@@ -326,4 +338,8 @@ class JobComparison(BaseModel):
     metrics: list[str] = Field(description="The metrics compared: those asked, or every one any job has.")
     goals: dict[str, Literal["max", "min"]] = Field(description="Which way is better, per metric.")
     differing: list[str] = Field(description="The parameter keys whose values are not the same in every job.")
+    logged_differing: list[str] = Field(
+        default_factory=list,
+        description="The ``logged`` keys whose values are not the same in every job (params first).",
+    )
     points: int = Field(description="The most points asked for per series.")

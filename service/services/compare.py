@@ -1,6 +1,7 @@
-"""Several jobs side by side: their spec's parameters (the ones that differ named), status,
-duration, throughput, and for each metric its best and final value with the epoch and its
-series reduced as the job page's are (``metric_series``).
+"""Several jobs side by side: their spec's parameters (the ones that differ named), what a
+script's MLflow runs logged (params and tags), status, duration, throughput, whether the job
+counts its metrics by epoch or by step, and for each metric its best and final value with
+its epoch and step and its series reduced as the job page's are (``metric_series``).
 
 Jobs are named as everywhere else (id, name or unique id prefix) and resolved for the
 caller: a job they may not see is "not found", like one that does not exist. A metric that
@@ -23,6 +24,7 @@ from service.services import jobs as jobs_service
 from service.services import metric_series
 from service.services.tokens import Principal
 from torchyard.contract.errors import NotFoundError, RequestValidationError
+from torchyard.contract.jobspec import JobKind
 
 MAX_JOBS = 20
 MAX_METRICS = 50
@@ -69,6 +71,48 @@ def differing_keys(parameters: Sequence[dict[str, Any]]) -> list[str]:
     return [k for k in keys if len({repr(p.get(k, ...)) for p in parameters}) > 1]
 
 
+def _run_labels(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """Each run's name, told apart by its rank (then its id) where two runs share one."""
+    names = [str(r.get("name") or "") or str(r.get("id") or "")[:8] for r in runs]
+    labels = [
+        n if names.count(n) == 1 else f"{n} (rank {r.get('rank', 0)})"
+        for n, r in zip(names, runs, strict=True)
+    ]
+    return [
+        label if labels.count(label) == 1 else f"{label} {str(r.get('id') or '')[:8]}"
+        for label, r in zip(labels, runs, strict=True)
+    ]
+
+
+def logged_rows(tracking: dict[str, Any] | None) -> dict[str, str]:
+    """A script job's MLflow params and tags as rows to compare: ``mlflow: lr`` for a param,
+    ``mlflow tag: team`` for a tag (MLflow's own ``mlflow.*`` tags left out), each run's of
+    the latest attempt that has runs (an earlier attempt's runs were redone); with several
+    runs, each key names its run (``mlflow: train: lr``). Params first."""
+    runs = [r for r in (tracking or {}).get("runs") or [] if isinstance(r, dict)]
+    if not runs:
+        return {}
+    latest = max(int(r.get("attempt") or 0) for r in runs)
+    runs = [r for r in runs if int(r.get("attempt") or 0) == latest]
+    labels = _run_labels(runs) if len(runs) > 1 else [""]
+    params: dict[str, str] = {}
+    tags: dict[str, str] = {}
+    for run, label in zip(runs, labels, strict=True):
+        prefix = f"{label}: " if label else ""
+        for key, value in sorted((run.get("params") or {}).items()):
+            params[f"mlflow: {prefix}{key}"] = str(value)
+        for key, value in sorted((run.get("tags") or {}).items()):
+            if not key.startswith("mlflow."):
+                tags[f"mlflow tag: {prefix}{key}"] = str(value)
+    return {**params, **tags}
+
+
+def _logged_differing(logged: Sequence[dict[str, str]]) -> list[str]:
+    """The logged keys not the same in every job: params, then tags, each by name."""
+    keys = sorted({k for rows in logged for k in rows}, key=lambda k: (k.startswith("mlflow tag: "), k))
+    return [k for k in keys if len({rows.get(k) for rows in logged}) > 1]
+
+
 def resolve_jobs(session: Session, principal: Principal, refs: Iterable[str]) -> list[Job]:
     """The jobs named, once each in the order given; 404 naming every one not found."""
     found: dict[str, Job] = {}
@@ -110,9 +154,9 @@ def _best_and_final(
     return _point(best), _point(final)
 
 
-# Best/final values and mean throughput per job version (any new point changes it), so
-# comparing finished runs again reads no points.
-_Values = tuple[dict[str, tuple[ComparedPoint | None, ComparedPoint | None]], float | None]
+# Best/final values, mean throughput and whether the points span more than one epoch per
+# job version (any new point changes it), so comparing finished runs again reads no points.
+_Values = tuple[dict[str, tuple[ComparedPoint | None, ComparedPoint | None]], float | None, bool]
 _values: metric_series.LruCache[tuple[metric_series.Version, tuple[str, ...]], _Values] = (
     metric_series.LruCache(500)
 )
@@ -129,9 +173,13 @@ def _job_values(session: Session, version: metric_series.Version, names: Sequenc
                 Metric.job_id == job_id, Metric.name == THROUGHPUT_METRIC, current
             )
         )
+        first, last = session.execute(
+            select(func.min(Metric.epoch), func.max(Metric.epoch)).where(Metric.job_id == job_id)
+        ).one()
         values = (
             {name: _best_and_final(session, job_id, name, current) for name in names},
             None if rate is None else float(rate),
+            first is not None and first != last,
         )
         _values.put(key, values)
     return values
@@ -163,7 +211,7 @@ def compare(
     for job in jobs:
         version = metric_series.job_version(session, job.id)
         reduced, _ = metric_series.metric_series(session, job.id, points, version)
-        values, rate = _job_values(session, version, names)
+        values, rate, epochs = _job_values(session, version, names)
         compared.append(
             ComparedJob(
                 id=job.id,
@@ -176,6 +224,8 @@ def compare(
                 finished_at=job.finished_at,
                 duration_s=_duration(job.started_at, job.finished_at or job.updated_at),
                 images_per_sec=rate,
+                axis="epoch" if job.type == JobKind.TRAIN or epochs else "step",
+                logged=logged_rows(job.tracking),
                 metrics={name: _compared(values[name], reduced.get(name)) for name in names},
             )
         )
@@ -184,5 +234,6 @@ def compare(
         metrics=names,
         goals={name: goal_of(name) for name in names},
         differing=differing_keys([c.parameters for c in compared]),
+        logged_differing=_logged_differing([c.logged for c in compared]),
         points=points,
     )

@@ -276,7 +276,7 @@ def test_logs_metrics_and_cluster(
     assert [row.split()[0] for row in table[1:]] == ["1", "2"]
     points = json.loads(ok(cli(env, "metrics", job_id, "--json")))
     assert len(points) == 14 and {p["name"] for p in points} == {"train.loss", "val.loss", "epoch.seconds"}
-    raw = ok(cli(env, "metrics", job_id, "--name", "val.loss")).splitlines()
+    raw = ok(cli(env, "metrics", job_id, "--raw", "--name", "val.loss")).splitlines()
     assert raw[0].split()[:2] == ["SEQ", "NAME"] and len(raw) == 3
 
     cluster = ok(cli(env, "cluster"))

@@ -144,7 +144,9 @@ def test_uploading_a_dataset_name_again_warns_or_replaces(env: dict[str, str], t
 
 
 def test_follow_prints_a_script_jobs_last_epoch() -> None:
-    """A script's metrics carry no epoch duration: its last epoch is printed when the job ends."""
+    """A script's metrics carry no epoch duration: its last epoch is printed when the job ends.
+    Its first epoch is one of steps until a second begins: a line per step, then a line per
+    epoch from the first."""
     out = io.StringIO()
     progress = LiveProgress(out)
     for epoch in (0, 1):
@@ -157,8 +159,12 @@ def test_follow_prints_a_script_jobs_last_epoch() -> None:
         )
     progress.handle("status", {"status": "succeeded", "final": True})
     printed = out.getvalue().splitlines()
-    assert [line.split()[:2] for line in printed[:2]] == [["epoch", "0"], ["epoch", "1"]]
-    assert printed[-1].startswith("status: succeeded")
+    assert printed == [
+        "step 5  train.loss 0.9000",
+        "epoch 0  train.loss 0.8000  val.top1 50.00%",
+        "epoch 1  train.loss 0.5500  val.top1 75.00%",
+        "status: succeeded",
+    ]
 
 
 def test_since_takes_durations_and_times() -> None:

@@ -78,6 +78,14 @@ def test_the_default_width_is_the_terminals(monkeypatch: pytest.MonkeyPatch) -> 
 def test_only_quality_metrics_are_ranked() -> None:
     assert [quality_goal(name) for name in METRICS] == [None, None, "min", None, "min", "max", "max"]
     assert quality_goal("val.accuracy") == "max" and quality_goal("eval_loss") == "min"
+    # A script's names: MLflow's, TensorBoard's, Lightning's.
+    assert [quality_goal(n) for n in ("val/acc", "Loss/train", "train_loss_step", "val_acc_epoch")] == [
+        "max",
+        "min",
+        "min",
+        "max",
+    ]
+    assert quality_goal("loss_scale") is None and quality_goal("lr-Adam") is None
     wide = comparison_text(_comparison(), width=400)
     header = next(line for line in wide.splitlines() if line.startswith("JOB"))
     for name in ("epoch.seconds", "train.lr", "train.images_per_sec"):
@@ -124,3 +132,21 @@ def test_many_jobs_give_a_row_per_parameter_and_job() -> None:
     assert lines[0].split() == ["PARAMETER", "JOB", "VALUE"]
     assert lines[1].split() == ["parameters.learning_rate", "00000000", "0.01"]
     assert lines[2].split() == ["11111111", "0.02"]
+
+
+def test_a_job_without_epochs_has_its_best_at_a_step_and_logged_params_are_rows() -> None:
+    data = _comparison(2).model_dump()
+    steps = {
+        "best": {"value": 0.83, "epoch": 0, "step": 400},
+        "final": {"value": 0.8, "epoch": 0, "step": 500},
+    }
+    data["jobs"][1].update(type="script", metrics={"val.top1": steps}, logged={"mlflow: lr": "0.1"})
+    data["logged_differing"] = ["mlflow: lr"]
+    # The service says how each job counts; an older one does not: a script whose points
+    # are all at epoch 0 counts steps.
+    for axis in ("step", None):
+        data["jobs"][1]["axis"] = axis
+        text = comparison_text(JobComparison.model_validate(data), width=400)
+        assert "0.83 (step 400)" in text and "0.5 (epoch 2)" in text, text
+        row = next(line for line in text.splitlines() if line.startswith("mlflow: lr"))
+        assert row.split() == ["mlflow:", "lr", "-", "0.1"]

@@ -352,9 +352,9 @@ class TestCommandLine:
         assert lines[0].split() == [
             "epoch",
             "train.loss",
-            "lr",
             "val.loss",
             "val.top1",
+            "lr",
             "seconds",
             "elapsed",
             "left",

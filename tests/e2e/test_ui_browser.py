@@ -23,7 +23,7 @@ from tests.conftest import LiveServer, fast_leases
 from tests.service.test_models_api import succeeded_job
 from tests.support.attempt_history import restarted_job
 from tests.support.factories import auth, create_token, insert_dataset, job_spec, register_node, token_id
-from tests.support.report_helpers import point, post_report, start_running_job
+from tests.support.report_helpers import make_script_job, point, post_report, start_running_job
 from tests.support.script_helpers import code_archive
 from tests.support.trained_model import Trained
 from tests.support.worker_fixtures import (
@@ -712,20 +712,14 @@ def test_select_jobs_in_the_list_and_compare_them(
             points += [point(metric, value / e, epoch=e, step=e * steps) for e in (1, 2)]
         assert post_report(admin, job, metrics=points).status_code == 200
         jobs.append(job)
-    with httpx.Client(base_url=live_server.url, headers=auth(token), timeout=30) as user:
-        code = user.post(
-            "/v1/code",
-            data={"name": "probe"},
-            files={"file": ("src.tar.gz", code_archive({"train.py": "print(1)\n"}), "application/gzip")},
-        )
-        assert code.status_code == 201, code.text
-        command = ["python", "train.py", "--epochs", "3"]
-        r = user.post(
-            "/v1/jobs",
-            json={"type": "script", "name": "cmp-script", "code": code.json()["id"], "command": command},
-        )
-        assert r.status_code == 201, r.text
-        script = r.json()["id"]
+    # A script job that logs with MLflow: val.top1 at steps (no epochs), params and tags.
+    running = start_running_job(live_server.settings, admin, per_node=1, user_token=token, name="cmp-script")
+    make_script_job(live_server.settings, admin, running, ["python", "train.py", "--epochs", "3"])
+    run = {"id": "a" * 32, "name": "train", "experiment": "Default", "status": "RUNNING", "rank": 0,
+           "params": {"lr": "0.1", "optimizer": "adam"}, "tags": {"team": "vision", "mlflow.user": "quinn"}}  # fmt: skip
+    by_step = [point("val.top1", v, epoch=0, step=s) for s, v in ((100, 0.5), (200, 0.7), (300, 0.65))]
+    assert post_report(admin, running, metrics=by_step, tracking={"runs": [run]}).status_code == 200
+    script = running.job_id
     ui = open_ui(live_server.url)
     ui.sign_in(token)
     page = ui.page
@@ -796,6 +790,32 @@ def test_select_jobs_in_the_list_and_compare_them(
     assert "cmp-script" in (page.text_content("#compare-x-note") or "")
     assert page.locator("#compare-parallel-chart path.pc-line").count() == 4
     assert int(page.get_attribute("#compare-parallel-chart", "data-axes") or 0) >= 3
+    # What the script's MLflow run logged: rows beside the spec's parameters (not MLflow's
+    # own mlflow.* tags), and its best value where it was: a step.
+    logged = page.locator("#compare-params tr[data-logged='true']")
+    assert [logged.nth(i).get_attribute("data-key") for i in range(logged.count())] == [
+        "mlflow: lr",
+        "mlflow: optimizer",
+        "mlflow tag: team",
+    ]
+    assert logged.first.get_attribute("class") == "differs"
+    assert logged.first.locator("td").all_text_contents() == ["mlflow: lr", "–", "–", "–", "0.1"]
+    assert "mlflow.user" not in (page.text_content("#compare-params") or "")
+    script_row = page.locator(f"#compare-results tr[data-job-id='{script}']")
+    assert "70.0% (step 200)" in (script_row.text_content() or "")
+    assert "(epoch 0)" not in (page.text_content("#compare-results") or "")
+    ui.assert_clean_text()
+
+    # The script's page: a card of its MLflow run's params and tags.
+    page.goto(f"/#/jobs/{script}")
+    page.wait_for_selector("#tracking .mlflow-run[data-run-name='train']")
+    rows = page.locator("#tracking tr.tracking-row")
+    assert [rows.nth(i).locator("td").all_text_contents() for i in range(rows.count())] == [
+        ["param", "lr", "0.1"],
+        ["param", "optimizer", "adam"],
+        ["tag", "team", "vision"],
+    ]
+    assert "experiment Default" in (page.text_content("#tracking h3") or "")
     ui.assert_clean_text()
     assert ui.errors == []
 

@@ -1,6 +1,7 @@
-"""``GET /v1/jobs/compare``: several jobs side by side (parameters that differ, best and final
-values with their epoch, duration, images/s, reduced series), the CLI's ``compare`` and the
-Python client, and the refusals: unknown or foreign jobs, more than 20, an unknown metric."""
+"""``GET /v1/jobs/compare``: several jobs side by side (parameters that differ, what a script's
+MLflow runs logged, best and final values with their epoch or step, duration, images/s,
+reduced series), the CLI's ``compare`` and the Python client, and the refusals: unknown or
+foreign jobs, more than 20, an unknown metric."""
 
 from __future__ import annotations
 
@@ -15,9 +16,17 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.config import Settings
+from service.services.compare import logged_rows
 from tests.conftest import LiveServer
 from tests.support.factories import auth, create_token
-from tests.support.report_helpers import RunningJob, finish_job, point, post_report, start_running_job
+from tests.support.report_helpers import (
+    RunningJob,
+    finish_job,
+    make_script_job,
+    point,
+    post_report,
+    start_running_job,
+)
 from torchyard.client import Client, JobComparison
 from torchyard.commands import comparison_text
 
@@ -208,3 +217,112 @@ def test_a_new_point_changes_the_answer(client: TestClient, three: tuple[str, li
     after = client.get("/v1/jobs/compare", params=params, headers=auth(user)).json()["jobs"][0]["metrics"]
     assert after["val.top1"]["best"] == {"value": 0.95, "epoch": 4, "step": 40}
     assert after["val.top1"]["final"]["epoch"] == 4 and after["val.top1"]["series"]["count"] == 4
+
+
+def _run(
+    run_id: str, name: str, rank: int = 0, params: dict[str, str] | None = None, **kw: Any
+) -> dict[str, Any]:
+    return {"id": run_id, "name": name, "experiment": "Default", "status": "FINISHED", "rank": rank,
+            "params": params or {}, "tags": {}, **kw}  # fmt: skip
+
+
+def _script(
+    client: TestClient,
+    settings: Settings,
+    user: str,
+    name: str,
+    points: list[dict[str, Any]],
+    runs: list[dict[str, Any]],
+) -> RunningJob:
+    """A script job (one node, two processes) that reported ``points`` and MLflow ``runs``
+    through the worker's report route."""
+    job = start_running_job(settings, client, per_node=2, user_token=user, name=name)
+    make_script_job(settings, client, job)
+    assert post_report(client, job, metrics=points, tracking={"runs": runs}).status_code == 200
+    return job
+
+
+def test_script_jobs_are_compared_by_step_or_epoch_with_their_logged_params(
+    client: TestClient, settings: Settings, three: tuple[str, list[RunningJob]]
+) -> None:
+    user, (a, _, _) = three
+    # MLflow's way: steps only (every point at epoch 0), one run.
+    steps = [point("accuracy", v, epoch=0, step=s) for s, v in ((100, 0.5), (200, 0.83), (300, 0.8))]
+    steps += [point("loss", 1 - v, epoch=0, step=s) for s, v in ((100, 0.5), (200, 0.83), (300, 0.8))]
+    tags = {"team": "vision", "mlflow.user": "ann", "mlflow.runName": "train"}
+    only = _script(
+        client,
+        settings,
+        user,
+        "mlflow-one",
+        steps,
+        [_run("a" * 32, "train", params={"lr": "0.1", "optimizer": "adam"}, tags=tags)],
+    )
+    # torchyard.run.log_metric with epochs: points over epochs 0 and 1; two runs that share a name.
+    epochs = [point("accuracy", v, epoch=e, step=s) for e, s, v in ((0, 10, 0.6), (1, 20, 0.7))]
+    runs = [
+        _run("b" * 32, "train", 0, {"lr": "0.01"}, tags={"team": "vision"}),
+        _run("c" * 32, "train", 1, {"lr": "0.02"}),
+    ]
+    two = _script(client, settings, user, "mlflow-two", epochs, runs)
+    r = client.get(
+        "/v1/jobs/compare", params={"ids": f"{a.job_id},{only.job_id},{two.job_id}"}, headers=auth(user)
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    train, one, both = body["jobs"]
+    # A training job counts epochs; a script that reports steps only, steps; one whose points
+    # span more than one epoch, epochs.
+    assert [j["axis"] for j in body["jobs"]] == ["epoch", "step", "epoch"]
+    assert one["metrics"]["accuracy"]["best"] == {"value": 0.83, "epoch": 0, "step": 200}
+    # What each job's MLflow runs logged (not MLflow's own mlflow.* tags); with several runs,
+    # each row names its run (told apart by rank where two share a name).
+    assert train["logged"] == {}
+    assert one["logged"] == {"mlflow: lr": "0.1", "mlflow: optimizer": "adam", "mlflow tag: team": "vision"}
+    assert both["logged"] == {
+        "mlflow: train (rank 0): lr": "0.01",
+        "mlflow: train (rank 1): lr": "0.02",
+        "mlflow tag: train (rank 0): team": "vision",
+    }
+    # Params before tags; the spec's own parameters stay in `differing`.
+    assert body["logged_differing"] == [
+        "mlflow: lr",
+        "mlflow: optimizer",
+        "mlflow: train (rank 0): lr",
+        "mlflow: train (rank 1): lr",
+        "mlflow tag: team",
+        "mlflow tag: train (rank 0): team",
+    ]
+    assert not any(k.startswith("mlflow") for k in body["differing"])
+    assert "command" in body["differing"]  # a script's spec beside a training job's
+
+    # The CLI's text: the logged rows beside the spec's parameters, each best where it was.
+    text = comparison_text(JobComparison.model_validate(body), width=400)
+    rows = {line.split("  ")[0]: line.split() for line in text.splitlines()}
+    assert rows["mlflow: lr"][-3:] == ["-", "0.1", "-"]
+    assert rows["mlflow: optimizer"][-3:] == ["-", "adam", "-"]
+    assert "0.83 (step 200)" in text and "0.7 (epoch 1)" in text and "0.9 (epoch 2)" in text
+    # The same two scripts alone: of their spec only the code package differs (each its own).
+    pair = client.get(
+        "/v1/jobs/compare", params={"ids": f"{only.job_id},{two.job_id}"}, headers=auth(user)
+    ).json()
+    assert pair["differing"] == ["code"] and len(pair["logged_differing"]) == 6
+
+
+def test_logged_rows_take_the_latest_attempts_runs() -> None:
+    runs = [
+        {**_run("a" * 32, "fit", params={"lr": "0.1"}), "attempt": 1},
+        {
+            **_run("b" * 32, "fit", params={"lr": "0.2"}, tags={"mlflow.note.content": "x"}),
+            "attempt": 2,
+        },
+    ]
+    # A restart's runs replace the earlier attempt's: one run, no prefix.
+    assert logged_rows({"runs": runs}) == {"mlflow: lr": "0.2"}
+    assert logged_rows(None) == {} and logged_rows({"params": {}, "tags": {}, "runs": []}) == {}
+    # Two runs of one name and rank (a nested run): the start of their ids tells them apart.
+    same = [{**_run(c * 32, "fit", params={"k": c}), "attempt": 1} for c in "de"]
+    assert logged_rows({"runs": same}) == {
+        "mlflow: fit (rank 0) dddddddd: k": "d",
+        "mlflow: fit (rank 0) eeeeeeee: k": "e",
+    }

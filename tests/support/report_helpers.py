@@ -11,6 +11,7 @@ import json
 import secrets
 import threading
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -25,10 +26,11 @@ from service.api.app import create_app
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Attempt, Job, LogChunk, Metric, Node, Placement, utcnow
-from service.schemas.jobs import TrainJobCreate
+from service.schemas.jobs import ScriptJobCreate, TrainJobCreate
 from service.services.leases import LEASE_HEADER
 from tests.conftest import LiveServer
 from tests.support.factories import auth, create_token, insert_dataset, token_id
+from tests.support.script_helpers import code_archive
 
 Client = TestClient | httpx.Client
 # Far enough ahead that the reaper never finds these leases or nodes silent during a test.
@@ -147,6 +149,41 @@ def start_running_job(
             )
     finally:
         db.dispose()
+
+
+def make_script_job(
+    settings: Settings, client: Client, job: RunningJob, command: Sequence[str] = ("python", "train.py")
+) -> str:
+    """Make a running job a script job, as submitting one and its claim would leave it: a
+    code package of its owner's and a script spec (no model, no datasets), so that its
+    reports may carry MLflow runs (``tracking``). Returns the code package's id."""
+    archive = code_archive({"train.py": "print(1)\n"})
+    r = client.post(
+        "/v1/code",
+        files={"file": ("src.tar.gz", archive, "application/gzip")},
+        headers=auth(job.user_token),
+    )
+    assert r.status_code == 201, r.text
+    code = str(r.json()["id"])
+    db = Database(settings.sqlalchemy_url)
+    try:
+        with db.transaction() as session:
+            row = session.get_one(Job, job.job_id)
+            resources = {"node_count": row.node_count, "process_count_per_node": row.process_count_per_node}
+            row.spec = ScriptJobCreate.model_validate(
+                {
+                    "type": "script",
+                    "name": row.name,
+                    "code": code,
+                    "command": list(command),
+                    "resources": resources,
+                }
+            ).model_dump(mode="json")
+            row.type, row.code_id = "script", code
+            row.architecture = row.train_dataset_id = row.validation_dataset_id = None
+    finally:
+        db.dispose()
+    return code
 
 
 def set_placement(settings: Settings, placement_id: str, **values: Any) -> None:

@@ -110,6 +110,9 @@ class Job(ApiModel):
     finished_at: datetime | None = None
     tags: list[str] = []
     note: str | None = None
+    # A script job's MLflow runs: {"params", "tags", "runs": [{"id", "name", "experiment",
+    # "status", "rank", "node_rank", "attempt", "params", "tags"}]} (docs/script-jobs.md).
+    tracking: dict[str, Any] | None = None
 
     @field_validator("model", "parameters", mode="before")
     @classmethod
@@ -164,7 +167,19 @@ class ComparedJob(ApiModel):
     parameters: dict[str, Any] = {}
     duration_s: float | None = None
     images_per_sec: float | None = None
+    # "epoch" or "step": how the job counts its metrics (None from a service that does not say).
+    axis: str | None = None
+    # What its MLflow runs logged, as compare rows ("mlflow: lr", "mlflow tag: team").
+    logged: dict[str, str] = {}
     metrics: dict[str, ComparedMetric] = {}
+
+    @property
+    def counted_by(self) -> str:
+        """``epoch`` or ``step``: the service's word, else epochs where a point is past epoch 0."""
+        if self.axis in ("epoch", "step"):
+            return self.axis
+        points = [p for m in self.metrics.values() for p in (m.best, m.final) if p is not None]
+        return "epoch" if self.type == "train" or any(p.epoch > 0 for p in points) else "step"
 
 
 class JobComparison(ApiModel):
@@ -175,6 +190,7 @@ class JobComparison(ApiModel):
     metrics: list[str] = []
     goals: dict[str, str] = {}
     differing: list[str] = []
+    logged_differing: list[str] = []
     points: int = 0
 
 

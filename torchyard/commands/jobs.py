@@ -91,7 +91,12 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
 
 def follow_job(client: Client, job: Job, *, show_logs: bool = False, out: Any = None) -> Job:
     """Print a job's live progress until it ends; return the final job."""
-    progress = LiveProgress(out, show_logs=show_logs, epochs=job.parameters.get("epochs"))
+    progress = LiveProgress(
+        out,
+        show_logs=show_logs,
+        epochs=job.parameters.get("epochs"),
+        by="epoch" if job.type == JobKind.TRAIN else None,
+    )
     for event in client.events(job.id, logs=show_logs, ranks=[0] if show_logs else None):
         progress.handle(event.kind, event.data)
     return client.get_job(job.id)
@@ -250,9 +255,50 @@ def print_job(job: Job, datasets: Mapping[str, str] | None = None) -> None:
         )
         print(f"parameters:  {_kv(job.parameters)}")
     print(f"resources:   {_kv(job.resources)}")
+    _print_tracking(job)
     _print_outcome(job)
     _print_attempts(job)
     _print_times(job)
+
+
+# The longest param or tag value ``show`` prints whole (``--json`` has every value whole).
+TRACKING_VALUE_CHARS = 100
+
+
+def _tracking_value(value: Any) -> str:
+    text = " ".join(str(value).splitlines())
+    return text if len(text) <= TRACKING_VALUE_CHARS else text[: TRACKING_VALUE_CHARS - 1] + "…"
+
+
+def _print_tracking(job: Job) -> None:
+    """A script job's MLflow runs: each with its rank, status and experiment (and attempt,
+    after a restart), then its params and tags, one a line (MLflow's own ``mlflow.*`` tags
+    left out)."""
+    runs = [r for r in (job.tracking or {}).get("runs") or [] if isinstance(r, dict)]
+    if not runs:
+        return
+    attempts = {r.get("attempt") for r in runs}
+    print("mlflow runs:")
+    for run in runs:
+        about = [
+            f"rank {run.get('rank', 0)}",
+            str(run.get("status", "")).lower(),
+            f"experiment {run.get('experiment')}",
+        ]
+        if len(attempts) > 1:
+            about.append(f"attempt {run.get('attempt')}")
+        print(f"  {run.get('name') or run.get('id')}  ({', '.join(a for a in about if a)})")
+        params = sorted((run.get("params") or {}).items())
+        tags = sorted((k, v) for k, v in (run.get("tags") or {}).items() if not k.startswith("mlflow."))
+        rows = [("param", k, _tracking_value(v)) for k, v in params] + [
+            ("tag", k, _tracking_value(v)) for k, v in tags
+        ]
+        if not rows:
+            print("    no params or tags")
+            continue
+        key_width = max(len(k) for _, k, _ in rows)
+        for what, key, value in rows:
+            print(f"    {what:<5}  {key.ljust(key_width)}  {value}".rstrip())
 
 
 def _print_attempts(job: Job) -> None:

@@ -1,4 +1,5 @@
-"""``torchyard metrics`` (a per-epoch table, or live with ``--watch``) and ``compare``."""
+"""``torchyard metrics`` (a table by epoch, or by step for a job without epochs; live with
+``--watch``) and ``compare``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from torchyard.apiclient.models import ComparedJob, ComparedMetric
 from torchyard.client import Client, Event, JobComparison, MetricPoint
 from torchyard.commands.common import (
     _JOB_HELP,
@@ -25,6 +27,8 @@ from torchyard.terminal import (
     format_duration,
     format_table,
     format_time,
+    output_width,
+    quality_goal,
     timing_text,
 )
 
@@ -34,11 +38,19 @@ def _points_table(points: Iterable[MetricPoint]) -> str:
     return format_table(["SEQ", "NAME", "VALUE", "EPOCH", "STEP", "RANK", "TIME"], rows)
 
 
+def _counted_by(job_type: str) -> str | None:
+    """What a job's metrics table is counted by from the start: the trainer's jobs by
+    epoch; any other job by what its points turn out to span (:class:`EpochTable`)."""
+    return "epoch" if job_type == "train" else None
+
+
 def _metrics(args: argparse.Namespace) -> int:
     with _client(args) as client:
         if args.watch:
             return _watch_metrics(client, args)
-        points = list(client.iter_metrics(args.id, name=args.name))
+        table_only = not (args.json or args.raw)
+        job = client.get_job(args.id) if table_only else None
+        points = list(client.iter_metrics(job.id if job else args.id, name=args.name))
         if args.name and not args.watch:
             missing = sorted(set(args.name) - {p.name for p in points})
             if missing:
@@ -49,13 +61,13 @@ def _metrics(args: argparse.Namespace) -> int:
                 )
     if args.json:
         _print_json(points)
-    elif args.name or args.raw:
+    elif args.raw or job is None:
         print(_points_table(points))
     else:
-        table = EpochTable()
+        table = EpochTable(by=_counted_by(job.type))
         for p in points:
             table.add(p.model_dump())
-        print(table.render() if table.rows else "no metrics yet")
+        print(table.render(output_width()) if table.rows else "no metrics yet")
     return 0
 
 
@@ -87,22 +99,6 @@ def _is_dataset(key: str) -> bool:
     return key in _DATASET_KEYS or key.startswith("inputs.")
 
 
-# Metrics where a higher value is a better model (the last part of the name), and those
-# where a lower one is; any other metric (time, learning rate, throughput) is not ranked.
-_HIGHER_IS_BETTER = frozenset({"top1", "top5", "accuracy", "acc", "f1", "precision", "recall", "auc", "iou"})
-
-
-def quality_goal(metric: str) -> str | None:
-    """``max`` for an accuracy, ``min`` for a loss, None for a metric that says nothing of
-    how good a model is (``epoch.seconds``, ``train.lr``, ``train.images_per_sec``)."""
-    last = metric.rsplit(".", 1)[-1].lower()
-    if last.endswith("loss"):
-        return "min"
-    if last in _HIGHER_IS_BETTER or last.endswith(("_acc", "_accuracy", "_top1", "_top5")):
-        return "max"
-    return None
-
-
 def _ranked(comparison: JobComparison, metric: str) -> str | None:
     """The way a metric is ranked by ``compare``: a quality metric whose best value the
     service picked the same way; None for the others (their final value alone is shown)."""
@@ -110,9 +106,13 @@ def _ranked(comparison: JobComparison, metric: str) -> str | None:
     return goal if goal is not None and comparison.goals.get(metric, goal) == goal else None
 
 
-def _best_text(metric: Any) -> str:
+def _best_text(job: ComparedJob, metric: ComparedMetric | None) -> str:
+    """``0.83 (epoch 3)``, or ``0.83 (step 400)`` for a job that counts steps only."""
     best = metric.best if metric else None
-    return "-" if best is None else f"{best.value:.4g} (epoch {best.epoch})"
+    if best is None:
+        return "-"
+    by = job.counted_by
+    return f"{best.value:.4g} ({by} {best.epoch if by == 'epoch' else best.step})"
 
 
 def _final_text(metric: Any) -> str:
@@ -152,10 +152,12 @@ def comparison_text(
     comparison: JobComparison, *, width: int | None = None, datasets: Mapping[str, str] | None = None
 ) -> str:
     """What ``torchyard compare`` prints, in ``width`` columns (default: the terminal's):
-    the parameters that differ (datasets by name), one row per job with its status,
-    duration and images/s, and each metric's best (epoch) and final value: beside the jobs
-    when that fits, else one row per metric and job. Only accuracies (highest best) and
-    losses (lowest best) are ranked; other metrics show their final value."""
+    the parameters that differ (datasets by name) and then what the jobs' MLflow runs logged
+    that differs (``mlflow: lr``), one row per job with its status, duration and images/s,
+    and each metric's best (with its epoch, or its step for a job without epochs) and final
+    value: beside the jobs when that fits, else one row per metric and job. Only accuracies
+    (highest best) and losses (lowest best) are ranked; other metrics show their final
+    value."""
     width = width or shutil.get_terminal_size().columns
     jobs = comparison.jobs
     labels = [j.id[:8] for j in jobs]
@@ -168,6 +170,8 @@ def comparison_text(
 
 
 def _parameter_cells(comparison: JobComparison, key: str, datasets: Mapping[str, str]) -> list[str]:
+    if key in comparison.logged_differing:  # what an MLflow run logged: text as logged
+        return [_shown(j.logged.get(key)) for j in comparison.jobs]
     values = [j.parameters.get(key) for j in comparison.jobs]
     if not _is_dataset(key):
         return [_shown(v) for v in values]
@@ -182,17 +186,18 @@ def _parameter_cells(comparison: JobComparison, key: str, datasets: Mapping[str,
 def _parameters_text(
     comparison: JobComparison, labels: list[str], width: int, datasets: Mapping[str, str]
 ) -> str:
-    if not comparison.differing:
+    keys = [*comparison.differing, *comparison.logged_differing]
+    if not keys:
         return "no parameter differs"
-    cells = {key: _parameter_cells(comparison, key, datasets) for key in comparison.differing}
-    rows = [[key, *cells[key]] for key in comparison.differing]
+    cells = {key: _parameter_cells(comparison, key, datasets) for key in keys}
+    rows = [[key, *cells[key]] for key in keys]
     wide = fit_table(["PARAMETER", *labels], rows, width)
     if wide is not None:
         return wide
     # Too wide with a column per job: a row per parameter and job, long values cut short.
     long = [
         [key if i == 0 else "", label, value]
-        for key in comparison.differing
+        for key in keys
         for i, (label, value) in enumerate(zip(labels, cells[key], strict=True))
     ]
     return fit_table(["PARAMETER", "JOB", "VALUE"], long, width, shrink=(0, 2)) or format_table(
@@ -224,7 +229,7 @@ def _results_text(comparison: JobComparison, labels: list[str], width: int) -> s
         for row, job in zip(wide_rows, comparison.jobs, strict=True):
             metric = job.metrics.get(name)
             if goals[name]:
-                row.append(_best_text(metric))
+                row.append(_best_text(job, metric))
             row.append(_final_text(metric))
     wide = fit_table(wide_headers, wide_rows, width, shrink=(1,))
     if wide is not None:
@@ -237,7 +242,7 @@ def _results_text(comparison: JobComparison, labels: list[str], width: int) -> s
         [
             (name + (f" ({goals[name]})" if goals[name] else "")) if i == 0 else "",
             label,
-            _best_text(job.metrics.get(name)) if goals[name] else "",
+            _best_text(job, job.metrics.get(name)) if goals[name] else "",
             _final_text(job.metrics.get(name)),
         ]
         for name in metrics
@@ -251,10 +256,11 @@ def _results_text(comparison: JobComparison, labels: list[str], width: int) -> s
 
 
 def _watch_metrics(client: Client, args: argparse.Namespace) -> int:
-    """Live table: redrawn in place on a terminal, one fixed-width line per finished epoch
-    otherwise (a pipe or a file), each with the elapsed training time and the time left."""
+    """Live table: redrawn in place on a terminal, one fixed-width line per finished row
+    otherwise (a pipe or a file): an epoch, with the elapsed training time and the time
+    left, or a step for a job without epochs."""
     job = client.get_job(args.id)  # the full id, whatever the user typed, and the epoch count
-    view = _MetricsView(job.id, job.parameters.get("epochs"), as_json=args.json)
+    view = _MetricsView(job.id, job.parameters.get("epochs"), as_json=args.json, by=_counted_by(job.type))
     view.wait_reason = job.reason if job.status == "queued" else None
     for event in client.events(job.id, logs=False):
         if event.kind == "metric":
@@ -279,20 +285,21 @@ def requeue_note(event: Event) -> str | None:
 
 class _MetricsView:
     """What ``metrics --watch`` shows of the events: JSON lines, a table redrawn in place on
-    a terminal, or one line per finished epoch."""
+    a terminal, or one line per finished row (an epoch, or a step for a job without epochs)."""
 
-    def __init__(self, job_id: str, epochs: Any, *, as_json: bool) -> None:
+    def __init__(self, job_id: str, epochs: Any, *, as_json: bool, by: str | None = None) -> None:
         self.job_id = job_id
         self.epochs = epochs
         self.as_json = as_json
         self.tty = sys.stdout.isatty() and not as_json
-        self.table = EpochTable()
+        self.table = EpochTable(by=by)
         self.status = "-"
-        self.printed: set[int] = set()
         self.lines: EpochLines | None = None
         self.requeues: list[str] = []
-        # The newest training step seen: (epoch, step, train.loss), shown until its epoch ends.
+        # The newest training step seen: (epoch, step, loss), shown until its epoch ends; the
+        # loss is train.loss, else the first metric seen that is a loss.
         self.step: tuple[int, int, float] | None = None
+        self.step_metric: str | None = None
         self._step_shown_at: float | None = None
         # Why the job waits in the queue (the job's ``reason`` when the watch began), and
         # the last status a line was printed for (on a pipe or in a file).
@@ -300,32 +307,51 @@ class _MetricsView:
         self._status_shown: str | None = None
 
     def note_point(self, data: dict[str, Any]) -> None:
-        if data.get("name") == "train.loss" and int(data.get("rank", 0)) == 0:
+        name = str(data.get("name"))
+        if int(data.get("rank", 0)) != 0:
+            return
+        if self.step_metric != "train.loss" and (
+            name == "train.loss" or (self.step_metric is None and quality_goal(name) == "min")
+        ):
+            self.step_metric = name
+        if name == self.step_metric:
             self.step = (int(data["epoch"]), int(data.get("step", 0)), float(data["value"]))
 
     def step_text(self) -> str | None:
-        """``epoch 0/5  step 40  train.loss 0.5321`` while an epoch is under way."""
-        if self.step is None or self.table.is_complete(self.step[0]):
+        """``epoch 0/5  step 40  train.loss 0.5321`` while an epoch is under way (a job
+        without epochs has a row per step: no such line)."""
+        if self.step is None or self.table.kind != "epoch" or self.table.is_complete(self.step[0]):
             return None
         epoch, step, loss = self.step
         total = f"/{self.epochs}" if self.epochs else ""
-        return f"epoch {epoch}{total}  step {step}  train.loss {loss:.4f}"
+        return f"epoch {epoch}{total}  step {step}  {self.step_metric} {loss:.4f}"
 
     def redraw(self) -> None:
         table, epochs = self.table, self.epochs
-        done = [e for e in sorted(table.rows) if table.is_complete(e)]
         where = ""
-        if done:
-            timing = timing_text(*table.timing(done[-1], epochs))
-            where = (
-                f"  epoch {done[-1]}" + (f"/{epochs}" if epochs else "") + (f"  {timing}" if timing else "")
-            )
+        if table.kind == "epoch":
+            done = [e for e in sorted(table.rows) if table.is_complete(e)]
+            if done:
+                timing = timing_text(*table.timing(done[-1], epochs))
+                where = (
+                    f"  epoch {done[-1]}"
+                    + (f"/{epochs}" if epochs else "")
+                    + (f"  {timing}" if timing else "")
+                )
+        elif table.rows:
+            where = f"  step {max(table.rows)}"
         sys.stdout.write("\x1b[H\x1b[2J")
         notes = "".join(f"{line}\n" for line in self.requeues[-3:])
         current = self.step_text()
         if current:
             notes += f"now: {current}\n"
-        sys.stdout.write(f"job {self.job_id}  status {self.status}{where}\n{notes}\n{table.render()}\n")
+        # The newest rows that fit the terminal's height below these lines.
+        size = shutil.get_terminal_size()
+        room = size.lines - 5 - notes.count("\n")
+        sys.stdout.write(
+            f"job {self.job_id}  status {self.status}{where}\n{notes}\n"
+            f"{table.render(size.columns, last=max(room, 1))}\n"
+        )
         sys.stdout.flush()
 
     def emit(self, event: Event) -> None:
@@ -342,14 +368,10 @@ class _MetricsView:
             print(requeue, flush=True)
         self._print_status(event, shown=requeue is not None)
         self._print_step()
-        for epoch in sorted(self.table.rows):
-            if epoch in self.printed or not (self.table.is_complete(epoch) or event.is_final):
-                continue
+        for key in self.table.ready(final=event.is_final):
             if self.lines is None:
                 self.lines = EpochLines(self.table, self.epochs)
-                print(self.lines.header())
-            print(self.lines.row(epoch), flush=True)
-            self.printed.add(epoch)
+            print("\n".join(self.lines.lines(key)), flush=True)
 
     def _print_status(self, event: Event, *, shown: bool) -> None:
         """A line for each status the job goes through before it ends (``-- job ID queued
@@ -389,11 +411,23 @@ def register(
     sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
 ) -> None:
     """``metrics`` and ``compare``."""
-    metrics = sub.add_parser("metrics", parents=[common], help="a job's metrics as a per-epoch table")
+    metrics = sub.add_parser(
+        "metrics",
+        parents=[common],
+        help="a job's metrics as a table: a row per epoch, or per step for a job without epochs",
+        description="A job's metrics as a table: a row per epoch where the job has epochs (the "
+        "trainer's jobs, or any job whose points span more than one epoch), else a row per step; "
+        "a column per metric, losses and accuracies first, as many as the terminal's width holds "
+        "(a note names the others: pick columns with --name).",
+    )
     metrics.add_argument("id", metavar="JOB", help=_JOB_HELP)
     metrics.add_argument("--watch", "-w", action="store_true", help="refresh live until the job ends")
-    metrics.add_argument("--name", action="append", help="only this metric (repeatable); lists the points")
-    metrics.add_argument("--raw", action="store_true", help="list every point instead of the epoch table")
+    metrics.add_argument(
+        "--name",
+        action="append",
+        help="only this metric (repeatable): the table's columns, or the points listed",
+    )
+    metrics.add_argument("--raw", action="store_true", help="list every point instead of the table")
     metrics.set_defaults(handler=_metrics)
 
     compare = sub.add_parser(

@@ -1,9 +1,11 @@
 // Several jobs side by side (#/compare?ids=a,b,c[&metrics=m1,m2][&x=epoch|step]), from GET
 // /v1/jobs/compare: one chart per metric with a line per job (named by the job; its
 // differing parameters on hovering its legend entry), on an epoch axis where the jobs have
-// epochs (jobs with other batch sizes line up) or a step axis; a sortable results table;
-// parallel coordinates of the differing parameters and each metric's best value; and the
-// parameters table with the differing rows first.
+// epochs (jobs with other batch sizes line up) or a step axis; a sortable results table
+// (each best value with its epoch, or its step for a job without epochs); parallel
+// coordinates of the differing parameters and each metric's best value; and the parameters
+// table with the differing rows first: the spec's, then what the jobs' MLflow runs logged
+// (rows "mlflow: lr", "mlflow tag: team"; "mlflow: <run>: lr" for a job of several runs).
 
 import { api } from "./api.js";
 import { h, fill, badge, duration, isFraction, percent, sig } from "./dom.js";
@@ -31,16 +33,39 @@ function shortNames(jobs) {
   return new Map(jobs.map((j) => [j.id, count.get(j.name) > 1 ? `${j.name} · ${j.id.slice(0, 6)}` : j.name]));
 }
 
+// The rows of the parameters table: the spec's keys, then the logged ones (an older
+// service sends none); a row's value for a job.
+function loggedKeys(comparison) {
+  return [...new Set(comparison.jobs.flatMap((j) => Object.keys(j.logged || {})))];
+}
+
+function valueOf(job, key) {
+  const logged = job.logged || {};
+  return Object.prototype.hasOwnProperty.call(logged, key) ? logged[key] : job.parameters[key];
+}
+
+// Every key that differs: the spec's, then the logged ones.
+function differingKeys(comparison) {
+  return [...comparison.differing, ...(comparison.logged_differing || [])];
+}
+
 // What tells a job apart, for a tooltip: its differing parameters, one a line.
 function paramsTitle(job, differing, name) {
-  const lines = differing.map((k) => `${shortKey(k)} = ${shown(job.parameters[k])}`);
+  const lines = differing.map((k) => `${shortKey(k)} = ${shown(valueOf(job, k))}`);
   return [`${name} (${job.type || "train"}, ${job.status})`, ...lines].join("\n");
+}
+
+// Where a job's best value was: its epoch, or its step for a job without epochs.
+function whereText(job, point) {
+  const axis = job.axis === "step" ? "step" : "epoch";
+  return `${axis} ${point[axis]}`;
 }
 
 // Steps per epoch of a job: from its progress (total steps / epochs), else from its points
 // (a validation metric is reported at an epoch's last step: the largest step / epoch).
 // Null for a job without epochs (a script that reports steps only).
 function stepsPerEpoch(job, detail) {
+  if (job.axis === "step") return null;
   const p = detail && detail.progress;
   if (p && p.total_steps > 0 && p.epochs > 0) return p.total_steps / p.epochs;
   let most = 0;
@@ -57,8 +82,12 @@ function swatch(color) {
 }
 
 function paramsTable(comparison, names, colors) {
-  const differing = new Set(comparison.differing);
-  const keys = [...new Set(comparison.jobs.flatMap((j) => Object.keys(j.parameters)))].sort();
+  const differing = new Set(differingKeys(comparison));
+  const logged = new Set(loggedKeys(comparison));
+  const spec = [...new Set(comparison.jobs.flatMap((j) => Object.keys(j.parameters)))].sort();
+  const tags = (k) => Number(k.startsWith("mlflow tag: "));
+  // The spec's keys, then the logged params and tags; the differing rows first.
+  const keys = [...spec, ...[...logged].sort().sort((a, b) => tags(a) - tags(b))];
   keys.sort((a, b) => Number(differing.has(b)) - Number(differing.has(a)));
   const cell = (value) => {
     const text = shown(value);
@@ -73,7 +102,12 @@ function paramsTable(comparison, names, colors) {
       "tbody",
       {},
       ...keys.map((key) =>
-        h("tr", { class: differing.has(key) ? "differs" : "same", dataset: { key } }, h("td", { class: "mono small" }, key), ...comparison.jobs.map((j) => cell(j.parameters[key]))),
+        h(
+          "tr",
+          { class: differing.has(key) ? "differs" : "same", dataset: logged.has(key) ? { key, logged: "true" } : { key } },
+          h("td", { class: "mono small" }, key),
+          ...comparison.jobs.map((j) => cell(valueOf(j, key))),
+        ),
       ),
     ),
   );
@@ -96,7 +130,7 @@ function resultsTable(comparison, names, colors) {
       title: `${name} best (${goal})`,
       metric: name,
       value: (j) => (best(j) ? best(j).value : null),
-      cell: (j) => (best(j) ? `${fmt(best(j).value)} (epoch ${best(j).epoch})` : "–"),
+      cell: (j) => (best(j) ? `${fmt(best(j).value)} (${whereText(j, best(j))})` : "–"),
     });
     columns.push({
       title: `${name} final`,
@@ -131,9 +165,11 @@ function resultsTable(comparison, names, colors) {
   return h("table", { class: "table", id: "compare-results" }, h("thead", {}, h("tr", {}, ...headers)), body);
 }
 
-// A value fit for an axis of parallel coordinates: a number, a boolean (as text) or a short text.
+// A value fit for an axis of parallel coordinates: a number (an MLflow param is text: "0.1"
+// is a number), a boolean (as text) or a short text.
 function axisValue(v) {
   if (typeof v === "number" && Number.isFinite(v)) return v;
+  if (typeof v === "string" && /^\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*$/.test(v)) return Number(v);
   if (typeof v === "boolean") return String(v);
   if (typeof v === "string" && v.length <= 24) return v;
   return null;
@@ -143,8 +179,8 @@ function axisValue(v) {
 function parallelBlock(comparison, names, colors) {
   const jobs = comparison.jobs;
   const axes = [];
-  for (const key of comparison.differing) {
-    const raw = jobs.map((j) => j.parameters[key]);
+  for (const key of differingKeys(comparison)) {
+    const raw = jobs.map((j) => valueOf(j, key));
     const values = raw.map(axisValue);
     // Worth an axis: two values at least (a key only some jobs have, the same in all of
     // them, says nothing a line could show).
@@ -165,7 +201,7 @@ function parallelBlock(comparison, names, colors) {
   }
   const all = [...params, ...metrics];
   if (jobs.length < 2 || all.length < 2) return null;
-  const lines = jobs.map((j) => ({ label: names.get(j.id), title: paramsTitle(j, comparison.differing, names.get(j.id)), color: colors.get(j.id) }));
+  const lines = jobs.map((j) => ({ label: names.get(j.id), title: paramsTitle(j, differingKeys(comparison), names.get(j.id)), color: colors.get(j.id) }));
   return h(
     "section",
     { class: "card", id: "compare-parallel" },
@@ -217,8 +253,8 @@ export async function renderCompare(ctx) {
     h("div", { class: "table-scroll" }, resultsTable(comparison, names, colors)),
     parallel,
     h("h2", {}, "Parameters"),
-    comparison.differing.length
-      ? h("p", { class: "hint" }, `${comparison.differing.length} parameter(s) differ; they come first.`)
+    differingKeys(comparison).length
+      ? h("p", { class: "hint" }, `${differingKeys(comparison).length} parameter(s) differ; they come first.`)
       : h("p", { class: "hint" }, "No parameter differs."),
     h("div", { class: "table-scroll" }, paramsTable(comparison, names, colors)),
   );
@@ -243,7 +279,7 @@ export async function renderCompare(ctx) {
         log: /loss$/.test(name),
         xLabel: axis,
         integerX: axis === "step",
-        series: shownJobs.map((j) => ({ name: j.id, label: names.get(j.id), title: paramsTitle(j, comparison.differing, names.get(j.id)), color: colors.get(j.id) })),
+        series: shownJobs.map((j) => ({ name: j.id, label: names.get(j.id), title: paramsTitle(j, differingKeys(comparison), names.get(j.id)), color: colors.get(j.id) })),
       });
       for (const job of shownJobs) {
         const s = job.metrics[name] && job.metrics[name].series;

@@ -2,7 +2,8 @@
 // live charts (history from /metrics/series, then points from /events), per-rank logs that
 // follow, the owner's tags and note, and the cancel / download / register / clone / delete
 // buttons. Each job type shows what it has: a training job the trainer's four charts and its
-// effective learning rate, a script job a chart per metric it reported, an evaluation its
+// effective learning rate, a script job a chart per metric it reported and its MLflow runs'
+// params and tags, an evaluation its
 // results (top-1, top-5 and loss, a per-class precision/recall/F1 table and the confusion
 // matrix as a heat map).
 
@@ -156,6 +157,46 @@ function specBlock(job) {
   }
   for (const [k, v] of Object.entries(spec)) if (v === undefined || v === null) delete spec[k];
   return h("details", { id: "spec", class: "card" }, h("summary", {}, "Spec"), h("pre", {}, JSON.stringify(spec, null, 2)));
+}
+
+// A script's MLflow runs (job.tracking.runs): each run's name, status, rank, experiment
+// (and attempt, once there are several) and a table of its params and tags, params first,
+// each by key. MLflow's own mlflow.* tags are left out (GET /v1/jobs/{id} has them).
+function trackingBlock(job) {
+  const runs = ((job.tracking || {}).runs || []).filter((r) => r && typeof r === "object");
+  if (!runs.length) return null;
+  const attempts = new Set(runs.map((r) => r.attempt));
+  const byKey = (a, b) => (a[0] < b[0] ? -1 : a[0] > b[0] ? 1 : 0);
+  const runBlock = (run) => {
+    const params = Object.entries(run.params || {}).sort(byKey);
+    const tags = Object.entries(run.tags || {}).filter(([k]) => !k.startsWith("mlflow.")).sort(byKey);
+    const about = [`rank ${run.rank ?? 0}`, run.experiment ? `experiment ${run.experiment}` : null, attempts.size > 1 ? `attempt ${run.attempt}` : null];
+    const row = (kind, key, value) => h("tr", { class: "tracking-row", dataset: { kind, key } }, h("td", { class: "hint" }, kind), h("td", { class: "mono" }, key), h("td", { class: "mono" }, String(value)));
+    return h(
+      "div",
+      { class: "mlflow-run", dataset: { runId: run.id || "", runName: run.name || "" } },
+      h("h3", {}, run.name || run.id || "run", " ", run.status ? badge(String(run.status).toLowerCase()) : null, " ", h("span", { class: "hint" }, about.filter(Boolean).join(", "))),
+      params.length || tags.length
+        ? h(
+            "div",
+            { class: "table-scroll" },
+            h(
+              "table",
+              { class: "table tracking-table" },
+              h("thead", {}, h("tr", {}, h("th", {}, "Kind"), h("th", {}, "Key"), h("th", {}, "Value"))),
+              h("tbody", {}, ...params.map(([k, v]) => row("param", k, v)), ...tags.map(([k, v]) => row("tag", k, v))),
+            ),
+          )
+        : h("p", { class: "hint" }, "No params or tags logged."),
+    );
+  };
+  return h(
+    "section",
+    { id: "tracking", class: "card" },
+    h("h2", {}, runs.length > 1 ? `MLflow runs (${runs.length})` : "MLflow run"),
+    h("p", { class: "hint" }, "What the script logged with log_param(s) and set_tag; compare jobs to see them side by side."),
+    ...runs.map(runBlock),
+  );
 }
 
 const TYPE_NAMES = { train: "training (built-in trainer)", script: "script", evaluate: "evaluation" };
@@ -666,7 +707,7 @@ export async function renderJob(ctx, jobId) {
     logs.setAttempts(job);
     head.replaceChildren(h("h1", { id: "job-name" }, job.name), badge(job.status), h("span", { class: "spacer" }), ...actions(ctx, job, refresh, onRegistered));
     if (!status.contains(document.getElementById("labels-form"))) labels = labelsBlock(job, refresh);
-    fill(status, summaryBlock(job, extra), progressBlock(job, pace), failureBlock(job), labels, attemptsBlock(job), specBlock(job));
+    fill(status, summaryBlock(job, extra), progressBlock(job, pace), failureBlock(job), labels, trackingBlock(job), attemptsBlock(job), specBlock(job));
     if (type === "evaluate") results.replaceChildren(evaluationBlock(job));
   };
   draw();
