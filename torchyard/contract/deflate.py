@@ -21,6 +21,7 @@ The output is deterministic: the same files give the same bytes.
 
 from __future__ import annotations
 
+import os
 import struct
 import zlib
 from pathlib import Path
@@ -61,12 +62,16 @@ class LevelChooser:
 
     def for_file(self, path: Path, size: int) -> int:
         """The level for the file at ``path`` (of ``size`` bytes)."""
-        if size < MIN_SAMPLE_BYTES:
-            return self.for_head(path.name, b"", size)
         with open(path, "rb") as fh:
-            fh.seek(max(0, size // 2 - SAMPLE_BYTES // 2))
-            sample = fh.read(SAMPLE_BYTES)
-        return self.for_head(path.name, sample, size)
+            return self.for_open_file(path.name, fh, size)
+
+    def for_open_file(self, name: str, fh: IO[bytes], size: int) -> int:
+        """The level for the open file ``fh`` named ``name`` (of ``size`` bytes); its
+        position is left where it was."""
+        if size < MIN_SAMPLE_BYTES:
+            return self.for_head(name, b"", size)
+        sample = os.pread(fh.fileno(), SAMPLE_BYTES, max(0, size // 2 - SAMPLE_BYTES // 2))
+        return self.for_head(name, sample, size)
 
 
 class GzipWriter:

@@ -944,7 +944,7 @@ def pack_outputs(
             with fh:
                 info = tarfile.TarInfo(name)
                 info.size = os.fstat(fh.fileno()).st_size
-                gz.set_level(levels.for_file(Path(relative), info.size))
+                gz.set_level(levels.for_open_file(Path(relative).name, fh, info.size))
                 info.mode = 0o644
                 info.mtime = 0
                 tf.addfile(info, fh)

@@ -329,6 +329,15 @@ def test_the_outputs_archive_keeps_within_what_the_api_accepts(tmp_path: Path) -
     for i in range(5):
         (outputs / f"f{i}.bin").write_bytes(b"x" * 100)
     (logs / "run.log").write_text("log")
+    # A file large enough to be sampled for its deflate level, read from the open descriptor
+    # (whatever the current folder).
+    (outputs / "sub").mkdir()
+    (outputs / "sub" / "weights.pt").write_bytes(bytes(range(256)) * 64)
+    script_run.pack_outputs(outputs, tmp_path / "whole.tar.gz", logs)
+    with tarfile.open(tmp_path / "whole.tar.gz") as tf:
+        assert tf.extractfile("sub/weights.pt").read() == bytes(range(256)) * 64  # type: ignore[union-attr]
+    (outputs / "sub" / "weights.pt").unlink()
+    (outputs / "sub").rmdir()
     notes: list[str] = []
     _sha, _size, count = script_run.pack_outputs(
         outputs, tmp_path / "o.tar.gz", logs, notes.append, max_files=3, max_bytes=10_000
