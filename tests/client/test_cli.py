@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,15 +92,6 @@ def env(live_server: LiveServer) -> dict[str, str]:
 @pytest.fixture
 def digits(tmp_path: Path) -> tuple[Path, Path]:
     return write_digits(tmp_path / "digits", per_class=5, size=16)
-
-
-@pytest.fixture
-def agent(live_server: LiveServer) -> Iterator[FakeAgent]:
-    with httpx.Client(base_url=live_server.url, headers=auth(live_server.admin_token)) as admin:
-        worker = create_token(admin, "worker")
-    a = FakeAgent(live_server.url, worker)
-    yield a
-    a.close()
 
 
 def upload_both(env: dict[str, str], digits: tuple[Path, Path]) -> tuple[str, str]:

@@ -9,17 +9,14 @@ import argparse
 import io
 import json
 import re
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.client.test_cli import cli, cli_env, fails, ok
 from tests.conftest import LiveServer, free_port
 from tests.service.test_streams import run_job as scripted_run
-from tests.support.factories import auth, create_token
 from tests.support.fake_agent import FakeAgent
 from torchyard.client import Client
 from torchyard.commands import parse_since
@@ -31,15 +28,6 @@ from torchyard.terminal import LiveProgress
 @pytest.fixture
 def env(live_server: LiveServer) -> dict[str, str]:
     return cli_env(live_server)
-
-
-@pytest.fixture
-def agent(live_server: LiveServer) -> Iterator[FakeAgent]:
-    with httpx.Client(base_url=live_server.url, headers=auth(live_server.admin_token)) as admin:
-        worker = create_token(admin, "worker")
-    a = FakeAgent(live_server.url, worker)
-    yield a
-    a.close()
 
 
 class _Setup:  # what the scripted job runner needs

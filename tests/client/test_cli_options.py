@@ -10,31 +10,19 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.client.test_cli import cli_env
 from tests.conftest import LiveServer
-from tests.support.factories import auth, create_token
 from tests.support.fake_agent import FakeAgent
 from torchyard.apiclient.registry import ModelVersion, RegisteredModel
 from torchyard.apiclient.sweeps import Sweep
 from torchyard.cli import build_parser, main
 from torchyard.client import Client, Job
 from torchyard.sample_data import write_digits
-
-
-@pytest.fixture
-def agent(live_server: LiveServer) -> Iterator[FakeAgent]:
-    with httpx.Client(base_url=live_server.url, headers=auth(live_server.admin_token)) as admin:
-        worker = create_token(admin, "worker")
-    a = FakeAgent(live_server.url, worker)
-    yield a
-    a.close()
 
 
 @pytest.fixture

@@ -148,6 +148,13 @@ MAX_TRACKING_VALUE = 8000
 MAX_TRACKING_KEY = 250
 
 
+# MLflow params or tags: key → value, each within MLflow's own limits.
+TrackingPairs = dict[
+    Annotated[str, Field(max_length=MAX_TRACKING_KEY)],
+    Annotated[str, Field(max_length=MAX_TRACKING_VALUE)],
+]
+
+
 class TrackingRunIn(StrictModel):
     """One MLflow run of a script job as its node's endpoint knows it."""
 
@@ -156,14 +163,8 @@ class TrackingRunIn(StrictModel):
     experiment: str = Field(max_length=500)
     status: str = Field(pattern=r"^(RUNNING|SCHEDULED|FINISHED|FAILED|KILLED)$")
     rank: int = Field(ge=0, le=MAX_RANK)
-    params: dict[
-        Annotated[str, Field(max_length=MAX_TRACKING_KEY)],
-        Annotated[str, Field(max_length=MAX_TRACKING_VALUE)],
-    ]
-    tags: dict[
-        Annotated[str, Field(max_length=MAX_TRACKING_KEY)],
-        Annotated[str, Field(max_length=MAX_TRACKING_VALUE)],
-    ]
+    params: TrackingPairs
+    tags: TrackingPairs
 
 
 class TrackingModelIn(StrictModel):
@@ -180,14 +181,8 @@ class TrackingModelIn(StrictModel):
     artifacts: str = Field(
         pattern=r"^mlflow/models/m-[0-9a-f]{32}/artifacts$", description="Its folder in the node's outputs."
     )
-    params: dict[
-        Annotated[str, Field(max_length=MAX_TRACKING_KEY)],
-        Annotated[str, Field(max_length=MAX_TRACKING_VALUE)],
-    ]
-    tags: dict[
-        Annotated[str, Field(max_length=MAX_TRACKING_KEY)],
-        Annotated[str, Field(max_length=MAX_TRACKING_VALUE)],
-    ]
+    params: TrackingPairs
+    tags: TrackingPairs
 
 
 class TrackingIn(StrictModel):
