@@ -450,9 +450,14 @@ class LiveProgress:
                 tail.append(f"elapsed {format_duration(elapsed)}")
             if left is not None:
                 tail.append(f"left {format_duration(left)}")
-        parts = [f"{header} {fmt.format(values[name])}" for name, header, fmt in self.table.columns(values)]
-        if self.width is None:
-            return "  ".join([head, *parts, *tail])
+        columns = self.table.columns(values)
+        parts = [f"{header} {fmt.format(values[name])}" for name, header, fmt in columns]
+        whole = "  ".join([head, *parts, *tail])
+        if self.width is None or len(whole) <= self.width:
+            return whole
+        # A line narrower than its metrics keeps the accuracies first: what a run is for.
+        ranked = sorted(zip(columns, parts, strict=True), key=lambda cp: quality_goal(cp[0][0]) != "max")
+        parts = [part for _, part in ranked]
         room = self.width - len("  ".join([head, *tail])) - 2
         shown: list[str] = []
         for i, part in enumerate(parts):

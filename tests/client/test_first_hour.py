@@ -439,7 +439,8 @@ def test_epoch_lines_are_fixed_width() -> None:
     assert text[3].split()[-2:] == ["1h27m", "47h01m"]  # 5236 s for 3 of 100 epochs
 
 
-def test_live_progress_epoch_lines_carry_the_timing() -> None:
+def test_live_progress_epoch_lines_carry_the_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)  # no terminal width to fit (xdist sets one)
     out = io.StringIO()
     progress = LiveProgress(out, epochs=3)
     for name, value in (("train.loss", 0.5), ("val.loss", 0.4), ("epoch.seconds", 20.0)):
@@ -570,3 +571,19 @@ def test_command_hint_when_the_command_is_on_path(tmp_path: Path, monkeypatch: p
     (python.parent / "torchyard").unlink()
     where, setup = command_hint(python, str(tmp_path / "empty"))
     assert setup is None and f"{python} -m torchyard.cli" in where
+
+
+def test_a_live_line_narrower_than_its_metrics_keeps_the_accuracy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    out = io.StringIO()
+    progress = LiveProgress(out, epochs=2)
+    metrics = (
+        ("train.loss", 0.5), ("train.lr", 0.02), ("train.images_per_sec", 150.0), ("val.loss", 0.4),
+        ("val.top1", 0.9889), ("val.top5", 1.0), ("epoch.seconds", 20.0),
+    )  # fmt: skip
+    for name, value in metrics:
+        progress.handle("metric", {"name": name, "value": value, "epoch": 1, "step": 5, "rank": 0})
+    progress.handle("metric", {"name": "train.loss", "value": 0.3, "epoch": 2, "step": 10, "rank": 0})
+    line = out.getvalue().splitlines()[0]
+    assert line.startswith("epoch 1/2  val.top1 98.89%") and len(line) <= 80, line
+    assert "more" in line

@@ -32,7 +32,8 @@ def _ctrl_c_reaches_it() -> None:
 def test_demo_trains_downloads_and_explains_how_to_go_on(tmp_path: Path) -> None:
     """Run with --keep-running: the web UI answers at the URL the demo prints once it is
     done, and Ctrl-C then stops the service."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
+    # Its output goes to a pipe: no terminal width to fit (COLUMNS, which xdist sets, would give one).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_") and k != "COLUMNS"}
     errors = (tmp_path / "stderr.txt").open("w")
     process = subprocess.Popen(
         [
