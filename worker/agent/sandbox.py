@@ -58,6 +58,7 @@ SANDBOX_VAR = "TORCHYARD_SANDBOX"
 # The user the runs' processes become when the agent is root (a name, a uid or uid:gid).
 USER_VAR = "TORCHYARD_SANDBOX_USER"
 DEFAULT_USER = "nobody"
+DEFAULT_IDS = (65534, 65534)  # nobody's uid and gid where the name is not known
 # More folders never shown to a run (os.pathsep-separated): a data directory beside the agent.
 HIDE_VAR = SANDBOX_HIDE_VARIABLE
 # What a node reports (node info "sandbox" and GET /v1/cluster).
@@ -137,8 +138,14 @@ def run_user(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None
     everything of the agent's)."""
     if os.geteuid() != 0:
         return None
-    value = (os.environ if environ is None else environ).get(USER_VAR, "").strip() or DEFAULT_USER
-    uid, gid = _user_from(value)
+    value = (os.environ if environ is None else environ).get(USER_VAR, "").strip()
+    if not value:
+        try:
+            uid, gid = _user_from(DEFAULT_USER)
+        except ValueError:  # a minimal image without a nobody entry: its usual ids
+            uid, gid = DEFAULT_IDS
+    else:
+        uid, gid = _user_from(value)
     return None if uid == 0 else (uid, gid)
 
 

@@ -132,3 +132,14 @@ def test_a_root_agents_run_is_the_sandbox_user_and_reads_no_root_file(tmp_path: 
     assert (uid, gid) == ("65534", "65534")
     assert groups == "[]" and shadow == "PermissionError" and int(bounding, 16) == 0, done.stdout
     assert (run / "mine.txt").stat().st_uid == 65534
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root agent changes the run's user")
+def test_the_run_user_is_named_by_the_setting_and_root_only_on_request() -> None:
+    from worker.agent.sandbox import run_user
+
+    assert run_user({}) == (65534, 65534)
+    assert run_user({"TORCHYARD_SANDBOX_USER": "root"}) is None
+    assert run_user({"TORCHYARD_SANDBOX_USER": "1234:5678"}) == (1234, 5678)
+    with pytest.raises(ValueError, match="no such user"):
+        run_user({"TORCHYARD_SANDBOX_USER": "no-such-user-here"})
