@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchyard.contract.jobspec import SANDBOX_HIDE_VARIABLE
+from worker.agent.job_tree import give_to
 
 SANDBOX_VAR = "TORCHYARD_SANDBOX"
 # The user the runs' processes become when the agent is root (a name, a uid or uid:gid).
@@ -240,8 +241,6 @@ class Sandbox:
         """Hand the run's directory (and ``shared_shm``) to the run's user before it starts."""
         if self.user is None:
             return
-        from worker.agent.job_tree import give_to
-
         give_to(self.writable, *self.user, keep=[*self.not_given, *self.read_only])
         if self.shared_shm is not None:
             os.chown(self.shared_shm, *self.user, follow_symlinks=False)

@@ -344,25 +344,31 @@ class ScriptGroup:
                 if not (proc.cwd / link).exists():
                     (proc.cwd / link).symlink_to(target, target_is_directory=True)
 
-    def _sandboxed(self, proc: ScriptProcess) -> list[str]:
+    def _run_box(self) -> sandbox.Sandbox | None:
+        """The sandbox every process of this placement on the node runs in (None: unconfined)."""
         box = self.launch.box
         if box is None:
-            return proc.argv
+            return None
         shm = None
         if len(self.processes) > 1:
             # Processes of one run on one node share memory (torch's and NCCL's /dev/shm).
             shm = self.shared_shm
             shm.mkdir(mode=0o700, exist_ok=True)
         run_box = dataclasses.replace(box, gpus=bool(self.launch.gpu_ids), shared_shm=shm)
-        argv = proc.argv
         if self.launch.network == "none":
             run_box = dataclasses.replace(run_box, network=False)
-            if self.bridge is not None and self.tracking is not None:
+            if self.bridge is not None:
                 # The endpoint's port on the run's own loopback, relayed to the bridge.
                 run_box = dataclasses.replace(run_box, binds=[(self.bridge.path, SOCKET_IN_SANDBOX)])
-                relay = [sys.executable, "-I", net_relay.__file__, SOCKET_IN_SANDBOX]
-                argv = [*relay, str(self.tracking.address[1]), "--", *argv]
-        run_box.give_writable()
+        return run_box
+
+    def _sandboxed(self, proc: ScriptProcess, run_box: sandbox.Sandbox | None) -> list[str]:
+        if run_box is None:
+            return proc.argv
+        argv = proc.argv
+        if run_box.binds and self.tracking is not None:
+            relay = [sys.executable, "-I", net_relay.__file__, SOCKET_IN_SANDBOX]
+            argv = [*relay, str(self.tracking.address[1]), "--", *argv]
         return run_box.command(argv, proc.cwd)
 
     @property
@@ -373,11 +379,14 @@ class ScriptGroup:
     def start(self, output: TextIO) -> int:
         """Copy the code, start every process; the first one's pid."""
         self._prepare()
+        run_box = self._run_box()
+        if run_box is not None:
+            run_box.give_writable()  # once: the run's folder is every process's
         for proc in self.processes:
             print(f"rank {proc.rank}: {shlex.join(proc.argv)} (in {proc.cwd})", file=output, flush=True)
             with open(proc.log_path, "ab") as out:
                 proc.process = subprocess.Popen(
-                    [sys.executable, "-I", guard.__file__, str(os.getpid()), *self._sandboxed(proc)],
+                    [sys.executable, "-I", guard.__file__, str(os.getpid()), *self._sandboxed(proc, run_box)],
                     cwd=proc.cwd,
                     env=proc.env,
                     stdin=subprocess.DEVNULL,

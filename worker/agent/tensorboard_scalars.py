@@ -401,11 +401,7 @@ class ScalarTailer:
                 )
             return
         try:
-            # Looked at before the open too: a device is not even opened (the open's own
-            # check, on the descriptor, is what holds if the name changes in between).
-            if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
-                raise NotRegularFileError(name)
-            fh = open_at(dir_fd, name)
+            fh = open_at(dir_fd, name)  # a device is not even opened: open_at looks first
         except FileNotFoundError:
             return
         except NotRegularFileError:
