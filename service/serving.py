@@ -185,7 +185,7 @@ class LocalWorker:
         log_path: Path,
         data_dir: Path | None = None,
     ) -> None:
-        self.data_dir = data_dir if data_dir is not None else log_path.parent.parent
+        self.data_dir = data_dir  # the service's, hidden from every run (None: none to hide)
         self.api_url = api_url
         self.token = token
         self.name = name
@@ -214,8 +214,9 @@ class LocalWorker:
         env = {**(os.environ if base is None else base), "TORCHYARD_TOKEN": self.token}
         # The service's data directory (tokens, database, artifacts) is never shown to a run,
         # wherever it lies (worker.agent.sandbox).
-        hidden = [p for p in env.get(SANDBOX_HIDE_VARIABLE, "").split(os.pathsep) if p]
-        env[SANDBOX_HIDE_VARIABLE] = os.pathsep.join([*hidden, str(self.data_dir.absolute())])
+        if self.data_dir is not None:
+            hidden = [p for p in env.get(SANDBOX_HIDE_VARIABLE, "").split(os.pathsep) if p]
+            env[SANDBOX_HIDE_VARIABLE] = os.pathsep.join([*hidden, str(self.data_dir.absolute())])
         return env
 
     def start(self) -> None:
