@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 from torchyard.contract.jobfile import EVENTS_FILE
 from torchyard.contract.metrics import METRIC_NAMES, is_metric_name
 from torchyard.contract.reports import FILE_STREAM_PREFIX
-from worker.agent.job_tree import NotRegularFileError, open_in
+from worker.agent.job_tree import open_in
 
 log = logging.getLogger("worker.agent.reporting")
 
@@ -81,7 +81,7 @@ class _Tailed:
                 self.fh = open_in(self.path, root)
             except FileNotFoundError:
                 return None
-            except (NotRegularFileError, OSError) as exc:
+            except OSError as exc:  # not a regular file (NotRegularFileError), or unreadable
                 self.refused = True
                 log.warning("not reading %s: %s", self.path.name, exc)
                 return None
@@ -241,11 +241,6 @@ def _script_metric(record: dict[str, Any], auto_steps: dict[tuple[str, int], int
     return point
 
 
-@dataclass
-class _MetricsFile(_Tailed):
-    pass
-
-
 class RunFileReader:
     """Tails ``events.jsonl``, a script's metrics files and the log files of one placement
     into batches."""
@@ -268,7 +263,7 @@ class RunFileReader:
         self.max_log_backlog = max_log_backlog
         self.dropped_log_bytes = 0
         self.metric_sources = metric_sources
-        self.metric_files: dict[Path, _MetricsFile] = {}
+        self.metric_files: dict[Path, _Tailed] = {}
         self._auto_steps: dict[tuple[str, int], int] = {}
         self.root = Path(run_dir)
         self.events_path = self.root / EVENTS_FILE
@@ -279,7 +274,6 @@ class RunFileReader:
         self.files: dict[Path, LogFile] = {}
         self._stream_offsets: dict[str, int] = {}
         self._rotation = 0
-        self._events_position = 0
         self._skipping_long_line = False
 
     def collect(self, final: bool) -> Batch:
@@ -325,7 +319,7 @@ class RunFileReader:
             tailed.close()
 
     def _read_events(self, batch: Batch) -> None:
-        data = self._events.read_from(self.root, self._events_position, EVENTS_READ_BYTES)
+        data = self._events.read_from(self.root, self._events.position, EVENTS_READ_BYTES)
         if data is None:
             return
         consumed = 0
@@ -347,13 +341,13 @@ class RunFileReader:
                     break
                 self._take_event(batch, line)
             consumed = end + 1
-        self._events_position += consumed
+        self._events.position += consumed
 
     def _read_script_metrics(self, batch: Batch) -> None:
         if self.metric_sources is None:
             return
         for path in self.metric_sources():
-            self.metric_files.setdefault(Path(path), _MetricsFile(Path(path)))
+            self.metric_files.setdefault(Path(path), _Tailed(Path(path)))
         for source in self.metric_files.values():
             if batch.full:
                 return
