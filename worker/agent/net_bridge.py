@@ -13,7 +13,6 @@ closed after ``idle_s`` without a byte either way.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import socket
 import threading
@@ -21,8 +20,6 @@ from pathlib import Path
 
 from worker.agent.mlflow_endpoint import CONNECTION_TIMEOUT_S, MAX_CONNECTIONS, TrackingEndpoint
 from worker.agent.net_relay import pump
-
-log = logging.getLogger(__name__)
 
 # Where the socket is shown inside the sandbox (its private /tmp).
 SOCKET_IN_SANDBOX = "/tmp/.torchyard-mlflow.sock"
