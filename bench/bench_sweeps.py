@@ -4,7 +4,7 @@ overhead per trial.
 Two measurements:
 
 * ``search``: the same space (learning rate × batch size) searched twice through
-  torchyard's sweep decisions (``service.services.sweeps.drive`` on a real database):
+  torchyard's sweep decisions (``service.services.sweep_rounds.drive`` on a real database):
   a grid run to completion, and TPE with ASHA early stopping. The trials' training is
   done by this process, one epoch per round for every live trial, and reported into the
   database as a worker's reports would (status, attempt, one ``val.top1`` point per epoch):
@@ -48,7 +48,7 @@ from service.db.engine import Database
 from service.db.migrate import upgrade
 from service.db.models import Attempt, Dataset, Job, Metric, Node, Sweep, SweepTrial, utcnow
 from service.schemas.sweeps import SweepCreate
-from service.services import sweeps
+from service.services import sweep_rounds, sweeps
 from service.services.tokens import Principal, create_token
 from service.states import Role
 
@@ -174,7 +174,7 @@ def _run_sweep(db: Database, settings: Settings, principal: Principal, body: Swe
             )
             for job in live:
                 _advance(session, job, trainers, done_epochs, epochs)
-        sweeps.drive(db, settings)
+        sweep_rounds.drive(db, settings)
         with db.read_session() as session:
             sweep = session.get(Sweep, sweep_id)
             assert sweep is not None
@@ -325,7 +325,7 @@ def overhead(url: str, label: str, trials: int, algorithm: str) -> None:
                     "0" * 64,
                 )
             started = time.perf_counter()
-            result = sweeps.drive(db, settings)  # records the ended trial, asks and queues the next
+            result = sweep_rounds.drive(db, settings)  # records the ended trial, asks and queues the next
             times.append(time.perf_counter() - started)
             assert len(result.created) == 1, result
         times.sort()

@@ -12,7 +12,7 @@ Run by every API replica, every ``reaper_interval_s``:
 4. a running job past its ``resources.max_runtime_s`` fails with ``TimeoutError``;
    its nodes stop their ranks at their next heartbeat;
 5. every running sweep takes its decisions (prunes trials, queues the next ones,
-   ends when its last trial does; see :mod:`service.services.sweeps`);
+   ends when its last trial does; see :mod:`service.services.sweep_rounds`);
 6. a scheduling pass runs when jobs are queued (asked of the replica's scheduling loop,
    :mod:`service.services.scheduler_loop`, when the reaper runs inside the API).
 
@@ -51,7 +51,7 @@ from starlette.concurrency import run_in_threadpool
 from service.config import Settings
 from service.db.engine import Database, is_unavailable
 from service.db.models import Job, Node, Placement, utcnow
-from service.services import checkpoints, job_delete, sweeps
+from service.services import checkpoints, job_delete, sweep_rounds
 from service.services.attempts import finish_cancellation, lose_placements, overrun_limit_s, time_out
 from service.services.node_timing import NodeTiming
 from service.services.replicas import ClusterHearing, ReplicaRow
@@ -214,7 +214,7 @@ def sweep(
     _time_out_overruns(db, now, result)
     checkpoints.remove_ended_jobs_files(db, checkpoints.CheckpointStore(settings.data_dir))
     job_delete.apply_retention(db, settings)
-    decided = sweeps.drive(db, settings)
+    decided = sweep_rounds.drive(db, settings)
     result.trials_queued = decided.created
     result.trials_pruned = decided.pruned
     if schedule and has_queued_jobs(db):

@@ -1,6 +1,6 @@
 """How much each search-space key of a sweep mattered to its objective: Optuna's parameter
 importances over the sweep's completed trials, on its study rebuilt from the tables as for
-a decision (:mod:`service.services.sweeps`).
+a decision (:mod:`service.services.sweep_search`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from service.db.models import SweepTrial
 from service.schemas.sweeps import SweepImportance
 from service.services.metric_series import LruCache
-from service.services.sweeps import _study, get_sweep
+from service.services.sweeps import get_sweep
 from service.services.tokens import Principal
 from service.states import TrialState
 
@@ -40,10 +40,9 @@ def importance(session: Session, principal: Principal, ref: str) -> SweepImporta
     found = _found.get(key)
     if found is None:
         # Optuna (and what its importances import) is loaded only when first asked.
-        from service.services.sweep_search import importances
+        from service.services.sweep_search import importances, rebuild
 
-        study, _ = _study(sweep, trials, len(trials))
-        found = importances(study)
+        found = importances(rebuild(sweep, trials, len(trials)).study)
         _found.put(key, found)
     answer.importances, answer.message = found
     return answer

@@ -18,7 +18,7 @@ from sqlalchemy import select, update
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Attempt, Job, Metric, Node, Sweep, SweepTrial, utcnow
-from service.services import sweeps as sweeps_service
+from service.services import sweep_rounds
 from tests.support.factories import auth, create_token, insert_dataset, register_node, token_id
 
 
@@ -259,11 +259,11 @@ def test_random_sweep_runs_its_trials_as_jobs_and_names_the_best(
     assert "2 completed trials are needed" in early["message"]
     values = {0: [0.3, 0.6, 0.5], 1: [0.2, 0.4, 0.45], 2: [0.5, 0.7, 0.8], 3: [0.1, 0.2, 0.3]}
     for number in range(4):
-        sweeps_service.drive(db, settings)
+        sweep_rounds.drive(db, settings)
         job = next(j for j in _trial_jobs(db, sweep["id"]) if j.trial_number == number)
         _report(db, job.id, values[number], end="succeeded")
     for _ in range(3):
-        sweeps_service.drive(db, settings)
+        sweep_rounds.drive(db, settings)
     done = _get(client, token, sweep["id"])
     assert done["status"] == "succeeded"
     assert len(done["trials"]) == 4 and {t["state"] for t in done["trials"]} == {"completed"}
@@ -308,9 +308,9 @@ def test_asha_prunes_a_trial_below_the_rung_and_cancels_its_job(
     sweep = client.post("/v1/sweeps", json=body, headers=auth(token)).json()
     good, bad = _trial_jobs(db, sweep["id"])
     _report(db, good.id, [0.9])
-    sweeps_service.drive(db, settings)
+    sweep_rounds.drive(db, settings)
     _report(db, bad.id, [0.1])
-    result = sweeps_service.drive(db, settings)
+    result = sweep_rounds.drive(db, settings)
     assert result.pruned == [bad.id]
     shown = _get(client, token, sweep["id"])
     trial = shown["trials"][1]
@@ -332,9 +332,9 @@ def test_median_rule_prunes_with_the_median_in_its_reason(
     sweep = client.post("/v1/sweeps", json=body, headers=auth(token)).json()
     first, second = _trial_jobs(db, sweep["id"])
     _report(db, first.id, [0.5, 0.6, 0.7], end="succeeded")
-    sweeps_service.drive(db, settings)
+    sweep_rounds.drive(db, settings)
     _report(db, second.id, [0.2])
-    sweeps_service.drive(db, settings)
+    sweep_rounds.drive(db, settings)
     trial = _get(client, token, sweep["id"])["trials"][1]
     assert trial["state"] == "pruned"
     assert trial["reason"] == (
@@ -361,7 +361,7 @@ def test_grid_sweep_visits_each_point_once_and_ends(
         for job in _trial_jobs(db, sweep["id"]):
             if job.status == "queued":
                 _report(db, job.id, [0.5], end="succeeded")
-        sweeps_service.drive(db, settings)
+        sweep_rounds.drive(db, settings)
     done = _get(client, token, sweep["id"])
     assert done["status"] == "succeeded"
     points = sorted(
@@ -433,7 +433,7 @@ def test_trials_reaching_a_rung_in_one_round_are_judged_best_first(
     jobs = _trial_jobs(db, sweep["id"])
     for job, value in zip(jobs, [0.2, 0.3, 0.9, 0.1], strict=True):
         _report(db, job.id, [value])
-    result = sweeps_service.drive(db, settings)
+    result = sweep_rounds.drive(db, settings)
     assert sorted(result.pruned) == sorted([jobs[0].id, jobs[1].id, jobs[3].id])
     states = [t["state"] for t in _get(client, token, sweep["id"])["trials"]]
     assert states == ["pruned", "pruned", "running", "pruned"]
@@ -461,7 +461,7 @@ def test_no_two_trials_get_the_same_parameters_while_new_ones_are_left(
         for job in _trial_jobs(db, sweep["id"]):
             if job.status == "queued":
                 _report(db, job.id, [values[job.spec["parameters"]["learning_rate"]]], end="succeeded")
-        sweeps_service.drive(db, settings)
+        sweep_rounds.drive(db, settings)
     done = _get(client, token, sweep["id"])
     assert done["status"] == "succeeded" and len(done["trials"]) == 6
     rates = [t["params"]["parameters.learning_rate"] for t in done["trials"]]
@@ -484,7 +484,7 @@ def test_cancel_stops_every_trial_and_asks_for_no_more(
     assert jobs[queued.id].status == "cancelled"
     assert jobs[running.id].status in ("cancelling", "cancelled")
     assert jobs[running.id].cancel_reason == "sweep digits-lr cancelled by ann"
-    sweeps_service.drive(db, settings)
+    sweep_rounds.drive(db, settings)
     assert len(_trial_jobs(db, sweep["id"])) == 2
     # Idempotent.
     assert (
@@ -545,7 +545,7 @@ def test_replicas_deciding_at_once_never_give_a_trial_number_twice(
         own = Database(settings.sqlalchemy_url)
         try:
             for _ in range(2):
-                sweeps_service.drive(own, settings)
+                sweep_rounds.drive(own, settings)
         except BaseException as exc:  # reported below
             errors.append(exc)
         finally:
@@ -577,7 +577,7 @@ def test_a_trial_that_cannot_be_queued_fails_the_sweep_saying_why(
         _report(db, job.id, [0.5], end="succeeded")
     # Between trials nothing uses the dataset: its owner may delete it.
     assert client.delete(f"/v1/datasets/{dataset}", headers=auth(token)).status_code == 204
-    sweeps_service.drive(db, settings)
+    sweep_rounds.drive(db, settings)
     failed = _get(client, token, sweep["id"])
     assert failed["status"] == "failed"
     assert failed["message"].startswith("trial 2 could not be queued: ")

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Query, status
 from service.api.deps import CurrentUser, ReadSessionDep, SessionDep, SettingsDep, WakeupDep
 from service.api.routing import SessionScopedRoute
 from service.schemas.sweeps import SweepCreate, SweepImportance, SweepList, SweepPublic
-from service.services import sweep_importance
+from service.services import sweep_importance, sweep_views
 from service.services import sweeps as sweeps_service
 from service.states import SweepStatus
 
@@ -24,7 +24,7 @@ def submit_sweep(
     (asha, median or null). 201 with the sweep; its first trials are queued as jobs."""
     sweep = sweeps_service.create_sweep(session, settings, user, body)
     wakeup.notify()
-    return sweeps_service.sweeps_public(session, [sweep], detail=True)[0]
+    return sweep_views.sweeps_public(session, [sweep], detail=True)[0]
 
 
 @router.get("")
@@ -39,14 +39,14 @@ def list_sweeps(
     rows, next_cursor = sweeps_service.list_sweeps(
         session, user, statuses=status_, limit=limit, cursor=cursor
     )
-    return SweepList(items=sweeps_service.sweeps_public(session, rows, detail=False), next_cursor=next_cursor)
+    return SweepList(items=sweep_views.sweeps_public(session, rows, detail=False), next_cursor=next_cursor)
 
 
 @router.get("/{sweep_id}")
 def get_sweep(sweep_id: str, session: ReadSessionDep, user: CurrentUser) -> SweepPublic:
     """Status, every trial (parameters, state, objective value, epochs run) and ``best_trial``."""
     sweep = sweeps_service.get_sweep(session, user, sweep_id)
-    return sweeps_service.sweeps_public(session, [sweep], detail=True)[0]
+    return sweep_views.sweeps_public(session, [sweep], detail=True)[0]
 
 
 @router.get("/{sweep_id}/importance")
@@ -60,4 +60,4 @@ def get_sweep_importance(sweep_id: str, session: ReadSessionDep, user: CurrentUs
 def cancel_sweep(sweep_id: str, session: SessionDep, user: CurrentUser) -> SweepPublic:
     """Idempotent: no trial is started any more and every live trial's job is cancelled."""
     sweep = sweeps_service.cancel_sweep(session, user, sweep_id)
-    return sweeps_service.sweeps_public(session, [sweep], detail=True)[0]
+    return sweep_views.sweeps_public(session, [sweep], detail=True)[0]
