@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from worker.agent.script_run import pack_outputs
+from worker.agent.script_outputs import pack_outputs
 
 
 def _model_dir(root: Path, architecture: str) -> Path:

@@ -44,7 +44,7 @@ from bench.bench_api_outage import get, stored_points
 from tests.support.api_process import ApiProcess
 from tests.support.factories import auth
 from tests.support.worker_fixtures import start_agent, user_client, wait_for_node, worker_token
-from worker.agent.mlflow_endpoint import TrackingEndpoint
+from worker.agent.mlflow_endpoint.server import TrackingEndpoint
 
 CLIENT = """
 import sys, time, mlflow

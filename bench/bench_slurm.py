@@ -163,7 +163,7 @@ def main() -> int:
         root = args.keep.resolve() if args.keep else Path(tmp)
         cluster = SlurmCluster(root=root / "cluster").start()
         launcher = root / "launcher.sh"
-        launcher.write_text(f'#!/bin/sh\nexec {sys.executable} -m worker.agent.launch "$@"\n')
+        launcher.write_text(f'#!/bin/sh\nexec {sys.executable} -m worker.agent.placement_launcher "$@"\n')
         launcher.chmod(0o755)
         api = ApiProcess(
             root / "data", None, host=cluster.gateway,

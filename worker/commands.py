@@ -22,7 +22,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     require("launch", "worker")
-    from worker.agent.launch import run
+    from worker.agent.placement_launcher import run
 
     return run(args)
 

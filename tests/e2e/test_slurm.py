@@ -200,7 +200,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmEnv]:
     launcher = root / "launcher.sh"
     hook = root / LAUNCH_ENV
     launcher.write_text(
-        f'#!/bin/sh\n[ -f {hook} ] && . {hook}\nexec {sys.executable} -m worker.agent.launch "$@"\n'
+        f'#!/bin/sh\n[ -f {hook} ] && . {hook}\nexec {sys.executable} -m worker.agent.placement_launcher "$@"\n'
     )
     launcher.chmod(0o755)
     api = ApiProcess(

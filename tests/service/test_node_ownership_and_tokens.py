@@ -39,7 +39,8 @@ from tests.conftest import LiveServer, fast_leases, free_port
 from tests.support.factories import auth, create_token, insert_dataset, job_spec, token_id
 from tests.support.report_helpers import finish_job, set_placement, start_running_job, write_fake_model_dir
 from tests.support.worker_fixtures import start_agent, wait_for_node, worker_token
-from worker.agent.launcher import MARKER_VAR, LaunchSpec, RankGroup, torchrun_command
+from worker.agent.marked_processes import MARKER_VAR
+from worker.agent.rank_group import LaunchSpec, RankGroup, torchrun_command
 from worker.agent.reporting import download_model, upload_model
 
 # The database makes a difference here: every test runs on SQLite and on PostgreSQL.

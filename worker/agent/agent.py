@@ -38,7 +38,7 @@ from torchyard.contract.protocol import ClaimedPlacement, HeartbeatResponse, Sto
 from worker.agent import sandbox
 from worker.agent.api import Backoff, WorkerApi, is_retryable, retrying
 from worker.agent.identity import NodeLock, load_or_create_agent_key
-from worker.agent.launcher import kill_leftovers
+from worker.agent.marked_processes import kill_leftovers
 from worker.agent.node import NodeResources, address_towards, detect_resources, interface_for
 from worker.agent.placement import AgentContext, PlacementRun, apply_stop_orders
 from worker.agent.run_files import DEFAULT_LOG_BACKLOG_BYTES

@@ -132,7 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    """``torchyard launch``'s options (the one-placement launcher, :mod:`worker.agent.launch`)."""
+    """``torchyard launch``'s options (the one-placement launcher, :mod:`worker.agent.placement_launcher`)."""
     parser.add_argument("--api", required=True, help="URL of the API service as this node reaches it")
     parser.add_argument("--attempt", required=True, help="the attempt's id (its launch token must match)")
     parser.add_argument(

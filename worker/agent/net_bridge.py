@@ -18,7 +18,7 @@ import socket
 import threading
 from pathlib import Path
 
-from worker.agent.mlflow_endpoint import CONNECTION_TIMEOUT_S, MAX_CONNECTIONS, TrackingEndpoint
+from worker.agent.mlflow_endpoint.server import CONNECTION_TIMEOUT_S, MAX_CONNECTIONS, TrackingEndpoint
 from worker.agent.net_relay import pump
 
 # Where the socket is shown inside the sandbox (its private /tmp).

@@ -34,8 +34,8 @@ from torchyard.contract.errors import EnvironmentBuildError
 from torchyard.contract.files import locked
 from torchyard.contract.jobspec import DEFAULT_BUILD_TIMEOUT_S, MAX_BUILD_TIMEOUT_S
 from worker.agent import sandbox
+from worker.agent.job_env import SECRET_VARS
 from worker.agent.job_tree import give_to
-from worker.agent.launcher import _SECRETS
 from worker.agent.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def _run(
         # In the sandbox: its processes (setup code of a package built from source) see the
         # environment's folder only, and all of them end with the build.
         command = box.command(command, box.writable)
-        env = {k: v for k, v in os.environ.items() if k not in _SECRETS and not k.startswith("TORCHYARD_")}
+        env = {k: v for k, v in os.environ.items() if k not in SECRET_VARS and not k.startswith("TORCHYARD_")}
         env.update(HOME="/tmp", PIP_NO_CACHE_DIR="1")
     with open(log_file, "ab") as out:
         process = subprocess.Popen(

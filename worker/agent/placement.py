@@ -19,8 +19,8 @@ from torchyard.contract.protocol import ClaimedPlacement, StopOrder
 from worker.agent.checkpoints import CheckpointUploader
 from worker.agent.context import AgentContext
 from worker.agent.kinds import KindRun, run_for
-from worker.agent.launcher import RankGroup
 from worker.agent.lease import LeaseSession
+from worker.agent.rank_group import RankGroup
 from worker.agent.reporting import RunReporter
 from worker.agent.run_inputs import prepare_failure
 from worker.agent.run_outcome import OutcomeReport, StopKind
@@ -166,7 +166,7 @@ class PlacementRun:
                 )
         finally:
             if self.group is not None:
-                self.group.sweep()
+                self.group.kill_stragglers()
             runlog.close()
             self.ctx.release(self)
 
@@ -248,7 +248,7 @@ class PlacementRun:
         while True:
             code = group.wait(0.2)
             if code is not None:
-                group.sweep()
+                group.kill_stragglers()
                 return code
             if reporter is not None and reporter.lease_lost:
                 self.request_stop("stale", "the API refused the lease (409)")

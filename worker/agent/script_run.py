@@ -1,25 +1,17 @@
-"""A script job's share of one node (docs/script-jobs.md): its inputs, environment and processes.
+"""A script job's share of one node (docs/script-jobs.md): its processes, started, watched and
+stopped, their MLflow endpoint and TensorBoard reader, and what they wrote.
 
-Every process runs the job's ``command`` (no shell; ``$NAME``/``${NAME}`` expanded from
-the launch variables and the ``TORCHYARD_*`` paths below only) in a fresh copy of the code, with the variables of docs/script-jobs.md:
-``per_process`` starts ``process_count_per_node`` processes each with ``RANK``,
-``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT``; ``per_node`` starts one with ``NNODES``, ``NPROC_PER_NODE``,
-``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, so the command may be ``torchrun``.
+How each process starts (its command, variables and environment) is
+:mod:`worker.agent.script_launch`; the inputs are :mod:`worker.agent.script_inputs`, the
+outputs archive :mod:`worker.agent.script_outputs`.
 
 The run's folder (``run_dir``) is the one its processes may write; everything the agent
 writes itself (the processes' stdout, the MLflow endpoint's and the TensorBoard reader's
 metric files, ``tracking.json``, the outputs archive) goes to ``agent_dir``, out of their
 reach, and what the agent reads of ``run_dir`` it reads through :mod:`worker.agent.job_tree`.
 
-A process's environment is the agent's minus its secrets and every ``TORCHYARD_*``
-variable of its own, plus the job's ``environment.variables`` and the paths below, all
-inside this placement's run directory: ``TORCHYARD_OUTPUT_DIR`` and ``TORCHYARD_LOG_DIR``
-(shared by the node's processes; ``./outputs`` and ``./logs`` in each copy point there),
-``TORCHYARD_METRICS_FILE`` and ``TORCHYARD_INPUT_<NAME>`` (a hard-linked copy of the
-dataset from the node's cache). Each process is the leader of a session of its own;
-stopping signals every session and every process carrying the run's marker variable,
-so children a script started go too.
+Each process is the leader of a session of its own; stopping signals every session and
+every process carrying the run's marker variable, so children a script started go too.
 """
 
 from __future__ import annotations
@@ -29,236 +21,35 @@ import dataclasses
 import hashlib
 import logging
 import os
-import re
 import secrets
 import shlex
 import shutil
 import signal
-import stat
 import subprocess
 import sys
-import tarfile
-import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
-from torchyard.contract.archive import MAX_OUTPUTS_FILES, MAX_OUTPUTS_UNCOMPRESSED_BYTES
-from torchyard.contract.deflate import GzipWriter, LevelChooser
-from torchyard.contract.errors import SandboxUnavailableError
-from torchyard.contract.files import sha256_file
-from torchyard.contract.jobspec import input_variable
 from torchyard.contract.reports import log_file_stream
 from worker.agent import guard, job_tree, net_relay, sandbox
-from worker.agent.api import retrying
-from worker.agent.launcher import (
-    _SCRUBBED,
-    _SECRETS,
-    MARKER_VAR,
-    TRACEBACK_TAIL_LINES,
-    _describe_exit,
-    _root_cause,
-    _signal_pids,
-    _tail,
-    marked_pids,
-    marker_scope,
-    visible_devices,
-)
-from worker.agent.mlflow_endpoint import TrackingEndpoint, tracking_snapshot
+from worker.agent.marked_processes import marked_pids, marker_scope, signal_pids
+from worker.agent.mlflow_endpoint.server import TrackingEndpoint
+from worker.agent.mlflow_endpoint.store import tracking_snapshot
 from worker.agent.net_bridge import SOCKET_IN_SANDBOX, Bridge
-from worker.agent.retry import Deadline
+from worker.agent.rank_failures import TRACEBACK_TAIL_LINES, describe_exit, root_cause, tail
+from worker.agent.script_launch import ScriptLaunch, ScriptProcess, command_argv, script_env
 from worker.agent.tensorboard_scalars import ScalarTailer, mlflow_artifacts
-
-if TYPE_CHECKING:
-    from torchyard.contract.protocol import ScriptPlacement
-    from worker.agent.context import AgentContext
-    from worker.agent.lease import LeaseSession
+from worker.agent.unkept_files import name_unkept_files
 
 log = logging.getLogger(__name__)
 
-FETCH_DEADLINE_S = 600
-_VARIABLE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*)|(\$))")
-_PYTHON_NAMES = re.compile(r"^python(3(\.\d+)?)?$")
 # The files of a node's ./logs folder shipped as log streams (``file-<node rank>/<path>``):
 # at most this many, text only (a file whose first bytes hold a NUL is left out), and each
 # up to the reader's per-file bound (``run_files.MAX_LOG_FILE_BYTES``).
 MAX_LOG_DIR_FILES = 32
 _TEXT_SNIFF_BYTES = 8192
-# What of a node's ./logs goes into the outputs archive (under ``logs/``): at most this many
-# files and bytes in all, each file up to MAX_ARCHIVED_LOG_FILE_BYTES; the rest is named in
-# the job's log.
-MAX_ARCHIVED_LOG_FILES = 1000
-MAX_ARCHIVED_LOG_BYTES = 512 << 20
-MAX_ARCHIVED_LOG_FILE_BYTES = 256 << 20
-# Files that look like a model a script meant to keep: of the files written in a working
-# copy (not kept, only outputs/ and logs/ are, each named in the job's log) they are named
-# first when there are too many to name each.
-MODEL_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors", ".onnx")
-# The files written in a working copy are named one a line up to this many; past it, a
-# count, their size and the first few names.
-MAX_UNKEPT_NAMED = 20
-_UNKEPT_SHOWN = 5
-# At most this many files of a working copy are looked at when it ends.
-MAX_UNKEPT_SCANNED = 100_000
-# Lightning's default root folder (``default_root_dir``: the working directory) for its
-# loggers and checkpoints: a working copy's is kept in the outputs archive under
-# ``lightning_logs/``, at most this many files and bytes (the rest named in the job's log).
-LIGHTNING_LOGS = "lightning_logs"
-MAX_ARCHIVED_LIGHTNING_FILES = 1000
-MAX_ARCHIVED_LIGHTNING_BYTES = 2 << 30
-
-
-def expand(arg: str, variables: Mapping[str, str]) -> str:
-    """``$NAME`` and ``${NAME}`` replaced from ``variables`` (others left as written), ``$$`` → ``$``."""
-
-    def sub(match: re.Match[str]) -> str:
-        if match.group(3):
-            return "$"
-        name = match.group(1) or match.group(2)
-        return variables.get(name, match.group(0))
-
-    return _VARIABLE.sub(sub, arg)
-
-
-@dataclass(frozen=True)
-class ScriptLaunch:
-    """Where and how this node's script processes start."""
-
-    run_dir: Path
-    node_name: str
-    node_rank: int
-    node_count: int
-    nproc: int
-    master_addr: str
-    master_port: int
-    cpus: int
-    command: tuple[str, ...]
-    launch: str = "per_process"
-    variables: Mapping[str, str] = field(default_factory=dict)
-    inputs: Mapping[str, Path] = field(default_factory=dict)
-    code_dir: Path | None = None
-    env_dir: Path | None = None
-    gpu_ids: tuple[int, ...] = ()
-    socket_ifname: str | None = None
-    grace_s: float = 10.0
-    # The run's sandbox (None: TORCHYARD_SANDBOX=off, the processes run as the agent does).
-    box: sandbox.Sandbox | None = None
-    # The agent's own folder of the placement (never shown to the processes); by default
-    # beside the run's folder.
-    own_dir: Path | None = None
-    # environment.network: host, or none (a network of the run's own, its MLflow endpoint
-    # reached through a socket of the agent's: worker.agent.net_bridge).
-    network: str = "host"
-
-    @property
-    def agent_dir(self) -> Path:
-        return (
-            self.own_dir if self.own_dir is not None else self.run_dir.with_name(f"{self.run_dir.name}.agent")
-        )
-
-    @property
-    def outputs_dir(self) -> Path:
-        return self.run_dir / "outputs"
-
-    @property
-    def logs_dir(self) -> Path:
-        return self.run_dir / "logs"
-
-    @property
-    def metrics_dir(self) -> Path:
-        return self.run_dir / "metrics"
-
-    @property
-    def stdout_dir(self) -> Path:
-        return self.agent_dir / "stdout"
-
-    @property
-    def agent_metrics_dir(self) -> Path:
-        """The metric files the agent writes (MLflow points, TensorBoard scalars, CSV points)."""
-        return self.agent_dir / "metrics"
-
-    @property
-    def python(self) -> str:
-        return str(self.env_dir / "bin" / "python") if self.env_dir is not None else sys.executable
-
-    def launch_variables(self, local_rank: int | None) -> dict[str, str]:
-        """The variables of docs/script-jobs.md for one process (``local_rank`` None: per node)."""
-        common = {
-            "MASTER_ADDR": self.master_addr,
-            "MASTER_PORT": str(self.master_port),
-            "NODE_RANK": str(self.node_rank),
-        }
-        if local_rank is None:
-            return {**common, "NNODES": str(self.node_count), "NPROC_PER_NODE": str(self.nproc)}
-        return {
-            **common,
-            "WORLD_SIZE": str(self.node_count * self.nproc),
-            "RANK": str(self.node_rank * self.nproc + local_rank),
-            "LOCAL_RANK": str(local_rank),
-            "LOCAL_WORLD_SIZE": str(self.nproc),
-        }
-
-
-@dataclass
-class ScriptProcess:
-    rank: int  # the global rank (per node: the node's first rank, whose log stream it feeds)
-    local_rank: int | None
-    argv: list[str]
-    env: dict[str, str]
-    cwd: Path
-    log_path: Path
-    metrics_path: Path
-    process: subprocess.Popen[bytes] | None = None
-
-
-def script_env(
-    launch: ScriptLaunch, base: Mapping[str, str], marker: str, local_rank: int | None, rank: int
-) -> dict[str, str]:
-    """One process's environment: never the worker's token nor the agent's own settings."""
-    inherited = base.get("CUDA_VISIBLE_DEVICES")
-    env = {
-        k: v
-        for k, v in base.items()
-        if k not in _SCRUBBED and k not in _SECRETS and not k.startswith("TORCHYARD_") and k != "VIRTUAL_ENV"
-    }
-    env.update(launch.variables)
-    bins = [str(Path(launch.python).parent), str(Path(sys.executable).parent)]
-    env["PATH"] = os.pathsep.join([*dict.fromkeys(bins), env.get("PATH", os.defpath)])
-    if launch.env_dir is not None:
-        env["VIRTUAL_ENV"] = str(launch.env_dir)
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("OMP_NUM_THREADS", str(max(1, launch.cpus // launch.nproc)))
-    if launch.gpu_ids:
-        env["CUDA_VISIBLE_DEVICES"] = visible_devices(launch.gpu_ids, inherited)
-        if launch.socket_ifname:
-            env.setdefault("NCCL_SOCKET_IFNAME", launch.socket_ifname)
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    if launch.socket_ifname:
-        env.setdefault("GLOO_SOCKET_IFNAME", launch.socket_ifname)
-    env.update(launch.launch_variables(local_rank))
-    env[MARKER_VAR] = marker
-    if launch.box is not None:
-        env["HOME"] = "/tmp"  # the agent's home is not in the sandbox; /tmp is the run's own
-    env["TORCHYARD_OUTPUT_DIR"] = str(launch.outputs_dir)
-    env["TORCHYARD_LOG_DIR"] = str(launch.logs_dir)
-    name = f"rank-{rank}" if local_rank is not None else f"node-{launch.node_rank}"
-    env["TORCHYARD_METRICS_FILE"] = str(launch.metrics_dir / f"{name}.jsonl")
-    for input_name, path in launch.inputs.items():
-        env[input_variable(input_name)] = str(path)
-    return env
-
-
-def command_variables(
-    launch: ScriptLaunch, process_env: Mapping[str, str], local_rank: int | None
-) -> dict[str, str]:
-    """What ``$NAME`` in the command may name: the launch variables of docs/script-jobs.md and the
-    ``TORCHYARD_*`` paths the agent gives the process, nothing else of its environment."""
-    paths = ["TORCHYARD_OUTPUT_DIR", "TORCHYARD_LOG_DIR", "TORCHYARD_METRICS_FILE"]
-    paths += [input_variable(name) for name in launch.inputs]
-    return {**launch.launch_variables(local_rank), **{k: process_env[k] for k in paths}}
 
 
 class ScriptGroup:
@@ -295,10 +86,7 @@ class ScriptGroup:
             if self.tracking is not None:
                 name = f"rank-{rank}" if local is not None else f"node-{launch.node_rank}"
                 process_env.update(self.tracking.env_for(rank, name, ranks_from_caller=local is None))
-            variables = command_variables(launch, process_env, local)
-            argv = [expand(arg, variables) for arg in launch.command]
-            if _PYTHON_NAMES.match(argv[0]):
-                argv[0] = launch.python  # the worker's interpreter (or the job's environment's)
+            argv = command_argv(launch, process_env, local)
             name = f"rank-{rank}" if local is not None else f"node-{launch.node_rank}"
             self.processes.append(
                 ScriptProcess(
@@ -438,13 +226,13 @@ class ScriptGroup:
         if self.launch.box is not None and sig != signal.SIGKILL:
             # bwrap ends the whole sandbox at once on SIGTERM: the script's own processes get
             # the signal (and the grace period); SIGKILL of the sandbox ends whatever is left.
-            _signal_pids([p for p in pids if not sandbox.is_sandbox_process(p)], sig)
+            signal_pids([p for p in pids if not sandbox.is_sandbox_process(p)], sig)
             return
         for proc in self.processes:
             if proc.process is not None and proc.process.poll() is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.process.pid, sig)
-        _signal_pids(pids, sig)
+        signal_pids(pids, sig)
 
     def _all_ended(self) -> bool:
         return all(p.process is None or p.process.poll() is not None for p in self.processes)
@@ -465,11 +253,11 @@ class ScriptGroup:
             if proc.process is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.process.wait(10)
-        self.sweep()
+        self.kill_stragglers()
         codes = [self._returncode(p) for p in self.processes if p.process is not None]
         return next((c for c in codes if c), codes[0] if codes else None)
 
-    def sweep(self, timeout: float = 5.0) -> list[int]:
+    def kill_stragglers(self, timeout: float = 5.0) -> list[int]:
         """Kill whatever the run left behind (a script's own children)."""
         for proc in self.processes:
             if proc.process is not None and proc.process.poll() is not None:
@@ -481,7 +269,7 @@ class ScriptGroup:
         if not left:
             return []
         log.warning("killing %d leftover process(es) of the script: %s", len(left), left)
-        _signal_pids(left, signal.SIGKILL)
+        signal_pids(left, signal.SIGKILL)
         deadline = time.monotonic() + timeout
         while self.alive_pids() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -575,42 +363,9 @@ class ScriptGroup:
         return list(dict.fromkeys(p.cwd for p in self.processes))
 
     def name_unkept_files(self, kept: Collection[str] = ()) -> list[str]:
-        """Say in the job's log which files the processes wrote in their working copies (not
-        under outputs/ and logs/, which are links to the kept folders, nor under the top
-        folders in ``kept``, which the outputs archive takes): they are not kept. A file the
-        code package brought, unchanged, was not written. One line a file, or past
-        MAX_UNKEPT_NAMED one line a working copy; the files as ``<copy>/<path>``."""
-        found: list[str] = []
-        kept_names = ["outputs/", "logs/", *(f"{k}/" for k in kept)]
-        also = ", ".join(kept_names[:-1]) + " and " + kept_names[-1]
-        for cwd in self.working_copies():
-            written, scanned_all = _written_files(cwd, self.launch.code_dir, set(kept))
-            found += [f"{cwd.name}/{relative}" for relative, _ in written]
-            if not written:
-                continue
-            if len(written) <= MAX_UNKEPT_NAMED:
-                for relative, _size in written:
-                    self.job_log.warning(
-                        "not kept: %s was written in the working copy of %s, not under outputs/ "
-                        "(only %s are kept with the job)",
-                        relative,
-                        cwd.name,
-                        also,
-                    )
-                continue
-            models = [r for r, _ in written if r.lower().endswith(MODEL_SUFFIXES)]
-            first = list(dict.fromkeys([*models, *(r for r, _ in written)]))[:_UNKEPT_SHOWN]
-            self.job_log.warning(
-                "not kept: %s%d files (%s) were written in the working copy of %s, not under outputs/ "
-                "(only %s are kept with the job), among them %s",
-                "" if scanned_all else "at least ",
-                len(written),
-                _size_text(sum(size for _, size in written)),
-                cwd.name,
-                also,
-                ", ".join(first),
-            )
-        return found
+        """Say in the job's log which files the processes wrote in their working copies (see
+        :func:`~worker.agent.unkept_files.name_unkept_files`); the files as ``<copy>/<path>``."""
+        return name_unkept_files(self.working_copies(), self.launch.code_dir, kept, self.job_log)
 
     def failure(self, exit_code: int | None) -> dict[str, Any]:
         """``RankFailedError`` (``RankKilledError`` for a signal) naming the rank, the node and its log tail."""
@@ -618,392 +373,15 @@ class ScriptGroup:
         code = exit_code if exit_code is not None else -1
         rank: int | None = proc.rank if proc.local_rank is not None else None
         if proc.local_rank is None:
-            cause = _root_cause(proc.log_path)  # the command was torchrun: its own report
+            cause = root_cause(proc.log_path)  # the command was torchrun: its own report
             if cause is not None:
                 rank, _local, code = cause
         who = f"rank {rank}" if rank is not None else "the command"
         return {
             "code": "RankKilledError" if code < 0 else "RankFailedError",
-            "message": f"{who} on node {self.launch.node_name} {_describe_exit(code)}",
+            "message": f"{who} on node {self.launch.node_name} {describe_exit(code)}",
             "rank": rank,
             "node": self.launch.node_name,
-            "traceback": _tail(proc.log_path, TRACEBACK_TAIL_LINES) or None,
+            "traceback": tail(proc.log_path, TRACEBACK_TAIL_LINES) or None,
             "secondary": False,
         }
-
-
-def _size_text(n: int) -> str:
-    if n >= 1 << 20:
-        return f"{n / (1 << 20):.1f} MiB"
-    return f"{n} bytes" if n != 1 else "1 byte"
-
-
-def _written_files(cwd: Path, code_dir: Path | None, kept: set[str]) -> tuple[list[tuple[str, int]], bool]:
-    """The regular files of a working copy (no link followed) that its code package did not
-    bring as they are, by path, with their sizes; and whether every file was looked at (at
-    most MAX_UNKEPT_SCANNED are). ``__pycache__`` folders and the top folders in ``kept``
-    are left out."""
-    written: list[tuple[str, int]] = []
-    scanned = 0
-    try:
-        if not stat.S_ISDIR(os.lstat(cwd).st_mode):
-            return written, True
-        for folder, dirs, names, dir_fd in os.fwalk(cwd, follow_symlinks=False):
-            under = Path(folder).relative_to(cwd)
-            dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not (under == Path(".") and d in kept))
-            for name in sorted(names):
-                scanned += 1
-                if scanned > MAX_UNKEPT_SCANNED:
-                    return written, False
-                with contextlib.suppress(OSError):
-                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                    relative = (under / name).as_posix()
-                    if stat.S_ISREG(st.st_mode) and not _brought(code_dir, relative, st, dir_fd, name):
-                        written.append((relative, st.st_size))
-    except OSError:
-        pass  # the copy went away (or was made unreadable)
-    return written, True
-
-
-def _brought(code_dir: Path | None, relative: str, st: os.stat_result, dir_fd: int, name: str) -> bool:
-    """Whether a working copy's file is its code package's, unchanged: the same size, and the
-    same modification time (the copy keeps it) or the same bytes."""
-    if code_dir is None:
-        return False
-    try:
-        package = os.stat(code_dir / relative, follow_symlinks=False)
-    except OSError:
-        return False
-    if not stat.S_ISREG(package.st_mode) or package.st_size != st.st_size:
-        return False
-    if package.st_mtime_ns == st.st_mtime_ns:
-        return True
-    with job_tree.open_at(dir_fd, name) as copy, open(code_dir / relative, "rb") as original:
-        while True:
-            a, b = copy.read(1 << 20), original.read(1 << 20)
-            if a != b:
-                return False
-            if not a:
-                return True
-
-
-# --- inputs ------------------------------------------------------------------------------
-
-
-def _link_tree(src: Path, dest: Path) -> None:
-    """A copy of ``src`` made of hard links (a plain copy across file systems)."""
-    tmp = dest.with_name(f".{dest.name}.part")
-    shutil.rmtree(tmp, ignore_errors=True)
-
-    def link(source: str, target: str) -> None:
-        try:
-            os.link(source, target)
-        except OSError:
-            shutil.copy2(source, target)
-
-    shutil.copytree(src, tmp, copy_function=link)
-    # The links share the cache's files: read-only, so a script does not change the
-    # dataset under another job by writing into its input (it writes to its outputs).
-    for root, _dirs, names in os.walk(tmp):
-        for name in names:
-            os.chmod(os.path.join(root, name), 0o444)
-    os.replace(tmp, dest)
-
-
-def prepare_script(
-    ctx: AgentContext,
-    work: ScriptPlacement,
-    run_dir: Path,
-    stop: threading.Event,
-    logger: logging.Logger,
-    *,
-    agent_dir: Path | None = None,
-) -> ScriptLaunch:
-    """Fetch the code and the inputs into the node's caches, build the pip environment if
-    asked for, and describe the launch."""
-    from worker.agent.dataset_cache import fetch_dataset
-    from worker.agent.pip_env import ensure_environment
-
-    if work.spec.environment.network == "none" and ctx.sandbox != sandbox.BWRAP:
-        raise SandboxUnavailableError(
-            f"node {ctx.node_name} cannot give this job a network of its own (environment.network "
-            f"none) without its sandbox: {sandbox.unavailable_reason() or 'it is turned off'}"
-        )
-    if ctx.sandbox == sandbox.UNAVAILABLE:
-        raise SandboxUnavailableError(
-            f"node {ctx.node_name} runs no script job without its sandbox: {sandbox.unavailable_reason()}; "
-            f"install bubblewrap there, or start its agent with {sandbox.SANDBOX_VAR}=off to run scripts "
-            "unconfined"
-        )
-
-    def fetch(what: str, url: str | None, ref_id: str, sha256: str, cache: Path) -> Path:
-        started = time.monotonic()
-        folder: Path = retrying(
-            lambda: fetch_dataset(ctx.api.client, ref_id, sha256, cache, url=url),
-            f"fetching {what} {ref_id}",
-            stop=stop,
-            deadline=time.monotonic() + FETCH_DEADLINE_S,
-        )
-        logger.info("%s %s ready in %.2f s", what, ref_id, time.monotonic() - started)
-        return folder
-
-    code_dir = fetch(
-        "code package",
-        f"/v1/worker/code/{work.code.id}/archive",
-        work.code.id,
-        work.code.sha256,
-        ctx.work_dir / "code",
-    )
-    inputs: dict[str, Path] = {}
-    for name, ref in work.inputs.items():
-        cached = fetch("input dataset", None, ref.id, ref.sha256, ctx.dataset_cache)
-        inputs[name] = run_dir / "inputs" / name
-        inputs[name].parent.mkdir(parents=True, exist_ok=True)
-        _link_tree(cached, inputs[name])
-    spec = work.spec
-    env_dir = None
-    requirements = list(spec.environment.pip)
-    if requirements:
-        env_dir, built = ensure_environment(
-            ctx.work_dir / "envs",
-            requirements,
-            stop=stop,
-            on_build=logger,
-            hidden=[ctx.work_dir],
-            timeout_s=spec.environment.build_timeout_s,
-        )
-        logger.info("pip environment %s %s", env_dir.name, "built" if built else "reused")
-    box = None
-    if ctx.sandbox == sandbox.BWRAP:
-        box = sandbox.Sandbox(
-            writable=run_dir,
-            hidden=[ctx.work_dir],
-            read_only=[*inputs.values(), *([env_dir] if env_dir else [])],
-            not_given=[run_dir / "inputs"],
-        )
-    return ScriptLaunch(
-        run_dir=run_dir,
-        node_name=ctx.node_name,
-        node_rank=work.node_rank,
-        node_count=work.node_count,
-        nproc=work.process_count_per_node,
-        master_addr=work.master_addr,
-        master_port=work.master_port,
-        cpus=ctx.cpus_for(work.process_count_per_node),
-        command=tuple(spec.command),
-        launch=spec.distribution.launch,
-        variables=dict(spec.environment.variables),
-        inputs=inputs,
-        code_dir=code_dir,
-        env_dir=env_dir,
-        socket_ifname=ctx.socket_ifname,
-        grace_s=ctx.grace_s,
-        box=box,
-        own_dir=agent_dir,
-        network=spec.environment.network,
-    )
-
-
-# --- outputs -----------------------------------------------------------------------------
-
-
-def _regular_files(folder: Path, note: Callable[[str], None], shown: str) -> list[tuple[str, int]]:
-    """The regular files under ``folder`` (read through job_tree: no link followed, on the
-    way or at the end), by relative path, with their sizes; anything else is named."""
-    files = []
-    for relative, fh in job_tree.regular_files(folder):
-        if fh is None:
-            note(f"{shown}{relative} is left out (not a regular file)")
-            continue
-        files.append((relative, os.fstat(fh.fileno()).st_size))
-    return files
-
-
-def _kept_logs(
-    folder: Path, taken: set[str], note: Callable[[str], None]
-) -> list[tuple[str, Path, str, int]]:
-    """The files of ``folder`` (the node's ./logs) as ``logs/<path>`` members, within the bounds."""
-    return _kept_folder(
-        folder,
-        "logs/",
-        taken,
-        note,
-        MAX_ARCHIVED_LOG_FILES,
-        MAX_ARCHIVED_LOG_BYTES,
-        MAX_ARCHIVED_LOG_FILE_BYTES,
-        "the outputs hold a file of that name",
-    )
-
-
-def _kept_folder(
-    folder: Path,
-    prefix: str,
-    taken: set[str],
-    note: Callable[[str], None],
-    max_files: int,
-    max_bytes: int,
-    max_file_bytes: int,
-    taken_why: str,
-    counted: int = 0,
-    counted_bytes: int = 0,
-) -> list[tuple[str, Path, str, int]]:
-    """The files of ``folder`` as ``<prefix><path>`` members, within the bounds (``counted``
-    files and ``counted_bytes`` of the same bounds already taken)."""
-    kept: list[tuple[str, Path, str, int]] = []
-    total = counted_bytes
-    for relative, size in _regular_files(folder, note, prefix):
-        name = f"{prefix}{relative}"
-        if name in taken:
-            note(f"{name} is left out ({taken_why})")
-        elif counted + len(kept) >= max_files:
-            note(f"{name} is left out (at most {max_files} files of {prefix} are kept)")
-        elif size > max_file_bytes:
-            note(f"{name} is left out ({size} bytes; a file of {prefix} is kept up to {max_file_bytes})")
-        elif total + size > max_bytes:
-            note(f"{name} is left out ({prefix} is kept up to {max_bytes} bytes in all)")
-        else:
-            kept.append((name, folder, relative, size))
-            total += size
-    return kept
-
-
-def _kept_lightning_logs(
-    folders: Sequence[Path], taken: set[str], note: Callable[[str], None]
-) -> list[tuple[str, Path, str, int]]:
-    """The files of the working copies' ``lightning_logs`` folders as ``lightning_logs/<path>``
-    members, within their bounds (a name already taken, by the outputs or an earlier copy,
-    is left out)."""
-    kept: list[tuple[str, Path, str, int]] = []
-    for folder in folders:
-        kept += _kept_folder(
-            folder,
-            f"{LIGHTNING_LOGS}/",
-            taken | {name for name, _, _, _ in kept},
-            note,
-            MAX_ARCHIVED_LIGHTNING_FILES,
-            MAX_ARCHIVED_LIGHTNING_BYTES,
-            MAX_ARCHIVED_LIGHTNING_BYTES,
-            "the outputs or another working copy hold a file of that name",
-            len(kept),
-            sum(size for _, _, _, size in kept),
-        )
-    return kept
-
-
-def _within_caps(
-    members: list[tuple[str, Path, str, int]], max_files: int, max_bytes: int, say: Callable[[str], None]
-) -> list[tuple[str, Path, str, int]]:
-    """The members that fit the archive's caps, in order; the rest named, in one note."""
-    kept: list[tuple[str, Path, str, int]] = []
-    total = left_bytes = 0
-    left: list[str] = []
-    for member in members:
-        size = member[3]
-        if len(kept) >= max_files or total + size > max_bytes:
-            left.append(member[0])
-            left_bytes += size
-            continue
-        kept.append(member)
-        total += size
-    if left:
-        shown = ", ".join(left[:10]) + (f" and {len(left) - 10} more" if len(left) > 10 else "")
-        say(
-            f"{len(left)} file(s) ({left_bytes} bytes) are left out: the outputs archive holds at most "
-            f"{max_files} files and {max_bytes} bytes uncompressed ({shown})"
-        )
-    return kept
-
-
-def pack_outputs(
-    folder: Path,
-    archive: Path,
-    logs: Path | None = None,
-    note: Callable[[str], None] | None = None,
-    *,
-    max_files: int = MAX_OUTPUTS_FILES,
-    max_bytes: int = MAX_OUTPUTS_UNCOMPRESSED_BYTES,
-    lightning_logs: Sequence[Path] = (),
-) -> tuple[str, int, int]:
-    """A deterministic .tar.gz of the regular files under ``folder``, under ``logs/`` those of
-    ``logs`` and under ``lightning_logs/`` those of the ``lightning_logs`` folders (the
-    working copies' own) within the bounds above (links and other special files are left
-    out, each named through ``note``), at most ``max_files`` files and ``max_bytes`` bytes in
-    all (what the API accepts; the outputs first); its sha256, size and file count. The
-    files are read through job_tree: the run's folders may hold links to anything of the
-    host's."""
-    say = note or (lambda text: log.warning("outputs: %s", text))
-    found = [(relative, folder, relative, size) for relative, size in _regular_files(folder, say, "")]
-    if logs is not None:
-        found += _kept_logs(logs, {name for name, _, _, _ in found}, say)
-    if lightning_logs:
-        found += _kept_lightning_logs(lightning_logs, {name for name, _, _, _ in found}, say)
-    members = [(name, root, rel) for name, root, rel, _ in _within_caps(found, max_files, max_bytes, say)]
-    levels = LevelChooser()  # weights and images stored, text deflated
-    with (
-        open(archive, "wb") as raw,
-        GzipWriter(raw) as gz,
-        tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tf,  # type: ignore[call-overload]
-    ):
-        for name, root, relative in members:
-            try:
-                fh = job_tree.open_regular(root, relative)
-            except OSError as exc:  # gone or swapped since it was listed
-                say(f"{name} is left out ({exc})")
-                continue
-            with fh:
-                info = tarfile.TarInfo(name)
-                info.size = os.fstat(fh.fileno()).st_size
-                gz.set_level(levels.for_open_file(Path(relative).name, fh, info.size))
-                info.mode = 0o644
-                info.mtime = 0
-                tf.addfile(info, fh)
-    return sha256_file(archive), archive.stat().st_size, len(members)
-
-
-def upload_outputs(
-    ctx: AgentContext,
-    job_id: str,
-    lease_token: str,
-    folder: Path,
-    logs: Path | None = None,
-    note: Callable[[str], None] | None = None,
-    *,
-    outage_deadline: Deadline | None = None,
-    archive_dir: Path | None = None,
-) -> str:
-    """Pack and upload the outputs; an unreachable API is waited for until ``outage_deadline``
-    (monotonic), as the other reports wait, so an API restart loses no outputs."""
-    from worker.agent.lease import LeaseSession
-
-    session = LeaseSession(ctx.api, job_id, lease_token)
-    return upload_outputs_of(
-        session, folder, logs, note, outage_deadline=outage_deadline, archive_dir=archive_dir
-    )
-
-
-def upload_outputs_of(
-    session: LeaseSession,
-    folder: Path,
-    logs: Path | None = None,
-    note: Callable[[str], None] | None = None,
-    *,
-    outage_deadline: Deadline | None = None,
-    archive_dir: Path | None = None,
-    lightning_logs: Sequence[Path] = (),
-) -> str:
-    """Pack the outputs (and ``logs``, and the ``lightning_logs`` folders) into ``archive_dir``
-    (the agent's folder of the placement; beside ``folder`` by default) and upload them under
-    the session's lease; the archive's sha256."""
-    archive = (archive_dir or folder.parent) / "outputs.tar.gz"
-    try:
-        sha256, size, count = pack_outputs(folder, archive, logs, note, lightning_logs=lightning_logs)
-        session.upload_outputs(
-            archive,
-            sha256,
-            size,
-            f"job {session.job_id}: outputs ({count} files)",
-            outage_deadline=outage_deadline,
-        )
-    finally:
-        archive.unlink(missing_ok=True)
-    return sha256

@@ -16,7 +16,7 @@ from typing import Any
 
 from torchyard.contract.errors import HangError
 from worker.agent import job_tree
-from worker.agent.launcher import LaunchSpec
+from worker.agent.rank_group import LaunchSpec
 
 PREEMPT_REQUEST_FILE = "preempt-request"
 PREEMPTED_FILE = "preempted.json"

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from worker.agent.mlflow_endpoint import MAX_CONNECTIONS, TrackingEndpoint
+from worker.agent.mlflow_endpoint.server import MAX_CONNECTIONS, TrackingEndpoint
 
 MARGIN = 3
 

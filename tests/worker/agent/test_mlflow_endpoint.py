@@ -17,7 +17,8 @@ from fastapi.testclient import TestClient
 
 from service.config import Settings
 from tests.support.report_helpers import all_metrics, post_report, start_running_job
-from worker.agent.mlflow_endpoint import TRACKING_FILE, TrackingEndpoint
+from worker.agent.mlflow_endpoint.server import TrackingEndpoint
+from worker.agent.mlflow_endpoint.store import TRACKING_FILE
 from worker.agent.run_files import RunFileReader
 
 pytest.importorskip("mlflow")

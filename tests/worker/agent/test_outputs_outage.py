@@ -22,7 +22,7 @@ import pytest
 from torchyard.contract.errors import TorchyardError
 from torchyard.contract.headers import SHA256_HEADER
 from worker.agent import model_transfer
-from worker.agent.script_run import upload_outputs
+from worker.agent.script_outputs import upload_outputs
 
 
 class _Outage:

@@ -13,7 +13,8 @@ import pytest
 from torchyard import run
 from torchyard.apiclient.code import IgnoreRules, code_files
 from worker.agent.run_files import RunFileReader
-from worker.agent.script_run import ScriptGroup, ScriptLaunch, expand, script_env
+from worker.agent.script_launch import ScriptLaunch, expand, script_env
+from worker.agent.script_run import ScriptGroup
 
 
 @pytest.mark.parametrize(
@@ -288,7 +289,7 @@ def test_outputs_archive_holds_the_logs_folder_within_its_bounds(
 ) -> None:
     import tarfile
 
-    import worker.agent.script_run as script_run
+    import worker.agent.script_outputs as script_outputs
 
     outputs, logs = tmp_path / "outputs", tmp_path / "logs"
     (logs / "lightning_logs" / "version_0").mkdir(parents=True)
@@ -299,10 +300,10 @@ def test_outputs_archive_holds_the_logs_folder_within_its_bounds(
     for i in range(3):
         (logs / f"n{i}.log").write_text(str(i))
     (logs / "link.log").symlink_to(logs / "n0.log")
-    monkeypatch.setattr(script_run, "MAX_ARCHIVED_LOG_FILE_BYTES", 40)
-    monkeypatch.setattr(script_run, "MAX_ARCHIVED_LOG_FILES", 3)
+    monkeypatch.setattr(script_outputs, "MAX_ARCHIVED_LOG_FILE_BYTES", 40)
+    monkeypatch.setattr(script_outputs, "MAX_ARCHIVED_LOG_FILES", 3)
     notes: list[str] = []
-    _sha, _size, count = script_run.pack_outputs(outputs, tmp_path / "o.tar.gz", logs, notes.append)
+    _sha, _size, count = script_outputs.pack_outputs(outputs, tmp_path / "o.tar.gz", logs, notes.append)
     with tarfile.open(tmp_path / "o.tar.gz") as tf:
         names = sorted(tf.getnames())
     assert names == ["logs/n0.log", "logs/n1.log", "logs/n2.log", "model.pt"]
@@ -312,8 +313,8 @@ def test_outputs_archive_holds_the_logs_folder_within_its_bounds(
         "logs/lightning_logs/version_0/last.ckpt is left out (at most 3 files of logs/ are kept)",
         "logs/link.log is left out (not a regular file)",
     ]
-    monkeypatch.setattr(script_run, "MAX_ARCHIVED_LOG_FILES", 10)
-    script_run.pack_outputs(outputs, tmp_path / "o.tar.gz", logs, notes.append)
+    monkeypatch.setattr(script_outputs, "MAX_ARCHIVED_LOG_FILES", 10)
+    script_outputs.pack_outputs(outputs, tmp_path / "o.tar.gz", logs, notes.append)
     with tarfile.open(tmp_path / "o.tar.gz") as tf:
         assert tf.extractfile("logs/lightning_logs/version_0/last.ckpt").read() == b"\x00ckpt"  # type: ignore[union-attr]
 
@@ -321,7 +322,7 @@ def test_outputs_archive_holds_the_logs_folder_within_its_bounds(
 def test_the_outputs_archive_keeps_within_what_the_api_accepts(tmp_path: Path) -> None:
     import tarfile
 
-    import worker.agent.script_run as script_run
+    import worker.agent.script_outputs as script_outputs
 
     outputs, logs = tmp_path / "outputs", tmp_path / "logs"
     outputs.mkdir()
@@ -333,13 +334,13 @@ def test_the_outputs_archive_keeps_within_what_the_api_accepts(tmp_path: Path) -
     # (whatever the current folder).
     (outputs / "sub").mkdir()
     (outputs / "sub" / "weights.pt").write_bytes(bytes(range(256)) * 64)
-    script_run.pack_outputs(outputs, tmp_path / "whole.tar.gz", logs)
+    script_outputs.pack_outputs(outputs, tmp_path / "whole.tar.gz", logs)
     with tarfile.open(tmp_path / "whole.tar.gz") as tf:
         assert tf.extractfile("sub/weights.pt").read() == bytes(range(256)) * 64  # type: ignore[union-attr]
     (outputs / "sub" / "weights.pt").unlink()
     (outputs / "sub").rmdir()
     notes: list[str] = []
-    _sha, _size, count = script_run.pack_outputs(
+    _sha, _size, count = script_outputs.pack_outputs(
         outputs, tmp_path / "o.tar.gz", logs, notes.append, max_files=3, max_bytes=10_000
     )
     with tarfile.open(tmp_path / "o.tar.gz") as tf:
@@ -349,7 +350,9 @@ def test_the_outputs_archive_keeps_within_what_the_api_accepts(tmp_path: Path) -
         "uncompressed (f3.bin, f4.bin, logs/run.log)"
     ]
     notes.clear()
-    script_run.pack_outputs(outputs, tmp_path / "o.tar.gz", logs, notes.append, max_files=100, max_bytes=250)
+    script_outputs.pack_outputs(
+        outputs, tmp_path / "o.tar.gz", logs, notes.append, max_files=100, max_bytes=250
+    )
     with tarfile.open(tmp_path / "o.tar.gz") as tf:
         assert sorted(tf.getnames()) == ["f0.bin", "f1.bin", "logs/run.log"]
     assert len(notes) == 1 and notes[0].startswith("3 file(s) (300 bytes) are left out")
@@ -444,7 +447,7 @@ def test_the_outputs_archive_keeps_the_working_copies_lightning_logs(
     named."""
     import tarfile
 
-    import worker.agent.script_run as script_run
+    import worker.agent.script_outputs as script_outputs
 
     outputs, logs = tmp_path / "outputs", tmp_path / "logs"
     outputs.mkdir()
@@ -460,9 +463,9 @@ def test_the_outputs_archive_keeps_the_working_copies_lightning_logs(
     (two / "version_0" / "metrics.csv").write_text("other")
     (two / "version_1").mkdir()
     (two / "version_1" / "big.ckpt").write_bytes(b"x" * 100)
-    monkeypatch.setattr(script_run, "MAX_ARCHIVED_LIGHTNING_BYTES", 50)
+    monkeypatch.setattr(script_outputs, "MAX_ARCHIVED_LIGHTNING_BYTES", 50)
     notes: list[str] = []
-    _sha, _size, count = script_run.pack_outputs(
+    _sha, _size, count = script_outputs.pack_outputs(
         outputs,
         tmp_path / "o.tar.gz",
         logs,

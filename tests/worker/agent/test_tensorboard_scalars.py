@@ -303,7 +303,8 @@ def test_event_files_copied_to_the_mlflow_artifacts_are_not_read_again(
 
     from torch.utils.tensorboard import SummaryWriter
 
-    from worker.agent.script_run import ScriptGroup, ScriptLaunch
+    from worker.agent.script_launch import ScriptLaunch
+    from worker.agent.script_run import ScriptGroup
 
     launch = ScriptLaunch(
         run_dir=tmp_path / "runs" / "r1",

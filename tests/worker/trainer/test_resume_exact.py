@@ -25,7 +25,7 @@ from tests.support.trainer_helpers import (
     run_torchrun,
     write_job,
 )
-from worker.agent.launcher import MARKER_VAR, marked_pids
+from worker.agent.marked_processes import MARKER_VAR, marked_pids
 from worker.trainer import checkpoint as ckpt
 from worker.trainer.control import PREEMPT_REQUEST_FILE, PREEMPTED_FILE
 

@@ -19,8 +19,8 @@ from torchyard.contract.jobspec import JobKind
 from torchyard.contract.protocol import ClaimedPlacement
 from worker.agent.checkpoints import CheckpointUploader
 from worker.agent.context import AgentContext
-from worker.agent.launcher import RankGroup
 from worker.agent.lease import LeaseSession
+from worker.agent.rank_group import RankGroup
 from worker.agent.reporting import RunReporter
 from worker.agent.run_outcome import OutcomeReport, StopKind
 from worker.agent.script_run import ScriptGroup

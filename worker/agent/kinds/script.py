@@ -14,13 +14,10 @@ from torchyard.contract.jobspec import JobKind
 from torchyard.contract.protocol import ScriptPlacement
 from worker.agent.kinds.base import Failure, KindRun, PlacementHost
 from worker.agent.reporting import RunReporter
-from worker.agent.script_run import (
-    LIGHTNING_LOGS,
-    ScriptGroup,
-    ScriptLaunch,
-    prepare_script,
-    upload_outputs_of,
-)
+from worker.agent.script_inputs import prepare_script
+from worker.agent.script_launch import ScriptLaunch
+from worker.agent.script_outputs import LIGHTNING_LOGS, upload_outputs_of
+from worker.agent.script_run import ScriptGroup
 
 
 class ScriptRun(KindRun):

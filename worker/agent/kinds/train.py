@@ -9,7 +9,7 @@ from torchyard.contract.jobfile import TrainerTask
 from torchyard.contract.jobspec import JobKind
 from worker.agent.kinds.base import Failure
 from worker.agent.kinds.trainer import TrainerRun
-from worker.agent.launcher import LaunchSpec, RankGroup
+from worker.agent.rank_group import LaunchSpec, RankGroup
 from worker.agent.watchdog import HangWatchdog
 
 

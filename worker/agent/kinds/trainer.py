@@ -16,7 +16,8 @@ from torchyard.contract.jobfile import JobConfig, TrainerTask
 from torchyard.contract.protocol import EvaluatePlacement, TrainPlacement
 from worker.agent import sandbox
 from worker.agent.kinds.base import Failure, KindRun, PlacementHost
-from worker.agent.launcher import LaunchSpec, RankGroup, collect_failure, rank_log_files
+from worker.agent.rank_failures import collect_failure, rank_log_files
+from worker.agent.rank_group import LaunchSpec, RankGroup
 from worker.agent.reporting import RunReporter
 from worker.agent.run_inputs import RunInputs
 from worker.agent.sandbox import Sandbox

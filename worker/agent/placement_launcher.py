@@ -15,7 +15,7 @@ checkpoint at their next step boundary and the placement report ``preempted``; t
 service decides from Slurm's own account whether the job is requeued or was cancelled.
 SIGINT stops at once.
 
-It touches nothing but its own run: no leftover sweep of the node (other jobs share it),
+It touches nothing but its own run: it kills no leftovers on the node (other jobs share it),
 the GPUs are those the engine gave it (``CUDA_VISIBLE_DEVICES`` is kept) and the ranks'
 threads are sized to the CPUs it gave (``SLURM_CPUS_ON_NODE``).
 
@@ -79,7 +79,7 @@ def _default_work_dir() -> Path:
     return Path(os.environ.get("TMPDIR") or tempfile.gettempdir()) / f"torchyard-launch-{os.getuid()}"
 
 
-class Launcher:
+class PlacementLauncher:
     """One placement: check in, run, heartbeat, report, exit."""
 
     def __init__(
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     node, node_rank, nodes = _identity(args)
     api = WorkerApi(args.api, token)
-    launcher = Launcher(
+    launcher = PlacementLauncher(
         api,
         args.attempt,
         node=node,
@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m worker.agent.launch", description="torchyard one-placement launcher"
+        prog="python -m worker.agent.placement_launcher", description="torchyard one-placement launcher"
     )
     add_launch_arguments(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")

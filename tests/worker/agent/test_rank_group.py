@@ -1,4 +1,4 @@
-"""The agent's launcher without training: the torchrun command and environment, failure
+"""Starting a node's ranks without training: the torchrun command and environment, failure
 selection, and stopping a process tree whose members live in sessions of their own."""
 
 from __future__ import annotations
@@ -16,19 +16,11 @@ import pytest
 
 from torchyard.contract.protocol import ClaimedPlacement
 from worker.agent.agent import Agent, AgentOptions, UnitPool
-from worker.agent.launcher import (
-    MARKER_VAR,
-    LaunchSpec,
-    RankGroup,
-    collect_failure,
-    first_failure,
-    marked_pids,
-    rank_env,
-    rank_log_files,
-    torchrun_command,
-)
+from worker.agent.marked_processes import MARKER_VAR, marked_pids
 from worker.agent.node import NodeResources, interface_for
 from worker.agent.placement import PlacementRun
+from worker.agent.rank_failures import collect_failure, first_failure, rank_log_files
+from worker.agent.rank_group import LaunchSpec, RankGroup, rank_env, torchrun_command
 from worker.agent.runs import prune_runs, shed_results
 
 # Stands in for torchrun: starts two "ranks" in sessions of their own (as torch elastic
@@ -156,7 +148,7 @@ def test_torchrun_dies_with_its_agent(tmp_path: Path) -> None:
         f"""
         import sys, time
         from pathlib import Path
-        from worker.agent.launcher import LaunchSpec, RankGroup
+        from worker.agent.rank_group import LaunchSpec, RankGroup
         spec = LaunchSpec(run_dir=Path({str(run_dir)!r}), node_name="node-z", node_rank=0, node_count=1,
                           nproc=1, master_addr="127.0.0.1", master_port=29500, cpus=1)
         group = RankGroup(spec)
@@ -177,15 +169,15 @@ def test_torchrun_dies_with_its_agent(tmp_path: Path) -> None:
     os.kill(agent.pid, signal.SIGKILL)
     agent.wait()
     # torchrun (here the stand-in) is gone at once; the ranks it started are left to the
-    # real torchrun's SIGTERM handling, which a stand-in lacks: the next agent sweeps them.
+    # real torchrun's SIGTERM handling, which a stand-in lacks: the next agent kills them.
     deadline = time.monotonic() + 10
     while len(marked_pids(marker)) > 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(marked_pids(marker)) == 2
-    from worker.agent.launcher import kill_leftovers
+    from worker.agent.marked_processes import kill_leftovers
 
     # Another agent of the same node name but with its own work directory (a second
-    # service on this machine) leaves them alone; the same agent restarted sweeps them.
+    # service on this machine) leaves them alone; the same agent restarted kills them.
     assert kill_leftovers("node-z", tmp_path / "other-work") == []
     assert len(kill_leftovers("node-z", work_dir)) == 2
     deadline = time.monotonic() + 10

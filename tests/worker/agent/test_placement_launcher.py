@@ -26,8 +26,8 @@ from tests.conftest import fast_leases
 from tests.support.factories import auth
 from tests.support.script_helpers import script_env
 from worker.agent import guard
-from worker.agent.launch import allocated_cpus
-from worker.agent.launcher import LaunchSpec, RankGroup, rank_env, visible_devices
+from worker.agent.placement_launcher import allocated_cpus
+from worker.agent.rank_group import LaunchSpec, RankGroup, rank_env, visible_devices
 
 PROBE = """
 import json, os, sys
@@ -57,7 +57,7 @@ def _hand_over(settings: Any, job_id: str) -> tuple[str, str]:
 def _launch(url: str, attempt: str, token: str, work: Path, *extra: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "TORCHYARD_"))}
     env["TORCHYARD_LAUNCH_TOKEN"] = token
-    argv = [sys.executable, "-m", "worker.agent.launch", "--api", url, "--attempt", attempt]
+    argv = [sys.executable, "-m", "worker.agent.placement_launcher", "--api", url, "--attempt", attempt]
     argv += ["--node", "ln1", "--node-rank", "0", "--nodes", "ln1", "--work-dir", str(work), *extra]
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
