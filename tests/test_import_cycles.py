@@ -25,9 +25,10 @@ PACKAGES = ("service", "worker", "torchyard")
 # Delete an entry once its circle is gone (test_known_package_circles_still_exist says when).
 KNOWN_PACKAGE_CIRCLES_TO_REMOVE: list[frozenset[str]] = [
     # service.engines.slurm → service.services.reaper → service.services.scheduler_loop →
-    # service.engines.agents: the scheduler loop and the reaper build the engines that use
-    # them. It goes when the engines become drivers behind one reconciler (the issue
-    # "Engines as drivers behind one reconciler"); whoever redesigns them deletes this entry.
+    # service.engines.agents: the engines call the services (the scheduler, attempts, the
+    # reaper) and the scheduler loop builds the engines. It goes when the engines become
+    # drivers behind one reconciler (the issue "Engines as drivers behind one reconciler");
+    # whoever redesigns them deletes this entry.
     frozenset({"service.engines", "service.services"}),
 ]
 
