@@ -19,7 +19,7 @@ from tests.support.factories import auth, create_token
 from tests.support.report_helpers import make_script_job, point, post_report, start_running_job
 from torchyard.cli import main
 from torchyard.client import Client, Event, Job
-from torchyard.commands.jobs import follow_job
+from torchyard.commands.job_submit import follow_job
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> str:

@@ -9,7 +9,7 @@ from typing import Any
 
 from torchyard.apiclient.registry import ModelVersion, parse_model_ref
 from torchyard.commands.common import _answer, _client, _note, _print_json
-from torchyard.commands.jobs import print_job
+from torchyard.commands.job_show import print_job
 from torchyard.terminal import (
     describe_status,
     format_table,
