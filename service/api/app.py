@@ -43,10 +43,11 @@ from service.api.security import SecurityHeadersMiddleware
 from service.config import Settings, get_settings
 from service.db.engine import Database, is_unavailable, postgres_connect_args
 from service.db.migrate import upgrade
-from service.engines import make_engine
+from service.engines import make_driver
 from service.services.datasets import sweep_staging_periodically
 from service.services.node_timing import NodeTiming
 from service.services.reaper import ListeningClock, run_reaper
+from service.services.reconciler import Reconciler
 from service.services.scheduler_loop import SchedulerLoop
 from service.services.tokens import ensure_bootstrap_token
 from service.services.wakeup import PlacementListener, Wakeup
@@ -170,7 +171,7 @@ def create_app(settings: Settings | None = None, *, freeze: bool = False) -> Fas
         app.state.listening = ListeningClock()
         # Scheduling passes, one at a time, out of the request path.
         # What runs the jobs (docs/slurm.md): torchyard's agents, or an existing Slurm cluster.
-        engine = make_engine(settings)
+        engine = Reconciler(make_driver(settings))
         await asyncio.to_thread(engine.start)
         app.state.engine = engine
         app.state.scheduling = SchedulerLoop(

@@ -1,22 +1,147 @@
-"""The engine interface: inventory, submit, poll, cancel (see :mod:`service.engines`)."""
+"""The engine port: what a driver answers, typed in and out (see :mod:`service.engines`).
+
+A driver talks to one kind of cluster and knows nothing of torchyard's database: it lists
+the cluster's nodes (:meth:`Driver.inventory`), starts one attempt as one engine job
+(:meth:`Driver.submit`), says how its jobs are doing (:meth:`Driver.poll`) and stops one
+(:meth:`Driver.cancel`). The service's reconciler (:mod:`service.services.reconciler`)
+does the rest — the lock, the node rows, handing queued jobs over, and what an engine
+job's end means for its attempt — the same way for every driver. What differs between
+engines is declared in :class:`Capabilities`, never tested by name.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
 
-from service.config import Settings
-from service.db.engine import Database
-from service.services.scheduler import PassResult
+from service.states import EngineName
+from torchyard.contract.states import NodeStatus
 
 
-class Engine(Protocol):
-    """What runs attempts. One pass (:meth:`run_pass`) does all of an engine's work in turn:
-    its inventory, handing queued jobs to it (submit), reading back how its jobs are doing
-    (poll) and stopping those whose attempt ended (cancel). Passes run one at a time in the
-    replica's scheduling loop (:mod:`service.services.scheduler_loop`), when something may let
-    a job start and, for an engine that polls, every :attr:`period_s` seconds."""
+class EngineUnavailable(RuntimeError):
+    """The engine cannot be used as configured (a missing command, an unknown partition)."""
+
+
+class EngineNotAnswering(RuntimeError):
+    """The engine did not answer this time (a timeout, a command that failed): the pass is
+    skipped and the next one asks again."""
+
+
+class SubmitRefused(RuntimeError):
+    """The engine refused an attempt for good (a bad option, a request it can never run):
+    the attempt fails with ``EngineError`` carrying this message, and is not retried."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What sets an engine apart, as the service needs to know it.
+
+    ``schedules``: the engine places attempts itself (submit, poll, cancel). Without it the
+    service's gang scheduler places them on the nodes of resident agents, which claim them.
+    ``nodes_heartbeat``: nodes are heard from by their own heartbeats (a silent node is
+    lost after the lease timeout). Without it the engine's inventory says which nodes are
+    ready, and nothing else is waited for.
+    ``reports_ends``: the engine says how each of its jobs ended (preempted, cancelled from
+    outside, a node failed): an attempt whose placements are done waits for that word
+    before it is settled as preempted.
+    """
+
+    schedules: bool
+    nodes_heartbeat: bool
+    reports_ends: bool
+
+
+@dataclass(frozen=True)
+class NodeSeen:
+    """One node of the engine's inventory."""
 
     name: str
+    address: str
+    # GPUs when the node has any, else CPU slots.
+    units: int
+    accelerator: str  # "gpu" | "cpu"
+    status: NodeStatus  # READY, DRAINED or LOST
+    # The engine's own word for the node's state (``mix``, ``down*``, ``Ready``).
+    state: str
+    # Why a lost or drained node is so, in the engine's words ("node n1 is down* in Slurm").
+    why: str = ""
+    # Shown with the node (``GET /v1/cluster``): partitions, GPUs and CPUs, labels.
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """One attempt to start: one launcher per node rank, all at once."""
+
+    job_id: str
+    attempt_id: str
+    attempt_number: int
+    node_count: int
+    process_count_per_node: int
+    # The launchers' credential (``TORCHYARD_LAUNCH_TOKEN``): for this attempt only.
+    launch_token: str
+    # The job's own run-time limit (its spec's ``resources.max_runtime_s``), if any.
+    max_runtime_s: float | None = None
+
+    @property
+    def name(self) -> str:
+        return engine_job_name(self.job_id, self.attempt_number)
+
+
+def engine_job_name(job_id: str, attempt_number: int) -> str:
+    """An attempt's engine job name: the attempt is found by it again after an API restart."""
+    return f"torchyard-{job_id}-{attempt_number}"
+
+
+class Phase(StrEnum):
+    PENDING = "pending"  # waiting for the engine's resources
+    RUNNING = "running"
+    ENDED = "ended"  # nothing of the engine job runs any more
+
+
+class Ending(StrEnum):
+    """How an ended engine job ended, as far as the engine can tell."""
+
+    COMPLETED = "completed"  # ended by itself
+    CANCELLED = "cancelled"  # stopped from outside torchyard (``scancel``, a deleted pod)
+    PREEMPTED = "preempted"  # preempted, evicted, or its time limit came
+    NODE_LOST = "node_lost"  # a node under it failed
+    FAILED = "failed"  # anything else
+    # The engine could not place the whole gang in time and released every part of it: the
+    # job waits for the engine's resources (not a failure, not a restart).
+    UNSCHEDULABLE = "unschedulable"
+
+
+@dataclass(frozen=True)
+class EngineJobState:
+    """What the engine says of one of its jobs."""
+
+    id: str
+    phase: Phase
+    # The engine's own word (``PENDING``, ``COMPLETED``, ``Failed``), kept on the attempt.
+    state: str
+    # Why it waits, or why it ended, in the engine's words (``Resources``).
+    reason: str = ""
+    ending: Ending | None = None
+    # For an ended job: one line saying how ("Slurm job 12 ended FAILED (exit code 1:0, reason
+    # NonZeroExitCode)") and the end of its output, for a job no launcher reported from.
+    summary: str = ""
+    output_tail: str = ""
+
+
+class Driver(Protocol):
+    """One kind of cluster, behind the four operations of the port."""
+
+    name: EngineName
+    capabilities: Capabilities
+    # What the engine's waiting jobs are called in a job's reason ("Slurm", "Kubernetes").
+    display_name: str
+    # The command the engine starts on each node, named when no launcher ever reported.
+    launcher: str
+    # How a job stopped from outside was stopped, for its reason ("scancel'ed", "deleted").
+    cancel_verb: str
 
     @property
     def period_s(self) -> float | None:
@@ -25,10 +150,19 @@ class Engine(Protocol):
     def start(self) -> None:
         """Check the engine can be used (raise :class:`EngineUnavailable` with one clear line)."""
 
-    def run_pass(self, db: Database, settings: Settings) -> PassResult:
-        """One pass, committed."""
+    def inventory(self) -> list[NodeSeen]:
+        """The nodes jobs may run on, with their state (raises :class:`EngineNotAnswering`)."""
         ...
 
+    def submit(self, request: LaunchRequest) -> str:
+        """Start the attempt; its engine job id. An engine job of ``request.name`` that this
+        service already submitted is adopted, not submitted twice (raises
+        :class:`SubmitRefused`, :class:`EngineNotAnswering`)."""
+        ...
 
-class EngineUnavailable(RuntimeError):
-    """The engine cannot be used as configured (a missing command, an unknown partition)."""
+    def poll(self, ids: Sequence[str]) -> dict[str, EngineJobState]:
+        """The state of each of these engine jobs (one the engine forgot: ended)."""
+        ...
+
+    def cancel(self, engine_job_id: str) -> None:
+        """Stop the engine job and everything of it (no error when it is gone already)."""

@@ -26,12 +26,12 @@ import logging
 import math
 import threading
 import time
+from typing import Protocol
 
 from service.config import Settings
 from service.db.engine import Database, is_unavailable
-from service.engines.agents import AgentsEngine
-from service.engines.base import Engine
 from service.services.node_timing import NodeTiming
+from service.services.scheduler import PassResult
 from service.services.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,18 @@ _RETRY_S = 0.5
 PASS_GAP_S = 0.2
 
 
+class Passes(Protocol):
+    """What the loop runs: an engine's passes (the reconciler, service.services.reconciler)."""
+
+    @property
+    def period_s(self) -> float | None:
+        """Seconds between passes even when nothing asked for one (None: only when asked)."""
+
+    def run_pass(self, db: Database, settings: Settings) -> PassResult:
+        """One pass, committed."""
+        ...
+
+
 class SchedulerLoop:
     """Coalesced scheduling passes in a thread of their own (see the module's docstring)."""
 
@@ -51,15 +63,16 @@ class SchedulerLoop:
         db: Database,
         settings: Settings,
         wakeup: Wakeup,
-        engine: Engine | None = None,
+        engine: Passes,
         timing: NodeTiming | None = None,
         gap_s: float = PASS_GAP_S,
     ) -> None:
         self._db = db
         self._gap_s = gap_s
-        # What a pass runs: the gang scheduler of the built-in agents, or another engine's pass
-        # (service.engines), which also runs every ``engine.period_s`` unasked (it polls).
-        self._engine: Engine = engine or AgentsEngine()
+        # What a pass runs: the engine's reconciler (service.services.reconciler) — the gang
+        # scheduler of the built-in agents, or an engine that schedules, which also runs every
+        # ``engine.period_s`` unasked (it polls).
+        self._engine = engine
         self._settings = settings
         # The lease a placement starts with follows the cluster's size (see node_timing).
         self._timing = timing

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from service.config import Settings
 from service.db.engine import Database
-from service.engines.agents import AgentsEngine
+from service.engines.agents import AgentsDriver
+from service.services.reconciler import Reconciler
 from service.services.scheduler import PassResult
 from service.services.scheduler_loop import SchedulerLoop
 from service.services.wakeup import Wakeup
@@ -19,10 +20,11 @@ from service.services.wakeup import Wakeup
 GAP_S = 0.3
 
 
-class NotingEngine(AgentsEngine):
+class NotingEngine(Reconciler):
     """The built-in engine, noting when each of its passes starts."""
 
     def __init__(self) -> None:
+        super().__init__(AgentsDriver())
         self.starts: list[float] = []
 
     def run_pass(self, db: Database, settings: Settings) -> PassResult:

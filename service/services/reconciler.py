@@ -1,0 +1,400 @@
+"""One reconciler for every engine: the engine's answers made into torchyard's rows.
+
+A driver (:mod:`service.engines`) knows nothing of the database; everything written here
+is written the same way whatever the engine. One pass (in the replica's scheduling loop,
+every ``driver.period_s`` and whenever something asks):
+
+* an engine that does not schedule (the built-in agents: ``Capabilities.schedules`` off)
+  gets the service's gang scheduler (:mod:`service.services.scheduler`), whose placements
+  the agents claim; nothing else happens here for it;
+* an engine that schedules (Slurm, Kubernetes) is talked to under a cluster-wide lock on
+  PostgreSQL, so that one replica at a time does it:
+
+  1. **inventory** → the node rows (``engine`` = the driver's name): ready, drained or
+     lost; a node newly lost (or gone from the inventory) loses its placements
+     (``WorkerLostError`` naming it, the job restarts);
+  2. **hand-over**: each queued job that fits the engine's nodes gets an attempt
+     (committed first, with a fresh launch token), then ``submit`` — an attempt committed
+     but never recorded as submitted (the API stopped in between) is submitted again
+     (the driver adopts an engine job of the attempt's name: nothing runs twice);
+  3. **poll** every attempt whose engine job has not been settled: a pending one's reason
+     goes into its job's (``waiting in Slurm (job 12): Resources``); an ended one settles
+     the attempt — the launchers' reports decide, the engine's ending fills the gaps (see
+     :meth:`Reconciler._settle`);
+  4. **cancel**: the engine job of every attempt that ended in torchyard (cancelled,
+     failed, restarted) is cancelled while it still runs; a succeeded attempt's launchers
+     get ``LAUNCHER_EXIT_S`` to exit by themselves first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from sqlalchemy import select, text
+from sqlalchemy.orm import Session
+
+from service.config import Settings
+from service.db.engine import Database
+from service.db.models import Attempt, Job, Node, Placement, utcnow
+from service.engines.base import (
+    Driver,
+    Ending,
+    EngineJobState,
+    EngineNotAnswering,
+    LaunchRequest,
+    NodeSeen,
+    Phase,
+    SubmitRefused,
+    engine_job_name,
+)
+from service.services import launches
+from service.services.attempts import (
+    fail_attempt,
+    finish_cancellation,
+    finish_preemption,
+    lose_placements,
+    requeue,
+)
+from service.services.cluster import check_resources
+from service.services.jobs import request_cancel
+from service.services.reaper import lose_node_placements
+from service.services.scheduler import PassResult, is_postgres, run_pass
+from service.states import (
+    LIVE_ATTEMPT_STATUSES,
+    AttemptStatus,
+    EngineName,
+    JobStatus,
+    NodeStatus,
+    PlacementStatus,
+)
+from torchyard.contract.errors import EngineError, ResourceLimitError
+from torchyard.contract.failures import Failure
+
+log = logging.getLogger(__name__)
+
+# pg_try_advisory_xact_lock key: one replica at a time talks to the engine.
+ENGINE_LOCK_KEY = 7345013
+# How long the launchers of a succeeded attempt have to exit before its engine job is cancelled.
+LAUNCHER_EXIT_S = 30.0
+# An engine job cancelled this recently is not asked to stop again yet.
+CANCEL_AGAIN_S = 10.0
+_LIVE = [s.value for s in LIVE_ATTEMPT_STATUSES]
+_PLACED = (JobStatus.SCHEDULED.value, JobStatus.RUNNING.value)
+
+
+@dataclass
+class Reconciler:
+    """The engine of a replica: its driver and the passes that reconcile it with the rows."""
+
+    driver: Driver
+    # Engine jobs this replica already cancelled, by id (asked again only after a while).
+    _cancelled: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.driver.name
+
+    @property
+    def period_s(self) -> float | None:
+        return self.driver.period_s
+
+    def start(self) -> None:
+        self.driver.start()
+
+    def run_pass(self, db: Database, settings: Settings) -> PassResult:
+        if not self.driver.capabilities.schedules:
+            return run_pass(db, settings)
+        result = PassResult()
+        with db.session() as lock:
+            if is_postgres(lock) and not lock.scalar(
+                text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": ENGINE_LOCK_KEY}
+            ):
+                return result  # another replica is talking to the engine right now
+            try:
+                self._mirror(db, self.driver.inventory())
+                self._hand_over_queued(db, settings, result)
+                self._poll(db)
+            except EngineNotAnswering as exc:
+                log.warning("%s does not answer: %s", self.driver.display_name, exc)
+            lock.rollback()
+        return result
+
+    # --- inventory ------------------------------------------------------------------------
+
+    def _mirror(self, db: Database, seen: list[NodeSeen]) -> None:
+        """The inventory into the node rows; the placements of nodes newly lost are lost."""
+        engine = self.driver.name
+        lost: list[tuple[str, str]] = []
+        now = utcnow()
+        names = [s.name for s in seen]
+        with db.transaction() as session:
+            owner = launches.engine_owner(session, engine)
+            rows = {n.name: n for n in session.scalars(select(Node).where(Node.name.in_(names)))}
+            for node in seen:
+                row = rows.get(node.name)
+                if row is None:
+                    row = Node(
+                        name=node.name,
+                        token_id=owner,
+                        registered_at=now,
+                        last_heartbeat_at=now,
+                        engine=engine,
+                    )
+                    session.add(row)
+                was = row.status
+                _mirror_node(row, node, engine, owner, now)
+                if row.status == NodeStatus.LOST.value and was != NodeStatus.LOST.value and row.id:
+                    lost.append((row.id, node.why or f"node {node.name} is {node.state}"))
+            gone = session.scalars(
+                select(Node).where(
+                    Node.engine == engine, Node.name.not_in(names), Node.status != NodeStatus.LOST.value
+                )
+            )
+            for row in gone:
+                row.status = NodeStatus.LOST
+                lost.append((row.id, f"node {row.name} left {self.driver.display_name}'s nodes"))
+        for node_id, message in lost:
+            log.warning("%s", message)
+            lose_node_placements(db, node_id, message)
+
+    # --- hand-over ------------------------------------------------------------------------
+
+    def _hand_over_queued(self, db: Database, settings: Settings, result: PassResult) -> None:
+        with db.read_session() as session:
+            queued = list(
+                session.scalars(
+                    select(Job.id)
+                    .where(Job.status == JobStatus.QUEUED.value)
+                    .order_by(Job.priority.desc(), Job.created_at, Job.id)
+                    .limit(500)
+                )
+            )
+        for job_id in queued:
+            handed = self._hand_over(db, settings, job_id, result)
+            if handed is not None:
+                self._submit(db, *handed)
+
+    def _hand_over(
+        self, db: Database, settings: Settings, job_id: str, result: PassResult
+    ) -> tuple[str, str] | None:
+        """A queued job's new attempt and launch token (committed), or None when it waits."""
+        display = self.driver.display_name
+        with db.transaction() as session:
+            job = session.scalars(
+                select(Job).where(Job.id == job_id, Job.status == JobStatus.QUEUED.value).with_for_update()
+            ).first()
+            if job is None:
+                return None
+            try:
+                check_resources(session, settings, job.node_count, job.process_count_per_node)
+            except ResourceLimitError as exc:
+                # The engine's nodes shrank since the job was accepted: it waits for them.
+                reason = f"waiting for {display}'s nodes: {exc.message}"
+                if job.requeue_reason:
+                    reason = f"{job.requeue_reason}; {reason}"
+                job.wait_reason = reason
+                result.waiting[job.id] = reason
+                return None
+            name = engine_job_name(job.id, (job.attempts_count or 0) + 1)
+            attempt, token = launches.start_attempt(
+                session, job, self.driver.name, f"submitted to {display} as {name}"
+            )
+            job.wait_reason = f"submitting to {display} as {name}"
+            result.scheduled.append(job.id)
+            return attempt.id, token
+
+    def _submit(self, db: Database, attempt_id: str, token: str) -> None:
+        with db.read_session() as session:
+            attempt = session.get_one(Attempt, attempt_id)
+            job = session.get_one(Job, attempt.job_id)
+            limit = ((job.spec or {}).get("resources") or {}).get("max_runtime_s")
+            request = LaunchRequest(
+                job_id=job.id,
+                attempt_id=attempt.id,
+                attempt_number=attempt.number,
+                node_count=job.node_count,
+                process_count_per_node=job.process_count_per_node,
+                launch_token=token,
+                max_runtime_s=float(limit) if isinstance(limit, int | float) else None,
+            )
+        try:
+            engine_job_id = self.driver.submit(request)
+        except SubmitRefused as exc:
+            self._refused(db, attempt_id, str(exc))
+            return
+        with db.transaction() as session:
+            attempt = session.get_one(Attempt, attempt_id)
+            attempt.engine_job_id = engine_job_id
+            job = session.scalars(select(Job).where(Job.id == attempt.job_id).with_for_update()).one()
+            if job.status == JobStatus.SCHEDULED.value:
+                job.wait_reason = f"waiting in {self.driver.display_name} (job {engine_job_id}): submitted"
+        log.info(
+            "job %s attempt %d: %s job %s", request.job_id, request.attempt_number, self.name, engine_job_id
+        )
+
+    def _refused(self, db: Database, attempt_id: str, message: str) -> None:
+        """The engine refused the attempt: EngineError with its words, not retried."""
+        with db.transaction() as session:
+            job, attempt = launches.lock_attempt(session, attempt_id)
+            attempt.engine_state = "REFUSED"
+            launches.revoke_launch_tokens(session, attempt_id)
+            failure = Failure(code=EngineError.code, message=message)
+            fail_attempt(session, job, attempt, failure, f"{EngineError.code}: {message}")
+        log.error("job %s: %s", job.id, message)
+
+    def _resubmit(self, db: Database, attempt_id: str) -> None:
+        """An attempt committed but never recorded as submitted (the API stopped in between):
+        submitted now with a fresh launch token (the driver adopts a job of its name)."""
+        with db.transaction() as session:
+            attempt = session.get_one(Attempt, attempt_id)
+            token = launches.issue_launch_token(session, attempt)
+        self._submit(db, attempt_id, token)
+
+    # --- poll -----------------------------------------------------------------------------
+
+    def _poll(self, db: Database) -> None:
+        with db.read_session() as session:
+            open_attempts = list(
+                session.execute(
+                    select(Attempt.id, Attempt.engine_job_id, Attempt.status, Attempt.finished_at).where(
+                        Attempt.engine == self.driver.name, Attempt.engine_state.is_(None)
+                    )
+                )
+            )
+        states = self.driver.poll([row.engine_job_id for row in open_attempts if row.engine_job_id])
+        now = utcnow()
+        for attempt_id, engine_job_id, status, finished_at in open_attempts:
+            if engine_job_id is None:
+                if status in _LIVE:
+                    self._resubmit(db, attempt_id)
+                continue
+            state = states.get(engine_job_id)
+            if state is None:
+                continue
+            if state.phase is Phase.ENDED:
+                self._settle(db, attempt_id, state)
+            elif status in _LIVE:
+                if state.phase is Phase.PENDING:
+                    self._pending_reason(db, attempt_id, state)
+            elif not _exiting_by_itself(status, finished_at, now):
+                self._cancel(engine_job_id)
+
+    def _pending_reason(self, db: Database, attempt_id: str, state: EngineJobState) -> None:
+        if not state.reason:
+            return
+        reason = f"waiting in {self.driver.display_name} (job {state.id}): {state.reason}"
+        with db.transaction() as session:
+            attempt = session.get_one(Attempt, attempt_id)
+            row = session.get_one(Job, attempt.job_id)
+            if row.status == JobStatus.SCHEDULED.value and row.wait_reason != reason:
+                row.wait_reason = reason
+                attempt.engine_reason = state.reason
+
+    def _cancel(self, engine_job_id: str) -> None:
+        now = time.monotonic()
+        if now - self._cancelled.get(engine_job_id, -1e9) < CANCEL_AGAIN_S:
+            return
+        self._cancelled[engine_job_id] = now
+        self.driver.cancel(engine_job_id)
+
+    # --- settling an attempt whose engine job ended ---------------------------------------
+
+    def _settle(self, db: Database, attempt_id: str, state: EngineJobState) -> None:
+        """The engine job of a not-yet-settled attempt ended: the launchers' reports decide,
+        the engine's ending fills the gaps they left."""
+        display = self.driver.display_name
+        with db.transaction() as session:
+            job, attempt = launches.lock_attempt(session, attempt_id)
+            attempt.engine_state = state.state
+            launches.revoke_launch_tokens(session, attempt_id)
+            if attempt.status not in _LIVE:
+                return
+            placements = list(
+                session.scalars(
+                    select(Placement).where(Placement.attempt_id == attempt_id).order_by(Placement.node_rank)
+                )
+            )
+            open_ids = [p.id for p in placements if p.status != PlacementStatus.DONE]
+            if job.status == JobStatus.CANCELLING.value:
+                _close(session, placements)
+                finish_cancellation(session, job)
+            elif state.ending is Ending.CANCELLED and job.status in _PLACED:
+                _close(session, placements)
+                request_cancel(
+                    session, job, f"cancelled in {display} (job {state.id} was {self.driver.cancel_verb})"
+                )
+                finish_cancellation(session, job)
+            elif state.ending is Ending.UNSCHEDULABLE and not open_ids:
+                _release(session, job, attempt, f"waiting in {display}: {state.reason}")
+            elif attempt.preempt_requested_at is not None or (
+                state.ending is Ending.PREEMPTED and placements
+            ):
+                if attempt.preempt_requested_at is None:
+                    attempt.preempt_requested_at = utcnow()
+                _close(session, placements)
+                finish_preemption(session, job, attempt)
+            elif open_ids:
+                nodes = {p.id: session.get_one(Node, p.node_id).name for p in placements}
+                messages = {
+                    pid: f"node {nodes[pid]}: {display} job {state.id} ended {state.state} without a report "
+                    "from its launcher"
+                    for pid in open_ids
+                }
+                session.flush()
+                lose_placements(session, job.id, open_ids, messages)
+            elif not placements:
+                tail = state.output_tail
+                message = (
+                    f"{state.summary} without any report from torchyard's launcher "
+                    f"({self.driver.launcher!r}); the end of its output:\n{tail}"
+                )
+                failure = Failure(code=EngineError.code, message=message, traceback=tail or None)
+                fail_attempt(session, job, attempt, failure, f"{EngineError.code}: {message}")
+
+
+def _exiting_by_itself(status: str, finished_at: datetime | None, now: datetime) -> bool:
+    """A succeeded attempt's launchers exit by themselves (the engine's job then ends
+    completed, not cancelled) if given ``LAUNCHER_EXIT_S``; any other ended attempt's engine
+    job is stopped at once."""
+    return (
+        status == AttemptStatus.SUCCEEDED.value
+        and finished_at is not None
+        and now - finished_at < timedelta(seconds=LAUNCHER_EXIT_S)
+    )
+
+
+def _mirror_node(row: Node, seen: NodeSeen, engine: EngineName, owner: str, now: datetime) -> None:
+    row.engine = engine
+    row.token_id = owner
+    row.agent_key_hash = None
+    row.address = seen.address
+    row.units = seen.units
+    row.accelerator = seen.accelerator
+    row.status = seen.status
+    row.drained_by = engine if seen.status is NodeStatus.DRAINED else None
+    row.info = {"engine": engine, "state": seen.state, **seen.info}
+    # The inventory is how this engine's nodes are heard from: when it last saw the node
+    # (shown with it; readiness does not wait on it, see Capabilities.nodes_heartbeat).
+    row.last_heartbeat_at = now
+
+
+def _close(session: Session, placements: list[Placement]) -> None:
+    now = utcnow()
+    for p in placements:
+        if p.status != PlacementStatus.DONE:
+            p.status = PlacementStatus.DONE
+            p.finished_at = now
+    session.flush()
+
+
+def _release(session: Session, job: Job, attempt: Attempt, reason: str) -> None:
+    """The engine released an attempt it could not place whole: the job waits in the queue
+    again (no restart counted), its reason the engine's."""
+    attempt.status = AttemptStatus.PREEMPTED
+    attempt.finished_at = utcnow()
+    attempt.failure_message = f"released: {reason}"
+    if job.status in _PLACED:
+        requeue(session, job, reason)
