@@ -51,6 +51,8 @@ from torchyard.contract.states import NodeStatus
 log = logging.getLogger(__name__)
 
 OUTPUT_TAIL_BYTES = 4000
+# What sbatch says (exit code 1, as for a refusal) when the controller is down.
+_UNREACHABLE = "Unable to contact slurm controller"
 # How Slurm's end states map onto the port's (any other ended state is a failure).
 _ENDINGS = {
     "COMPLETED": Ending.COMPLETED,
@@ -157,7 +159,8 @@ class SlurmDriver:
             argv, env = self.sbatch_command(request)
             return self.slurm.submit(argv, env)
         except SlurmCommandError as exc:
-            if exc.code in (124, 127):  # no answer, or no sbatch: try again at the next pass
+            if exc.code in (124, 127) or _UNREACHABLE in exc.output:
+                # No answer, no sbatch, or no controller: try again at the next pass.
                 raise EngineNotAnswering(str(exc)) from exc
             raise SubmitRefused(f"sbatch refused the job: {exc.output.strip()[-1000:] or exc}") from exc
 
@@ -233,6 +236,8 @@ class SlurmDriver:
 
     def _output_tail(self, name: str, slurm_id: str) -> str:
         path = self.settings.slurm_outputs / f"{name}-{slurm_id}.out"
+        if not name:  # a job Slurm forgot has no name any more: its output file still has it
+            path = next(iter(sorted(self.settings.slurm_outputs.glob(f"torchyard-*-{slurm_id}.out"))), path)
         tail = read_tail(path)
         if tail is None:
             return f"(no output at {path}: TORCHYARD_SLURM_OUTPUT_DIR must be storage the API shares)"
