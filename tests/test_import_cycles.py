@@ -23,14 +23,7 @@ PACKAGES = ("service", "worker", "torchyard")
 # Package circles known today and being removed: each entry lets exactly that set of
 # packages import each other, nothing more (a circle that grows to a third package fails).
 # Delete an entry once its circle is gone (test_known_package_circles_still_exist says when).
-KNOWN_PACKAGE_CIRCLES_TO_REMOVE: list[frozenset[str]] = [
-    # service.engines.slurm → service.services.reaper → service.services.scheduler_loop →
-    # service.engines.agents: the engines call the services (the scheduler, attempts, the
-    # reaper) and the scheduler loop builds the engines. It goes when the engines become
-    # drivers behind one reconciler (the issue "Engines as drivers behind one reconciler");
-    # whoever redesigns them deletes this entry.
-    frozenset({"service.engines", "service.services"}),
-]
+KNOWN_PACKAGE_CIRCLES_TO_REMOVE: list[frozenset[str]] = []
 
 
 def _reachable(graph: grimp.ImportGraph, start: str, inside: set[str]) -> set[str]:
