@@ -62,9 +62,11 @@ VERSION = "v1.20.2"
 SERVICE_CIDR = "10.0.0.0/24"
 ENGINE_USER = "torchyard-engine"
 # How long the node-lifecycle controller waits for a node's heartbeat (its Lease) before it
-# marks the node NotReady (the default, 40 s); pods on a NotReady node are evicted this much later.
+# marks the node's Ready condition Unknown and taints it unreachable (the default, 40 s).
 NODE_MONITOR_GRACE_S = 40
-POD_EVICTION_TIMEOUT_S = 60
+# How long pods tolerate that taint (NoExecute) before the controller deletes them, unless
+# they say otherwise: the DefaultTolerationSeconds admission plugin's default, 300 s.
+UNREACHABLE_TOLERATION_S = 300
 
 
 # --- where the binaries are ---------------------------------------------------------------
@@ -256,7 +258,7 @@ class KubeCluster:
     root: Path
     bin_dir: Path | None = None
     node_monitor_grace_s: int = NODE_MONITOR_GRACE_S
-    pod_eviction_timeout_s: int = POD_EVICTION_TIMEOUT_S
+    unreachable_toleration_s: int = UNREACHABLE_TOLERATION_S
     kubelets: list[FakeKubelet] = field(default_factory=list)
     server: str = ""
     ca: CertificateAuthority | None = None
@@ -405,6 +407,8 @@ class KubeCluster:
             "--allow-privileged=true",
             "--profiling=false",
             "--enable-priority-and-fairness=false",
+            f"--default-unreachable-toleration-seconds={self.unreachable_toleration_s}",
+            f"--default-not-ready-toleration-seconds={self.unreachable_toleration_s}",
             "--event-ttl=1h",
             "--v=1",
         )
@@ -439,7 +443,6 @@ class KubeCluster:
             f"--cluster-signing-key-file={r / 'ca.key'}",
             f"--node-monitor-grace-period={self.node_monitor_grace_s}s",
             "--node-monitor-period=2s",
-            f"--pod-eviction-timeout={self.pod_eviction_timeout_s}s",
             "--concurrent-gc-syncs=5",
             # Its controllers start one after another, each making its service account: with
             # the default client rate limit (20/s) the last ones start seconds later.
