@@ -91,7 +91,7 @@ def kube_bin_dir() -> Path | str:
     if proc.returncode != 0 or not lines:
         return (
             f"no Kubernetes control plane is built ({BIN_ENV} is unset and the cache has none; "
-            "run .ci/kubernetes.sh, about 15 minutes, then set "
+            "run .ci/kubernetes.sh, 5 to 15 minutes, then set "
             f"{BIN_ENV} to the folder it prints)"
         )
     return Path(lines[-1])
