@@ -22,14 +22,19 @@ from torchyard.contract.states import (
 )
 
 __all__ = [
+    "ABORTED_ATTEMPT_STATUSES",
     "ACTIVE_STATUSES",
+    "DRAINED_NODE_STATUSES",
     "ENGINE_AGENTS",
     "ENGINE_SLURM",
+    "FINAL_ATTEMPT_STATUSES",
     "FINAL_STATUSES",
     "LIVE_ATTEMPT_STATUSES",
     "LIVE_STATUSES",
+    "PLACED_STATUSES",
     "TRANSITIONS",
     "AttemptStatus",
+    "EngineName",
     "JobStatus",
     "NodeStatus",
     "PlacementStatus",
@@ -40,9 +45,26 @@ __all__ = [
     "sql_in",
 ]
 
-# The engines that run attempts (docs/slurm.md; TORCHYARD_ENGINE).
-ENGINE_AGENTS = "agents"
-ENGINE_SLURM = "slurm"
+
+class EngineName(StrEnum):
+    """The engines that run attempts (docs/slurm.md; TORCHYARD_ENGINE), as attempts and nodes
+    name them: ``agents`` (resident worker agents), ``slurm``, ``kubernetes``."""
+
+    AGENTS = "agents"
+    SLURM = "slurm"
+    KUBERNETES = "kubernetes"
+
+
+ENGINE_AGENTS = EngineName.AGENTS
+ENGINE_SLURM = EngineName.SLURM
+
+# A drained node (by an admin, its agent or its engine): no new placements.
+DRAINED_NODE_STATUSES = frozenset({NodeStatus.DRAINING, NodeStatus.DRAINED})
+# A job placed on nodes and not being cancelled: its ranks may start, run and report.
+PLACED_STATUSES = frozenset({JobStatus.SCHEDULED, JobStatus.RUNNING})
+FINAL_ATTEMPT_STATUSES = frozenset(AttemptStatus) - LIVE_ATTEMPT_STATUSES
+# An attempt that ended without succeeding: its placements still running are told to stop.
+ABORTED_ATTEMPT_STATUSES = FINAL_ATTEMPT_STATUSES - {AttemptStatus.SUCCEEDED}
 
 TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     JobStatus.QUEUED: frozenset({JobStatus.SCHEDULED, JobStatus.CANCELLED, JobStatus.FAILED}),

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
-from typing import Any
+from enum import StrEnum
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     JSON,
@@ -27,13 +28,15 @@ from sqlalchemy import (
     UniqueConstraint,
     text,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, validates
 from sqlalchemy.types import TypeDecorator
 
 from service.states import (
+    ENGINE_AGENTS,
     FINAL_STATUSES,
     LIVE_ATTEMPT_STATUSES,
     AttemptStatus,
+    EngineName,
     JobStatus,
     NodeStatus,
     PlacementStatus,
@@ -42,6 +45,7 @@ from service.states import (
     TrialState,
     sql_in,
 )
+from torchyard.contract.jobspec import JobKind
 
 NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -82,8 +86,48 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value
 
 
+E = TypeVar("E", bound=StrEnum)
+
+
+class EnumAsString(TypeDecorator[E]):
+    """A ``StrEnum`` stored as its value in a VARCHAR column, read back as the enum member.
+
+    The database keeps plain strings (the check constraints list the values), so typing a
+    column with it changes no schema. A member compares equal to its string, so filters may
+    name either; a string that names no member is written as it is, for the column's check
+    constraint to refuse.
+    """
+
+    impl = String
+    cache_ok = True
+
+    def __init__(self, enum_class: type[E], length: int = 16) -> None:
+        super().__init__(length)
+        self.enum_class = enum_class
+
+    def process_bind_param(self, value: E | str | None, dialect: Any) -> str | None:
+        return None if value is None else str(value)
+
+    def process_result_value(self, value: str | None, dialect: Any) -> E | None:
+        return None if value is None else self.enum_class(value)
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
+
+
+def enum_columns(*keys: str) -> Any:
+    """A validator for the :class:`EnumAsString` columns ``keys`` of a row: what is assigned
+    becomes the enum member at once (a plain string too), not only once the row is read
+    back, so the row's attributes are members from the start."""
+
+    @validates(*keys)
+    def as_member(row: Base, key: str, value: Any) -> Any:
+        column_type = row.__table__.c[key].type
+        assert isinstance(column_type, EnumAsString)
+        return None if value is None else column_type.enum_class(value)
+
+    return as_member
 
 
 class Token(Base):
@@ -92,7 +136,7 @@ class Token(Base):
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     name: Mapped[str] = mapped_column(String(200))
-    role: Mapped[str] = mapped_column(String(16))
+    role: Mapped[Role] = mapped_column(EnumAsString(Role))
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
@@ -100,6 +144,8 @@ class Token(Base):
     last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     # A launch token (docs/slurm.md): it speaks only for this attempt's placements.
     attempt_id: Mapped[str | None] = mapped_column(String(32), index=True)
+
+    _enums = enum_columns("role")
 
 
 class Dataset(Base):
@@ -172,9 +218,11 @@ class Job(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     owner_id: Mapped[str] = mapped_column(ForeignKey("tokens.id"))
     name: Mapped[str] = mapped_column(String(200))
-    status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED.value)
-    # What runs (torchyard.contract.jobspec.JOB_TYPES); the API refuses other values.
-    type: Mapped[str] = mapped_column(String(16), default="train", server_default="train")
+    status: Mapped[JobStatus] = mapped_column(EnumAsString(JobStatus), default=JobStatus.QUEUED)
+    # What runs (torchyard.contract.jobspec.JobKind); the API refuses other values.
+    type: Mapped[JobKind] = mapped_column(
+        EnumAsString(JobKind), default=JobKind.TRAIN, server_default=JobKind.TRAIN
+    )
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     # Training jobs only (the train_fields constraint).
     architecture: Mapped[str | None] = mapped_column(String(100))
@@ -230,6 +278,8 @@ class Job(Base):
     # other jobs may name it) but nothing else: it is hidden everywhere.
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
+    _enums = enum_columns("status", "type")
+
 
 # The queue in the scheduler's order (priority first, then oldest first), queued jobs only:
 # a pass reads its first jobs from here without sorting the queue.
@@ -264,9 +314,11 @@ class JobEvent(Base):
 
     seq: Mapped[int] = mapped_column(SeqInt, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
-    status: Mapped[str] = mapped_column(String(16))
+    status: Mapped[JobStatus] = mapped_column(EnumAsString(JobStatus))
     message: Mapped[str | None] = mapped_column(Text)
     at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    _enums = enum_columns("status")
 
 
 class Node(Base):
@@ -281,7 +333,7 @@ class Node(Base):
     address: Mapped[str] = mapped_column(String(255))
     units: Mapped[int] = mapped_column(Integer)
     accelerator: Mapped[str] = mapped_column(String(64))
-    status: Mapped[str] = mapped_column(String(16), default=NodeStatus.READY.value)
+    status: Mapped[NodeStatus] = mapped_column(EnumAsString(NodeStatus), default=NodeStatus.READY)
     # The worker token that registered the node: no other token may speak for it.
     token_id: Mapped[str] = mapped_column(ForeignKey("tokens.id"))
     # sha256 of the per-node key of the agent holding the node; a second agent with the
@@ -295,7 +347,11 @@ class Node(Base):
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     # Who keeps the row: "agents" (a resident agent registers and heartbeats) or an
     # engine's inventory ("slurm": mirrored from sinfo).
-    engine: Mapped[str] = mapped_column(String(16), default="agents", server_default="agents")
+    engine: Mapped[EngineName] = mapped_column(
+        EnumAsString(EngineName), default=ENGINE_AGENTS, server_default=ENGINE_AGENTS
+    )
+
+    _enums = enum_columns("status", "engine")
 
 
 _live_attempt = sql_in(LIVE_ATTEMPT_STATUSES)
@@ -328,7 +384,9 @@ class Attempt(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     number: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16), default=AttemptStatus.SCHEDULED.value)
+    status: Mapped[AttemptStatus] = mapped_column(
+        EnumAsString(AttemptStatus), default=AttemptStatus.SCHEDULED
+    )
     master_addr: Mapped[str] = mapped_column(String(255), index=True)
     master_port: Mapped[int] = mapped_column(Integer)
     failure_code: Mapped[str | None] = mapped_column(String(64))
@@ -338,13 +396,17 @@ class Attempt(Base):
     # The engine that runs it ("agents", "slurm"), its job id there once submitted, that
     # job's final state once the engine reports it ended (None while it may still run), and
     # the engine's last word on it (a pending reason, the tail of its output).
-    engine: Mapped[str] = mapped_column(String(16), default="agents", server_default="agents")
+    engine: Mapped[EngineName] = mapped_column(
+        EnumAsString(EngineName), default=ENGINE_AGENTS, server_default=ENGINE_AGENTS
+    )
     engine_job_id: Mapped[str | None] = mapped_column(String(64))
     engine_state: Mapped[str | None] = mapped_column(String(32))
     engine_reason: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+    _enums = enum_columns("status", "engine")
 
 
 class Placement(Base):
@@ -374,12 +436,16 @@ class Placement(Base):
     node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"))
     node_rank: Mapped[int] = mapped_column(Integer)
     units: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16), default=PlacementStatus.ASSIGNED.value)
+    status: Mapped[PlacementStatus] = mapped_column(
+        EnumAsString(PlacementStatus), default=PlacementStatus.ASSIGNED
+    )
     lease_token: Mapped[str] = mapped_column(String(64))
     lease_expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
     exit_code: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+    _enums = enum_columns("status")
 
 
 class Metric(Base):

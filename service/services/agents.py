@@ -73,9 +73,9 @@ def heartbeat_on(
     session: Session, settings: Settings, worker: Principal, node: Node, leases: list[str]
 ) -> tuple[HeartbeatResponse, bool]:
     """:func:`heartbeat` on ``node``, already checked and locked; the caller commits."""
-    was_lost = node.status == NodeStatus.LOST.value
+    was_lost = node.status == NodeStatus.LOST
     answer = attempts.heartbeat(session, settings, worker, node.name, leases, node=node)
-    return answer, was_lost and answer.status == NodeStatus.READY.value
+    return answer, was_lost and answer.status == NodeStatus.READY
 
 
 def claim_once(

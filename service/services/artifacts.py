@@ -28,7 +28,7 @@ from service.db.models import Job, Node, Placement, utcnow
 from service.services.job_lookup import get_job
 from service.services.leases import lock_lease, placement_for_lease, speaks_for
 from service.services.tokens import Principal
-from service.states import JobStatus, PlacementStatus
+from service.states import PLACED_STATUSES, JobStatus, PlacementStatus
 from torchyard.contract.errors import (
     ConflictError,
     ModelNotReadyError,
@@ -147,7 +147,7 @@ def authorize_model_upload(
 def _check_uploader(job: Job, node_rank: int) -> None:
     if node_rank != 0:
         raise PermissionDeniedError("only node rank 0 uploads the model directory")
-    if job.status not in (JobStatus.SCHEDULED.value, JobStatus.RUNNING.value):
+    if job.status not in PLACED_STATUSES:
         raise ConflictError(f"job {job.id} is {job.status}: its model can no longer be uploaded")
 
 
@@ -210,7 +210,7 @@ def _download_name(job: Job) -> str:
 
 
 def _model_file(store: ModelStore, job: Job) -> ModelFile:
-    if job.status != JobStatus.SUCCEEDED.value or job.model_sha256 is None:
+    if job.status != JobStatus.SUCCEEDED or job.model_sha256 is None:
         raise ModelNotReadyError(
             f"job {job.id} is {job.status}: its model directory is available once it has succeeded"
         )

@@ -43,8 +43,10 @@ from service.services.nodes import get_own_node, touch_node
 from service.services.scheduler import is_postgres
 from service.services.tokens import Principal
 from service.states import (
+    ABORTED_ATTEMPT_STATUSES,
     ENGINE_AGENTS,
     LIVE_ATTEMPT_STATUSES,
+    PLACED_STATUSES,
     AttemptStatus,
     JobStatus,
     NodeStatus,
@@ -69,14 +71,6 @@ from torchyard.contract.protocol import (
 
 log = logging.getLogger(__name__)
 
-_LIVE_ATTEMPT = [s.value for s in LIVE_ATTEMPT_STATUSES]
-_PLACED_JOB = [JobStatus.SCHEDULED.value, JobStatus.RUNNING.value]
-_ENDED_ATTEMPT = [
-    AttemptStatus.FAILED.value,
-    AttemptStatus.CANCELLED.value,
-    AttemptStatus.PREEMPTED.value,
-]
-
 
 def _lock_job(session: Session, job_id: str) -> Job:
     return session.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
@@ -89,7 +83,7 @@ def _lock_attempt(session: Session, attempt_id: str) -> Attempt:
 def _end_attempt(
     attempt: Attempt, status: AttemptStatus, now: datetime, failure: Failure | None = None
 ) -> None:
-    attempt.status = status.value
+    attempt.status = status
     attempt.finished_at = now
     if failure is not None:
         attempt.failure_code = failure.code
@@ -104,11 +98,11 @@ def fail_attempt(session: Session, job: Job, attempt: Attempt, failure: Failure,
     report of a node of an attempt that failed elsewhere) changes nothing of the job: the job
     may already run a newer attempt.
     """
-    if attempt.status not in _LIVE_ATTEMPT:
+    if attempt.status not in LIVE_ATTEMPT_STATUSES:
         return
     now = utcnow()
     _end_attempt(attempt, AttemptStatus.FAILED, now, failure)
-    if job.status not in _PLACED_JOB or job.failure_code is not None:
+    if job.status not in PLACED_STATUSES or job.failure_code is not None:
         return
     restart = restart_verdict(session, job, attempt, failure)
     if restart is None:
@@ -143,7 +137,7 @@ def restart_verdict(session: Session, job: Job, attempt: Attempt, failure: Failu
     ).first()
     if (
         previous is not None
-        and previous.status == AttemptStatus.FAILED.value
+        and previous.status == AttemptStatus.FAILED
         and (previous.failure_code, previous.failure_message) == (failure.code, failure.message)
     ):
         return None
@@ -160,7 +154,7 @@ def requeue(session: Session, job: Job, reason: str) -> None:
 
 def finish_cancellation(session: Session, job: Job) -> bool:
     """A cancelling job whose placements are all done becomes cancelled; True if it did."""
-    if job.status != JobStatus.CANCELLING.value:
+    if job.status != JobStatus.CANCELLING:
         return False
     open_count = session.scalar(
         select(func.count(Placement.id)).where(
@@ -171,7 +165,9 @@ def finish_cancellation(session: Session, job: Job) -> bool:
         return False
     now = utcnow()
     for attempt in session.scalars(
-        select(Attempt).where(Attempt.job_id == job.id, Attempt.status.in_(_LIVE_ATTEMPT)).with_for_update()
+        select(Attempt)
+        .where(Attempt.job_id == job.id, Attempt.status.in_(LIVE_ATTEMPT_STATUSES))
+        .with_for_update()
     ):
         _end_attempt(attempt, AttemptStatus.CANCELLED, now)
     transition(session, job, JobStatus.CANCELLED, "every rank stopped")
@@ -181,7 +177,7 @@ def finish_cancellation(session: Session, job: Job) -> bool:
 def finish_preemption(session: Session, job: Job, attempt: Attempt) -> bool:
     """A live attempt being preempted whose placements are all done ends ``preempted``, and
     its job goes back to ``queued`` (reason ``preempted``, no restart counted); True if it did."""
-    if attempt.status not in _LIVE_ATTEMPT or attempt.preempt_requested_at is None:
+    if attempt.status not in LIVE_ATTEMPT_STATUSES or attempt.preempt_requested_at is None:
         return False
     if attempt.engine != ENGINE_AGENTS and attempt.engine_state is None:
         # An engine's job (Slurm's) says how it ended: preempted, or cancelled from outside.
@@ -199,7 +195,7 @@ def finish_preemption(session: Session, job: Job, attempt: Attempt) -> bool:
         if attempt.engine == ENGINE_AGENTS
         else f"preempted: {attempt.engine} stopped its job ({attempt.engine_state})"
     )
-    if job.status in _PLACED_JOB:
+    if job.status in PLACED_STATUSES:
         requeue(session, job, "preempted")
         log.info("job %s: attempt %d preempted, back to the queue", job.id, attempt.number)
     return True
@@ -225,7 +221,7 @@ def preempt_node_attempts(session: Session, node: Node) -> list[str]:
         job = _lock_job(session, job_id)
         for attempt in session.scalars(
             select(Attempt)
-            .where(Attempt.job_id == job_id, Attempt.status.in_(_LIVE_ATTEMPT))
+            .where(Attempt.job_id == job_id, Attempt.status.in_(LIVE_ATTEMPT_STATUSES))
             .with_for_update()
             .execution_options(populate_existing=True)
         ).all():
@@ -302,7 +298,7 @@ def claim(
     revived = False
     if fresh:
         revived = touch_node(session, node)
-    elif node.status == NodeStatus.LOST.value:
+    elif node.status == NodeStatus.LOST:
         return ClaimCheck(None, node.id)
     stmt = (
         select(Placement)
@@ -311,8 +307,8 @@ def claim(
         .where(
             Placement.node_id == node.id,
             Placement.status == PlacementStatus.ASSIGNED,
-            Job.status.in_(_PLACED_JOB),
-            Attempt.status.in_(_LIVE_ATTEMPT),
+            Job.status.in_(PLACED_STATUSES),
+            Attempt.status.in_(LIVE_ATTEMPT_STATUSES),
             Attempt.preempt_requested_at.is_(None),
         )
         .order_by(Placement.created_at, Placement.id)
@@ -361,7 +357,7 @@ def heartbeat(
         settings,
         leases,
         owns=lambda placement: placement.node_id == node.id,
-        draining=node.status != NodeStatus.READY.value,
+        draining=node.status != NodeStatus.READY,
     )
     return HeartbeatResponse(
         node=node.name,
@@ -423,7 +419,7 @@ def renew_leases(
         # reaper, after its grace period, decides that a node is gone.
         placement.lease_expires_at = expires
         renewed.append(LeaseRenewal(lease_token=token, lease_expires_at=expires))
-        if job_status == JobStatus.CANCELLING.value:
+        if job_status == JobStatus.CANCELLING:
             stop.append(
                 StopOrder(
                     lease_token=token,
@@ -432,7 +428,9 @@ def renew_leases(
                     message="the job is being cancelled",
                 )
             )
-        elif attempt.status in _LIVE_ATTEMPT and (attempt.preempt_requested_at is not None or draining):
+        elif attempt.status in LIVE_ATTEMPT_STATUSES and (
+            attempt.preempt_requested_at is not None or draining
+        ):
             if attempt.preempt_requested_at is None:
                 attempt.preempt_requested_at = now
             stop.append(
@@ -444,7 +442,7 @@ def renew_leases(
                     "checkpoint at the next step boundary, upload it, then report preempted",
                 )
             )
-        elif attempt.status in _ENDED_ATTEMPT:
+        elif attempt.status in ABORTED_ATTEMPT_STATUSES:
             stop.append(
                 StopOrder(
                     lease_token=token,
@@ -463,9 +461,9 @@ def renew_leases(
 
 
 def _stop_reason(job: Job, attempt: Attempt) -> str | None:
-    if job.status == JobStatus.CANCELLING.value:
+    if job.status == JobStatus.CANCELLING:
         return "the job is being cancelled"
-    if attempt.status in _ENDED_ATTEMPT:
+    if attempt.status in ABORTED_ATTEMPT_STATUSES:
         return f"attempt {attempt.number} {attempt.status}"
     if attempt.preempt_requested_at is not None:
         return f"attempt {attempt.number} is preempted"
@@ -504,10 +502,10 @@ def _report_running(
     session: Session, job: Job, attempt: Attempt, placement: Placement, node: Node, now: datetime
 ) -> None:
     placement.status = PlacementStatus.RUNNING
-    if attempt.status == AttemptStatus.SCHEDULED.value:
-        attempt.status = AttemptStatus.RUNNING.value
+    if attempt.status == AttemptStatus.SCHEDULED:
+        attempt.status = AttemptStatus.RUNNING
         attempt.started_at = now
-    if job.status == JobStatus.SCHEDULED.value and attempt.status in _LIVE_ATTEMPT:
+    if job.status == JobStatus.SCHEDULED and attempt.status in LIVE_ATTEMPT_STATUSES:
         transition(session, job, JobStatus.RUNNING, f"ranks started on {node.name}")
 
 
@@ -530,7 +528,7 @@ def _report_ended(
         _report_succeeded(session, job, attempt, placement, node, now)
     elif report.state == "failed":
         _report_failed(session, job, attempt, _failure(report, node.name), node)
-    if attempt.status in _LIVE_ATTEMPT and (
+    if attempt.status in LIVE_ATTEMPT_STATUSES and (
         report.state == "preempted" or attempt.preempt_requested_at is not None
     ):
         if attempt.preempt_requested_at is None:
@@ -545,7 +543,7 @@ def _check_kept(job: Job, placement: Placement) -> None:
     if (
         placement.node_rank == 0
         and kind_of(job).keeps_model
-        and job.status in _PLACED_JOB
+        and job.status in PLACED_STATUSES
         and job.model_sha256 is None
     ):
         raise ConflictError("node rank 0 reported success before its model directory was uploaded")
@@ -554,17 +552,19 @@ def _check_kept(job: Job, placement: Placement) -> None:
 def _report_succeeded(
     session: Session, job: Job, attempt: Attempt, placement: Placement, node: Node, now: datetime
 ) -> None:
-    if attempt.status not in _LIVE_ATTEMPT or not _attempt_succeeded(session, job, attempt, placement):
+    if attempt.status not in LIVE_ATTEMPT_STATUSES or not _attempt_succeeded(
+        session, job, attempt, placement
+    ):
         return
     _end_attempt(attempt, AttemptStatus.SUCCEEDED, now)
-    if job.status in _PLACED_JOB:
+    if job.status in PLACED_STATUSES:
         kind = kind_of(job)
         on = "every node" if kind.waits_for_every_node(job) else node.name
         transition(session, job, JobStatus.SUCCEEDED, f"{kind.work_name} finished on {on}")
 
 
 def _report_failed(session: Session, job: Job, attempt: Attempt, failure: Failure, node: Node) -> None:
-    if job.status == JobStatus.CANCELLING.value:
+    if job.status == JobStatus.CANCELLING:
         log.info("job %s: %s failed while cancelling (%s)", job.id, node.name, failure.code)
     elif attempt.preempt_requested_at is not None and is_retryable(failure.code):
         # A peer stopping for the preemption broke a collective: part of the preemption.
@@ -639,7 +639,7 @@ def lose_placements(
         attempt = _lock_attempt(session, placement.attempt_id)
         node = session.get_one(Node, placement.node_id)
         message = message_for.get(placement.id) or f"node {node.name} stopped heartbeating"
-        if attempt.status in _LIVE_ATTEMPT and job.status != JobStatus.CANCELLING.value:
+        if attempt.status in LIVE_ATTEMPT_STATUSES and job.status != JobStatus.CANCELLING:
             failure = Failure(code=WorkerLostError.code, message=message, node=node.name)
             fail_attempt(session, job, attempt, failure, f"{WorkerLostError.code}: {message}")
     finish_cancellation(session, job)
@@ -664,15 +664,17 @@ def time_out(session: Session, job_id: str, now: datetime) -> bool:
     """
     job = _lock_job(session, job_id)
     limit = overrun_limit_s(job.spec, job.started_at, now)
-    if job.status != JobStatus.RUNNING.value or limit is None:
+    if job.status != JobStatus.RUNNING or limit is None:
         return False
     message = f"the job ran longer than its limit of {limit} s (resources.max_runtime_s)"
     failure = Failure(code=JobTimeoutError.code, message=message)
     attempts = session.scalars(
-        select(Attempt).where(Attempt.job_id == job.id, Attempt.status.in_(_LIVE_ATTEMPT)).with_for_update()
+        select(Attempt)
+        .where(Attempt.job_id == job.id, Attempt.status.in_(LIVE_ATTEMPT_STATUSES))
+        .with_for_update()
     ).all()
     for attempt in attempts:
         fail_attempt(session, job, attempt, failure, f"{JobTimeoutError.code}: {message}")
-    if job.status == JobStatus.RUNNING.value:  # no live attempt left to fail with it
+    if job.status == JobStatus.RUNNING:  # no live attempt left to fail with it
         transition(session, job, JobStatus.FAILED, f"{JobTimeoutError.code}: {message}", failure=failure)
     return True

@@ -30,7 +30,7 @@ from service.db.models import Attempt, Checkpoint, Job, Placement, utcnow
 from service.services.artifacts import IncomingModel, fsync_dir
 from service.services.leases import lock_lease, placement_for_lease
 from service.services.tokens import Principal
-from service.states import JobStatus
+from service.states import ACTIVE_STATUSES, PLACED_STATUSES
 from torchyard.contract.errors import ConflictError, NotFoundError, PermissionDeniedError, StaleLeaseError
 from torchyard.contract.files import sha256_file
 from torchyard.contract.protocol import CheckpointRef
@@ -67,7 +67,7 @@ def _check_writer(job: Job, placement: Placement, job_id: str) -> None:
         raise StaleLeaseError("the lease belongs to another job")
     if placement.node_rank != 0:
         raise PermissionDeniedError("only node rank 0 uploads the job's checkpoints")
-    if job.status not in (JobStatus.SCHEDULED.value, JobStatus.RUNNING.value):
+    if job.status not in PLACED_STATUSES:
         raise ConflictError(f"job {job.id} is {job.status}: it takes no more checkpoints")
 
 
@@ -214,13 +214,7 @@ def remove_ended_jobs_files(db: Database, store: CheckpointStore) -> int:
     if not names:
         return 0
     with db.read_session() as session:
-        live = set(
-            session.scalars(
-                select(Job.id).where(
-                    Job.id.in_(names), Job.status.in_([s.value for s in JobStatus if not s.is_final()])
-                )
-            )
-        )
+        live = set(session.scalars(select(Job.id).where(Job.id.in_(names), Job.status.in_(ACTIVE_STATUSES))))
     removed = 0
     for name in names:
         if name not in live:

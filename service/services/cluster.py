@@ -27,7 +27,7 @@ from service.config import Settings
 from service.db.models import Attempt, Job, Node, Placement, utcnow
 from service.schemas.nodes import ClusterPublic, NodeAttemptPublic, NodePublic
 from service.services.tokens import Principal
-from service.states import NodeStatus, PlacementStatus
+from service.states import DRAINED_NODE_STATUSES, ENGINE_AGENTS, NodeStatus, PlacementStatus
 from torchyard.contract.errors import ResourceLimitError
 
 # A ready node: status ready and a heartbeat within the lease timeout. The hot statements
@@ -37,7 +37,7 @@ from torchyard.contract.errors import ResourceLimitError
 _ENGINE: BindParameter[str] = bindparam("engine")
 _READY = and_(
     Node.engine == _ENGINE,
-    Node.status == NodeStatus.READY.value,
+    Node.status == NodeStatus.READY,
     Node.last_heartbeat_at >= bindparam("fresh_after"),
 )
 _READY_LIMITS = select(func.count(Node.id), func.coalesce(func.max(Node.units), 0)).where(_READY)
@@ -68,9 +68,9 @@ def _ready_params(settings: Settings, now: datetime) -> dict[str, Any]:
 def node_status(node: Node, settings: Settings, now: datetime, *, busy: bool = False) -> NodeStatus:
     """``ready`` or ``lost``, counting a node silent past the lease timeout as lost; a drained
     node is ``draining`` while it still has placements (``busy``), then ``drained``."""
-    if node.status in (NodeStatus.DRAINING.value, NodeStatus.DRAINED.value):
+    if node.status in DRAINED_NODE_STATUSES:
         return NodeStatus.DRAINING if busy else NodeStatus.DRAINED
-    if node.status != NodeStatus.READY.value:
+    if node.status != NodeStatus.READY:
         return NodeStatus.LOST
     if node.last_heartbeat_at < now - timedelta(seconds=settings.lease_timeout_s):
         return NodeStatus.LOST
@@ -169,7 +169,7 @@ class NodeShare:
     attempt_number: int
     node_rank: int
     units: int
-    status: str
+    status: PlacementStatus
 
 
 @dataclass
@@ -238,13 +238,13 @@ def cluster_view(session: Session, settings: Settings, principal: Principal) -> 
                 used_units=held,
                 free_units=max(0, node.units - held) if status is NodeStatus.READY else 0,
                 accelerator=node.accelerator,
-                status=status.value,
+                status=status,
                 last_heartbeat_at=node.last_heartbeat_at,
                 seconds_since_heartbeat=round(max(0.0, (now - node.last_heartbeat_at).total_seconds()), 3),
                 registered_at=node.registered_at,
                 sandbox=_sandbox(node),
                 engine=node.engine,
-                engine_state=(node.info or {}).get("state") if node.engine != "agents" else None,
+                engine_state=(node.info or {}).get("state") if node.engine != ENGINE_AGENTS else None,
                 running_attempts=[s.attempt_id for s in shares],
                 attempts=[
                     NodeAttemptPublic(
@@ -259,14 +259,14 @@ def cluster_view(session: Session, settings: Settings, principal: Principal) -> 
                 ],
             )
         )
-    ready = [n for n in nodes if n.status == NodeStatus.READY.value]
+    ready = [n for n in nodes if n.status == NodeStatus.READY]
     return ClusterPublic(
         engine=settings.engine,
         max_nodes=limits.max_nodes,
         max_nodes_source=limits.max_nodes_source,
         max_units_per_node=limits.max_units_per_node,
         ready_nodes=limits.ready_nodes,
-        lost_nodes=sum(1 for n in nodes if n.status == NodeStatus.LOST.value),
+        lost_nodes=sum(1 for n in nodes if n.status == NodeStatus.LOST),
         total_units=sum(n.units for n in ready),
         free_units=sum(n.free_units for n in ready),
         nodes=nodes,

@@ -177,7 +177,7 @@ def delete_code(session: Session, settings: Settings, principal: Principal, code
     row = get_code(session, principal, code_id, lock="update")
     users = session.execute(
         select(Job.id, Job.status)
-        .where(Job.code_id == row.id, Job.status.in_([s.value for s in ACTIVE_STATUSES]))
+        .where(Job.code_id == row.id, Job.status.in_(ACTIVE_STATUSES))
         .order_by(Job.created_at)
         .limit(20)
     ).all()

@@ -295,7 +295,7 @@ def delete_dataset(session: Session, settings: Settings, principal: Principal, d
                 Job.validation_dataset_id == row.id,
                 Job.id.in_(select(JobInput.job_id).where(JobInput.dataset_id == row.id)),
             ),
-            Job.status.in_([s.value for s in ACTIVE_STATUSES]),
+            Job.status.in_(ACTIVE_STATUSES),
         )
         .order_by(Job.created_at)
         .limit(20)

@@ -21,7 +21,7 @@ from service.db.models import Node, Placement, utcnow
 from service.services import refs
 from service.services.attempts import preempt_node_attempts
 from service.services.cluster import node_status
-from service.states import NodeStatus, PlacementStatus
+from service.states import DRAINED_NODE_STATUSES, NodeStatus, PlacementStatus
 from torchyard.contract.errors import NotFoundError
 
 log = logging.getLogger(__name__)
@@ -55,14 +55,14 @@ def _result(session: Session, settings: Settings, node: Node, jobs: list[str]) -
         .limit(1)
     ).first()
     status = node_status(node, settings, utcnow(), busy=busy is not None)
-    return DrainResult(node.name, status.value, node.drained_by, jobs)
+    return DrainResult(node.name, status, node.drained_by, jobs)
 
 
 def drain(session: Session, settings: Settings, node: Node, by: str) -> DrainResult:
     """Drain ``node`` (``by``: "admin" or "agent") and preempt what runs there. The caller commits."""
     node_id = node.id
-    if node.status not in (NodeStatus.DRAINING.value, NodeStatus.DRAINED.value):
-        node.status = NodeStatus.DRAINING.value
+    if node.status not in DRAINED_NODE_STATUSES:
+        node.status = NodeStatus.DRAINING
         log.warning("node %s is draining (by %s)", node.name, by)
     if by == "admin" or node.drained_by is None:
         node.drained_by = by
@@ -73,8 +73,8 @@ def drain(session: Session, settings: Settings, node: Node, by: str) -> DrainRes
 
 def undrain(session: Session, settings: Settings, node: Node) -> DrainResult:
     """Make a drained node ready again (a no-op for a node that is not drained). The caller commits."""
-    if node.status in (NodeStatus.DRAINING.value, NodeStatus.DRAINED.value):
-        node.status = NodeStatus.READY.value
+    if node.status in DRAINED_NODE_STATUSES:
+        node.status = NodeStatus.READY
         node.drained_by = None
         log.info("node %s is ready again (undrained)", node.name)
     session.flush()

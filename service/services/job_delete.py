@@ -51,7 +51,7 @@ from service.services.checkpoints import CheckpointStore
 from service.services.job_lookup import get_job
 from service.services.outputs import OutputsStore
 from service.services.tokens import Principal
-from service.states import FINAL_STATUSES, JobStatus
+from service.states import FINAL_STATUSES
 from torchyard.contract.errors import ConflictError
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ DELETE_BATCH_LOG_CHUNKS = 1_000
 
 def blockers(session: Session, job: Job) -> ConflictError | None:
     """Why ``job`` cannot be deleted now (a 409 to raise), or None."""
-    if not JobStatus(job.status).is_final():
+    if not job.status.is_final():
         return ConflictError(
             f"job {job.id} is {job.status}: only a finished job can be deleted; cancel it first "
             f"(torchyard cancel {job.id} --wait)",
@@ -86,11 +86,10 @@ def blockers(session: Session, job: Job) -> ConflictError | None:
             "or keep the job",
             details={"model_versions": named},
         )
-    final = [s.value for s in FINAL_STATUSES]
     children = list(
         session.scalars(
             select(Job.id).where(
-                Job.init_from_job_id == job.id, Job.status.not_in(final), Job.deleted_at.is_(None)
+                Job.init_from_job_id == job.id, Job.status.not_in(FINAL_STATUSES), Job.deleted_at.is_(None)
             )
         )
     )
@@ -174,14 +173,13 @@ def apply_retention(db: Database, settings: Settings) -> int:
     if settings.retention_s is None:
         return 0
     cutoff = utcnow() - timedelta(seconds=settings.retention_s)
-    final = [s.value for s in FINAL_STATUSES]
     with db.read_session() as session:
         candidates = list(
             session.scalars(
                 select(Job.id)
                 .where(
                     Job.deleted_at.is_(None),
-                    Job.status.in_(final),
+                    Job.status.in_(FINAL_STATUSES),
                     Job.finished_at < cutoff,
                     Job.id.not_in(select(ModelVersion.job_id).where(ModelVersion.deleted_at.is_(None))),
                 )

@@ -58,11 +58,11 @@ def transition(
 
     The caller holds the job's row (in a write transaction) and commits.
     """
-    current = JobStatus(job.status)
+    current = job.status
     if not can_transition(current, new):
         raise IllegalTransitionError(f"job {job.id} cannot go from {current} to {new}")
     now = utcnow()
-    job.status = new.value
+    job.status = new
     job.updated_at = now
     if new is JobStatus.SCHEDULED:
         job.scheduled_at = now
@@ -82,7 +82,7 @@ def transition(
         job.failure_rank = failure.rank
         job.failure_node = failure.node
         job.failure_traceback = failure.traceback
-    session.add(JobEvent(job_id=job.id, status=new.value, message=message, at=now))
+    session.add(JobEvent(job_id=job.id, status=new, message=message, at=now))
     if new.is_final():
         # Its checkpoints are of no more use (the reaper removes their files).
         session.execute(delete(Checkpoint).where(Checkpoint.job_id == job.id))
@@ -104,7 +104,7 @@ def list_jobs(
     if not principal.is_admin:
         stmt = stmt.where(Job.owner_id == principal.id)
     if statuses:
-        stmt = stmt.where(Job.status.in_([s.value for s in statuses]))
+        stmt = stmt.where(Job.status.in_(statuses))
     for tag in dict.fromkeys(tags or []):
         stmt = stmt.where(has_tag(tag))
     if sweep_id is not None:
@@ -131,7 +131,7 @@ def cancel_job(session: Session, principal: Principal, job_id: str) -> Job:
 def request_cancel(session: Session, job: Job, reason: str) -> bool:
     """Cancel the job (its row held by the caller, who commits): at once when queued,
     ``cancelling`` while placed; a finished job is left as it is. True if it changed."""
-    status = JobStatus(job.status)
+    status = job.status
     if status is JobStatus.QUEUED:
         transition(session, job, JobStatus.CANCELLED, f"{reason} (before it was placed)")
         job.cancel_requested_at = job.finished_at
@@ -163,9 +163,9 @@ def attempts_public(session: Session, job_ids: list[str]) -> dict[str, list[Atte
             pub = AttemptPublic.model_validate(attempt, from_attributes=True)
             if attempt.failure_code is not None:
                 pub.end_reason = EndReason(code=attempt.failure_code, message=attempt.failure_message or "")
-            elif attempt.status == AttemptStatus.PREEMPTED.value:
+            elif attempt.status == AttemptStatus.PREEMPTED:
                 pub.end_reason = EndReason(code="preempted", message=attempt.failure_message or "preempted")
-            elif attempt.status in (AttemptStatus.SUCCEEDED.value, AttemptStatus.CANCELLED.value):
+            elif attempt.status in (AttemptStatus.SUCCEEDED, AttemptStatus.CANCELLED):
                 pub.end_reason = EndReason(code=attempt.status, message=f"attempt {attempt.status}")
             by_id[attempt.id] = pub
             out[attempt.job_id].append(pub)

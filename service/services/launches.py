@@ -26,31 +26,35 @@ from service.services.attempts import claimed_placement, renew_leases
 from service.services.jobs import transition
 from service.services.scheduler import new_placement, pick_port
 from service.services.tokens import TOKEN_PREFIX, Principal, hash_token
-from service.states import LIVE_ATTEMPT_STATUSES, AttemptStatus, JobStatus, NodeStatus, PlacementStatus, Role
+from service.states import (
+    LIVE_ATTEMPT_STATUSES,
+    PLACED_STATUSES,
+    AttemptStatus,
+    EngineName,
+    JobStatus,
+    NodeStatus,
+    PlacementStatus,
+    Role,
+)
 from torchyard.contract.errors import ConflictError, PermissionDeniedError, StaleLeaseError
 from torchyard.contract.protocol import ClaimedPlacement, HeartbeatResponse, LaunchCheckIn
 
-_LIVE = [s.value for s in LIVE_ATTEMPT_STATUSES]
-_PLACED = [JobStatus.SCHEDULED.value, JobStatus.RUNNING.value]
 
-
-def engine_owner(session: Session, engine: str) -> str:
+def engine_owner(session: Session, engine: EngineName) -> str:
     """The id of the token that owns an engine's node rows: a worker token nobody holds
     (its hash is of a value never kept), so no agent can register or speak for those nodes."""
     name = f"{engine} engine"
     row = session.scalars(
-        select(Token).where(Token.name == name, Token.role == Role.WORKER.value, Token.attempt_id.is_(None))
+        select(Token).where(Token.name == name, Token.role == Role.WORKER, Token.attempt_id.is_(None))
     ).first()
     if row is None:
-        row = Token(
-            id=new_id(), name=name, role=Role.WORKER.value, token_hash=hash_token(secrets.token_hex(32))
-        )
+        row = Token(id=new_id(), name=name, role=Role.WORKER, token_hash=hash_token(secrets.token_hex(32)))
         session.add(row)
         session.flush()
     return row.id
 
 
-def start_attempt(session: Session, job: Job, engine: str, message: str) -> tuple[Attempt, str]:
+def start_attempt(session: Session, job: Job, engine: EngineName, message: str) -> tuple[Attempt, str]:
     """Hand a queued job (its row held by the caller) to an engine: a new attempt whose
     placements are bound when its launchers check in, the job ``scheduled`` (``message``
     says where), and the attempt's launch token. The caller commits."""
@@ -59,7 +63,7 @@ def start_attempt(session: Session, job: Job, engine: str, message: str) -> tupl
     attempt = Attempt(
         job_id=job.id,
         number=job.attempts_count,
-        status=AttemptStatus.SCHEDULED.value,
+        status=AttemptStatus.SCHEDULED,
         master_addr="",
         master_port=0,
         engine=engine,
@@ -79,7 +83,7 @@ def issue_launch_token(session: Session, attempt: Attempt) -> str:
     session.add(
         Token(
             name=f"launch {attempt.job_id} attempt {attempt.number}",
-            role=Role.WORKER.value,
+            role=Role.WORKER,
             token_hash=hash_token(plain),
             attempt_id=attempt.id,
         )
@@ -128,7 +132,7 @@ def check_in(
     """
     _own_attempt(principal, attempt_id)
     job, attempt = lock_attempt(session, attempt_id)
-    if attempt.status not in _LIVE or job.status not in _PLACED:
+    if attempt.status not in LIVE_ATTEMPT_STATUSES or job.status not in PLACED_STATUSES:
         raise StaleLeaseError(
             f"attempt {attempt.number} of job {job.id} is {attempt.status} (job {job.status})"
         )
@@ -180,7 +184,7 @@ def _bind(
                 address=body.address if name == body.node else name,
                 units=job.process_count_per_node,
                 accelerator="unknown",
-                status=NodeStatus.READY.value,
+                status=NodeStatus.READY,
                 token_id=engine_owner(session, attempt.engine),
                 engine=attempt.engine,
                 registered_at=now,
@@ -215,7 +219,7 @@ def heartbeat(
     session.commit()
     return HeartbeatResponse(
         node=node,
-        status=NodeStatus.READY.value,
+        status=NodeStatus.READY,
         heartbeat_interval_s=settings.heartbeat_interval_s,
         lease_timeout_s=settings.lease_timeout_s,
         renewed=renewed,

@@ -105,7 +105,7 @@ def register_model(
     script job wrote to the folder ``path`` of its outputs, as the next version of ``name``."""
     job = get_job(session, principal, job_ref)
     kind_of(job).check_registration(job, path)
-    if job.status != JobStatus.SUCCEEDED.value:
+    if job.status != JobStatus.SUCCEEDED:
         raise ModelNotReadyError(
             f"job {job.id} is {job.status}: only a succeeded job's model can be registered"
         )
@@ -273,8 +273,7 @@ def get_model(session: Session, principal: Principal, name: str) -> ModelPublic:
 
 def live_evaluations(session: Session, row: ModelVersion) -> list[str]:
     """Ids of the unfinished evaluation jobs that use the version."""
-    final = [s.value for s in FINAL_STATUSES]
-    jobs = session.scalars(select(Job).where(Job.owner_id == row.owner_id, Job.status.not_in(final)))
+    jobs = session.scalars(select(Job).where(Job.owner_id == row.owner_id, Job.status.not_in(FINAL_STATUSES)))
     return [j.id for j in jobs if kind_of(j).uses_version(j, row.id)]
 
 

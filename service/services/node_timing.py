@@ -80,7 +80,7 @@ def count_nodes(db: Database, engine: str) -> int:
     with db.read_session() as session:
         return int(
             session.scalar(
-                select(func.count(Node.id)).where(Node.engine == engine, Node.status != NodeStatus.LOST.value)
+                select(func.count(Node.id)).where(Node.engine == engine, Node.status != NodeStatus.LOST)
             )
             or 0
         )

@@ -37,7 +37,7 @@ def _key_matches(node: Node, key: str | None) -> bool:
 
 def is_fresh(node: Node, now: datetime, lease_timeout_s: float) -> bool:
     """The node's agent heartbeated within the lease timeout (and the node is not lost)."""
-    return node.status != NodeStatus.LOST.value and now - node.last_heartbeat_at < timedelta(
+    return node.status != NodeStatus.LOST and now - node.last_heartbeat_at < timedelta(
         seconds=lease_timeout_s
     )
 
@@ -96,10 +96,10 @@ def register_node(
     if node.drained_by != "admin":
         # A node drained by its own agent (SIGTERM) is ready again once an agent registers it;
         # an admin's drain holds until undrained.
-        node.status = NodeStatus.READY.value
+        node.status = NodeStatus.READY
         node.drained_by = None
-    elif node.status == NodeStatus.LOST.value:
-        node.status = NodeStatus.DRAINED.value
+    elif node.status == NodeStatus.LOST:
+        node.status = NodeStatus.DRAINED
     node.last_heartbeat_at = now
     session.flush()
     return node
@@ -140,7 +140,7 @@ def touch_node(session: Session, node: Node) -> bool:
     """Record a heartbeat; a lost node that speaks again is ready again (a drained one stays
     drained). True when it came back (capacity the scheduler can place onto again)."""
     node.last_heartbeat_at = utcnow()
-    if node.status == NodeStatus.LOST.value:
-        node.status = NodeStatus.READY.value
+    if node.status == NodeStatus.LOST:
+        node.status = NodeStatus.READY
         return True
     return False

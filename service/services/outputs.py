@@ -38,7 +38,7 @@ from service.services.kinds import kind_of
 from service.services.leases import lock_lease, placement_for_lease
 from service.services.outputs_index import ArchiveReadError, copy_file, index_of
 from service.services.tokens import Principal
-from service.states import JobStatus
+from service.states import LIVE_STATUSES, JobStatus
 from torchyard.contract.archive import MAX_OUTPUTS_FILES, MAX_OUTPUTS_UNCOMPRESSED_BYTES, safe_member_parts
 from torchyard.contract.deflate import SAMPLE_BYTES, GzipWriter, LevelChooser
 from torchyard.contract.errors import (
@@ -57,12 +57,7 @@ log = logging.getLogger(__name__)
 
 # Where a job's outputs may still be uploaded from: placed, or just failed or cancelling
 # (node 0 uploads what it has after another node's failure ended the job).
-_UPLOAD_STATUSES = (
-    JobStatus.SCHEDULED.value,
-    JobStatus.RUNNING.value,
-    JobStatus.CANCELLING.value,
-    JobStatus.FAILED.value,
-)
+_UPLOAD_STATUSES = LIVE_STATUSES | {JobStatus.FAILED}
 
 
 class OutputsStore:

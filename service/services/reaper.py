@@ -139,7 +139,7 @@ def _judged_with_its_node(settings: Settings, status: str, expires: datetime, no
     lost, and spend a second restart there."""
     if status != PlacementStatus.RUNNING or node.engine != ENGINE_AGENTS:
         return False
-    if node.status != NodeStatus.READY.value:
+    if node.status != NodeStatus.READY:
         return False
     renewed = expires - timedelta(seconds=settings.lease_timeout_s)
     return node.last_heartbeat_at < renewed + timedelta(seconds=settings.heartbeat_interval_s)
@@ -172,14 +172,14 @@ def _expired_by_job(
 
 def _mark_lost(session: Session, node_id: str, cutoff: datetime) -> str | None:
     stmt = select(Node).where(
-        Node.id == node_id, Node.status == NodeStatus.READY.value, Node.last_heartbeat_at < cutoff
+        Node.id == node_id, Node.status == NodeStatus.READY, Node.last_heartbeat_at < cutoff
     )
     if is_postgres(session):
         stmt = stmt.with_for_update(skip_locked=True)
     node = session.scalars(stmt).first()
     if node is None:
         return None
-    node.status = NodeStatus.LOST.value
+    node.status = NodeStatus.LOST
     return node.name
 
 
@@ -202,7 +202,7 @@ def sweep(
                     select(Node.id).where(
                         # An engine's nodes are kept by its inventory, not by heartbeats.
                         Node.engine == ENGINE_AGENTS,
-                        Node.status == NodeStatus.READY.value,
+                        Node.status == NodeStatus.READY,
                         Node.last_heartbeat_at < silent_cutoff,
                     )
                 )
@@ -257,7 +257,7 @@ def _lose_silent_nodes(
 def _settle_cancellations(db: Database, result: SweepResult) -> None:
     """Cancellations with nothing left to stop."""
     with db.read_session() as session:
-        cancelling = list(session.scalars(select(Job.id).where(Job.status == JobStatus.CANCELLING.value)))
+        cancelling = list(session.scalars(select(Job.id).where(Job.status == JobStatus.CANCELLING)))
     for job_id in cancelling:
         with db.transaction() as session:
             if _settle_cancel(session, job_id):
@@ -268,7 +268,7 @@ def _time_out_overruns(db: Database, now: datetime, result: SweepResult) -> None
     """Running jobs past their runtime limit."""
     with db.read_session() as session:
         running = session.execute(
-            select(Job.id, Job.started_at, Job.spec).where(Job.status == JobStatus.RUNNING.value)
+            select(Job.id, Job.started_at, Job.spec).where(Job.status == JobStatus.RUNNING)
         ).all()
     for job_id, started_at, spec in running:
         limit = overrun_limit_s(spec, started_at, now)
@@ -323,7 +323,7 @@ def lose_node_placements(
 
 def _settle_cancel(session: Session, job_id: str) -> bool:
     job = session.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
-    if job.status != JobStatus.CANCELLING.value:
+    if job.status != JobStatus.CANCELLING:
         return False
     now = utcnow()
     for placement in session.scalars(

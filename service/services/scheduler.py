@@ -154,7 +154,7 @@ def _place(
     attempt = Attempt(
         job_id=job.id,
         number=job.attempts_count,
-        status=AttemptStatus.SCHEDULED.value,
+        status=AttemptStatus.SCHEDULED,
         master_addr=chosen[0].address,
         master_port=port,
         created_at=now,
@@ -245,7 +245,7 @@ def _write_reasons(session: Session, changed: dict[str, list[str]]) -> None:
 # Built once (SQLAlchemy then works out its cache key once).
 _WRITE_REASON = (
     update(Job)
-    .where(Job.id.in_(bindparam("ids", expanding=True)), Job.status == JobStatus.QUEUED.value)
+    .where(Job.id.in_(bindparam("ids", expanding=True)), Job.status == JobStatus.QUEUED)
     .values(wait_reason=bindparam("reason"))
     .execution_options(synchronize_session=False)
 )
@@ -275,7 +275,7 @@ _QUEUE_HEAD = (
         Job.requeue_reason,
         Job.wait_reason,
     )
-    .where(Job.status == JobStatus.QUEUED.value)
+    .where(Job.status == JobStatus.QUEUED)
     .order_by(Job.priority.desc(), Job.created_at, Job.id)
     .limit(MAX_JOBS_PER_PASS)
 )
@@ -287,7 +287,7 @@ def _claim_for_placing(session: Session, job_id: str) -> Job | None:
     pass's write transaction is exclusive already."""
     stmt = (
         select(Job)
-        .where(Job.id == job_id, Job.status == JobStatus.QUEUED.value)
+        .where(Job.id == job_id, Job.status == JobStatus.QUEUED)
         .execution_options(populate_existing=True)
     )
     if is_postgres(session):
@@ -347,7 +347,7 @@ def has_queued_jobs(db: Database) -> bool:
         # In the queue's order: read from the head of its index whatever the queue's length.
         first = session.scalars(
             select(Job.id)
-            .where(Job.status == JobStatus.QUEUED.value)
+            .where(Job.status == JobStatus.QUEUED)
             .order_by(Job.priority.desc(), Job.created_at, Job.id)
             .limit(1)
         ).first()

@@ -101,7 +101,7 @@ class Batch:
 
 
 def _status_item(ev: JobEvent, job: Job | None) -> Item:
-    status = JobStatus(ev.status)
+    status = ev.status
     data: dict[str, Any] = {
         "seq": ev.seq,
         "status": ev.status,
@@ -165,7 +165,7 @@ def _status_items(session: Session, job_id: str, events: list[JobEvent], drained
     """The status changes read, up to the final one, which waits until the rest is out."""
     statuses: list[Item] = []
     for ev in events:
-        if JobStatus(ev.status).is_final():
+        if ev.status.is_final():
             if drained:
                 statuses.append(_status_item(ev, session.get(Job, job_id)))
             break
@@ -227,5 +227,5 @@ def read_heads(session: Session, job_id: str) -> Heads:
         values.append(int(last or 0))
         count += int(n)
     job_status = session.scalar(select(Job.status).where(Job.id == job_id))
-    final = job_status is not None and JobStatus(job_status).is_final()
+    final = job_status is not None and job_status.is_final()
     return Heads(Cursor(*values), count, final)

@@ -49,7 +49,7 @@ def hash_token(token: str) -> str:
 def create_token(session: Session, name: str, role: Role) -> tuple[Token, str]:
     """Create a token; the plain value is returned once and never stored."""
     plain = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    row = Token(name=name, role=role.value, token_hash=hash_token(plain))
+    row = Token(name=name, role=role, token_hash=hash_token(plain))
     session.add(row)
     session.flush()
     return row, plain
@@ -78,7 +78,7 @@ def authenticate(session: Session, token: str | None) -> Principal:
     return Principal(
         id=row.id,
         name=row.name,
-        role=Role(row.role),
+        role=row.role,
         last_used_at=row.last_used_at,
         attempt_id=row.attempt_id,
     )
@@ -164,13 +164,13 @@ def revoke_token(session: Session, token_id: str) -> Token:
     if role is None:
         raise NotFoundError(f"token {token_id!r} not found")
     live_admins: list[str] = []
-    if role == Role.ADMIN.value:
+    if role == Role.ADMIN:
         # Lock every live admin row, in one order for everyone, before the target: two
         # revocations racing then queue instead of both seeing another admin left.
         live_admins = list(
             session.scalars(
                 select(Token.id)
-                .where(Token.role == Role.ADMIN.value, Token.revoked_at.is_(None))
+                .where(Token.role == Role.ADMIN, Token.revoked_at.is_(None))
                 .order_by(Token.id)
                 .with_for_update()
             )
@@ -180,7 +180,7 @@ def revoke_token(session: Session, token_id: str) -> Token:
     ).one()
     if row.revoked_at is not None:
         return row
-    if role == Role.ADMIN.value and live_admins == [row.id]:
+    if role == Role.ADMIN and live_admins == [row.id]:
         raise ConflictError(
             f"token {token_id!r} is the last admin token that is not revoked; "
             "create another admin token before revoking it"
@@ -212,9 +212,9 @@ def ensure_bootstrap_token(session: Session, path: Path, role: Role, name: str) 
     if path.exists():
         existing = path.read_text().strip()
         row = session.scalars(select(Token).where(Token.token_hash == hash_token(existing))).first()
-        if row is not None and row.revoked_at is None and row.role == role.value:
+        if row is not None and row.revoked_at is None and row.role == role:
             return None
     _row, plain = create_token(session, name, role)
     write_secret_file(path, plain + "\n")
-    log.info("created the %s token %r in %s", role.value, name, path)
+    log.info("created the %s token %r in %s", role, name, path)
     return plain

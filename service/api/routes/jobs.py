@@ -149,7 +149,7 @@ def get_result(job_id: str, session: ReadSessionDep, user: CurrentUser) -> dict[
         never = kind.missing_result(job)
         if never is not None:
             raise never
-        if JobStatus(job.status).is_final():
+        if job.status.is_final():
             raise NotFoundError(f"job {job.id} is {job.status}: it has no result and will not have one")
         raise ConflictError(f"job {job.id} is {job.status}: it has no result yet")
     return kind.result_document(job, dict(job.result))

@@ -134,7 +134,7 @@ def download_version_onnx(
 def _job_onnx(db: Database, settings: Settings, user: Principal, job_id: str) -> ModelFile:
     with db.read_session() as session:
         job = get_job(session, user, job_id)
-        if job.status != JobStatus.SUCCEEDED.value or not kind_of(job).keeps_model:
+        if job.status != JobStatus.SUCCEEDED or not kind_of(job).keeps_model:
             raise ModelNotReadyError(f"job {job.id} is {job.status}: it has no model directory to export")
         folder = models_service.unpacked_job_model(settings, job)
         name = f"{job.name}-{job.id}.onnx"

@@ -12,7 +12,6 @@ from service.db.models import Token
 from service.schemas.tokens import TokenCreate, TokenCreated, TokenList, TokenPublic, WhoAmI
 from service.services import tokens as tokens_service
 from service.services.tokens import Principal
-from service.states import Role
 
 router = APIRouter(prefix="/v1/tokens", tags=["tokens"], route_class=SessionScopedRoute)
 
@@ -21,7 +20,7 @@ def _public(row: Token) -> TokenPublic:
     return TokenPublic(
         id=row.id,
         name=row.name,
-        role=Role(row.role),
+        role=row.role,
         created_at=row.created_at,
         last_used_at=row.last_used_at,
         revoked_at=row.revoked_at,
@@ -32,7 +31,7 @@ def _public(row: Token) -> TokenPublic:
 def post_token(body: TokenCreate, session: SessionDep, _admin: AdminUser) -> TokenCreated:
     """Create a token (admin only)."""
     row, plain = tokens_service.issue_token(session, body.name, body.role)
-    return TokenCreated(id=row.id, name=row.name, role=Role(row.role), token=plain, created_at=row.created_at)
+    return TokenCreated(id=row.id, name=row.name, role=row.role, token=plain, created_at=row.created_at)
 
 
 @router.get("")

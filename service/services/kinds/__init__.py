@@ -18,7 +18,7 @@ KINDS: dict[JobKind, Kind] = {kind.kind: kind for kind in (Train(), Script(), Ev
 
 def kind_of(job: Job) -> Kind:
     """The rules of ``job``'s kind."""
-    return KINDS[JobKind(job.type)]
+    return KINDS[job.type]
 
 
 def kind_named(name: str) -> Kind:

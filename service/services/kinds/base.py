@@ -62,9 +62,9 @@ def queue(
     now = utcnow()
     job = Job(
         owner_id=principal.id,
-        type=kind.value,
+        type=kind,
         name=normalized["name"],
-        status=JobStatus.QUEUED.value,
+        status=JobStatus.QUEUED,
         spec=normalized,
         node_count=node_count,
         process_count_per_node=process_count_per_node,
@@ -75,13 +75,13 @@ def queue(
     )
     session.add(job)
     session.flush()
-    session.add(JobEvent(job_id=job.id, status=JobStatus.QUEUED.value, message=SUBMITTED, at=now))
+    session.add(JobEvent(job_id=job.id, status=JobStatus.QUEUED, message=SUBMITTED, at=now))
     return job
 
 
 def submitted_change(job: Job) -> StatusChange:
     """The status change :func:`queue` records for ``job`` (at its ``created_at``)."""
-    return StatusChange(status=JobStatus.QUEUED.value, at=job.created_at, message=SUBMITTED)
+    return StatusChange(status=JobStatus.QUEUED, at=job.created_at, message=SUBMITTED)
 
 
 class Kind(ABC):

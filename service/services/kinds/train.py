@@ -49,7 +49,7 @@ def check_model(session: Session, principal: Principal, spec: TrainJobCreate) ->
         source = session.get(Job, spec.model.init_from_job)
         if source is None or (not principal.is_admin and source.owner_id != principal.id):
             raise InvalidModelDirectoryError(f"init_from_job {spec.model.init_from_job!r}: no such job")
-        if source.status != JobStatus.SUCCEEDED.value:
+        if source.status != JobStatus.SUCCEEDED:
             raise InvalidModelDirectoryError(
                 f"init_from_job {source.id!r} is {source.status}: only a succeeded job has a model directory"
             )
