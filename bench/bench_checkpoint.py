@@ -11,7 +11,8 @@ loading, training steps, validation.
 
 Four runs of the same job, each in a fresh run directory:
 
-* ``none``: no checkpoints at all (``TORCHYARD_BENCH_NO_CHECKPOINTS=1``): the baseline;
+* ``none``: no checkpoints at all (``TORCHYARD_BENCH_NO_CHECKPOINTS=1`` read by the test
+  suite's trainer hooks, ``tests/support/trainer_hooks.py``): the baseline;
 * ``write``: the checkpoint after every epoch (``TORCHYARD_CHECKPOINT_INTERVAL_S=0``),
   written by rank 0's background writer;
 * ``write+upload``: the same, and the agent's own uploader
@@ -65,8 +66,11 @@ from bench_followers import LEASE, ScriptedWorker, Service, upload_tiny_datasets
 from torchyard.sample_data import write_digits
 from worker.agent.checkpoints import CheckpointUploader, Uploaded
 from worker.agent.node import usable_cpus
+from worker.trainer.hooks import HOOKS_VAR
 
 REPO = Path(__file__).resolve().parents[1]
+# The test suite's trainer hooks: TORCHYARD_BENCH_NO_CHECKPOINTS=1 turns the checkpoints off there.
+TRAINER_HOOKS = REPO / "tests" / "support" / "trainer_hooks.py"
 VARIANTS = ("none", "write", "write+upload", "scheduled")
 # The variants that write after every epoch (TORCHYARD_CHECKPOINT_INTERVAL_S=0).
 EVERY_EPOCH = ("write", "write+upload")
@@ -148,6 +152,7 @@ def run_trainer(
         }
     )
     if variant == "none":
+        env[HOOKS_VAR] = str(TRAINER_HOOKS)
         env["TORCHYARD_BENCH_NO_CHECKPOINTS"] = "1"
     elif variant in EVERY_EPOCH:
         env["TORCHYARD_CHECKPOINT_INTERVAL_S"] = "0"

@@ -224,8 +224,8 @@ def batches(
     """Normalized device batches, endlessly, exactly as the trainer prepares them
     (``geometry="per-image"``: with the previous crop boxes, drawn image by image)."""
     from torchyard import modeldir
-    from worker.trainer.engine import BatchPreparer, DecodeThenPrepare, device_batches
     from worker.trainer.gpu_decode import GpuDecoder
+    from worker.trainer.loop import BatchPreparer, DecodeThenPrepare, device_batches
 
     device = torch.device("cuda", 0)
     loader = trainer_loader(root, batch, workers, prefetch, gpu, share)

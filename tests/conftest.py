@@ -31,6 +31,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("MKL_NUM_THREADS", "1")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# The test suite's trainer hooks (tests/support/trainer_hooks.py: a rank failed or held where a
+# test asks with TORCHYARD_TEST_FAIL_RANK, TORCHYARD_TEST_PAUSE_AT...): every agent, torchrun
+# and rank a test starts inherits the setting, and in-process runs read it here.
+os.environ.setdefault(
+    "TORCHYARD_TRAINER_HOOKS", str(Path(__file__).resolve().parent / "support" / "trainer_hooks.py")
+)
+
 import pytest
 import sqlalchemy as sa
 import uvicorn

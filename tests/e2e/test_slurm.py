@@ -31,6 +31,7 @@ from tests.support.script_helpers import code_archive
 from tests.support.slurm_cluster import SlurmCluster, require_slurm
 from tests.support.worker_fixtures import agent_log_of, upload_digits, user_client, wait_for_job
 from worker.trainer.control import PREEMPT_REQUEST_FILE
+from worker.trainer.hooks import HOOKS_VAR
 
 pytestmark = [pytest.mark.slow]
 
@@ -134,8 +135,10 @@ class SlurmEnv:
 
     @contextlib.contextmanager
     def launch_env(self, **variables: str) -> Iterator[None]:
-        """The launchers of the Slurm jobs started meanwhile get these variables."""
+        """The launchers of the Slurm jobs started meanwhile get these variables (and the test
+        suite's trainer hooks, which the API's environment, Slurm's jobs' own, lacks)."""
         hook = self.root / LAUNCH_ENV
+        variables = {HOOKS_VAR: os.environ[HOOKS_VAR], **variables}
         hook.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in variables.items()))
         try:
             yield

@@ -17,6 +17,10 @@ from torchyard.contract.jobspec import JobParameters, ModelFields
 JOB_FILE = "job.json"
 # The trainer's events (progress, metrics, the result), one JSON object a line, that the agent tails.
 EVENTS_FILE = "events.jsonl"
+# A node setting the agent passes on to the ranks: the trainer's hooks modules (files or
+# importable names, comma-separated; worker/trainer/hooks.py). The agent shows their files to
+# the ranks' sandbox, read-only.
+TRAINER_HOOKS_VARIABLE = "TORCHYARD_TRAINER_HOOKS"
 
 
 def _shown(value: Any) -> str:

@@ -11,6 +11,7 @@ whatever is left after the grace period; a last pass kills any marked straggler
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from torchyard.contract.jobfile import JOB_FILE
+from torchyard.contract.jobfile import JOB_FILE, TRAINER_HOOKS_VARIABLE
 from worker.agent import guard
 from worker.agent.job_env import DIST_VARS, SECRET_VARS
 from worker.agent.marked_processes import MARKER_VAR, marked_pids, marker_scope, signal_pids
@@ -109,6 +110,12 @@ def visible_devices(gpu_ids: tuple[int, ...], inherited: str | None) -> str:
     return ",".join(visible[i] if i < len(visible) else str(i) for i in gpu_ids)
 
 
+def trainer_hook_files(env: Mapping[str, str]) -> list[Path]:
+    """The trainer's hooks modules that ``TORCHYARD_TRAINER_HOOKS`` names by a file's absolute path."""
+    names = (name.strip() for name in env.get(TRAINER_HOOKS_VARIABLE, "").split(","))
+    return [Path(name) for name in names if os.path.isabs(name)]
+
+
 def rank_env(spec: LaunchSpec, base: Mapping[str, str], marker: str) -> dict[str, str]:
     """torchrun's environment: it passes it on to every rank. Never the worker token."""
     inherited = base.get("CUDA_VISIBLE_DEVICES")
@@ -161,9 +168,12 @@ class RankGroup:
         """Start torchrun (its own output goes to ``output``, the placement's log); returns its pid."""
         self.spec.log_dir.mkdir(parents=True, exist_ok=True)
         command = self.command
-        if self.spec.box is not None:
-            self.spec.box.give_writable()
-            command = self.spec.box.command(command, self.spec.run_dir)
+        box = self.spec.box
+        if box is not None:
+            box.give_writable()
+            # The node's trainer hooks (files) are shown to the ranks, read-only.
+            box = dataclasses.replace(box, read_only=[*box.read_only, *trainer_hook_files(self.env)])
+            command = box.command(command, self.spec.run_dir)
         shield = [guard.SHIELD] if self.spec.shielded else []
         # -I: the guard runs outside the sandbox, in the run's folder, which must not be
         # where its modules come from.

@@ -31,7 +31,6 @@ Environment (besides torchrun's ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``...):
   peer died fails instead of waiting forever;
 - ``TORCHYARD_DEVICE``: ``cpu`` forces CPU training on a CUDA machine (default: CUDA when
   available, one GPU per local rank);
-- ``TORCHYARD_TEST_FAIL_RANK`` / ``TORCHYARD_TEST_FAIL_STEP``: fault-injection hook for
-  tests; the named rank raises ``RuntimeError`` at its first training iteration (or at
-  that global step). Never set in production.
+- ``TORCHYARD_TRAINER_HOOKS``: modules of the node's own told where a rank is in its
+  training (before each step, at known points); see :mod:`.hooks`.
 """

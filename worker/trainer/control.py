@@ -10,13 +10,6 @@
 * ``preempted.json``: written by rank 0 after the preemption checkpoint (epoch, step).
 * ``SIGUSR1`` makes a rank dump the Python stacks of all its threads into its log
   (``faulthandler``), for the hang watchdog.
-
-Test hook: ``TORCHYARD_TEST_PAUSE_AT=<point>:<epoch>`` makes rank 0 write
-``paused-<point>-<epoch>`` in the run directory and wait while that file exists when it
-reaches ``point`` (``train``: half-way through the epoch, ``validation``, ``checkpoint``:
-the file written, not yet renamed; the background writer waits there, not training) in
-that epoch, so a test can kill the processes or
-request a preemption at a known moment. Unset in production.
 """
 
 from __future__ import annotations
@@ -24,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import json
-import logging
 import os
 import signal
 import sys
@@ -34,8 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-log = logging.getLogger(__name__)
 
 PREEMPT_REQUEST_FILE = "preempt-request"
 PREEMPTED_FILE = "preempted.json"
@@ -54,7 +44,7 @@ def enable_stack_dumps() -> None:
 
 
 class RankControl:
-    """One rank's side: progress marks, the preemption flag, and the test pause points."""
+    """One rank's side: progress marks and the preemption flag."""
 
     def __init__(self, run_dir: Path, rank: int, device: torch.device) -> None:
         self.run_dir = Path(run_dir)
@@ -67,7 +57,6 @@ class RankControl:
         if dist.is_initialized() and dist.get_backend() != "gloo":
             group = dist.new_group(backend="gloo")
             self.group = group if isinstance(group, dist.ProcessGroup) else None
-        self._pause = _parse_pause(os.environ.get("TORCHYARD_TEST_PAUSE_AT", ""))
         self.progress_path.write_text(str(os.getpid()), encoding="utf-8")
 
     def mark_progress(self) -> None:
@@ -110,16 +99,6 @@ class RankControl:
         )
         os.replace(tmp, target)
 
-    def pause_point(self, point: str, epoch: int) -> None:
-        """Test hook: rank 0 waits here while its marker file exists, when asked to."""
-        if self.rank != 0 or self._pause != (point, epoch):
-            return
-        marker = self.run_dir / f"paused-{point}-{epoch}"
-        marker.write_text(str(os.getpid()), encoding="utf-8")
-        log.warning("paused at %s of epoch %d (TORCHYARD_TEST_PAUSE_AT)", point, epoch)
-        while marker.exists():
-            time.sleep(0.05)
-
 
 class StopCheck:
     """A preemption check on its way between the ranks (see :meth:`RankControl.start_stop_check`)."""
@@ -134,10 +113,3 @@ class StopCheck:
             self.work.wait()
             self.work = None
         return bool(self.flag.item())
-
-
-def _parse_pause(raw: str) -> tuple[str, int] | None:
-    point, sep, epoch = raw.strip().partition(":")
-    if not sep or not epoch.isdigit():
-        return None
-    return point, int(epoch)

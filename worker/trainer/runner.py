@@ -1,171 +1,37 @@
-"""One rank's whole job: set up, (resume,) train epoch by epoch, publish the model."""
+"""One rank's whole job: set up (:mod:`.training`, resuming with :mod:`.resume`), train epoch by
+epoch, publish the model."""
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
 import math
-import os
 import shutil
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torchvision
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from torchyard import modeldir
 from torchyard.scoring import ONNX_FILE
 from worker.trainer import checkpoint as ckpt
 from worker.trainer import distributed, rng_state
-from worker.trainer.compiling import CompiledForward, compile_setting
 from worker.trainer.config import JobConfig
-from worker.trainer.control import RankControl
-from worker.trainer.data import Loaders, build_loaders
 from worker.trainer.distributed import DistEnv
 from worker.trainer.early_stopping import EarlyStopping
-from worker.trainer.engine import (
-    BatchPrepare,
-    BatchPreparer,
-    DecodeThenPrepare,
-    EpochSummary,
-    FaultInjector,
-    LossMeter,
-    TrainLoop,
-    autocast_factory,
-    diverged_error,
-    validate,
-)
-from worker.trainer.events import EVENTS_FILE, EventWriter, NullEventWriter
+from worker.trainer.events import EventWriter
+from worker.trainer.loop import EpochSummary, diverged_error, validate
 from worker.trainer.models import BuiltModel, build_model
 from worker.trainer.onnx_export import export_onnx
-from worker.trainer.schedule import POLY_POWER, build_scheduler
+from worker.trainer.schedule import POLY_POWER
 from worker.trainer.seeding import derive_seed, seed_everything
+from worker.trainer.training import Training, configure_threads, set_up
 
 log = logging.getLogger(__name__)
 
 MODEL_DIR = "model"
-MOMENTUM = 0.9
-WEIGHT_DECAY = 1e-4
-
-
-@dataclass
-class ResumeState:
-    """What a resumed attempt starts from (zeros/empties for a fresh start)."""
-
-    epochs_done: int = 0
-    stopped: bool = False
-    stopper: dict[str, float | int] | None = None
-    history: list[dict[str, float]] = field(default_factory=list)
-    best_model: dict[str, torch.Tensor] | None = None
-    # A mid-epoch checkpoint: batches of epoch ``epochs_done + 1`` already trained, the
-    # optimizer step count, and this rank's own random states and loss sums.
-    step_in_epoch: int = 0
-    step: int | None = None
-    rank_state: dict[str, Any] | None = None
-
-
-def configure_threads() -> None:
-    """Respect the agent's ``OMP_NUM_THREADS`` (threads per rank) for torch's CPU ops."""
-    raw = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if raw.isdigit() and int(raw) > 0:
-        torch.set_num_threads(int(raw))
-
-
-def _plain(model: nn.Module) -> nn.Module:
-    inner = getattr(model, "module", model)
-    return inner if isinstance(inner, nn.Module) else model
-
-
-def _restore(
-    job: JobConfig,
-    env: DistEnv,
-    device: torch.device,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    stopper: EarlyStopping,
-) -> ResumeState:
-    """Load ``checkpoint.pt`` on rank 0 and share what every rank needs.
-
-    Rank 0 loads weights before DDP wraps the model (DDP then broadcasts them) and
-    the optimizer state; its momentum buffers and the epoch/early-stopping counters
-    are broadcast, so nodes that lack the file resume identically.
-    """
-    state: dict[str, Any] | None = None
-    if env.is_primary:
-        state = ckpt.load_checkpoint(
-            Path(job.output_dir) / ckpt.CHECKPOINT_FILE,
-            job_id=job.job_id,
-            architecture=job.model.architecture,
-            classes=list(job.classes),
-        )
-    header = [0.0] * 6
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        es = state["early_stopping"]
-        header = [
-            1.0,
-            float(state["epoch"]),
-            float(bool(state.get("stopped"))),
-            float(es["best_loss"]),
-            float(es["best_epoch"]),
-            float(es["epochs_without_improvement"]),
-        ]
-    has, epochs_done, stopped, best_loss, best_epoch, bad = distributed.broadcast_values(header, device)
-    if not has:
-        return ResumeState()
-    stopper.load_state_dict(
-        {"best_loss": best_loss, "best_epoch": int(best_epoch), "epochs_without_improvement": int(bad)}
-    )
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            slot = optimizer.state[param]
-            if slot.get("momentum_buffer") is None:
-                slot["momentum_buffer"] = torch.zeros_like(param)
-    distributed.broadcast_tensors(
-        optimizer.state[p]["momentum_buffer"] for g in optimizer.param_groups for p in g["params"]
-    )
-    resumed = ResumeState(epochs_done=int(epochs_done), stopped=bool(stopped), stopper=stopper.state_dict())
-    _share_position(state, env, resumed)
-    if state is not None:
-        resumed.history = list(state.get("history", []))
-        # No separate copy means the checkpointed weights are the best epoch's.
-        resumed.best_model = state.get("best_model") or state["model"]
-        log.info("resuming after epoch %d (best epoch %d so far)", resumed.epochs_done, stopper.best_epoch)
-    return resumed
-
-
-def _share_position(state: dict[str, Any] | None, env: DistEnv, resumed: ResumeState) -> None:
-    """Give every rank the resume position and its own random states (from rank 0's file)."""
-    shared: list[Any] = [None]
-    if state is not None:
-        shared[0] = {
-            "step_in_epoch": int(state.get("step_in_epoch", 0)),
-            "step": state.get("step"),
-            "rank_states": state.get("rank_states") or [],
-        }
-    if env.world_size > 1:
-        torch.distributed.broadcast_object_list(shared, src=0)
-    position = shared[0] or {}
-    resumed.step_in_epoch = int(position.get("step_in_epoch", 0))
-    step = position.get("step")
-    resumed.step = int(step) if step is not None else None
-    rank_states = position.get("rank_states") or []
-    if len(rank_states) == env.world_size:
-        resumed.rank_state = rank_states[env.rank]
-    elif resumed.step_in_epoch:
-        log.warning(
-            "the checkpoint was written by %d process(es), this attempt has %d: the data order and "
-            "random streams of the interrupted epoch are not restored exactly",
-            len(rank_states),
-            env.world_size,
-        )
 
 
 def _model_config(
@@ -227,7 +93,7 @@ def run_job(job: JobConfig, env: DistEnv) -> dict[str, Any] | None:
     # Model problems fail every rank the same way, before anyone waits on a peer.
     seed_everything(derive_seed(job.parameters.random_seed, "init"))
     built = build_model(job)
-    training = _set_up(job, env, device, built, output_dir)
+    training = set_up(job, env, device, built, output_dir)
     try:
         history, best_state, stopped, preempted = _train_epochs(training)
         if training.writer is not None:
@@ -256,162 +122,8 @@ def run_job(job: JobConfig, env: DistEnv) -> dict[str, Any] | None:
         training.events.close()
 
 
-@dataclass
-class _Training:
-    """One rank's training, set up: the model, its optimizer and schedule, the loaders,
-    the state resumed from and the loop that runs the epochs."""
-
-    job: JobConfig
-    env: DistEnv
-    device: torch.device
-    model: nn.Module
-    output_dir: Path
-    loaders: Loaders
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    stopper: EarlyStopping
-    resumed: ResumeState
-    events: EventWriter
-    prepare: BatchPreparer
-    autocast: Callable[[], AbstractContextManager[Any]]
-    loop: TrainLoop
-    effective_lr: float
-    control: RankControl
-    # Rank 0's background checkpoint writer (None on the other ranks).
-    writer: ckpt.CheckpointWriter | None
-    # Which epoch ends get a checkpoint (decided on rank 0).
-    schedule: ckpt.CheckpointSchedule
-
-
-def _set_up(
-    job: JobConfig, env: DistEnv, device: torch.device, built: BuiltModel, output_dir: Path
-) -> _Training:
-    """Join the process group, build the loaders and optimizer, restore a checkpoint if
-    there is one, and wrap the model in DistributedDataParallel."""
-    params = job.parameters
-    model = built.module
-    interval = ckpt.checkpoint_interval()  # a bad setting fails every rank before they wait on a peer
-    compiling = compile_setting()
-    distributed.setup(env, device)
-    loaders = build_loaders(job, env, device)
-    steps_per_epoch = loaders.steps_per_epoch
-    total_steps = steps_per_epoch * params.epochs
-    warmup_steps = steps_per_epoch * params.warmup_epochs
-    effective_lr = params.learning_rate * env.world_size
-
-    optimizer = _place_model(model, device, effective_lr)
-    stopper = EarlyStopping(patience=params.patience)
-    resumed = _restore(job, env, device, model, optimizer, stopper)
-    start_epoch = resumed.epochs_done
-    start_step = start_epoch * steps_per_epoch + resumed.step_in_epoch
-    if start_epoch:
-        # Fresh loader worker streams for a resumed attempt (the augmentation itself is
-        # seeded per sample: see data.SeededSamples).
-        loaders.generator.manual_seed(derive_seed(params.random_seed, "loader", env.rank, start_epoch))
-    scheduler = build_scheduler(
-        optimizer,
-        base_lr=effective_lr,
-        total_steps=total_steps,
-        warmup_steps=warmup_steps,
-        start_step=min(start_step, total_steps),
-    )
-    # BatchNorm buffers are synchronised explicitly before validation (distributed.sync_buffers).
-    # Gradients as views of DDP's buckets save a copy on CUDA; on the CPU, with the
-    # optimizer's set_to_none zeroing, they cost 3-5 % of a step (bench/RESULTS.md).
-    ddp = DistributedDataParallel(
-        model,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        gradient_as_bucket_view=device.type == "cuda",
-        **distributed.no_buffer_sync_kwargs(),
-    )
-
-    events: EventWriter = EventWriter(output_dir / EVENTS_FILE) if env.is_primary else NullEventWriter()
-    prepare = BatchPreparer(device, modeldir.IMAGENET_MEAN, modeldir.IMAGENET_STD)
-    train_prepare: BatchPrepare = prepare
-    if loaders.gpu_decoder is not None:
-        train_prepare = DecodeThenPrepare(loaders.gpu_decoder, prepare)
-    autocast = autocast_factory(device)
-    forward = CompiledForward(ddp, setting=compiling, device=device, batch_size=params.batch_size)
-    control = RankControl(output_dir, env.rank, device)
-    writer = _checkpoint_writer(output_dir) if env.is_primary else None
-    loop = TrainLoop(
-        model=ddp,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        loader=loaders.train,
-        steps_per_epoch=steps_per_epoch,
-        prepare=train_prepare,
-        autocast=autocast,
-        meter=LossMeter(device, learning_rate=params.learning_rate, effective_lr=effective_lr),
-        events=events,
-        faults=FaultInjector(env.rank),
-        device=device,
-        epochs=params.epochs,
-        total_steps=total_steps,
-        print_frequency=params.print_frequency,
-        is_primary=env.is_primary,
-        step=start_step,
-        control=control,
-        forward=forward,
-    )
-    log.info(
-        "training %s for epochs %d..%d: %d steps/epoch, %d warm-up steps, effective lr %g on %d process(es)",
-        job.model.architecture,
-        start_epoch + 1,
-        params.epochs,
-        steps_per_epoch,
-        warmup_steps,
-        effective_lr,
-        env.world_size,
-    )
-    return _Training(
-        job=job,
-        env=env,
-        device=device,
-        model=model,
-        output_dir=output_dir,
-        loaders=loaders,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        stopper=stopper,
-        resumed=resumed,
-        events=events,
-        prepare=prepare,
-        autocast=autocast,
-        loop=loop,
-        effective_lr=effective_lr,
-        control=control,
-        writer=writer,
-        schedule=ckpt.CheckpointSchedule(writer, interval),
-    )
-
-
-def _checkpoint_writer(output_dir: Path) -> ckpt.CheckpointWriter | None:
-    """Rank 0's writer; none when ``TORCHYARD_BENCH_NO_CHECKPOINTS=1`` (a benchmark's
-    baseline without checkpoints: such a job cannot resume; never set in production)."""
-    if os.environ.get("TORCHYARD_BENCH_NO_CHECKPOINTS", "") == "1":
-        log.warning("TORCHYARD_BENCH_NO_CHECKPOINTS=1: no checkpoint is written")
-        return None
-    return ckpt.CheckpointWriter(output_dir / ckpt.CHECKPOINT_FILE)
-
-
-def _place_model(model: nn.Module, device: torch.device, learning_rate: float) -> torch.optim.SGD:
-    """Move the model to the device (channels-last on CUDA) and make its optimizer."""
-    memory_format = torch.channels_last if device.type == "cuda" else torch.contiguous_format
-    model.to(device)
-    model.to(memory_format=memory_format)
-    # The fused CUDA kernel steps every parameter at once (measured: bench/RESULTS.md).
-    return torch.optim.SGD(
-        model.parameters(),
-        lr=learning_rate,
-        momentum=MOMENTUM,
-        weight_decay=WEIGHT_DECAY,
-        fused=True if device.type == "cuda" else None,
-    )
-
-
 def _train_epochs(
-    t: _Training,
+    t: Training,
 ) -> tuple[list[dict[str, float]], dict[str, torch.Tensor] | None, bool, bool]:
     """Train and validate epoch after epoch until the last, an early stop or a preemption;
     the history, the best epoch's weights (rank 0), whether training stopped early and
@@ -485,7 +197,7 @@ def _train_epochs(
     return history, best_state, stopped, False
 
 
-def _gather_rank_states(t: _Training) -> list[dict[str, Any]] | None:
+def _gather_rank_states(t: Training) -> list[dict[str, Any]] | None:
     """Every rank's random states and loss sums, on rank 0 (None elsewhere)."""
     mine = {"rng": rng_state.capture(), "meter": t.loop.meter.state()}
     if t.env.world_size == 1:
@@ -496,7 +208,7 @@ def _gather_rank_states(t: _Training) -> list[dict[str, Any]] | None:
 
 
 def _preempt(
-    t: _Training,
+    t: Training,
     epoch: int,
     best_state: dict[str, torch.Tensor] | None,
     history: list[dict[str, float]],
@@ -527,7 +239,7 @@ def _preempt(
     t.control.write_preempted(epoch - 1, done, t.loop.step)
 
 
-def _run_epoch(t: _Training, epoch: int) -> tuple[EpochSummary, dict[str, float]] | None:
+def _run_epoch(t: Training, epoch: int) -> tuple[EpochSummary, dict[str, float]] | None:
     """One training pass and validation; a non-finite validation metric fails the job.
     None when the ranks stopped mid-epoch for a preemption.
 
@@ -552,7 +264,7 @@ def _run_epoch(t: _Training, epoch: int) -> tuple[EpochSummary, dict[str, float]
     train = t.loop.train_epoch(epoch, start_index)
     if train is None:
         return None
-    t.control.pause_point("validation", epoch)
+    t.hooks.at_point("validation", epoch)
     distributed.sync_buffers(t.model)
     val = validate(
         t.model,
@@ -575,7 +287,7 @@ def _run_epoch(t: _Training, epoch: int) -> tuple[EpochSummary, dict[str, float]
 
 
 def _record_epoch(
-    t: _Training,
+    t: Training,
     epoch: int,
     val: dict[str, float],
     seconds: float,
@@ -625,7 +337,7 @@ def _record_epoch(
 
 
 def _save_checkpoint(
-    t: _Training,
+    t: Training,
     *,
     epoch: int,
     step_in_epoch: int,
@@ -665,7 +377,7 @@ def _save_checkpoint(
             "rank_states": rank_states or [],
         },
         label=where,
-        before_replace=lambda: t.control.pause_point("checkpoint", epoch),
+        before_replace=lambda: t.hooks.at_point("checkpoint", epoch),
     )
     t.schedule.handed_over()
     log.info(

@@ -16,7 +16,6 @@ from PIL import Image
 from torchyard.modeldir import IMAGENET_MEAN, IMAGENET_STD, image_directory_samples, load_rgb_image
 from torchyard.sample_data import write_photos
 from worker.trainer.data import train_transform
-from worker.trainer.engine import BatchPreparer, DecodeThenPrepare, device_batches
 from worker.trainer.gpu_decode import (
     EncodedBatch,
     EncodedTrainSet,
@@ -25,6 +24,7 @@ from worker.trainer.gpu_decode import (
     gpu_decode_wanted,
     gpu_decode_works,
 )
+from worker.trainer.loop import BatchPreparer, DecodeThenPrepare, device_batches
 
 # Mean absolute difference (0..255 scale) allowed between the decoder's and PIL's pixels.
 GEOMETRY_TOLERANCE = 6.0

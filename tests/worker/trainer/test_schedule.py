@@ -11,8 +11,9 @@ from torch import nn
 
 from worker.trainer import distributed
 from worker.trainer.distributed import read_env
-from worker.trainer.engine import BatchPreparer, FaultInjector, LossMeter, TrainLoop, autocast_factory
 from worker.trainer.events import NullEventWriter
+from worker.trainer.hooks import Hooks
+from worker.trainer.loop import BatchPreparer, LossMeter, TrainLoop, autocast_factory
 from worker.trainer.schedule import build_scheduler, lr_at
 
 
@@ -111,7 +112,7 @@ def test_optimizer_and_scheduler_step_exactly_once_per_iteration(process_group: 
         autocast=autocast_factory(process_group),
         meter=LossMeter(process_group, learning_rate=0.1, effective_lr=0.1),
         events=NullEventWriter(),
-        faults=FaultInjector(rank=0),
+        hooks=Hooks(),
         device=process_group,
         epochs=epochs,
         total_steps=total,

@@ -18,9 +18,9 @@ from worker.trainer import checkpoint as ckpt
 from worker.trainer.config import load_job
 from worker.trainer.data import ImageDataset, default_loader_workers, shard_indices, train_transform
 from worker.trainer.early_stopping import EarlyStopping
-from worker.trainer.engine import LossMeter
 from worker.trainer.events import EventWriter
 from worker.trainer.failure import classify, failure_record, write_failure
+from worker.trainer.loop import LossMeter
 from worker.trainer.seeding import derive_seed
 
 # ---------------------------------------------------------------- early stopping

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import queue
 import threading
 import time
@@ -27,6 +26,7 @@ from worker.trainer.compiling import CompiledForward
 from worker.trainer.control import RankControl, StopCheck
 from worker.trainer.distributed import all_reduce_sum
 from worker.trainer.events import EventWriter
+from worker.trainer.hooks import Hooks
 
 log = logging.getLogger(__name__)
 
@@ -267,25 +267,6 @@ class LossMeter:
         return result
 
 
-class FaultInjector:
-    """Fault-injection hook for tests: ``TORCHYARD_TEST_FAIL_RANK=<rank>`` makes that rank
-    raise ``RuntimeError`` at its first training iteration, or at global step
-    ``TORCHYARD_TEST_FAIL_STEP`` when that is set too. Unset in production."""
-
-    def __init__(self, rank: int) -> None:
-        fail_rank = os.environ.get("TORCHYARD_TEST_FAIL_RANK", "").strip()
-        fail_step = os.environ.get("TORCHYARD_TEST_FAIL_STEP", "").strip()
-        self.armed = bool(fail_rank) and int(fail_rank) == rank
-        self.step = int(fail_step) if fail_step else None
-
-    def check(self, step: int) -> None:
-        if not self.armed:
-            return
-        if self.step is None or step == self.step:
-            self.armed = False
-            raise RuntimeError(f"injected failure (TORCHYARD_TEST_FAIL_RANK) at step {step}")
-
-
 @dataclass
 class EpochSummary:
     loss: float
@@ -308,7 +289,7 @@ class TrainLoop:
     autocast: Callable[[], AbstractContextManager[Any]]
     meter: LossMeter
     events: EventWriter
-    faults: FaultInjector
+    hooks: Hooks
     device: torch.device
     epochs: int
     total_steps: int
@@ -349,7 +330,7 @@ class TrainLoop:
             if item is None:
                 break
             batch, labels = item
-            self.faults.check(self.step)
+            self.hooks.before_step(self.step)
             with self.autocast():
                 loss = model_loss((self.forward or self.model)(batch), labels)
             self.optimizer.zero_grad(set_to_none=True)
@@ -370,10 +351,10 @@ class TrainLoop:
             check = None
             if self.control is not None:
                 self.control.mark_progress()
-                if index == self.steps_per_epoch // 2:
-                    self.control.pause_point("train", epoch)
-                if not last:
-                    check = self.control.start_stop_check()
+            if index == self.steps_per_epoch // 2:
+                self.hooks.at_point("train", epoch)
+            if self.control is not None and not last:
+                check = self.control.start_stop_check()
         elapsed = time.perf_counter() - started
         loss_sum, count = self.meter.take_epoch()
         total_loss, total_count, total_images = all_reduce_sum([loss_sum, count, epoch_images], self.device)
