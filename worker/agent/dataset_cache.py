@@ -31,7 +31,7 @@ _CHUNK = 1024 * 1024
 STAGING = ".staging"
 
 
-def sweep_staging(cache_dir: Path) -> int:
+def remove_interrupted_downloads(cache_dir: Path) -> int:
     """Remove what interrupted fetches (an agent killed mid-download) left in the staging
     folder; a fetch still in progress holds its dataset's lock and is left alone.
     Returns the number of folders removed."""
@@ -105,14 +105,14 @@ def fetch_dataset(
         raise InvalidDatasetError(f"dataset {dataset_id}: {sha256!r} is not a sha256 checksum")
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    sweep_staging(cache_dir)
+    remove_interrupted_downloads(cache_dir)
     if (hit := cached_dataset(cache_dir, sha256)) is not None:
         return hit
     with locked(cache_dir / f".{sha256}.lock"):
         if (hit := cached_dataset(cache_dir, sha256)) is not None:
             return hit  # another fetcher finished while we waited
         # Everything this fetch writes lives in one folder named for the dataset, so a
-        # sweep can tell (by the dataset's lock) whether a fetcher still owns it.
+        # clean-up can tell (by the dataset's lock) whether a fetcher still owns it.
         work = cache_dir / STAGING / f"{sha256}-{uuid.uuid4().hex}"
         work.mkdir(parents=True)
         tar_path = work / "dataset.tar"

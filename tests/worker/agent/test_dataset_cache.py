@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from worker.agent.dataset_cache import STAGING, sweep_staging
+from worker.agent.dataset_cache import STAGING, remove_interrupted_downloads
 
 SHA_A = "a" * 64
 SHA_B = "b" * 64
@@ -45,7 +45,7 @@ def test_a_live_fetch_is_kept_and_a_killed_one_is_swept(tmp_path: Path) -> None:
     try:
         killed.send_signal(signal.SIGKILL)
         killed.wait(10)
-        assert sweep_staging(cache) == 1
+        assert remove_interrupted_downloads(cache) == 1
         left = sorted(p.name for p in (cache / STAGING).iterdir())
         assert left == [f"{SHA_A}-0123"], left
         assert (cache / STAGING / f"{SHA_A}-0123" / "dataset.tar").stat().st_size == 4096
@@ -54,15 +54,15 @@ def test_a_live_fetch_is_kept_and_a_killed_one_is_swept(tmp_path: Path) -> None:
         live.wait(10)
     # Its owner gone, the last folder goes too.
     deadline = time.monotonic() + 10
-    while sweep_staging(cache) == 0 and time.monotonic() < deadline:
+    while remove_interrupted_downloads(cache) == 0 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert list((cache / STAGING).iterdir()) == []
 
 
-def test_the_sweep_leaves_files_it_did_not_write(tmp_path: Path) -> None:
+def test_the_clean_up_leaves_files_it_did_not_write(tmp_path: Path) -> None:
     staging = tmp_path / STAGING
     staging.mkdir()
     (staging / "notes.txt").write_text("kept")
-    assert sweep_staging(tmp_path) == 0
+    assert remove_interrupted_downloads(tmp_path) == 0
     assert (staging / "notes.txt").read_text() == "kept"
-    assert sweep_staging(tmp_path / "missing") == 0
+    assert remove_interrupted_downloads(tmp_path / "missing") == 0
