@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Literal
-
 from pydantic import BaseModel, Field
 
 from service.schemas.common import StrictModel
+from torchyard.contract.responses import DatasetPublic
 
 NAME_MAX = 200
 
@@ -29,20 +27,6 @@ class DatasetRegister(StrictModel):
         "for very large datasets. Every file is still hashed.",
         json_schema_extra={"allowed": "> 0"},
     )
-
-
-class DatasetPublic(BaseModel):
-    id: str
-    name: str
-    owner: str = Field(description="Id of the token that created the dataset.")
-    source: Literal["upload", "path"]
-    path: str | None = Field(default=None, description="The registered folder (path datasets only).")
-    classes: list[str] = Field(description="Class names, sorted: the label order of trained models.")
-    class_counts: dict[str, int]
-    num_images: int
-    size_bytes: int = Field(description="Total size of the image files.")
-    sha256: str = Field(description="Content checksum: sha256 of the sorted manifest of image files.")
-    created_at: datetime
 
 
 class DatasetList(BaseModel):

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Discriminator, Field, Tag, TypeAdapter, model_validator
 
 from service.schemas.common import StrictModel
-from service.schemas.reports import MetricSeries
+from torchyard.contract.failures import Failure
 from torchyard.contract.jobspec import (
     DEFAULT_JOB_TYPE,
     DistributionFields,
@@ -20,6 +20,7 @@ from torchyard.contract.jobspec import (
     ScriptFields,
     allowed,
 )
+from torchyard.contract.responses import ComparedPoint, EndReason, MetricSeries, StatusChange
 
 
 class ModelSpec(ModelFields, StrictModel):
@@ -157,32 +158,11 @@ JobCreate = Annotated[
 JOB_CREATE: TypeAdapter[TrainJobCreate | ScriptJobCreate | EvaluateJobCreate] = TypeAdapter(JobCreate)
 
 
-class Failure(BaseModel):
-    code: str
-    message: str
-    rank: int | None = None
-    node: str | None = None
-    traceback: str | None = None
-
-
-class StatusChange(BaseModel):
-    status: str
-    at: datetime
-    message: str | None = None
-
-
 class PlacementPublic(BaseModel):
     node: str
     node_rank: int
     units: int
     status: str
-
-
-class EndReason(BaseModel):
-    """Why an attempt ended: a failure code, ``preempted``, ``succeeded`` or ``cancelled``."""
-
-    code: str
-    message: str
 
 
 class AttemptPublic(BaseModel):
@@ -289,12 +269,6 @@ class JobUpdate(StrictModel):
 class JobList(BaseModel):
     items: list[JobPublic]
     next_cursor: str | None = None
-
-
-class ComparedPoint(BaseModel):
-    value: float
-    epoch: int
-    step: int
 
 
 class ComparedMetric(BaseModel):

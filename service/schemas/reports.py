@@ -1,29 +1,11 @@
 """How users read back what worker agents reported (the batches themselves are in
-``torchyard.contract.reports``)."""
+``torchyard.contract.reports``; metric points and series in ``torchyard.contract.responses``)."""
 
 from __future__ import annotations
 
-from datetime import datetime
-
 from pydantic import BaseModel, Field
 
-
-class MetricPoint(BaseModel):
-    seq: int = Field(description="Position in the job's metric history; pass it as ``after`` to continue.")
-    name: str = Field(description="A trainer metric (docs/models.md) or a name a script job logged.")
-    value: float
-    epoch: int
-    step: int
-    rank: int
-    time: datetime
-    attempt: int
-
-
-class MetricPage(BaseModel):
-    items: list[MetricPoint]
-    next_after: int = Field(
-        description="The cursor for the next poll: the last item's seq, or the given after."
-    )
+from torchyard.contract.responses import MetricSeries
 
 
 class LogStream(BaseModel):
@@ -46,14 +28,6 @@ class ModelUploaded(BaseModel):
     sha256: str
     size: int
     files: dict[str, str] = Field(description="sha256 of every file of the model directory.")
-
-
-class MetricSeries(BaseModel):
-    x: list[float] = Field(
-        description="The training step of each point (a stretch's middle step when reduced)."
-    )
-    y: list[float]
-    count: int = Field(description="Points stored for this metric, before reduction.")
 
 
 class MetricSeriesPage(BaseModel):

@@ -14,16 +14,17 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Node
-from service.schemas.nodes import NodeDrained, NodeRegister
 from service.services import attempts, drain, nodes
 from service.services.reaper import lose_node_placements, unfinished_placements
 from service.services.tokens import Principal
 from service.states import NodeStatus
 from torchyard.contract.protocol import (
     HeartbeatResponse,
+    NodeRegister,
     PlacementStatusReport,
     PlacementStatusResponse,
 )
+from torchyard.contract.responses import NodeDrained
 
 
 def register(

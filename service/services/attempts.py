@@ -34,7 +34,6 @@ from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.db.models import Attempt, Job, Node, Placement, utcnow
-from service.schemas.jobs import Failure
 from service.services.jobs import transition
 from service.services.kinds import kind_of
 from service.services.kinds.base import Claim
@@ -59,6 +58,7 @@ from torchyard.contract.errors import (
     WorkerLostError,
     is_retryable,
 )
+from torchyard.contract.failures import Failure
 from torchyard.contract.jobspec import DEFAULT_MAX_RESTARTS
 from torchyard.contract.protocol import (
     ClaimedPlacement,

@@ -25,10 +25,10 @@ from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.db.models import Attempt, Job, Node, Placement, utcnow
-from service.schemas.nodes import ClusterPublic, NodeAttemptPublic, NodePublic
 from service.services.tokens import Principal
 from service.states import DRAINED_NODE_STATUSES, ENGINE_AGENTS, NodeStatus, PlacementStatus
 from torchyard.contract.errors import ResourceLimitError
+from torchyard.contract.responses import ClusterPublic, NodeAttemptPublic, NodePublic
 
 # A ready node: status ready and a heartbeat within the lease timeout. The hot statements
 # (every submission, every scheduling pass) are built once, with the condition's values as

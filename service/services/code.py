@@ -25,7 +25,6 @@ from service.config import Settings
 from service.datasets import staging
 from service.datasets.tarstream import DatasetTar
 from service.db.models import CodePackage, Job, Node, Placement, utcnow
-from service.schemas.code import CodePublic
 from service.services import refs
 from service.services.leases import speaks_for
 from service.services.tokens import Principal
@@ -40,6 +39,7 @@ from torchyard.contract.errors import (
     PermissionDeniedError,
 )
 from torchyard.contract.files import locked
+from torchyard.contract.responses import CodePublic
 
 log = logging.getLogger(__name__)
 

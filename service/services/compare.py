@@ -18,13 +18,13 @@ from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session
 
 from service.db.models import Job, Metric
-from service.schemas.jobs import ComparedJob, ComparedMetric, ComparedPoint, JobComparison
-from service.schemas.reports import MetricSeries
+from service.schemas.jobs import ComparedJob, ComparedMetric, JobComparison
 from service.services import jobs as jobs_service
 from service.services import metric_series
 from service.services.tokens import Principal
 from torchyard.contract.errors import NotFoundError, RequestValidationError
 from torchyard.contract.jobspec import JobKind
+from torchyard.contract.responses import ComparedPoint, MetricSeries
 
 MAX_JOBS = 20
 MAX_METRICS = 50

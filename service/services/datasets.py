@@ -31,7 +31,7 @@ from service.datasets import staging
 from service.datasets.tarstream import DatasetTar
 from service.datasets.validate import ValidatedDataset, validate_image_directory
 from service.db.models import Dataset, Job, JobInput, Node, Placement, utcnow
-from service.schemas.datasets import DatasetPublic, DatasetRegister
+from service.schemas.datasets import DatasetRegister
 from service.services import refs
 from service.services.leases import speaks_for
 from service.services.tokens import Principal
@@ -46,6 +46,7 @@ from torchyard.contract.errors import (
     RequestValidationError,
 )
 from torchyard.contract.files import locked
+from torchyard.contract.responses import DatasetPublic
 
 log = logging.getLogger(__name__)
 

@@ -14,14 +14,11 @@ from service.schemas.jobs import (
     JOB_CREATE,
     JOB_CREATE_MODELS,
     AttemptPublic,
-    EndReason,
     EvaluateJobCreate,
-    Failure,
     JobPublic,
     JobUpdate,
     PlacementPublic,
     ScriptJobCreate,
-    StatusChange,
     TrainJobCreate,
 )
 from service.services import refs
@@ -31,6 +28,8 @@ from service.services.kinds.base import submitted_change
 from service.services.tokens import Principal
 from service.states import AttemptStatus, JobStatus, can_transition
 from torchyard.contract.errors import IllegalTransitionError
+from torchyard.contract.failures import Failure
+from torchyard.contract.responses import EndReason, StatusChange
 
 
 def submit_job(
@@ -182,6 +181,19 @@ def attempts_public(session: Session, job_ids: list[str]) -> dict[str, list[Atte
     return out
 
 
+def failure_of(job: Job) -> Failure | None:
+    """Why the job failed (None unless it did)."""
+    if job.failure_code is None:
+        return None
+    return Failure(
+        code=job.failure_code,
+        message=job.failure_message or "",
+        rank=job.failure_rank,
+        node=job.failure_node,
+        traceback=job.failure_traceback,
+    )
+
+
 def job_public(
     session: Session,
     job: Job,
@@ -194,15 +206,7 @@ def job_public(
     ``history``, when given, save the queries for them (a list of jobs reads every job's
     attempts at once; a job just submitted has none and one status change)."""
     spec: dict[str, Any] = job.spec
-    failure = None
-    if job.failure_code is not None:
-        failure = Failure(
-            code=job.failure_code,
-            message=job.failure_message or "",
-            rank=job.failure_rank,
-            node=job.failure_node,
-            traceback=job.failure_traceback,
-        )
+    failure = failure_of(job)
     if not detail:
         history = None
     elif history is None:

@@ -37,7 +37,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
 from service.db.models import Attempt, Job, LogChunk, Metric, Node, Placement, utcnow
-from service.schemas.reports import LogStream, LogStreams, MetricPoint
+from service.schemas.reports import LogStream, LogStreams
 from service.services.kinds import kind_of
 from service.services.leases import lock_lease
 from service.services.tokens import Principal
@@ -55,6 +55,7 @@ from torchyard.contract.reports import (
     file_stream_node_rank,
     is_stream_name,
 )
+from torchyard.contract.responses import MetricPoint
 
 # Rows one log read looks at; chunks are small, a reader continues from X-Next-Offset.
 _LOG_ROWS_PER_READ = 2000

@@ -13,10 +13,10 @@ from service.config import Settings
 from service.db.engine import Database
 from service.db.migrate import upgrade
 from service.db.models import Attempt, Dataset, Job, JobEvent, Token
-from service.schemas.jobs import Failure
 from service.services.jobs import transition
 from service.states import TRANSITIONS, JobStatus
 from torchyard.contract.errors import IllegalTransitionError
+from torchyard.contract.failures import Failure
 
 
 @pytest.fixture

@@ -1,4 +1,6 @@
-"""The response bodies of the API as typed models."""
+"""The response bodies of the API as typed models: those the service declares in the
+contract (:mod:`torchyard.contract.responses`) under the client's names, and the client's own
+readings of the rest (lenient: fields a newer service adds are kept, missing ones defaulted)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,49 @@ from datetime import datetime
 from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, field_validator
+
+from torchyard.contract.failures import Failure
+from torchyard.contract.responses import ClusterPublic as Cluster
+from torchyard.contract.responses import CodePublic as CodePackage
+from torchyard.contract.responses import (
+    ComparedPoint,
+    EndReason,
+    MetricPage,
+    MetricPoint,
+    MetricSeries,
+    NodeDrained,
+    StatusChange,
+)
+from torchyard.contract.responses import DatasetPublic as Dataset
+from torchyard.contract.responses import NodePublic as Node
+from torchyard.contract.responses import TokenCreated as CreatedToken
+from torchyard.contract.responses import TokenPublic as TokenInfo
+
+__all__ = [
+    "FINAL_STATUSES",
+    "ApiModel",
+    "Attempt",
+    "Cluster",
+    "CodePackage",
+    "ComparedJob",
+    "ComparedMetric",
+    "ComparedPoint",
+    "CreatedToken",
+    "Dataset",
+    "EndReason",
+    "Event",
+    "Failure",
+    "Job",
+    "JobComparison",
+    "MetricPage",
+    "MetricPoint",
+    "MetricSeries",
+    "Node",
+    "NodeDrained",
+    "Page",
+    "StatusChange",
+    "TokenInfo",
+]
 
 FINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
 
@@ -17,43 +62,12 @@ class ApiModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-T = TypeVar("T", bound=ApiModel)
+T = TypeVar("T", bound=BaseModel)
 
 
 class Page(ApiModel, Generic[T]):
     items: list[T]
     next_cursor: str | None = None
-
-
-class Dataset(ApiModel):
-    id: str
-    name: str
-    classes: list[str] = []
-    class_counts: dict[str, int] = {}
-    num_images: int = 0
-    size_bytes: int = 0
-    sha256: str = ""
-    source: str | None = None
-    created_at: datetime | None = None
-
-
-class Failure(ApiModel):
-    code: str
-    message: str
-    rank: int | None = None
-    node: str | None = None
-    traceback: str | None = None
-
-
-class StatusChange(ApiModel):
-    status: str
-    at: datetime
-    message: str | None = None
-
-
-class EndReason(ApiModel):
-    code: str
-    message: str = ""
 
 
 class Attempt(ApiModel):
@@ -66,15 +80,6 @@ class Attempt(ApiModel):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     end_reason: EndReason | None = None
-
-
-class CodePackage(ApiModel):
-    id: str
-    name: str
-    sha256: str = ""
-    size_bytes: int = 0
-    files: int = 0
-    created_at: datetime | None = None
 
 
 class Job(ApiModel):
@@ -125,38 +130,10 @@ class Job(ApiModel):
         return self.status in FINAL_STATUSES
 
 
-class MetricPoint(ApiModel):
-    seq: int
-    name: str
-    value: float
-    epoch: int
-    step: int
-    rank: int = 0
-    time: datetime | None = None
-    attempt: int | None = None
-
-
-class MetricPage(ApiModel):
-    items: list[MetricPoint]
-    next_after: int | None = None
-
-
-class ComparedPoint(ApiModel):
-    value: float
-    epoch: int
-    step: int
-
-
-class ComparedSeries(ApiModel):
-    x: list[float] = []
-    y: list[float] = []
-    count: int = 0
-
-
 class ComparedMetric(ApiModel):
     best: ComparedPoint | None = None
     final: ComparedPoint | None = None
-    series: ComparedSeries = ComparedSeries()
+    series: MetricSeries = MetricSeries(x=[], y=[], count=0)
 
 
 class ComparedJob(ApiModel):
@@ -192,49 +169,6 @@ class JobComparison(ApiModel):
     differing: list[str] = []
     logged_differing: list[str] = []
     points: int = 0
-
-
-class Node(ApiModel):
-    name: str
-    address: str = ""
-    units: int
-    free_units: int
-    accelerator: str = "cpu"
-    status: str
-    last_heartbeat_at: datetime | None = None
-    running_attempts: list[str] = []
-
-
-class NodeDrained(ApiModel):
-    name: str
-    status: str
-    drained_by: str | None = None
-    preempted_jobs: list[str] = []
-
-
-class Cluster(ApiModel):
-    max_nodes: int
-    max_units_per_node: int = 0
-    ready_nodes: int = 0
-    nodes: list[Node] = []
-
-
-class CreatedToken(ApiModel):
-    id: str
-    name: str
-    role: str
-    token: str
-
-
-class TokenInfo(ApiModel):
-    """A token as ``GET /v1/tokens`` lists it: never its secret."""
-
-    id: str
-    name: str
-    role: str
-    created_at: datetime | None = None
-    last_used_at: datetime | None = None
-    revoked_at: datetime | None = None
 
 
 @dataclass(frozen=True)

@@ -116,10 +116,9 @@ def _datasets_show(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(dataset)
         return 0
-    extra = dataset.model_extra or {}
     print(f"id:       {dataset.id}")
     print(f"name:     {dataset.name}")
-    print(f"source:   {dataset.source}" + (f" ({extra['path']})" if extra.get("path") else ""))
+    print(f"source:   {dataset.source}" + (f" ({dataset.path})" if dataset.path else ""))
     print(f"images:   {dataset.num_images} ({human_bytes(dataset.size_bytes)})")
     print(f"sha256:   {dataset.sha256}")
     print(f"created:  {format_time(dataset.created_at)}")

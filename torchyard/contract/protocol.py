@@ -1,15 +1,16 @@
-"""The worker protocol's payloads: registration answer, heartbeat, claim and placement
-status. The API validates requests with them (strictly) and answers with them; the
+"""The worker protocol's payloads: registration, heartbeat, claim, launcher check-in and
+placement status. The API validates requests with them (strictly) and answers with them; the
 agent parses the answers with them (tolerantly: fields a newer API adds are ignored)."""
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, Field, TypeAdapter
 
 from torchyard.contract.base import StrictModel
+from torchyard.contract.failures import FailureReport
 from torchyard.contract.jobspec import (
     DistributionFields,
     EnvironmentFields,
@@ -28,6 +29,24 @@ def _lease_token(value: str) -> str:
 
 # What the API hands out is 43 characters; anything else is reported back as unknown.
 LeaseToken = Annotated[str, Field(max_length=256), AfterValidator(_lease_token)]
+
+
+class NodeRegister(StrictModel):
+    """A worker agent registering its node (again, after a restart: the same name)."""
+
+    name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    address: str = Field(min_length=1, max_length=255, description="Address other nodes can reach.")
+    units: int = Field(ge=1, le=1024, description="Processing units: GPUs, or CPU slots.")
+    accelerator: str = Field(default="cpu", min_length=1, max_length=64)
+    info: dict[str, Any] | None = None
+    agent_key: str | None = Field(
+        default=None,
+        min_length=16,
+        max_length=200,
+        description="The agent's per-node secret: while this agent heartbeats, another agent of the same "
+        "token registering the name gets 409 NodeNameInUseError. Sent again in the X-Torchyard-Agent-Key "
+        "header of heartbeats and claims.",
+    )
 
 
 class NodeRegistered(BaseModel):
@@ -230,17 +249,6 @@ AnyClaimedPlacement = Annotated[
 CLAIMED_PLACEMENT: TypeAdapter[TrainPlacement | ScriptPlacement | EvaluatePlacement] = TypeAdapter(
     AnyClaimedPlacement
 )
-
-
-class FailureReport(StrictModel):
-    code: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z][A-Za-z0-9]*$")
-    message: str = Field(max_length=20_000)
-    rank: int | None = Field(default=None, ge=0)
-    node: str | None = Field(default=None, max_length=200)
-    traceback: str | None = Field(default=None, max_length=200_000)
-    secondary: bool = Field(
-        default=False, description="The error looks like a consequence of another rank's failure."
-    )
 
 
 class PlacementStatusReport(StrictModel):

@@ -12,9 +12,9 @@ from service.api.deps import (
     SettingsDep,
 )
 from service.api.routing import SessionScopedRoute
-from service.schemas.nodes import ClusterPublic, NodeDrained
 from service.services import agents
 from service.services.cluster import cluster_view
+from torchyard.contract.responses import ClusterPublic, NodeDrained
 
 router = APIRouter(prefix="/v1/cluster", tags=["cluster"], route_class=SessionScopedRoute)
 

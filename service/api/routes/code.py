@@ -13,10 +13,11 @@ from service.api.deps import CurrentUser, ReadSessionDep, SessionDep, SettingsDe
 from service.api.routes.dataset_bodies import receive_multipart
 from service.api.routes.datasets import default_archive_name
 from service.api.routing import SessionScopedRoute
-from service.schemas.code import NAME_MAX, CodeList, CodePublic
+from service.schemas.code import NAME_MAX, CodeList
 from service.services import code as code_service
 from torchyard.contract.errors import RequestValidationError, TorchyardError
 from torchyard.contract.headers import SHA256_HEADER
+from torchyard.contract.responses import CodePublic
 
 router = APIRouter(tags=["code"], route_class=SessionScopedRoute)
 

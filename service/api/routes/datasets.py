@@ -15,9 +15,10 @@ from starlette.concurrency import run_in_threadpool
 from service.api.deps import CurrentUser, ReadSessionDep, SessionDep, SettingsDep, WorkerDep
 from service.api.routes.dataset_bodies import receive_json, receive_multipart
 from service.api.routing import SessionScopedRoute
-from service.schemas.datasets import NAME_MAX, DatasetList, DatasetPublic, DatasetRegister
+from service.schemas.datasets import NAME_MAX, DatasetList, DatasetRegister
 from service.services import datasets as datasets_service
 from torchyard.contract.errors import RequestValidationError, TorchyardError
+from torchyard.contract.responses import DatasetPublic
 
 router = APIRouter(tags=["datasets"], route_class=SessionScopedRoute)
 

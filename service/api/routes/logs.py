@@ -14,13 +14,14 @@ from pydantic import StringConstraints
 from service.api.deps import CurrentUser, ReadSessionDep
 from service.api.routes.streams import follow_log_response
 from service.api.routing import SessionScopedRoute
-from service.schemas.reports import LogStreams, MetricPage, MetricSeries, MetricSeriesPage
+from service.schemas.reports import LogStreams, MetricSeriesPage
 from service.services import jobs as jobs_service
 from service.services import metric_series as series_service
 from service.services import reports as reports_service
 from torchyard.contract.errors import RequestValidationError
 from torchyard.contract.metrics import METRIC_NAME_PATTERN
 from torchyard.contract.reports import INT32_MAX, MAX_RANK
+from torchyard.contract.responses import MetricPage, MetricSeries
 
 router = APIRouter(route_class=SessionScopedRoute)
 

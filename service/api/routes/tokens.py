@@ -9,9 +9,10 @@ from fastapi import APIRouter, Depends, Query, status
 from service.api.deps import AdminUser, ReadSessionDep, SessionDep, get_principal
 from service.api.routing import SessionScopedRoute
 from service.db.models import Token
-from service.schemas.tokens import TokenCreate, TokenCreated, TokenList, TokenPublic, WhoAmI
+from service.schemas.tokens import TokenCreate, TokenList, WhoAmI
 from service.services import tokens as tokens_service
 from service.services.tokens import Principal
+from torchyard.contract.responses import TokenCreated, TokenPublic
 
 router = APIRouter(prefix="/v1/tokens", tags=["tokens"], route_class=SessionScopedRoute)
 

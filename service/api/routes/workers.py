@@ -37,7 +37,6 @@ from service.api.routing import SessionScopedRoute
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Node
-from service.schemas.nodes import NodeDrained, NodeRegister
 from service.services import agents, attempts, launches
 from service.services.node_timing import NodeTiming
 from service.services.tokens import Principal
@@ -47,10 +46,12 @@ from torchyard.contract.protocol import (
     HeartbeatRequest,
     HeartbeatResponse,
     LaunchCheckIn,
+    NodeRegister,
     NodeRegistered,
     PlacementStatusReport,
     PlacementStatusResponse,
 )
+from torchyard.contract.responses import NodeDrained
 
 # A parked claim looks at least this often whether its agent is still connected.
 _DISCONNECT_CHECK_S = 5.0

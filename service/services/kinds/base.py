@@ -17,12 +17,12 @@ from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.db.models import Attempt, Dataset, Job, JobEvent, Placement, utcnow
-from service.schemas.jobs import StatusChange
 from service.services.tokens import Principal
 from service.states import JobStatus
 from torchyard.contract.errors import RequestValidationError, TorchyardError
 from torchyard.contract.jobspec import JobKind
 from torchyard.contract.protocol import ClaimedDataset, ClaimedPlacement
+from torchyard.contract.responses import StatusChange
 
 
 @dataclass(frozen=True)
