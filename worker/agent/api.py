@@ -8,12 +8,17 @@ from typing import Any
 import httpx
 
 from torchyard.contract.errors import error_from_body
+from torchyard.contract.failures import FailureReport
 from torchyard.contract.headers import AGENT_KEY_HEADER, LEASE_HEADER
 from torchyard.contract.protocol import (
     CLAIMED_PLACEMENT,
     EvaluatePlacement,
+    HeartbeatRequest,
     HeartbeatResponse,
+    LaunchCheckIn,
+    NodeRegister,
     NodeRegistered,
+    PlacementStatusReport,
     PlacementStatusResponse,
     ScriptPlacement,
     TrainPlacement,
@@ -63,14 +68,21 @@ class WorkerApi:
     def register(
         self, name: str, address: str, units: int, accelerator: str, info: dict[str, Any]
     ) -> NodeRegistered:
-        body = {"name": name, "address": address, "units": units, "accelerator": accelerator, "info": info}
-        if self.agent_key is not None:
-            body["agent_key"] = self.agent_key
-        return NodeRegistered.model_validate(self._json(self.client.post("/v1/worker/nodes", json=body)))
+        body = NodeRegister(
+            name=name,
+            address=address,
+            units=units,
+            accelerator=accelerator,
+            info=info,
+            agent_key=self.agent_key,
+        )
+        response = self.client.post("/v1/worker/nodes", json=body.model_dump(mode="json"))
+        return NodeRegistered.model_validate(self._json(response))
 
     def heartbeat(self, name: str, leases: list[str], timeout: float) -> HeartbeatResponse:
+        body = HeartbeatRequest(leases=leases)
         response = self.client.post(
-            f"/v1/worker/nodes/{name}/heartbeat", json={"leases": leases}, timeout=timeout
+            f"/v1/worker/nodes/{name}/heartbeat", json=body.model_dump(mode="json"), timeout=timeout
         )
         return HeartbeatResponse.model_validate(self._json(response))
 
@@ -90,10 +102,12 @@ class WorkerApi:
         return CLAIMED_PLACEMENT.validate_python(self._json(response))
 
     def check_in(
-        self, attempt_id: str, body: dict[str, Any]
+        self, attempt_id: str, body: LaunchCheckIn
     ) -> TrainPlacement | ScriptPlacement | EvaluatePlacement:
         """A one-placement launcher takes its node rank's placement of ``attempt_id``."""
-        response = self.client.post(f"/v1/worker/attempts/{attempt_id}/check-in", json=body)
+        response = self.client.post(
+            f"/v1/worker/attempts/{attempt_id}/check-in", json=body.model_dump(mode="json")
+        )
         return CLAIMED_PLACEMENT.validate_python(self._json(response))
 
     def launch_heartbeat(
@@ -103,7 +117,7 @@ class WorkerApi:
         response = self.client.post(
             f"/v1/worker/attempts/{attempt_id}/heartbeat",
             params={"node": node},
-            json={"leases": leases},
+            json=HeartbeatRequest(leases=leases).model_dump(mode="json"),
             timeout=timeout,
         )
         return HeartbeatResponse.model_validate(self._json(response))
@@ -114,12 +128,14 @@ class WorkerApi:
         state: str,
         *,
         exit_code: int | None = None,
-        failure: dict[str, Any] | None = None,
+        failure: FailureReport | None = None,
     ) -> PlacementStatusResponse:
-        body: dict[str, Any] = {"state": state, "exit_code": exit_code}
-        if failure is not None:
-            body["failure"] = failure
+        body = PlacementStatusReport.model_validate(
+            {"state": state, "exit_code": exit_code, "failure": failure}
+        )
         response = self.client.post(
-            "/v1/worker/placements/status", json=body, headers={LEASE_HEADER: lease_token}
+            "/v1/worker/placements/status",
+            json=body.model_dump(mode="json"),
+            headers={LEASE_HEADER: lease_token},
         )
         return PlacementStatusResponse.model_validate(self._json(response))

@@ -6,10 +6,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 
+from torchyard.contract.failures import FailureReport
 from torchyard.contract.protocol import PlacementStatusResponse
 from worker.agent.api import WorkerApi
 from worker.agent.checkpoints import CheckpointUploader, download_checkpoint
@@ -32,7 +32,7 @@ class LeaseSession:
         return self.api.client
 
     def report_status(
-        self, state: str, *, exit_code: int | None = None, failure: dict[str, Any] | None = None
+        self, state: str, *, exit_code: int | None = None, failure: FailureReport | None = None
     ) -> PlacementStatusResponse:
         return self.api.report_status(self.lease_token, state, exit_code=exit_code, failure=failure)
 

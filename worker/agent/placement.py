@@ -12,9 +12,9 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from torchyard.contract.errors import RankFailedError
+from torchyard.contract.failures import FailureReport
 from torchyard.contract.protocol import ClaimedPlacement, StopOrder
 from worker.agent.checkpoints import CheckpointUploader
 from worker.agent.context import AgentContext
@@ -108,7 +108,7 @@ class PlacementRun:
         self.preempt_deadline = 0.0
         self.uploader: CheckpointUploader | None = None
         self.watchdog: HangWatchdog | None = None
-        self.hang: dict[str, Any] | None = None
+        self.hang: FailureReport | None = None
         self.log = log
         self.report = OutcomeReport(ctx, self.session, self.request_stop, log)
         self.thread = threading.Thread(target=self._main, name=f"run-{self.job_id[:8]}")
@@ -162,7 +162,7 @@ class PlacementRun:
                 self.report.finish(
                     "failed",
                     None,
-                    {"code": RankFailedError.code, "message": message, "node": self.ctx.node_name},
+                    FailureReport(code=RankFailedError.code, message=message, node=self.ctx.node_name),
                 )
         finally:
             if self.group is not None:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from torchyard.contract.errors import StaleLeaseError, TorchyardError
-from torchyard.contract.protocol import ClaimedPlacement
+from torchyard.contract.protocol import ClaimedPlacement, LaunchCheckIn
 from worker.agent import sandbox
 from worker.agent.api import WorkerApi, retrying
 from worker.agent.main import add_launch_arguments
@@ -108,7 +108,7 @@ class PlacementLauncher:
         self._pending_preempt: str | None = None
 
     def check_in(self) -> ClaimedPlacement:
-        body = {"node": self.node, "node_rank": self.node_rank, "nodes": self.nodes, "address": self.address}
+        body = LaunchCheckIn(node=self.node, node_rank=self.node_rank, nodes=self.nodes, address=self.address)
         return retrying(
             lambda: self.api.check_in(self.attempt_id, body),
             f"checking in for attempt {self.attempt_id}",

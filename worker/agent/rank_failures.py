@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from torchyard.contract.errors import CommunicationError, RankFailedError, RankKilledError
+from torchyard.contract.failures import MAX_FAILURE_MESSAGE, FailureReport
 from worker.agent import job_tree
 from worker.agent.rank_group import LaunchSpec
 
@@ -126,23 +127,25 @@ def _killed_from_outside(exit_code: int) -> bool:
     return exit_code < 0 and -exit_code in {int(s) for s in _OUTSIDE_SIGNALS}
 
 
-def _from_record(record: dict[str, Any], spec: LaunchSpec) -> dict[str, Any]:
+def _from_record(record: dict[str, Any], spec: LaunchSpec) -> FailureReport:
+    """The report of a rank's failure file, read as it is (a failing rank may have written anything)."""
     code = str(record["code"])[:64]
     secondary = bool(record.get("secondary", False))
     if secondary and code == RankFailedError.code:
         # A collective broke under the rank (a peer vanished, the network failed): retryable.
         code = CommunicationError.code
-    return {
-        "code": code,
-        "message": str(record.get("message", ""))[:20_000],
-        "rank": record.get("rank") if isinstance(record.get("rank"), int) else None,
-        "node": str(record.get("node") or spec.node_name)[:200],
-        "traceback": str(record.get("traceback") or "")[-100_000:] or None,
-        "secondary": secondary,
-    }
+    rank = record.get("rank")
+    return FailureReport(
+        code=code,
+        message=str(record.get("message", ""))[:MAX_FAILURE_MESSAGE],
+        rank=rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None,
+        node=str(record.get("node") or spec.node_name)[:200],
+        traceback=str(record.get("traceback") or "")[-100_000:] or None,
+        secondary=secondary,
+    )
 
 
-def collect_failure(spec: LaunchSpec, exit_code: int | None, torchrun_output: Path) -> dict[str, Any]:
+def collect_failure(spec: LaunchSpec, exit_code: int | None, torchrun_output: Path) -> FailureReport:
     """The failure to report for ranks that ended badly on this node.
 
     A rank's own ``failure-rank-<R>.json`` when there is one (the earliest root cause; a
@@ -180,11 +183,6 @@ def collect_failure(spec: LaunchSpec, exit_code: int | None, torchrun_output: Pa
     elif any(marker in tail(torchrun_output, 400) for marker in _RENDEZVOUS_MARKERS):
         failure_code = CommunicationError.code
         message += " (the rendezvous or a collective between the ranks failed)"
-    return {
-        "code": failure_code,
-        "message": message,
-        "rank": rank,
-        "node": spec.node_name,
-        "traceback": "\n".join(tails) or None,
-        "secondary": False,
-    }
+    return FailureReport(
+        code=failure_code, message=message, rank=rank, node=spec.node_name, traceback="\n".join(tails) or None
+    )

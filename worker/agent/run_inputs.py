@@ -6,9 +6,10 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torchyard.contract.errors import NotFoundError, RankFailedError, StaleLeaseError, TorchyardError
+from torchyard.contract.failures import FailureReport
 from torchyard.contract.jobfile import (
     JOB_FILE,
     DatasetRef,
@@ -149,7 +150,7 @@ class RunInputs:
         )
 
 
-def prepare_failure(exc: Exception, node_name: str, log: logging.Logger) -> dict[str, Any]:
+def prepare_failure(exc: Exception, node_name: str, log: logging.Logger) -> FailureReport:
     """The failure to report when a node could not prepare its inputs."""
     if isinstance(exc, TorchyardError) and exc.code not in ("TorchyardError", StaleLeaseError.code):
         code, message = exc.code, exc.message
@@ -157,4 +158,4 @@ def prepare_failure(exc: Exception, node_name: str, log: logging.Logger) -> dict
         code, message = RankFailedError.code, f"{type(exc).__name__}: {exc}"
     message = f"node {node_name} could not prepare the job: {message}"
     log.error("%s: %s", code, message)
-    return {"code": code, "message": message, "node": node_name}
+    return FailureReport(code=code, message=message, node=node_name)

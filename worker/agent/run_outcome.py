@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from torchyard.contract.errors import (
     InvalidModelDirectoryError,
@@ -16,6 +16,7 @@ from torchyard.contract.errors import (
     TorchyardError,
     WorkerLostError,
 )
+from torchyard.contract.failures import FailureReport
 from worker.agent.api import retrying
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ class OutcomeReport:
         if answer.stop:
             self.request_stop("cancelled", answer.reason or "the API asked to stop")
 
-    def upload_model(self, run_dir: Path) -> dict[str, Any] | None:
+    def upload_model(self, run_dir: Path) -> FailureReport | None:
         """Upload node rank 0's model directory; the failure to report if that went wrong."""
         model_dir = run_dir / "model"
         if not model_dir.is_dir():
@@ -113,8 +114,8 @@ class OutcomeReport:
         self.log.info("model uploaded in %.2f s (sha256 %s)", time.monotonic() - started, sha256)
         return None
 
-    def _model_failure(self, code: str, message: str) -> dict[str, Any]:
-        return {"code": code, "message": message, "rank": 0, "node": self.ctx.node_name}
+    def _model_failure(self, code: str, message: str) -> FailureReport:
+        return FailureReport(code=code, message=message, rank=0, node=self.ctx.node_name)
 
     def finish_stopped(self, stop_kind: StopKind | None, exit_code: int | None) -> None:
         if stop_kind == "shutdown":
@@ -122,12 +123,12 @@ class OutcomeReport:
             self.finish(
                 "failed",
                 exit_code,
-                {"code": WorkerLostError.code, "message": message, "node": self.ctx.node_name},
+                FailureReport(code=WorkerLostError.code, message=message, node=self.ctx.node_name),
             )
         else:
             self.finish("cancelled", exit_code, None)
 
-    def finish(self, state: str, exit_code: int | None, failure: dict[str, Any] | None) -> None:
+    def finish(self, state: str, exit_code: int | None, failure: FailureReport | None) -> None:
         """The final status report; the lease ends with it."""
         self.final_state = state
         try:

@@ -30,8 +30,10 @@ import sys
 import time
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
+from torchyard.contract.errors import RankFailedError, RankKilledError
+from torchyard.contract.failures import FailureReport
 from torchyard.contract.reports import log_file_stream
 from worker.agent import guard, job_tree, net_relay, sandbox
 from worker.agent.marked_processes import marked_pids, marker_scope, signal_pids
@@ -367,7 +369,7 @@ class ScriptGroup:
         :func:`~worker.agent.unkept_files.name_unkept_files`); the files as ``<copy>/<path>``."""
         return name_unkept_files(self.working_copies(), self.launch.code_dir, kept, self.job_log)
 
-    def failure(self, exit_code: int | None) -> dict[str, Any]:
+    def failure(self, exit_code: int | None) -> FailureReport:
         """``RankFailedError`` (``RankKilledError`` for a signal) naming the rank, the node and its log tail."""
         proc = self.failed or self.processes[0]
         code = exit_code if exit_code is not None else -1
@@ -377,11 +379,10 @@ class ScriptGroup:
             if cause is not None:
                 rank, _local, code = cause
         who = f"rank {rank}" if rank is not None else "the command"
-        return {
-            "code": "RankKilledError" if code < 0 else "RankFailedError",
-            "message": f"{who} on node {self.launch.node_name} {describe_exit(code)}",
-            "rank": rank,
-            "node": self.launch.node_name,
-            "traceback": tail(proc.log_path, TRACEBACK_TAIL_LINES) or None,
-            "secondary": False,
-        }
+        return FailureReport(
+            code=RankKilledError.code if code < 0 else RankFailedError.code,
+            message=f"{who} on node {self.launch.node_name} {describe_exit(code)}",
+            rank=rank,
+            node=self.launch.node_name,
+            traceback=tail(proc.log_path, TRACEBACK_TAIL_LINES) or None,
+        )

@@ -12,9 +12,9 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 from torchyard.contract.errors import HangError
+from torchyard.contract.failures import FailureReport
 from worker.agent import job_tree
 from worker.agent.rank_group import LaunchSpec
 
@@ -144,7 +144,7 @@ class HangWatchdog:
             found[rank] = (mtime, pid)
         return found
 
-    def check(self) -> dict[str, Any] | None:
+    def check(self) -> FailureReport | None:
         """The ``HangError`` failure to report when the ranks are hung, else None."""
         now = time.time()
         if time.monotonic() < self._next_check:
@@ -173,12 +173,12 @@ class HangWatchdog:
             f"({'; '.join(parts)}). Their Python stacks are in their logs."
         )
         self.log.error("HangError: %s", message)
-        return {
-            "code": HangError.code,
-            "message": message,
-            "rank": self.ranks[0] if len(self.ranks) == 1 else None,
-            "node": self.spec.node_name,
-        }
+        return FailureReport(
+            code=HangError.code,
+            message=message,
+            rank=self.ranks[0] if len(self.ranks) == 1 else None,
+            node=self.spec.node_name,
+        )
 
     def dump_stacks(self) -> None:
         """Every rank writes all its threads' Python stacks into its log (faulthandler on

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             run_job(job, env)
     except Exception as exc:
         record = failure_record(exc, rank=env.rank, local_rank=env.local_rank, node=env.node_name)
-        log.error("rank %d failed with %s: %s", env.rank, record["code"], record["message"], exc_info=exc)
+        log.error("rank %d failed with %s: %s", env.rank, record.code, record.message, exc_info=exc)
         try:
             path = write_failure(output_dir, record)
             log.info("failure recorded in %s", path.name)

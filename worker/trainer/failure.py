@@ -1,25 +1,19 @@
-"""``failure-rank-<RANK>.json``: why a rank failed, for the worker agent to report.
-
-Shape: ``{"code", "message", "rank", "local_rank", "node", "traceback", "time",
-"secondary"}``. ``code`` is a torchyard failure code (``TrainingDivergedError``,
-``InvalidModelDirectoryError``, ``InvalidDatasetError``, else ``RankFailedError``).
-``secondary`` is True when the error looks like a consequence of another rank's
-failure (a broken collective); the root cause is then the earliest non-secondary file.
+"""``failure-rank-<RANK>.json``: why a rank failed, for the worker agent to report
+(:class:`torchyard.contract.failures.RankFailure`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from torchyard.contract.errors import RankFailedError, TorchyardError
+from torchyard.contract.failures import RankFailure
 
 TRACEBACK_LINES = 40
 MAX_MESSAGE_CHARS = 4000
@@ -64,28 +58,27 @@ def classify(exc: BaseException) -> tuple[str, str]:
     return RankFailedError.code, message
 
 
-def failure_record(exc: BaseException, *, rank: int, local_rank: int, node: str) -> dict[str, Any]:
+def failure_record(exc: BaseException, *, rank: int, local_rank: int, node: str) -> RankFailure:
     code, message = classify(exc)
     lines = "".join(traceback.format_exception(exc)).splitlines()
-    return {
-        "code": code,
-        "message": message,
-        "rank": rank,
-        "local_rank": local_rank,
-        "node": node,
-        "traceback": "\n".join(lines[-TRACEBACK_LINES:]),
-        "time": time.time(),
-        "secondary": is_secondary(exc),
-    }
+    return RankFailure(
+        code=code,
+        message=message,
+        rank=rank,
+        local_rank=local_rank,
+        node=node,
+        traceback="\n".join(lines[-TRACEBACK_LINES:]),
+        time=time.time(),
+        secondary=is_secondary(exc),
+    )
 
 
-def write_failure(output_dir: str | Path, record: dict[str, Any]) -> Path:
+def write_failure(output_dir: str | Path, record: RankFailure) -> Path:
     """Write the record atomically (temporary file, then ``os.replace``)."""
-    target = failure_file(output_dir, int(record["rank"]))
+    target = failure_file(output_dir, record.rank)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(record, fh, indent=2)
-        fh.write("\n")
+        fh.write(record.model_dump_json(indent=2) + "\n")
     os.replace(tmp, target)
     return target

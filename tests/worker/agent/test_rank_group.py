@@ -103,7 +103,7 @@ def test_the_root_cause_is_the_earliest_primary_failure(tmp_path: Path) -> None:
     for i, record in enumerate(records):
         (tmp_path / f"failure-rank-{i}.json").write_text(json.dumps(record))
     failure = collect_failure(_spec(tmp_path), 1, tmp_path / "agent.log")
-    assert failure["message"] == "boom" and failure["rank"] == 2 and failure["node"] == "node-a"
+    assert failure.message == "boom" and failure.rank == 2 and failure.node == "node-a"
 
 
 def test_without_failure_files_torchruns_root_cause_names_the_rank(tmp_path: Path) -> None:
@@ -117,9 +117,9 @@ def test_without_failure_files_torchruns_root_cause_names_the_rank(tmp_path: Pat
         "  rank      : 3 (local_rank: 1)\n  exitcode  : -11 (pid: 4242)\n"
     )
     failure = collect_failure(spec, 1, launcher_log)
-    assert failure["code"] == "RankFailedError" and failure["rank"] == 3
-    assert failure["message"] == "rank 3 (local rank 1) on node node-a was killed by SIGSEGV"
-    assert "Segmentation fault" in failure["traceback"]
+    assert failure.code == "RankFailedError" and failure.rank == 3
+    assert failure.message == "rank 3 (local rank 1) on node node-a was killed by SIGSEGV"
+    assert "Segmentation fault" in failure.traceback
 
 
 def test_stop_kills_every_process_of_the_run_even_in_other_sessions(tmp_path: Path) -> None:
@@ -301,12 +301,12 @@ def test_failures_are_classified_for_the_restart_policy(tmp_path: Path) -> None:
     spec = _spec(tmp_path)
     # A rank killed from outside (SIGKILL: the OOM killer, an operator) is RankKilledError...
     killed = collect_failure(spec, 1, _launcher_log(tmp_path, -9))
-    assert killed["code"] == "RankKilledError" and killed["rank"] == 1
-    assert "was killed by SIGKILL" in killed["message"]
+    assert killed.code == "RankKilledError" and killed.rank == 1
+    assert "was killed by SIGKILL" in killed.message
     # ... even when its peer left a record of the collective that broke under it.
     echo = {"code": "RankFailedError", "message": "gloo: Connection closed by peer", "rank": 0, "time": 1.0}
     (tmp_path / "failure-rank-0.json").write_text(json.dumps({**echo, "secondary": True}))
-    assert collect_failure(spec, 1, _launcher_log(tmp_path, -9))["code"] == "RankKilledError"
+    assert collect_failure(spec, 1, _launcher_log(tmp_path, -9)).code == "RankKilledError"
     # ... also when torchrun names that peer as its root cause (dated first, to the second).
     (tmp_path / "agent.log").write_text(
         "Failures:\n[1]:\n  time      : x\n  host      : h\n  rank      : 1 (local_rank: 1)\n"
@@ -315,18 +315,18 @@ def test_failures_are_classified_for_the_restart_policy(tmp_path: Path) -> None:
         "  rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 4242)\n"
     )
     peer_first = collect_failure(spec, 1, tmp_path / "agent.log")
-    assert peer_first["code"] == "RankKilledError" and peer_first["rank"] == 1
+    assert peer_first.code == "RankKilledError" and peer_first.rank == 1
     # A broken collective with no killed rank on this node: CommunicationError (retryable).
     broken = collect_failure(spec, 1, _launcher_log(tmp_path, 1))
-    assert broken["code"] == "CommunicationError" and broken["rank"] == 0
+    assert broken.code == "CommunicationError" and broken.rank == 0
     # An ordinary non-zero exit stays RankFailedError.
     (tmp_path / "failure-rank-0.json").write_text(json.dumps({**echo, "message": "boom", "secondary": False}))
-    assert collect_failure(spec, 1, _launcher_log(tmp_path, 1))["code"] == "RankFailedError"
+    assert collect_failure(spec, 1, _launcher_log(tmp_path, 1)).code == "RankFailedError"
     (tmp_path / "failure-rank-0.json").unlink()
     # A rendezvous that never formed (torchrun's own error, no rank ever ran): CommunicationError.
     log = tmp_path / "agent.log"
     log.write_text("torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError: timed out\n")
-    assert collect_failure(spec, 1, log)["code"] == "CommunicationError"
+    assert collect_failure(spec, 1, log).code == "CommunicationError"
 
 
 def test_a_placement_gets_its_units_share_of_the_nodes_cpus(tmp_path: Path) -> None:

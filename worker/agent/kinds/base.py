@@ -13,8 +13,9 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
+from torchyard.contract.failures import FailureReport
 from torchyard.contract.jobspec import JobKind
 from torchyard.contract.protocol import ClaimedPlacement
 from worker.agent.checkpoints import CheckpointUploader
@@ -25,8 +26,6 @@ from worker.agent.reporting import RunReporter
 from worker.agent.run_outcome import OutcomeReport, StopKind
 from worker.agent.script_run import ScriptGroup
 from worker.agent.watchdog import HangWatchdog
-
-Failure = dict[str, Any]
 
 
 class PlacementHost(Protocol):
@@ -48,7 +47,7 @@ class PlacementHost(Protocol):
     group: RankGroup | ScriptGroup | None
     uploader: CheckpointUploader | None
     watchdog: HangWatchdog | None
-    hang: Failure | None
+    hang: FailureReport | None
 
     @property
     def work(self) -> ClaimedPlacement: ...
@@ -89,6 +88,6 @@ class KindRun(ABC):
         """After the processes ended (or were stopped), whatever happened."""
 
     @abstractmethod
-    def outcome(self, exit_code: int | None, agent_log: Path) -> tuple[str, Failure | None]:
+    def outcome(self, exit_code: int | None, agent_log: Path) -> tuple[str, FailureReport | None]:
         """``stopped``, ``preempted``, ``succeeded`` or ``failed`` (with the failure), once
         the processes ended; what the kind keeps is uploaded here."""

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import ClassVar
 
 from torchyard.contract.errors import RankFailedError
+from torchyard.contract.failures import FailureReport
 from torchyard.contract.jobspec import JobKind
 from torchyard.contract.protocol import ScriptPlacement
-from worker.agent.kinds.base import Failure, KindRun, PlacementHost
+from worker.agent.kinds.base import KindRun, PlacementHost
 from worker.agent.reporting import RunReporter
 from worker.agent.script_inputs import prepare_script
 from worker.agent.script_launch import ScriptLaunch
@@ -74,7 +75,7 @@ class ScriptRun(KindRun):
         if self.group is not None:
             self.group.close_tracking()
 
-    def outcome(self, exit_code: int | None, agent_log: Path) -> tuple[str, Failure | None]:
+    def outcome(self, exit_code: int | None, agent_log: Path) -> tuple[str, FailureReport | None]:
         h = self.host
         assert self.group is not None and self.launched is not None
         h.log.info("script ended: exit code %s", exit_code)
@@ -90,9 +91,9 @@ class ScriptRun(KindRun):
             h.log.error(
                 "job %s failed: %s (rank %s): %s",
                 h.job_id,
-                failure["code"],
-                failure.get("rank"),
-                failure["message"],
+                failure.code,
+                failure.rank,
+                failure.message,
             )
         return state, failure
 
@@ -100,7 +101,7 @@ class ScriptRun(KindRun):
         """Whether this node uploads its outputs: node rank 0, or every node with outputs "all"."""
         return self.host.node_rank == 0 or self.work.spec.outputs == "all"
 
-    def _keep_outputs(self, state: str, failure: Failure | None) -> tuple[str, Failure | None]:
+    def _keep_outputs(self, state: str, failure: FailureReport | None) -> tuple[str, FailureReport | None]:
         """Upload the output folder (node rank 0; every node with outputs "all"), succeeded
         or failed. A success whose outputs cannot be kept is a failure."""
         h = self.host
@@ -121,5 +122,7 @@ class ScriptRun(KindRun):
             h.log.error("job %s: the outputs could not be uploaded: %s", h.job_id, exc)
             if state == "succeeded":
                 message = f"the outputs of node {h.ctx.node_name} could not be uploaded: {exc}"
-                return "failed", {"code": RankFailedError.code, "message": message, "node": h.ctx.node_name}
+                return "failed", FailureReport(
+                    code=RankFailedError.code, message=message, node=h.ctx.node_name
+                )
         return state, failure

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from torchyard.contract.failures import FailureReport
 from torchyard.contract.jobfile import TrainerTask
 from torchyard.contract.jobspec import JobKind
-from worker.agent.kinds.base import Failure
 from worker.agent.kinds.trainer import TrainerRun
 from worker.agent.rank_group import LaunchSpec, RankGroup
 from worker.agent.watchdog import HangWatchdog
@@ -27,7 +27,7 @@ class TrainRun(TrainerRun):
             root = group.process.pid if group.process else None
             h.watchdog = HangWatchdog(h.run_dir, float(timeout), spec, h.log, root_pid=root)
 
-    def succeeded(self) -> Failure | None:
+    def succeeded(self) -> FailureReport | None:
         """Node rank 0 uploads the model directory before it reports success."""
         h = self.host
         return h.report.upload_model(h.run_dir) if h.node_rank == 0 else None

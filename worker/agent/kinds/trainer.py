@@ -12,10 +12,11 @@ import shlex
 from pathlib import Path
 from typing import ClassVar
 
+from torchyard.contract.failures import FailureReport
 from torchyard.contract.jobfile import JobConfig, TrainerTask
 from torchyard.contract.protocol import EvaluatePlacement, TrainPlacement
 from worker.agent import sandbox
-from worker.agent.kinds.base import Failure, KindRun, PlacementHost
+from worker.agent.kinds.base import KindRun, PlacementHost
 from worker.agent.rank_failures import collect_failure, rank_log_files
 from worker.agent.rank_group import LaunchSpec, RankGroup
 from worker.agent.reporting import RunReporter
@@ -106,11 +107,11 @@ class TrainerRun(KindRun):
         read_only.append(sandbox.torch_hub_dir(os.environ))
         return Sandbox(writable=h.run_dir, hidden=[h.ctx.work_dir], read_only=read_only, gpus=bool(h.gpu_ids))
 
-    def succeeded(self) -> Failure | None:
+    def succeeded(self) -> FailureReport | None:
         """What the ranks' success still needs (an upload): the failure if that went wrong."""
         return None
 
-    def outcome(self, exit_code: int | None, agent_log: Path) -> tuple[str, Failure | None]:
+    def outcome(self, exit_code: int | None, agent_log: Path) -> tuple[str, FailureReport | None]:
         h = self.host
         h.log.info("torchrun ended: exit code %s", exit_code)
         if h.stop_event.is_set():
@@ -129,12 +130,12 @@ class TrainerRun(KindRun):
         h.log.error(
             "job %s failed: %s (rank %s on %s): %s",
             h.job_id,
-            failure["code"],
-            failure.get("rank"),
-            failure.get("node"),
-            failure["message"],
+            failure.code,
+            failure.rank,
+            failure.node,
+            failure.message,
         )
-        if failure.get("secondary") and self.work.node_count > 1:
+        if failure.secondary and self.work.node_count > 1:
             # Probably the echo of a failure elsewhere: give the node where it started
             # time to report it (or the API time to notice that node is gone).
             patience = h.ctx.lease_timeout_s + 2 * h.ctx.heartbeat_interval_s
