@@ -5,7 +5,9 @@ No HTTP framework, database or torch here (an import-linter contract in pyprojec
 keeps it so): error codes (``errors``), header names (``headers``), metric names
 (``metrics``), placement statuses (``placement``), the job kinds and their specs
 (``jobspec``: ``JobKind``), the worker protocol with one claimed placement per kind
-(``protocol``), the trainer's ``job.json`` (``jobfile``), the dataset checksum
+(``protocol``), report batches (``reports``), failures (``failures``), the response bodies
+the service and the client share (``responses``), the trainer's ``job.json`` (``jobfile``)
+and ``events.jsonl`` (``run_events``), the dataset checksum
 (``dataset_digest``), file hashing and locking (``files``), the safe archive extractor
 both the service and the agents use (``archive``) and the model archive format
 (``model_archive``).

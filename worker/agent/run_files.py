@@ -20,9 +20,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from pydantic import ValidationError
+
 from torchyard.contract.jobfile import EVENTS_FILE
-from torchyard.contract.metrics import METRIC_NAMES, is_metric_name
+from torchyard.contract.metrics import is_metric_name
 from torchyard.contract.reports import FILE_STREAM_PREFIX
+from torchyard.contract.run_events import RUN_EVENT, RUN_EVENT_TYPES, MetricEvent, ProgressEvent, ResultEvent
 from worker.agent.job_tree import open_in
 
 log = logging.getLogger("worker.agent.reporting")
@@ -157,57 +160,27 @@ def _iso_time(value: Any) -> str:
     return moment.isoformat()
 
 
-def _metric_point(event: dict[str, Any]) -> dict[str, Any] | None:
-    name, value = event.get("name"), _finite(event.get("value"))
-    epoch, step, rank = _int(event.get("epoch")), _int(event.get("step")), _int(event.get("rank", 0))
-    if name not in METRIC_NAMES or value is None or epoch is None or step is None or rank is None:
-        return None
+def _metric_point(event: MetricEvent) -> dict[str, Any]:
+    """A metric event as the report batch's point (``MetricIn``)."""
     return {
-        "name": name,
-        "value": value,
-        "epoch": epoch,
-        "step": step,
-        "rank": rank,
-        "time": _iso_time(event.get("time")),
+        "name": event.name,
+        "value": event.value,
+        "epoch": event.epoch,
+        "step": event.step,
+        "rank": event.rank,
+        "time": _iso_time(event.time),
     }
 
 
-def _progress(event: dict[str, Any]) -> dict[str, Any] | None:
-    values = {
-        "epoch": _int(event.get("epoch")),
-        "epochs": _int(event.get("epochs"), 1),
-        "step": _int(event.get("step")),
-        "total_steps": _int(event.get("total_steps")),
-    }
-    if any(v is None for v in values.values()):
-        return None
-    return {**values, "time": _iso_time(event.get("time"))}
+def _progress(event: ProgressEvent) -> dict[str, Any]:
+    """A progress event as the report batch's progress (``ProgressIn``)."""
+    return {**event.model_dump(exclude={"type", "time"}), "time": _iso_time(event.time)}
 
 
-def _metric_dict(value: Any) -> dict[str, float]:
-    if not isinstance(value, dict):
-        return {}
-    out = {}
-    for name, number in value.items():
-        number = _finite(number)
-        if name in METRIC_NAMES and number is not None:
-            out[name] = number
-    return out
-
-
-def _result(event: dict[str, Any]) -> dict[str, Any] | None:
-    best_epoch, epochs_run = _int(event.get("best_epoch")), _int(event.get("epochs_run"))
-    if best_epoch is None or epochs_run is None:
-        return None
-    return {
-        "best_epoch": best_epoch,
-        "best": _metric_dict(event.get("best")),
-        "final": _metric_dict(event.get("final")) if event.get("final") is not None else None,
-        "stopped_early": bool(event.get("stopped_early", False)),
-        "epochs_run": epochs_run,
-        # An evaluation's figures; the API checks their shape.
-        "evaluation": event["evaluation"] if isinstance(event.get("evaluation"), dict) else None,
-    }
+def _result(event: ResultEvent) -> dict[str, Any]:
+    """A result event as the report batch's result (``ResultIn``; the API checks an
+    evaluation's figures)."""
+    return event.model_dump(mode="json", exclude={"type", "time"})
 
 
 def _script_metric(record: dict[str, Any], auto_steps: dict[tuple[str, int], int]) -> dict[str, Any] | None:
@@ -385,31 +358,28 @@ class RunFileReader:
         return consumed
 
     def _take_event(self, batch: Batch, line: bytes) -> None:
+        """One line of ``events.jsonl`` into the batch. A line that is not JSON, or an event
+        of a known type that does not validate, is skipped with a warning; JSON that is not
+        an object, or an object of another ``type``, is skipped silently."""
         try:
-            event = json.loads(line)
+            record = json.loads(line)
         except ValueError:
             log.warning("job %s: ignoring a malformed line in %s", self.job_id, EVENTS_FILE)
             return
-        if not isinstance(event, dict):
+        kind = record.get("type") if isinstance(record, dict) else None
+        if not isinstance(kind, str) or kind not in RUN_EVENT_TYPES:
             return
-        kind = event.get("type")
-        parsed: dict[str, Any] | None = None
-        if kind == "metric":
-            parsed = _metric_point(event)
-            if parsed is not None:
-                batch.metrics.append(parsed)
-        elif kind == "progress":
-            parsed = _progress(event)
-            if parsed is not None:
-                batch.progress = parsed
-        elif kind == "result":
-            parsed = _result(event)
-            if parsed is not None:
-                batch.result = parsed
-        else:
-            return
-        if parsed is None:
+        try:
+            event = RUN_EVENT.validate_python(record)
+        except ValidationError:
             log.warning("job %s: ignoring an invalid %s event", self.job_id, kind)
+            return
+        if isinstance(event, MetricEvent):
+            batch.metrics.append(_metric_point(event))
+        elif isinstance(event, ProgressEvent):
+            batch.progress = _progress(event)
+        else:
+            batch.result = _result(event)
 
     def _read_logs(self, batch: Batch, final: bool) -> None:
         files = list(self.files.values())

@@ -98,16 +98,8 @@ def run_evaluation(job: JobConfig, env: DistEnv) -> dict[str, Any] | None:
     output_dir.mkdir(parents=True, exist_ok=True)
     events = EventWriter(output_dir / EVENTS_FILE)
     try:
-        events.emit(
-            {
-                "type": "result",
-                "best_epoch": 0,
-                "best": best,
-                "final": None,
-                "stopped_early": False,
-                "epochs_run": 0,
-                "evaluation": figures,
-            }
+        events.result(
+            best_epoch=0, best=best, final=None, stopped_early=False, epochs_run=0, evaluation=figures
         )
     finally:
         events.close()

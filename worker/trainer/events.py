@@ -1,20 +1,18 @@
 """``events.jsonl``: the metric, progress and result stream the worker agent tails.
 
-One JSON object per line, flushed as soon as it is written. Only global rank 0 writes
-(:class:`NullEventWriter` elsewhere). Metric names and shapes are part of the agent
-contract; see the package docs.
+One JSON object per line (a model of :mod:`torchyard.contract.run_events`), flushed as
+soon as it is written. Only global rank 0 writes (:class:`NullEventWriter` elsewhere).
 """
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
 from torchyard.contract.jobfile import EVENTS_FILE
 from torchyard.contract.metrics import METRIC_NAMES
+from torchyard.contract.run_events import MetricEvent, ProgressEvent, ResultEvent
 
 __all__ = ["EVENTS_FILE", "EventWriter", "NullEventWriter"]
 
@@ -26,60 +24,49 @@ class EventWriter:
         self.path = Path(path)
         self._fh: TextIO | None = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
 
-    def emit(self, event: dict[str, Any]) -> None:
+    def emit(self, event: MetricEvent | ProgressEvent | ResultEvent) -> None:
         if self._fh is None:
             raise RuntimeError("event writer is closed")
-        self._fh.write(json.dumps(event, allow_nan=False, separators=(",", ":")) + "\n")
+        self._fh.write(event.model_dump_json(exclude_none=True) + "\n")
         self._fh.flush()
 
     def metric(self, name: str, value: float, *, epoch: int, step: int) -> None:
+        """One point of a trainer metric; ``ValueError`` for an unknown name or a value that is not finite."""
         if name not in METRIC_NAMES:
             raise ValueError(f"unknown metric {name!r}")
-        if not math.isfinite(value):
-            raise ValueError(f"metric {name} is not finite: {value}")
-        self.emit(
-            {
-                "type": "metric",
-                "name": name,
-                "value": float(value),
-                "epoch": epoch,
-                "step": step,
-                "rank": 0,
-                "time": time.time(),
-            }
+        event = MetricEvent.model_validate(
+            {"name": name, "value": float(value), "epoch": epoch, "step": step, "time": time.time()}
         )
+        self.emit(event)
 
     def progress(self, *, epoch: int, epochs: int, step: int, total_steps: int) -> None:
         self.emit(
-            {
-                "type": "progress",
-                "epoch": epoch,
-                "epochs": epochs,
-                "step": step,
-                "total_steps": total_steps,
-                "time": time.time(),
-            }
+            ProgressEvent(epoch=epoch, epochs=epochs, step=step, total_steps=total_steps, time=time.time())
         )
 
     def result(
         self,
         *,
         best_epoch: int,
-        best: dict[str, float],
-        final: dict[str, float],
+        best: dict[str, Any],
+        final: dict[str, Any] | None,
         stopped_early: bool,
         epochs_run: int,
+        evaluation: dict[str, Any] | None = None,
     ) -> None:
+        """The run's summary (an evaluation's: its figures in ``evaluation``)."""
         self.emit(
-            {
-                "type": "result",
-                "best_epoch": best_epoch,
-                "best": best,
-                "final": final,
-                "stopped_early": stopped_early,
-                "epochs_run": epochs_run,
-                "time": time.time(),
-            }
+            ResultEvent.model_validate(
+                {
+                    "best_epoch": best_epoch,
+                    "best": best,
+                    "final": final,
+                    "stopped_early": stopped_early,
+                    "epochs_run": epochs_run,
+                    "evaluation": evaluation,
+                    "time": time.time(),
+                }
+            )
         )
 
     def close(self) -> None:
@@ -95,5 +82,5 @@ class NullEventWriter(EventWriter):
         self.path = Path(EVENTS_FILE)
         self._fh = None
 
-    def emit(self, event: dict[str, Any]) -> None:
+    def emit(self, event: MetricEvent | ProgressEvent | ResultEvent) -> None:
         return None
