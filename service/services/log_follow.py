@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.db.engine import Database
 from service.db.models import Attempt, Job
-from service.services.reports import read_log, resolve_attempt
+from service.services.log_reads import read_log, resolve_attempt
 from service.services.stream_items import Cursor, Item
 from service.services.streams import StreamHub, with_read_session
 from service.states import JobStatus
@@ -32,7 +32,7 @@ class LogTarget:
 def _open_log(
     session: Session, job_id: str, target: LogTarget, attempt_number: int | None
 ) -> tuple[int | None, str | None]:
-    from service.services.reports import resolve_stream
+    from service.services.log_reads import resolve_stream
 
     job = session.get_one(Job, job_id)
     attempt = resolve_attempt(session, job, attempt_number if attempt_number is not None else target.attempt)

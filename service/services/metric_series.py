@@ -27,7 +27,7 @@ from sqlalchemy import ColumnElement, func, select, true
 from sqlalchemy.orm import Session
 
 from service.db.models import Attempt, Metric
-from service.services.reports import not_superseded
+from service.services.metric_points import not_superseded
 
 # Reduced answers kept in memory, oldest dropped first: at most this many points in all
 # (about 30 answers of a job with seven metrics at 2,000 points each; some 15 MB).

@@ -20,7 +20,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.db.models import Job, JobEvent, LogChunk, Metric
-from service.services.reports import LogPiece, log_chunks_after, metric_points_after
+from service.services.jobs import failure_of
+from service.services.log_reads import LogPiece, log_chunks_after
+from service.services.metric_points import metric_points_after
 from service.states import JobStatus
 from torchyard.contract.errors import RequestValidationError
 
@@ -114,16 +116,9 @@ def _status_item(ev: JobEvent, job: Job | None) -> Item:
     final = status.is_final()
     if final and job is not None:
         data["final"] = True
-        data["failure"] = (
-            None
-            if job.failure_code is None
-            else {
-                "code": job.failure_code,
-                "message": job.failure_message,
-                "rank": job.failure_rank,
-                "node": job.failure_node,
-            }
-        )
+        failure = failure_of(job)
+        # The event names the failure; its traceback is the job's (GET /v1/jobs/{id}).
+        data["failure"] = None if failure is None else failure.model_dump(mode="json", exclude={"traceback"})
         data["best"] = job.best
         data["result"] = job.result
         data["model_sha256"] = job.model_sha256

@@ -27,7 +27,7 @@ from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Job, Metric, Sweep, SweepTrial, utcnow
 from service.services.jobs import request_cancel
-from service.services.reports import not_superseded
+from service.services.metric_points import not_superseded
 from service.services.sweep_judge import Reported, prune_reason, pruned_epochs
 from service.services.sweep_space import target_trials
 from service.services.sweep_trials import FINAL_TRIALS, create_trials, is_live

@@ -16,8 +16,8 @@ from service.api.routes.streams import follow_log_response
 from service.api.routing import SessionScopedRoute
 from service.schemas.reports import LogStreams, MetricSeriesPage
 from service.services import jobs as jobs_service
+from service.services import log_reads, metric_points
 from service.services import metric_series as series_service
-from service.services import reports as reports_service
 from torchyard.contract.errors import RequestValidationError
 from torchyard.contract.metrics import METRIC_NAME_PATTERN
 from torchyard.contract.reports import INT32_MAX, MAX_RANK
@@ -54,7 +54,7 @@ def get_metrics(
 ) -> MetricPage:
     """The job's metric history in seq order. Poll with ``after=<next_after>`` for new points."""
     job = jobs_service.get_job(session, user, job_id)
-    items = reports_service.metric_points_after(
+    items = metric_points.metric_points_after(
         session, job.id, after, name, limit, include_superseded=include_superseded
     )
     return MetricPage(items=items, next_after=items[-1].seq if items else after)
@@ -130,14 +130,14 @@ def get_logs(
     With ``follow=true`` the body streams new text as it arrives and ends with the job.
     ``tail`` and ``since`` move the start later (never earlier than ``offset``)."""
     job = jobs_service.get_job(session, user, job_id)
-    chosen = reports_service.resolve_attempt(session, job, attempt)
-    name = reports_service.resolve_stream(session, job, chosen, rank=rank, stream=stream)
+    chosen = log_reads.resolve_attempt(session, job, attempt)
+    name = log_reads.resolve_stream(session, job, chosen, rank=rank, stream=stream)
     if since is not None and since.tzinfo is None:
         raise RequestValidationError(
             "since needs a time zone, e.g. 2026-01-02T03:04:05Z", details={"field": "since"}
         )
     if tail is not None or since is not None:
-        offset = max(offset, reports_service.start_offset(session, job, chosen, name, tail=tail, since=since))
+        offset = max(offset, log_reads.start_offset(session, job, chosen, name, tail=tail, since=since))
     if follow:
         # The session is closed as this returns (SessionScopedRoute): a follower holds
         # no connection while it streams.
@@ -152,7 +152,7 @@ def get_logs(
             resolved=resolved,
             user=user,
         )
-    piece = reports_service.read_log(session, job, chosen, name, offset, limit_bytes)
+    piece = log_reads.read_log(session, job, chosen, name, offset, limit_bytes)
     headers = {
         "X-Offset": str(piece.offset),
         "X-Next-Offset": str(piece.next_offset),
@@ -177,4 +177,4 @@ def get_log_streams(
 ) -> LogStreams:
     """The attempt's log streams (every rank and each node's agent log) with their sizes."""
     job = jobs_service.get_job(session, user, job_id)
-    return reports_service.list_streams(session, job, reports_service.resolve_attempt(session, job, attempt))
+    return log_reads.list_streams(session, job, log_reads.resolve_attempt(session, job, attempt))

@@ -16,7 +16,8 @@ from starlette.exceptions import HTTPException
 
 from service.api.deps import LeaseHeader, SessionDep, SettingsDep, WorkerDep
 from service.api.routing import SessionScopedRoute, UnicodeCheckedRequest
-from service.services import reports as reports_service
+from service.services.metric_store import MetricLimits
+from service.services.report_ingest import ingest_report
 from torchyard.contract.reports import MAX_REPORT_BODY_BYTES, ReportAccepted, ReportBatch
 
 
@@ -67,7 +68,7 @@ def post_report(
     metrics and result. Idempotent: points and chunks already stored are skipped. Points
     past the job's limits (TORCHYARD_MAX_METRIC_POINTS_PER_JOB, TORCHYARD_MAX_METRIC_NAMES_PER_JOB)
     are dropped and counted in ``metrics_dropped``; the rest of the batch is stored."""
-    limits = reports_service.MetricLimits(
+    limits = MetricLimits(
         max_points=settings.max_metric_points_per_job, max_names=settings.max_metric_names_per_job
     )
-    return reports_service.ingest_report(session, worker, job_id, lease, batch, limits=limits)
+    return ingest_report(session, worker, job_id, lease, batch, limits=limits)

@@ -13,7 +13,7 @@ import pytest
 
 from service.config import Settings
 from service.db.engine import Database
-from service.services.reports import log_chunks_after
+from service.services.log_reads import log_chunks_after
 from tests.conftest import LiveServer, free_port
 from tests.support.factories import auth
 from tests.support.report_helpers import (
