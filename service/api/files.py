@@ -13,8 +13,9 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from service.services.artifacts import IncomingModel, ModelFile
+from service.services.artifacts import ModelFile
 from service.services.checkpoints import CheckpointFile
+from service.services.incoming import IncomingUpload
 from torchyard.contract.errors import PayloadTooLargeError
 
 _READ_CHUNK = 256 * 1024
@@ -29,7 +30,7 @@ def refuse_oversized(request: Request, limit: int, what: str) -> None:
         raise PayloadTooLargeError(f"{what} exceeds the limit of {limit} bytes")
 
 
-async def receive_body(request: Request, incoming: IncomingModel) -> str:
+async def receive_body(request: Request, incoming: IncomingUpload) -> str:
     """Stream an upload's body into ``incoming`` (1 MiB writes, off the event loop); its sha256."""
     buffer = bytearray()
     async for chunk in request.stream():

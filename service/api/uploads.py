@@ -19,8 +19,10 @@ from starlette.concurrency import run_in_threadpool
 
 from service.api.files import receive_body, refuse_oversized
 from service.db.engine import Database
-from service.services.artifacts import IncomingModel, check_sha256_matches
+from service.services.artifacts import check_sha256_matches
+from service.services.incoming import IncomingUpload
 
+Incoming = TypeVar("Incoming", bound=IncomingUpload)
 Checked = TypeVar("Checked")
 Published = TypeVar("Published")
 
@@ -43,8 +45,8 @@ def _authorize(db: Database, authorize: Callable[[Session], None]) -> None:
 
 def _publish(
     db: Database,
-    publish: Callable[[Session, IncomingModel, str], Published],
-    incoming: IncomingModel,
+    publish: Callable[[Session, Incoming, str], Published],
+    incoming: Incoming,
     sha: str,
 ) -> Published:
     with db.session() as session:
@@ -59,9 +61,9 @@ async def receive_fenced_upload(
     announced: str,
     limit: int,
     authorize: Callable[[Session], None],
-    start: Callable[[int], IncomingModel],
-    check: Callable[[IncomingModel], Checked],
-    publish: Callable[[Session, IncomingModel, str], Published],
+    start: Callable[[int], Incoming],
+    check: Callable[[Incoming], Checked],
+    publish: Callable[[Session, Incoming, str], Published],
 ) -> Upload[Checked, Published]:
     """Receive one upload under the placement's lease (see the module's docstring).
 

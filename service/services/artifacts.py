@@ -10,7 +10,6 @@ Anything that fails on the way leaves nothing behind.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -19,12 +18,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
 from service.db.models import Job, Node, Placement, utcnow
+from service.services.incoming import IncomingModelArchive
 from service.services.job_lookup import get_job
 from service.services.leases import lock_lease, placement_for_lease, speaks_for
 from service.services.tokens import Principal
@@ -33,7 +32,6 @@ from torchyard.contract.errors import (
     ConflictError,
     ModelNotReadyError,
     NotFoundError,
-    PayloadTooLargeError,
     PermissionDeniedError,
     RequestValidationError,
     StaleLeaseError,
@@ -74,11 +72,11 @@ class ModelStore:
                 extract_model_archive(self.path(job_id), dest, max_unpacked_bytes=max_unpacked_bytes)
         return dest
 
-    def start_upload(self, max_bytes: int) -> IncomingModel:
+    def start_upload(self, max_bytes: int) -> IncomingModelArchive:
         self.incoming.mkdir(parents=True, exist_ok=True)
         self._remove_stale_uploads()
         fd, name = tempfile.mkstemp(prefix="upload-", suffix=".tar.gz", dir=self.incoming)
-        return IncomingModel(Path(name), os.fdopen(fd, "wb"), max_bytes)
+        return IncomingModelArchive(Path(name), os.fdopen(fd, "wb"), max_bytes)
 
     def _remove_stale_uploads(self) -> None:
         cutoff = time.time() - _STALE_UPLOAD_S
@@ -88,38 +86,6 @@ class ModelStore:
                     path.unlink()
             except FileNotFoundError:
                 pass
-
-
-class IncomingModel:
-    """An upload being received: written to disk and hashed as it arrives, size-capped."""
-
-    def __init__(self, path: Path, fh: BinaryIO, max_bytes: int, what: str = "model archive") -> None:
-        self.path = path
-        self._fh = fh
-        self._digest = hashlib.sha256()
-        self.size = 0
-        self.max_bytes = max_bytes
-        self.what = what
-
-    def write(self, data: bytes) -> None:
-        self.size += len(data)
-        if self.size > self.max_bytes:
-            raise PayloadTooLargeError(f"{self.what} exceeds the limit of {self.max_bytes} bytes")
-        self._digest.update(data)
-        self._fh.write(data)
-
-    def finish(self) -> str:
-        """Flush to disk; the sha256 of what arrived."""
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self._fh.close()
-        return self._digest.hexdigest()
-
-    def discard(self) -> None:
-        """Remove the temporary file (a no-op once it was published)."""
-        if not self._fh.closed:
-            self._fh.close()
-        self.path.unlink(missing_ok=True)
 
 
 def check_sha256_header(value: str | None) -> str:
@@ -160,7 +126,7 @@ def check_sha256_matches(announced: str, actual: str) -> None:
         )
 
 
-def check_model_upload(incoming: IncomingModel) -> dict[str, ArchivedFile]:
+def check_model_upload(incoming: IncomingModelArchive) -> dict[str, ArchivedFile]:
     """The received archive (its checksum already checked) is a valid model archive."""
     return inspect_model_archive(incoming.path, max_unpacked_bytes=incoming.max_bytes * UNPACK_RATIO)
 
@@ -171,7 +137,7 @@ def publish_model(
     store: ModelStore,
     job_id: str,
     lease_token: str | None,
-    incoming: IncomingModel,
+    incoming: IncomingModelArchive,
     sha256: str,
 ) -> Job:
     """Move a checked upload into the store and record it on the job, under the lease; commits."""

@@ -27,7 +27,8 @@ from sqlalchemy.orm import Session
 
 from service.db.engine import Database
 from service.db.models import Attempt, Checkpoint, Job, Placement, utcnow
-from service.services.artifacts import IncomingModel, fsync_dir
+from service.services.artifacts import fsync_dir
+from service.services.incoming import IncomingCheckpoint
 from service.services.leases import lock_lease, placement_for_lease
 from service.services.tokens import Principal
 from service.states import ACTIVE_STATUSES, PLACED_STATUSES
@@ -56,10 +57,10 @@ class CheckpointStore:
     def path(self, job_id: str, checkpoint_id: str) -> Path:
         return self.job_dir(job_id) / f"{checkpoint_id}.pt"
 
-    def start_upload(self, max_bytes: int) -> IncomingModel:
+    def start_upload(self, max_bytes: int) -> IncomingCheckpoint:
         self.incoming.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix="upload-", suffix=".pt", dir=self.incoming)
-        return IncomingModel(Path(name), os.fdopen(fd, "wb"), max_bytes, what="checkpoint")
+        return IncomingCheckpoint(Path(name), os.fdopen(fd, "wb"), max_bytes)
 
 
 def _check_writer(job: Job, placement: Placement, job_id: str) -> None:
@@ -83,7 +84,7 @@ def record_checkpoint(
     store: CheckpointStore,
     job_id: str,
     lease_token: str | None,
-    incoming: IncomingModel,
+    incoming: IncomingCheckpoint,
     *,
     sha256: str,
     epoch: int,

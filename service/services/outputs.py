@@ -32,7 +32,8 @@ from typing import IO
 from sqlalchemy.orm import Session
 
 from service.db.models import Job, utcnow
-from service.services.artifacts import IncomingModel, ModelFile
+from service.services.artifacts import ModelFile
+from service.services.incoming import IncomingOutputs
 from service.services.job_lookup import get_job
 from service.services.kinds import kind_of
 from service.services.leases import lock_lease, placement_for_lease
@@ -74,10 +75,10 @@ class OutputsStore:
     def files_dir(self, job_id: str) -> Path:
         return self.root / f"{job_id}.files"
 
-    def start_upload(self, max_bytes: int) -> IncomingModel:
+    def start_upload(self, max_bytes: int) -> IncomingOutputs:
         self.incoming.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix="upload-", suffix=".tar.gz", dir=self.incoming)
-        return IncomingModel(Path(name), os.fdopen(fd, "wb"), max_bytes)
+        return IncomingOutputs(Path(name), os.fdopen(fd, "wb"), max_bytes)
 
     @contextmanager
     def lock(self, job_id: str) -> Iterator[None]:
@@ -215,7 +216,7 @@ def publish(
     store: OutputsStore,
     job_id: str,
     lease_token: str | None,
-    incoming: IncomingModel,
+    incoming: IncomingOutputs,
     sha256: str,
 ) -> Job:
     """Move a checked upload into the store and record it on the job, under the lease; commits."""

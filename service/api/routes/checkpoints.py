@@ -21,8 +21,8 @@ from service.api.routing import SessionScopedRoute
 from service.api.uploads import receive_fenced_upload
 from service.db.engine import Database
 from service.services import artifacts, checkpoints
-from service.services.artifacts import IncomingModel
 from service.services.checkpoints import CheckpointFile, CheckpointStore
+from service.services.incoming import IncomingCheckpoint
 from service.services.tokens import Principal
 from torchyard.contract.errors import RequestValidationError
 from torchyard.contract.headers import CHECKPOINT_EPOCH_HEADER, CHECKPOINT_STEP_HEADER, SHA256_HEADER
@@ -50,7 +50,7 @@ def _record(
     store: CheckpointStore,
     job_id: str,
     lease: str | None,
-    incoming: IncomingModel,
+    incoming: IncomingCheckpoint,
     sha256: str,
     epoch: int,
     step: int | None,
