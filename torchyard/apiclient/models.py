@@ -27,28 +27,20 @@ from torchyard.contract.responses import NodePublic as Node
 from torchyard.contract.responses import TokenCreated as CreatedToken
 from torchyard.contract.responses import TokenPublic as TokenInfo
 
+# The contract's models under the client's names (the client's own models follow).
 __all__ = [
-    "FINAL_STATUSES",
-    "ApiModel",
-    "Attempt",
     "Cluster",
     "CodePackage",
-    "ComparedJob",
-    "ComparedMetric",
     "ComparedPoint",
     "CreatedToken",
     "Dataset",
     "EndReason",
-    "Event",
     "Failure",
-    "Job",
-    "JobComparison",
     "MetricPage",
     "MetricPoint",
     "MetricSeries",
     "Node",
     "NodeDrained",
-    "Page",
     "StatusChange",
     "TokenInfo",
 ]
