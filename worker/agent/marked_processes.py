@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,20 @@ def signal_pids(pids: list[int], sig: signal.Signals) -> None:
             pass
         except PermissionError:  # pragma: no cover - the pid was reused by someone else
             pass
+
+
+def kill_marked(marker: str, what: str, timeout: float = 5.0) -> list[int]:
+    """SIGKILL the live processes carrying ``marker`` (those of ``what``, for the log) and
+    wait, ``timeout`` at most, until they are gone; their pids."""
+    left = marked_pids(marker)
+    if not left:
+        return []
+    log.warning("killing %d leftover process(es) of %s: %s", len(left), what, left)
+    signal_pids(left, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while marked_pids(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
 
 
 def marker_scope(node_name: str, work_dir: Path) -> str:

@@ -27,7 +27,7 @@ from typing import TextIO
 from torchyard.contract.jobfile import JOB_FILE, TRAINER_HOOKS_VARIABLE
 from worker.agent import guard
 from worker.agent.job_env import DIST_VARS, SECRET_VARS
-from worker.agent.marked_processes import MARKER_VAR, marked_pids, marker_scope, signal_pids
+from worker.agent.marked_processes import MARKER_VAR, kill_marked, marked_pids, marker_scope, signal_pids
 from worker.agent.sandbox import Sandbox, exit_code, is_sandbox_process, torch_hub_dir
 
 log = logging.getLogger(__name__)
@@ -238,12 +238,4 @@ class RankGroup:
 
     def kill_stragglers(self, timeout: float = 5.0) -> list[int]:
         """Kill any process of this run still alive (after torchrun itself has ended)."""
-        left = self.alive_pids()
-        if not left:
-            return []
-        log.warning("killing %d leftover process(es) of the run: %s", len(left), left)
-        signal_pids(left, signal.SIGKILL)
-        deadline = time.monotonic() + timeout
-        while self.alive_pids() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return left
+        return kill_marked(self.marker, "the run", timeout)

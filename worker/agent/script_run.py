@@ -36,7 +36,7 @@ from torchyard.contract.errors import RankFailedError, RankKilledError
 from torchyard.contract.failures import FailureReport
 from torchyard.contract.reports import log_file_stream
 from worker.agent import guard, job_tree, net_relay, sandbox
-from worker.agent.marked_processes import marked_pids, marker_scope, signal_pids
+from worker.agent.marked_processes import kill_marked, marked_pids, marker_scope, signal_pids
 from worker.agent.mlflow_endpoint.server import TrackingEndpoint
 from worker.agent.mlflow_endpoint.store import tracking_snapshot
 from worker.agent.net_bridge import SOCKET_IN_SANDBOX, Bridge
@@ -72,35 +72,8 @@ class ScriptGroup:
         self.marker = marker_scope(launch.node_name, launch.run_dir.parent.parent) + secrets.token_hex(8)
         base = os.environ if env is None else env
         locals_: list[int | None] = list(range(launch.nproc)) if launch.launch == "per_process" else [None]
-        self.tracking: TrackingEndpoint | None = None
-        if "MLFLOW_TRACKING_URI" not in launch.variables:  # the job's own server otherwise
-            self.tracking = TrackingEndpoint(launch.agent_dir, launch.outputs_dir, launch.node_rank)
-            self.tracking.start()
-        self.bridge: Bridge | None = None
-        if launch.network == "none" and self.tracking is not None and launch.box is not None:
-            launch.agent_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self.bridge = Bridge(launch.agent_dir / "mlflow.sock", self.tracking, launch.box.user)
-            self.bridge.start()
-        self.processes: list[ScriptProcess] = []
-        for local in locals_:
-            rank = launch.node_rank * launch.nproc + (local or 0)
-            process_env = script_env(launch, base, self.marker, local, rank)
-            if self.tracking is not None:
-                name = f"rank-{rank}" if local is not None else f"node-{launch.node_rank}"
-                process_env.update(self.tracking.env_for(rank, name, ranks_from_caller=local is None))
-            argv = command_argv(launch, process_env, local)
-            name = f"rank-{rank}" if local is not None else f"node-{launch.node_rank}"
-            self.processes.append(
-                ScriptProcess(
-                    rank=rank,
-                    local_rank=local,
-                    argv=argv,
-                    env=process_env,
-                    cwd=launch.run_dir / "work" / name,
-                    log_path=launch.stdout_dir / f"{name}.log",
-                    metrics_path=Path(process_env["TORCHYARD_METRICS_FILE"]),
-                )
-            )
+        self.tracking, self.bridge = self._start_tracking()
+        self.processes = [self._process(local, base) for local in locals_]
         self.command = self.processes[0].argv
         first = launch.node_rank * launch.nproc
         roots = [(p.cwd, p.rank, False) for p in self.processes]
@@ -113,6 +86,39 @@ class ScriptGroup:
         self._log_dir_files: dict[Path, str | None] = {}
         self._log_dir_full = False
         self.stopped = False
+
+    def _start_tracking(self) -> tuple[TrackingEndpoint | None, Bridge | None]:
+        """The placement's MLflow endpoint (none where the job names its own server) and, for a
+        run without network, the bridge its processes reach it through."""
+        launch = self.launch
+        if "MLFLOW_TRACKING_URI" in launch.variables:
+            return None, None
+        tracking = TrackingEndpoint(launch.agent_dir, launch.outputs_dir, launch.node_rank)
+        tracking.start()
+        bridge = None
+        if launch.network == "none" and launch.box is not None:
+            launch.agent_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            bridge = Bridge(launch.agent_dir / "mlflow.sock", tracking, launch.box.user)
+            bridge.start()
+        return tracking, bridge
+
+    def _process(self, local: int | None, base: Mapping[str, str]) -> ScriptProcess:
+        """One process of the placement (``local`` None: the node's one command, per node)."""
+        launch = self.launch
+        rank = launch.node_rank * launch.nproc + (local or 0)
+        name = f"rank-{rank}" if local is not None else f"node-{launch.node_rank}"
+        process_env = script_env(launch, base, self.marker, local, rank)
+        if self.tracking is not None:
+            process_env.update(self.tracking.env_for(rank, name, ranks_from_caller=local is None))
+        return ScriptProcess(
+            rank=rank,
+            local_rank=local,
+            argv=command_argv(launch, process_env, local),
+            env=process_env,
+            cwd=launch.run_dir / "work" / name,
+            log_path=launch.stdout_dir / f"{name}.log",
+            metrics_path=Path(process_env["TORCHYARD_METRICS_FILE"]),
+        )
 
     # --- start --------------------------------------------------------------------------
 
@@ -267,15 +273,7 @@ class ScriptGroup:
                     os.killpg(proc.process.pid, signal.SIGKILL)
         if self.launch.box is not None:
             shutil.rmtree(self.shared_shm, ignore_errors=True)
-        left = self.alive_pids()
-        if not left:
-            return []
-        log.warning("killing %d leftover process(es) of the script: %s", len(left), left)
-        signal_pids(left, signal.SIGKILL)
-        deadline = time.monotonic() + timeout
-        while self.alive_pids() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return left
+        return kill_marked(self.marker, "the script", timeout)
 
     # --- what it wrote ------------------------------------------------------------------
 

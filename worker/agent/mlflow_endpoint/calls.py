@@ -194,20 +194,8 @@ def _search_models(store: TrackingStore, proc: TrackedProcess, body: dict[str, A
     if not isinstance(experiment_ids, list) or not all(isinstance(e, str) for e in experiment_ids):
         raise MlflowError("'experiment_ids' must be a list of experiment ids.")
     where = model_filter(fields.text(body, "filter", required=False, limit=MAX_TRACKING_VALUE))
-    order = []
-    for item in body.get("order_by") or []:
-        if not isinstance(item, dict):
-            raise MlflowError("'order_by' must be a list of {field_name, ascending} objects.")
-        ascending = item.get("ascending", True)
-        order.append((check_model_field(fields.required_text(item, "field_name")), ascending is not False))
-    limit = fields.integer(body.get("max_results"), "max_results", 100)
-    assert limit is not None
-    if not 1 <= limit <= MAX_SEARCH_RESULTS:
-        raise MlflowError(f"Invalid value {limit} for parameter 'max_results': 1 to {MAX_SEARCH_RESULTS}.")
-    token = fields.text(body, "page_token", required=False) or "0"
-    if not token.isdigit():
-        raise MlflowError(f"Invalid page token {token!r}.")
-    start = int(token)
+    order = _search_order(body)
+    start, limit = _search_page(body)
     found = store.search_models(experiment_ids, where, order)
     with store.lock:
         page = [m.proto() for m in found[start : start + limit]]
@@ -215,6 +203,29 @@ def _search_models(store: TrackingStore, proc: TrackedProcess, body: dict[str, A
     if start + limit < len(found):
         answer["next_page_token"] = str(start + limit)
     return answer
+
+
+def _search_order(body: dict[str, Any]) -> list[tuple[str, bool]]:
+    """A search's ``order_by``: (field, ascending) pairs."""
+    order = []
+    for item in body.get("order_by") or []:
+        if not isinstance(item, dict):
+            raise MlflowError("'order_by' must be a list of {field_name, ascending} objects.")
+        ascending = item.get("ascending", True)
+        order.append((check_model_field(fields.required_text(item, "field_name")), ascending is not False))
+    return order
+
+
+def _search_page(body: dict[str, Any]) -> tuple[int, int]:
+    """A search's page: where it starts (its ``page_token``) and how many results (``max_results``)."""
+    limit = fields.integer(body.get("max_results"), "max_results", 100)
+    assert limit is not None
+    if not 1 <= limit <= MAX_SEARCH_RESULTS:
+        raise MlflowError(f"Invalid value {limit} for parameter 'max_results': 1 to {MAX_SEARCH_RESULTS}.")
+    token = fields.text(body, "page_token", required=False) or "0"
+    if not token.isdigit():
+        raise MlflowError(f"Invalid page token {token!r}.")
+    return int(token), limit
 
 
 def _model_call(method: str, call: str, body: dict[str, Any]) -> _Call | None:

@@ -85,34 +85,36 @@ def model_filter(text: str | None) -> Callable[[LoggedModel], bool]:
                 f"Invalid filter {text!r} at {text[position : position + 40]!r}: clauses "
                 "<field> <comparator> <value> joined by AND (values quoted, numbers as they are)."
             )
-        name = check_model_field(found["key"])
-        op, raw = found["op"].upper(), found["value"]
-        numeric = name.startswith("metrics.") or MODEL_FIELDS.get(name) in _NUMERIC_MODEL_FIELDS
-        quoted = raw[0] in "'\""
-        wrong = (quoted or "LIKE" in op) if numeric else (not quoted or op in ("<", "<=", ">", ">="))
-        if wrong:
-            kind = "a number" if numeric else "quoted text"
-            raise MlflowError(
-                f"Invalid filter clause {found.group(0).strip()!r}: {name} compares with {kind}."
-            )
-        value: Any = float(raw) if numeric else raw[1:-1]
-        if "LIKE" in op:
-            value = _like(value, re.IGNORECASE if op == "ILIKE" else 0)
-        clauses.append((name, op, value))
+        clauses.append(_clause(found))
         position = found.end()
 
     def keep(model: LoggedModel) -> bool:
-        for name, op, value in clauses:
-            have = model_field(model, name)
-            if have is None:
-                return False
-            if op in ("LIKE", "ILIKE"):
-                ok = value.fullmatch(have) is not None
-            else:
-                ok = {"=": have == value, "!=": have != value, "<": have < value, "<=": have <= value,
-                      ">": have > value, ">=": have >= value}[op]  # fmt: skip
-            if not ok:
-                return False
-        return True
+        return all(_holds(model_field(model, name), op, value) for name, op, value in clauses)
 
     return keep
+
+
+def _clause(found: re.Match[str]) -> tuple[str, str, Any]:
+    """One clause of a filter: its field, its comparator and the value compared with."""
+    name = check_model_field(found["key"])
+    op, raw = found["op"].upper(), found["value"]
+    numeric = name.startswith("metrics.") or MODEL_FIELDS.get(name) in _NUMERIC_MODEL_FIELDS
+    quoted = raw[0] in "'\""
+    wrong = (quoted or "LIKE" in op) if numeric else (not quoted or op in ("<", "<=", ">", ">="))
+    if wrong:
+        kind = "a number" if numeric else "quoted text"
+        raise MlflowError(f"Invalid filter clause {found.group(0).strip()!r}: {name} compares with {kind}.")
+    value: Any = float(raw) if numeric else raw[1:-1]
+    if "LIKE" in op:
+        value = _like(value, re.IGNORECASE if op == "ILIKE" else 0)
+    return name, op, value
+
+
+def _holds(have: Any, op: str, value: Any) -> bool:
+    """Whether a model's field (None where it has none: never) compares as a clause asks."""
+    if have is None:
+        return False
+    if op in ("LIKE", "ILIKE"):
+        return bool(value.fullmatch(have) is not None)
+    return bool({"=": have == value, "!=": have != value, "<": have < value, "<=": have <= value,
+                 ">": have > value, ">=": have >= value}[op])  # fmt: skip

@@ -20,6 +20,7 @@ from urllib.parse import parse_qs, urlsplit
 from worker.agent.mlflow_endpoint import ranks
 from worker.agent.mlflow_endpoint.calls import dispatch
 from worker.agent.mlflow_endpoint.errors import MlflowError
+from worker.agent.mlflow_endpoint.records import TrackedProcess
 from worker.agent.mlflow_endpoint.store import TrackingStore
 
 log = logging.getLogger(__name__)
@@ -100,17 +101,7 @@ class _Handler(BaseHTTPRequestHandler):
                 # The page of MLflow's "View run" link (its #/experiments/... part stays in the browser).
                 self._answer(200, NO_UI_PAGE, "text/html; charset=utf-8")
                 return
-            auth = self.headers.get("Authorization", "")
-            token = auth[7:].strip() if auth[:7].lower() == "bearer " else None
-            proc = self.server.store.process(token)
-            if proc is None:
-                raise MlflowError(
-                    "a token of this job is needed (MLFLOW_TRACKING_TOKEN)", "UNAUTHENTICATED", 401
-                )
-            if proc.ranks_from_caller:
-                rank = self._caller_rank()
-                with self.server.store.lock:
-                    proc = proc.as_rank(rank)
+            proc = self._caller()
             path = urlsplit(self.path).path
             prefix = next((p for p in API_PREFIXES if path.startswith(p)), None)
             if prefix is None:
@@ -124,6 +115,19 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception:
             log.exception("MLflow endpoint: %s %s failed", method, self.path)
             self._answer(500, {"error_code": "INTERNAL_ERROR", "message": "the call failed on the node"})
+
+    def _caller(self) -> TrackedProcess:
+        """The process of the placement that calls (its token), as the rank it is."""
+        auth = self.headers.get("Authorization", "")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else None
+        proc = self.server.store.process(token)
+        if proc is None:
+            raise MlflowError("a token of this job is needed (MLFLOW_TRACKING_TOKEN)", "UNAUTHENTICATED", 401)
+        if proc.ranks_from_caller:
+            rank = self._caller_rank()
+            with self.server.store.lock:
+                proc = proc.as_rank(rank)
+        return proc
 
     def _caller_rank(self) -> int | None:
         """The ``RANK`` of the process at the other end of this connection (looked up once)."""

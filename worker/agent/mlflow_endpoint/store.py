@@ -175,47 +175,49 @@ class TrackingStore:
         """Record one call's metrics, params and tags: all of it or (an error) none of it."""
         run = self.run(run_id)
         with self.lock:
-            for key, value in params.items():
-                old = run.params.get(key)
-                if old is not None and old != value:
-                    raise MlflowError(
-                        f"Changing param values is not allowed. Param with key='{key}' was already "
-                        f"logged with value='{old}' for run ID='{run_id}'. Attempted logging new value "
-                        f"'{value}'."
-                    )
+            _check_params_unchanged(run, params)
             self._check_total(len(set(params) - set(run.params)) + len(set(tags) - set(run.tags)))
             for m in metrics:
                 if m["step"] is None:  # no step in the call: the next one above the highest
                     step = proc.top_step.get(m["key"], -1) + 1
                     m["step"] = proc.top_step[m["key"]] = step
             metrics = self._model_metrics(run, metrics)
-            lines = [self._point(proc, m) for m in metrics]
-            shipped = [line for line in lines if line is not None]
-            if shipped:
-                data = "".join(json.dumps(p, separators=(",", ":")) + "\n" for p in shipped).encode()
-                # One write with O_APPEND: a line is on disk whole before the call is answered.
-                fd = os.open(proc.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-                try:
-                    os.write(fd, data)
-                finally:
-                    os.close(fd)
-            for m in metrics:
-                point = {
-                    "key": m["key"],
-                    "value": json_number(m["value"]),
-                    "timestamp": m["timestamp"],
-                    "step": m["step"],
-                }
-                run.latest[m["key"]] = point
-                if self._history_points < MAX_HISTORY_POINTS:
-                    run.history.setdefault(m["key"], []).append(point)
-                    self._history_points += 1
+            self._ship(proc, metrics)
+            self._remember(run, metrics)
             run.params.update(params)
             run.tags.update(tags)
             for key in delete_tags:
                 run.tags.pop(key, None)
             if params or tags or delete_tags:
                 self._write_tracking()
+
+    def _ship(self, proc: TrackedProcess, metrics: list[dict[str, Any]]) -> None:
+        """Append the finite points to the process's metric file for the reporter (lock held)."""
+        lines = [self._point(proc, m) for m in metrics]
+        shipped = [line for line in lines if line is not None]
+        if not shipped:
+            return
+        data = "".join(json.dumps(p, separators=(",", ":")) + "\n" for p in shipped).encode()
+        # One write with O_APPEND: a line is on disk whole before the call is answered.
+        fd = os.open(proc.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+    def _remember(self, run: TrackedRun, metrics: list[dict[str, Any]]) -> None:
+        """The run's latest point of each metric and its history (lock held)."""
+        for m in metrics:
+            point = {
+                "key": m["key"],
+                "value": json_number(m["value"]),
+                "timestamp": m["timestamp"],
+                "step": m["step"],
+            }
+            run.latest[m["key"]] = point
+            if self._history_points < MAX_HISTORY_POINTS:
+                run.history.setdefault(m["key"], []).append(point)
+                self._history_points += 1
 
     def _point(self, proc: TrackedProcess, metric: dict[str, Any]) -> dict[str, Any] | None:
         value = metric["value"]
@@ -388,14 +390,32 @@ class TrackingStore:
                 for m in self.models.values()
                 if (not experiment_ids or m.experiment_id in experiment_ids) and where(m)
             ]
-        found.sort(key=lambda m: m.model_id)
-        if not any(MODEL_FIELDS.get(name) == "created" for name, _ascending in order):
-            found.sort(key=lambda m: m.created, reverse=True)
-        for name, ascending in reversed(order):
-            present = [m for m in found if model_field(m, name) is not None]
-            present.sort(key=lambda m: cast(Any, model_field(m, name)), reverse=not ascending)
-            found = present + [m for m in found if model_field(m, name) is None]
-        return found
+        return _in_order(found, order)
+
+
+def _in_order(models: list[LoggedModel], order: list[tuple[str, bool]]) -> list[LoggedModel]:
+    """``models`` in MLflow's order: by ``order``'s fields (those a model lacks last), then the
+    newest first, then by id."""
+    found = sorted(models, key=lambda m: m.model_id)
+    if not any(MODEL_FIELDS.get(name) == "created" for name, _ascending in order):
+        found.sort(key=lambda m: m.created, reverse=True)
+    for name, ascending in reversed(order):
+        present = [m for m in found if model_field(m, name) is not None]
+        present.sort(key=lambda m: cast(Any, model_field(m, name)), reverse=not ascending)
+        found = present + [m for m in found if model_field(m, name) is None]
+    return found
+
+
+def _check_params_unchanged(run: TrackedRun, params: dict[str, str]) -> None:
+    """MLflow's rule: a param logged once keeps its value (the same value again is fine)."""
+    for key, value in params.items():
+        old = run.params.get(key)
+        if old is not None and old != value:
+            raise MlflowError(
+                f"Changing param values is not allowed. Param with key='{key}' was already "
+                f"logged with value='{old}' for run ID='{run.run_id}'. Attempted logging new value "
+                f"'{value}'."
+            )
 
 
 def json_number(value: float) -> float | str:
