@@ -55,7 +55,7 @@ def apply_stop_orders(orders: list[StopOrder], active: list[PlacementRun]) -> No
 
 
 class _RunLog:
-    """The launcher log of one placement: a file in the agent's folder of it (shipped as the
+    """The log of one placement: a file in the agent's folder of it (shipped as the
     ``agent-<node>`` stream) that also reaches the agent's own log."""
 
     def __init__(self, path: Path, job_id: str) -> None:

@@ -5,7 +5,7 @@
 * ``<run dir>/events.jsonl`` (metric points, progress, the result; complete lines only);
 * each rank's log files (``log_sources()`` is asked every cycle, since torchrun creates
   them late; several files may feed one stream, e.g. a rank's stdout and stderr);
-* the agent's own launcher log (stream ``agent-<node name>``);
+* the agent's own log of the placement (stream ``agent-<node name>``);
 
 and posts them in batches to ``POST /v1/worker/jobs/{id}/reports`` about every half
 second, at once when a batch is full. One batch is in flight at a time and is retried,

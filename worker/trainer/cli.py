@@ -34,7 +34,7 @@ def configure_logging(rank: int, level: int = logging.INFO) -> None:
 
 
 def _record_for_torchrun(exc: BaseException) -> None:
-    """Also leave torchrun's own error file, so its summary (the launcher log) names the root cause."""
+    """Also leave torchrun's own error file, so its summary (in the placement's log) names the root cause."""
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return
     try:

@@ -111,12 +111,12 @@ def test_without_failure_files_torchruns_root_cause_names_the_rank(tmp_path: Pat
     log_dir = tmp_path / "torchrun-logs" / "none_x" / "attempt_0" / "1"
     log_dir.mkdir(parents=True)
     (log_dir / "stderr.log").write_text("loading...\nSegmentation fault\n")
-    launcher_log = tmp_path / "agent.log"
-    launcher_log.write_text(
+    placement_log = tmp_path / "agent.log"
+    placement_log.write_text(
         "Root Cause (first observed failure):\n[0]:\n  time      : x\n  host      : h\n"
         "  rank      : 3 (local_rank: 1)\n  exitcode  : -11 (pid: 4242)\n"
     )
-    failure = collect_failure(spec, 1, launcher_log)
+    failure = collect_failure(spec, 1, placement_log)
     assert failure.code == "RankFailedError" and failure.rank == 3
     assert failure.message == "rank 3 (local rank 1) on node node-a was killed by SIGSEGV"
     assert "Segmentation fault" in failure.traceback
@@ -288,7 +288,7 @@ def test_a_finished_placement_prunes_old_runs_but_not_its_peers(tmp_path: Path) 
     agent.api.close()
 
 
-def _launcher_log(tmp_path: Path, exitcode: int) -> Path:
+def _placement_log(tmp_path: Path, exitcode: int) -> Path:
     path = tmp_path / "agent.log"
     path.write_text(
         "Root Cause (first observed failure):\n[0]:\n  time      : x\n  host      : h\n"
@@ -300,13 +300,13 @@ def _launcher_log(tmp_path: Path, exitcode: int) -> Path:
 def test_failures_are_classified_for_the_restart_policy(tmp_path: Path) -> None:
     spec = _spec(tmp_path)
     # A rank killed from outside (SIGKILL: the OOM killer, an operator) is RankKilledError...
-    killed = collect_failure(spec, 1, _launcher_log(tmp_path, -9))
+    killed = collect_failure(spec, 1, _placement_log(tmp_path, -9))
     assert killed.code == "RankKilledError" and killed.rank == 1
     assert "was killed by SIGKILL" in killed.message
     # ... even when its peer left a record of the collective that broke under it.
     echo = {"code": "RankFailedError", "message": "gloo: Connection closed by peer", "rank": 0, "time": 1.0}
     (tmp_path / "failure-rank-0.json").write_text(json.dumps({**echo, "secondary": True}))
-    assert collect_failure(spec, 1, _launcher_log(tmp_path, -9)).code == "RankKilledError"
+    assert collect_failure(spec, 1, _placement_log(tmp_path, -9)).code == "RankKilledError"
     # ... also when torchrun names that peer as its root cause (dated first, to the second).
     (tmp_path / "agent.log").write_text(
         "Failures:\n[1]:\n  time      : x\n  host      : h\n  rank      : 1 (local_rank: 1)\n"
@@ -317,11 +317,11 @@ def test_failures_are_classified_for_the_restart_policy(tmp_path: Path) -> None:
     peer_first = collect_failure(spec, 1, tmp_path / "agent.log")
     assert peer_first.code == "RankKilledError" and peer_first.rank == 1
     # A broken collective with no killed rank on this node: CommunicationError (retryable).
-    broken = collect_failure(spec, 1, _launcher_log(tmp_path, 1))
+    broken = collect_failure(spec, 1, _placement_log(tmp_path, 1))
     assert broken.code == "CommunicationError" and broken.rank == 0
     # An ordinary non-zero exit stays RankFailedError.
     (tmp_path / "failure-rank-0.json").write_text(json.dumps({**echo, "message": "boom", "secondary": False}))
-    assert collect_failure(spec, 1, _launcher_log(tmp_path, 1)).code == "RankFailedError"
+    assert collect_failure(spec, 1, _placement_log(tmp_path, 1)).code == "RankFailedError"
     (tmp_path / "failure-rank-0.json").unlink()
     # A rendezvous that never formed (torchrun's own error, no rank ever ran): CommunicationError.
     log = tmp_path / "agent.log"
