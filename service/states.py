@@ -1,8 +1,13 @@
-"""The job state machine (docs/api.md), in one place.
+"""The state machines of jobs, attempts, placements and nodes (docs/api.md), in one place.
 
-``queued`` → ``scheduled`` (placed on nodes) → ``running`` → ``succeeded`` | ``failed`` |
-``cancelled``, with ``cancelling`` between a cancel request and the ranks being stopped.
-A scheduled or running job whose attempt is lost may go back to ``queued`` for a retry.
+A job: ``queued`` → ``scheduled`` (placed on nodes) → ``running`` → ``succeeded`` |
+``failed`` | ``cancelled``, with ``cancelling`` between a cancel request and the ranks being
+stopped. A scheduled or running job whose attempt is lost may go back to ``queued`` for a
+retry. An attempt: ``scheduled`` → ``running`` → how it ended. A placement: ``assigned`` →
+``running`` (claimed) → ``done``. A node: ``ready``, ``lost`` when silent, ``draining`` and
+``drained`` when drained. Every status write goes through one function per row type
+(:func:`service.services.jobs.transition` for jobs, :mod:`service.services.transitions` for
+the others), which refuses a move these tables do not allow.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from torchyard.contract.states import (
 __all__ = [
     "ABORTED_ATTEMPT_STATUSES",
     "ACTIVE_STATUSES",
+    "ATTEMPT_TRANSITIONS",
     "DRAINED_NODE_STATUSES",
     "ENGINE_AGENTS",
     "ENGINE_SLURM",
@@ -31,7 +37,9 @@ __all__ = [
     "FINAL_STATUSES",
     "LIVE_ATTEMPT_STATUSES",
     "LIVE_STATUSES",
+    "NODE_TRANSITIONS",
     "PLACED_STATUSES",
+    "PLACEMENT_TRANSITIONS",
     "TRANSITIONS",
     "AttemptStatus",
     "EngineName",
@@ -83,6 +91,33 @@ TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
 
 def can_transition(current: JobStatus, new: JobStatus) -> bool:
     return new in TRANSITIONS[current]
+
+
+# An attempt ends once; a scheduled one may end before any of its ranks reported running.
+ATTEMPT_TRANSITIONS: dict[AttemptStatus, frozenset[AttemptStatus]] = {
+    AttemptStatus.SCHEDULED: frozenset({AttemptStatus.RUNNING}) | FINAL_ATTEMPT_STATUSES,
+    AttemptStatus.RUNNING: FINAL_ATTEMPT_STATUSES,
+    **{status: frozenset() for status in FINAL_ATTEMPT_STATUSES},
+}
+
+# A placement is claimed (``running``) or done without ever being claimed (cancelled,
+# preempted or lost first); ``done`` is final.
+PLACEMENT_TRANSITIONS: dict[PlacementStatus, frozenset[PlacementStatus]] = {
+    PlacementStatus.ASSIGNED: frozenset({PlacementStatus.RUNNING, PlacementStatus.DONE}),
+    PlacementStatus.RUNNING: frozenset({PlacementStatus.DONE}),
+    PlacementStatus.DONE: frozenset(),
+}
+
+# A node's agent (or an engine's inventory) may bring it back from any status; a silent or
+# failed node is lost from any status but ``lost``; a drain holds until undrained (an
+# admin's drain of a lost node, re-registered, is ``drained``; an engine's inventory may
+# say ``drained`` of itself). Only a drained node is not drained again.
+NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
+    NodeStatus.READY: frozenset({NodeStatus.LOST, NodeStatus.DRAINING, NodeStatus.DRAINED}),
+    NodeStatus.LOST: frozenset({NodeStatus.READY, NodeStatus.DRAINING, NodeStatus.DRAINED}),
+    NodeStatus.DRAINING: frozenset({NodeStatus.READY, NodeStatus.LOST, NodeStatus.DRAINED}),
+    NodeStatus.DRAINED: frozenset({NodeStatus.READY, NodeStatus.LOST}),
+}
 
 
 def sql_in(values: frozenset[StrEnum] | list[StrEnum] | type[StrEnum]) -> str:

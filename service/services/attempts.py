@@ -41,6 +41,7 @@ from service.services.leases import lock_lease
 from service.services.nodes import get_own_node, touch_node
 from service.services.scheduler import is_postgres
 from service.services.tokens import Principal
+from service.services.transitions import set_attempt_status, set_placement_status
 from service.states import (
     ABORTED_ATTEMPT_STATUSES,
     ENGINE_AGENTS,
@@ -83,8 +84,7 @@ def _lock_attempt(session: Session, attempt_id: str) -> Attempt:
 def _end_attempt(
     attempt: Attempt, status: AttemptStatus, now: datetime, failure: Failure | None = None
 ) -> None:
-    attempt.status = status
-    attempt.finished_at = now
+    set_attempt_status(attempt, status, now)
     if failure is not None:
         attempt.failure_code = failure.code
         attempt.failure_message = failure.message
@@ -233,8 +233,7 @@ def preempt_node_attempts(session: Session, node: Node) -> list[str]:
                 .order_by(Placement.id)
                 .with_for_update()
             ):
-                placement.status = PlacementStatus.DONE
-                placement.finished_at = now
+                set_placement_status(placement, PlacementStatus.DONE, now)
             finish_preemption(session, job, attempt)
         finish_cancellation(session, job)
     return job_ids
@@ -319,8 +318,9 @@ def claim(
     placement = session.scalars(stmt).first()
     if placement is None:
         return ClaimCheck(None, node.id, revived)
-    placement.status = PlacementStatus.RUNNING
-    placement.lease_expires_at = utcnow() + timedelta(seconds=settings.lease_timeout_s)
+    now = utcnow()
+    set_placement_status(placement, PlacementStatus.RUNNING, now)
+    placement.lease_expires_at = now + timedelta(seconds=settings.lease_timeout_s)
     log.info("node %s claimed job %s (node rank %d)", node.name, placement.job_id, placement.node_rank)
     return ClaimCheck(claimed_placement(session, placement, settings), node.id, revived)
 
@@ -501,10 +501,9 @@ def report_status(
 def _report_running(
     session: Session, job: Job, attempt: Attempt, placement: Placement, node: Node, now: datetime
 ) -> None:
-    placement.status = PlacementStatus.RUNNING
-    if attempt.status == AttemptStatus.SCHEDULED:
-        attempt.status = AttemptStatus.RUNNING
-        attempt.started_at = now
+    set_placement_status(placement, PlacementStatus.RUNNING, now)
+    if attempt.status is AttemptStatus.SCHEDULED:
+        set_attempt_status(attempt, AttemptStatus.RUNNING, now)
     if job.status == JobStatus.SCHEDULED and attempt.status in LIVE_ATTEMPT_STATUSES:
         transition(session, job, JobStatus.RUNNING, f"ranks started on {node.name}")
 
@@ -521,8 +520,7 @@ def _report_ended(
     """A final report: the placement is done, and the attempt and job follow."""
     if report.state == "succeeded":
         _check_kept(job, placement)
-    placement.status = PlacementStatus.DONE
-    placement.finished_at = now
+    set_placement_status(placement, PlacementStatus.DONE, now)
     placement.exit_code = report.exit_code
     if report.state == "succeeded":
         _report_succeeded(session, job, attempt, placement, node, now)
@@ -634,8 +632,7 @@ def lose_placements(
         return False
     now = utcnow()
     for placement in placements:
-        placement.status = PlacementStatus.DONE
-        placement.finished_at = now
+        set_placement_status(placement, PlacementStatus.DONE, now)
         attempt = _lock_attempt(session, placement.attempt_id)
         node = session.get_one(Node, placement.node_id)
         message = message_for.get(placement.id) or f"node {node.name} stopped heartbeating"

@@ -21,6 +21,7 @@ from service.db.models import Node, Placement, utcnow
 from service.services import refs
 from service.services.attempts import preempt_node_attempts
 from service.services.cluster import node_status
+from service.services.transitions import set_node_status
 from service.states import DRAINED_NODE_STATUSES, NodeStatus, PlacementStatus
 from torchyard.contract.errors import NotFoundError
 
@@ -62,7 +63,7 @@ def drain(session: Session, settings: Settings, node: Node, by: str) -> DrainRes
     """Drain ``node`` (``by``: "admin" or "agent") and preempt what runs there. The caller commits."""
     node_id = node.id
     if node.status not in DRAINED_NODE_STATUSES:
-        node.status = NodeStatus.DRAINING
+        set_node_status(node, NodeStatus.DRAINING)
         log.warning("node %s is draining (by %s)", node.name, by)
     if by == "admin" or node.drained_by is None:
         node.drained_by = by
@@ -74,7 +75,7 @@ def drain(session: Session, settings: Settings, node: Node, by: str) -> DrainRes
 def undrain(session: Session, settings: Settings, node: Node) -> DrainResult:
     """Make a drained node ready again (a no-op for a node that is not drained). The caller commits."""
     if node.status in DRAINED_NODE_STATUSES:
-        node.status = NodeStatus.READY
+        set_node_status(node, NodeStatus.READY)
         node.drained_by = None
         log.info("node %s is ready again (undrained)", node.name)
     session.flush()

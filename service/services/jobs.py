@@ -26,7 +26,7 @@ from service.services.job_lookup import get_job as get_job  # also the jobs API 
 from service.services.kinds import kind_named, kind_of
 from service.services.kinds.base import submitted_change
 from service.services.tokens import Principal
-from service.states import AttemptStatus, JobStatus, can_transition
+from service.states import PLACED_STATUSES, AttemptStatus, JobStatus, can_transition
 from torchyard.contract.errors import IllegalTransitionError
 from torchyard.contract.failures import Failure
 from torchyard.contract.responses import EndReason, StatusChange
@@ -134,7 +134,7 @@ def request_cancel(session: Session, job: Job, reason: str) -> bool:
     if status is JobStatus.QUEUED:
         transition(session, job, JobStatus.CANCELLED, f"{reason} (before it was placed)")
         job.cancel_requested_at = job.finished_at
-    elif status in (JobStatus.SCHEDULED, JobStatus.RUNNING):
+    elif status in PLACED_STATUSES:
         job.cancel_requested_at = utcnow()
         transition(session, job, JobStatus.CANCELLING, reason)
     else:

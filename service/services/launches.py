@@ -26,6 +26,7 @@ from service.services.attempts import claimed_placement, renew_leases
 from service.services.jobs import transition
 from service.services.scheduler import new_placement, pick_port
 from service.services.tokens import TOKEN_PREFIX, Principal, hash_token
+from service.services.transitions import set_placement_status
 from service.states import (
     LIVE_ATTEMPT_STATUSES,
     PLACED_STATUSES,
@@ -158,8 +159,9 @@ def check_in(
         )
     if placement.status != PlacementStatus.ASSIGNED:
         raise StaleLeaseError(f"node rank {body.node_rank} of attempt {attempt.number} already checked in")
-    placement.status = PlacementStatus.RUNNING
-    placement.lease_expires_at = utcnow() + timedelta(seconds=settings.lease_timeout_s)
+    now = utcnow()
+    set_placement_status(placement, PlacementStatus.RUNNING, now)
+    placement.lease_expires_at = now + timedelta(seconds=settings.lease_timeout_s)
     claimed = claimed_placement(session, placement, settings)
     session.commit()
     return claimed

@@ -14,7 +14,7 @@ from service.db.models import Attempt, Job
 from service.services.log_reads import read_log, resolve_attempt
 from service.services.stream_items import Cursor, Item
 from service.services.streams import StreamHub, with_read_session
-from service.states import JobStatus
+from service.states import PLACED_STATUSES, JobStatus
 
 LOG_READ_BYTES = 256 * 1024
 
@@ -143,7 +143,7 @@ class _LogReader:
             async for data in self.read_stored():
                 yield data
             return
-        if self.target.attempt is None and status in (JobStatus.SCHEDULED, JobStatus.RUNNING):
+        if self.target.attempt is None and status in PLACED_STATUSES:
             newer, new_stream = await run_in_threadpool(
                 with_read_session, self.db, _open_log, self.job_id, self.target, None
             )

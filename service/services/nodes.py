@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from service.db.models import Node, Token, utcnow
 from service.services.tokens import Principal
+from service.services.transitions import set_node_status
 from service.states import NodeStatus
 from torchyard.contract.errors import NodeNameInUseError, NotFoundError
 
@@ -96,10 +97,10 @@ def register_node(
     if node.drained_by != "admin":
         # A node drained by its own agent (SIGTERM) is ready again once an agent registers it;
         # an admin's drain holds until undrained.
-        node.status = NodeStatus.READY
+        set_node_status(node, NodeStatus.READY)
         node.drained_by = None
     elif node.status == NodeStatus.LOST:
-        node.status = NodeStatus.DRAINED
+        set_node_status(node, NodeStatus.DRAINED)
     node.last_heartbeat_at = now
     session.flush()
     return node
@@ -141,6 +142,6 @@ def touch_node(session: Session, node: Node) -> bool:
     drained). True when it came back (capacity the scheduler can place onto again)."""
     node.last_heartbeat_at = utcnow()
     if node.status == NodeStatus.LOST:
-        node.status = NodeStatus.READY
+        set_node_status(node, NodeStatus.READY)
         return True
     return False

@@ -57,6 +57,7 @@ from service.services.node_timing import NodeTiming
 from service.services.replicas import ClusterHearing, ReplicaRow
 from service.services.scheduler import has_queued_jobs, is_postgres, run_pass
 from service.services.scheduler_loop import SchedulerLoop
+from service.services.transitions import set_node_status, set_placement_status
 from service.services.wakeup import Wakeup
 from service.states import ENGINE_AGENTS, JobStatus, NodeStatus, PlacementStatus
 
@@ -179,7 +180,7 @@ def _mark_lost(session: Session, node_id: str, cutoff: datetime) -> str | None:
     node = session.scalars(stmt).first()
     if node is None:
         return None
-    node.status = NodeStatus.LOST
+    set_node_status(node, NodeStatus.LOST)
     return node.name
 
 
@@ -333,8 +334,7 @@ def _settle_cancel(session: Session, job_id: str) -> bool:
         .with_for_update()
     ):
         # Never claimed: no process exists to stop.
-        placement.status = PlacementStatus.DONE
-        placement.finished_at = now
+        set_placement_status(placement, PlacementStatus.DONE, now)
     return finish_cancellation(session, job)
 
 
