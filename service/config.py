@@ -112,10 +112,69 @@ class Settings(BaseSettings):
         "outputs, as DELETE /v1/jobs/{id} does) this many seconds after they finished; unset keeps "
         "them until deleted. A job whose model is a registered model version is kept.",
     )
-    engine: Literal["agents", "slurm"] = Field(
+    engine: Literal["agents", "slurm", "kubernetes"] = Field(
         default="agents",
-        description="What runs the jobs: agents (torchyard's own worker agents, the default) or "
-        "slurm (an existing Slurm cluster: one sbatch per attempt).",
+        description="What runs the jobs: agents (torchyard's own worker agents, the default), "
+        "slurm (an existing Slurm cluster: one sbatch per attempt) or kubernetes (one pod per node "
+        "rank of each attempt, docs/kubernetes.md).",
+    )
+    k8s_namespace: str = Field(
+        default="default",
+        min_length=1,
+        description="Kubernetes engine: the namespace the attempts' pods run in (the engine's role "
+        "needs pods, services and events there, and read access to nodes).",
+    )
+    k8s_image: str | None = Field(
+        default=None,
+        description="Kubernetes engine: the worker image the pods run (required with engine=kubernetes).",
+    )
+    k8s_api_url: str | None = Field(
+        default=None,
+        description="Kubernetes engine: the API's address as pods reach it (required with engine=kubernetes).",
+    )
+    k8s_launcher: str = Field(
+        default="torchyard launch",
+        description="Kubernetes engine: the command that starts torchyard's one-placement launcher in a pod.",
+    )
+    k8s_work_dir: str = Field(
+        default="",
+        description="Kubernetes engine: the launcher's datasets cache and run folder in the pod "
+        "(default: $TMPDIR/torchyard-launch-<uid>).",
+    )
+    k8s_node_selector: str = Field(
+        default="",
+        description="Kubernetes engine: the pods' node selector, as key=value pairs separated by commas or "
+        "a JSON object; only nodes it selects make the cluster.",
+    )
+    k8s_tolerations: str = Field(
+        default="",
+        description="Kubernetes engine: the pods' tolerations, a JSON list of Kubernetes toleration objects.",
+    )
+    k8s_priority_class: str = Field(
+        default="", description="Kubernetes engine: the pods' priorityClassName (none by default)."
+    )
+    k8s_pod_patch: str = Field(
+        default="",
+        description="Kubernetes engine: a JSON object merged into every pod's spec (volumes, a service "
+        "account, security context...); the container is spec.containers[0], named launcher.",
+    )
+    k8s_queue: str = Field(
+        default="",
+        description="Kubernetes engine: a Kueue LocalQueue name: the pods are labelled for it and form one "
+        "pod group, so that Kueue admits each attempt whole.",
+    )
+    k8s_poll_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=60,
+        description="Kubernetes engine: how often the nodes and the attempts' pods are read, by one API "
+        "replica at a time.",
+    )
+    k8s_gang_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="Kubernetes engine: an attempt whose pods are not all bound to nodes this long after "
+        "they were created is deleted whole, and its job waits in the queue with Kubernetes' reason.",
     )
     slurm_partitions: str = Field(
         default="",
@@ -336,6 +395,11 @@ class Settings(BaseSettings):
         if self.engine == "slurm" and not self.slurm_api_url:
             raise ValueError(
                 "TORCHYARD_ENGINE=slurm needs TORCHYARD_SLURM_API_URL: the API's address as compute nodes reach it"
+            )
+        if self.engine == "kubernetes" and not (self.k8s_image and self.k8s_api_url):
+            raise ValueError(
+                "TORCHYARD_ENGINE=kubernetes needs TORCHYARD_K8S_IMAGE (the worker image) and "
+                "TORCHYARD_K8S_API_URL (the API's address as pods reach it)"
             )
         return self
 

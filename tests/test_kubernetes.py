@@ -22,6 +22,7 @@ import yaml
 from service.config import Settings
 from service.engines import kubernetes_objects as k8s
 from service.engines.base import LaunchRequest
+from service.engines.kubernetes import CLUSTER_SCOPED as ENGINE_CLUSTER_SCOPED
 from service.engines.kubernetes import NEEDED
 
 ROOT = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
@@ -192,9 +193,9 @@ def test_the_engine_role_grants_what_the_driver_needs_and_no_more() -> None:
     pods request: ``inventory`` lists them in all namespaces)."""
     role = _grants("Role", "torchyard-engine")
     cluster = _grants("ClusterRole", "torchyard-engine-nodes")
-    namespaced = {n for n in NEEDED if n[1] != "nodes"}
+    namespaced = {n for n in NEEDED if n[1] not in ENGINE_CLUSTER_SCOPED}
     assert namespaced <= role
-    assert {n for n in NEEDED if n[1] == "nodes"} <= cluster
+    assert {n for n in NEEDED if n[1] in ENGINE_CLUSTER_SCOPED} <= cluster
     assert {(g, r) for g, r, _ in role} == {(g, r) for g, r, _ in namespaced}
     assert {n for n in role if n[2] not in READ_ONLY} == {n for n in namespaced if n[2] not in READ_ONLY}
     assert role == {
@@ -209,12 +210,16 @@ def test_the_engine_role_grants_what_the_driver_needs_and_no_more() -> None:
         ("", "nodes", "list"),
         ("", "nodes", "watch"),
         ("", "pods", "list"),
+        ("", "namespaces", "get"),
     }
     # Only what torchyard makes: no Secrets, no RBAC, no wildcards.
     for kind, name in (("Role", "torchyard-engine"), ("ClusterRole", "torchyard-engine-nodes")):
         for rule in _named(kind, name)["rules"]:
             assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule
-            assert "resourceNames" not in rule and "nonResourceURLs" not in rule, rule
+            assert "nonResourceURLs" not in rule, rule
+            # Names narrow a rule: only the engine's own namespace may be read by name.
+            if "resourceNames" in rule:
+                assert rule["resources"] == ["namespaces"] and rule["resourceNames"] == ["torchyard"], rule
 
 
 def test_the_engine_account_is_bound_to_its_roles() -> None:

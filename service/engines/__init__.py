@@ -14,6 +14,8 @@ one-placement launcher. What sets engines apart is declared (:class:`Capabilitie
   placements the gang scheduler writes (:mod:`service.services.scheduler`).
 * ``slurm``: an existing Slurm cluster (:mod:`service.engines.slurm`): one ``sbatch`` per
   attempt, one launcher per node by ``srun``.
+* ``kubernetes``: a Kubernetes cluster (:mod:`service.engines.kubernetes`): one pod per node
+  rank of each attempt, owned by one Service, all or nothing.
 """
 
 from __future__ import annotations
@@ -23,14 +25,16 @@ from collections.abc import Callable
 from service.config import Settings
 from service.engines.agents import AgentsDriver
 from service.engines.base import Capabilities, Driver
-from service.engines.slurm import SlurmDriver
+from service.engines.kubernetes import KUBERNETES_CAPABILITIES
+from service.engines.slurm import SLURM_CAPABILITIES, SlurmDriver
 from service.states import EngineName
 
 # What each engine is, by the name kept on nodes and attempts (drivers are made only for the
 # engine a replica runs: make_driver).
 CAPABILITIES: dict[str, Capabilities] = {
     EngineName.AGENTS: AgentsDriver.capabilities,
-    EngineName.SLURM: SlurmDriver.capabilities,
+    EngineName.SLURM: SLURM_CAPABILITIES,
+    EngineName.KUBERNETES: KUBERNETES_CAPABILITIES,
 }
 
 
@@ -44,8 +48,15 @@ def make_driver(settings: Settings) -> Driver:
     drivers: dict[str, Callable[[Settings], Driver]] = {
         EngineName.AGENTS: lambda _settings: AgentsDriver(),
         EngineName.SLURM: SlurmDriver,
+        EngineName.KUBERNETES: _kubernetes,
     }
     return drivers[settings.engine](settings)
+
+
+def _kubernetes(settings: Settings) -> Driver:
+    from service.engines.kubernetes import KubernetesDriver
+
+    return KubernetesDriver(settings)
 
 
 __all__ = ["CAPABILITIES", "AgentsDriver", "Capabilities", "Driver", "capabilities_of", "make_driver"]

@@ -46,11 +46,15 @@ class Capabilities:
     ``reports_ends``: the engine says how each of its jobs ended (preempted, cancelled from
     outside, a node failed): an attempt whose placements are done waits for that word
     before it is settled as preempted.
+    ``binds_ranks``: the engine says which node each node rank runs on (a pod's node), and
+    the reconciler binds the placements; the launchers wait for that. Without it the first
+    launcher to check in binds them from its allocation's node list (Slurm's).
     """
 
     schedules: bool
     nodes_heartbeat: bool
     reports_ends: bool
+    binds_ranks: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,13 @@ class EngineJobState:
     # NonZeroExitCode)") and the end of its output, for a job no launcher reported from.
     summary: str = ""
     output_tail: str = ""
+    # With ``binds_ranks``: once every rank is on a node with an address, the node of each
+    # rank (in rank order) and rank 0's address (the rendezvous).
+    nodes: tuple[str, ...] = ()
+    master_addr: str = ""
+    # A running job the engine is taking back (a pod being evicted or deleted): why. The
+    # whole attempt checkpoints and stops, and resumes later (a preemption).
+    disrupted: str = ""
 
 
 class Driver(Protocol):

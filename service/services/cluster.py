@@ -228,7 +228,9 @@ def cluster_view(session: Session, settings: Settings, principal: Principal) -> 
     nodes: list[NodePublic] = []
     for node in session.scalars(select(Node).where(Node.engine == settings.engine).order_by(Node.name)):
         shares = usage.get(node.id, [])
-        held = sum(s.units for s in shares)
+        # An engine's inventory may count what others' work holds there too (Kubernetes: what
+        # every non-terminated pod requests), torchyard's own among it.
+        held = max(sum(s.units for s in shares), int((node.info or {}).get("requested_units") or 0))
         status = node_status(node, settings, now, busy=bool(shares))
         nodes.append(
             NodePublic(

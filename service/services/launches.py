@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.db.models import Attempt, Job, Node, Placement, Token, new_id, utcnow
+from service.engines import capabilities_of
 from service.services.attempts import claimed_placement, renew_leases
 from service.services.jobs import transition
 from service.services.scheduler import new_placement, pick_port
@@ -37,7 +38,7 @@ from service.states import (
     PlacementStatus,
     Role,
 )
-from torchyard.contract.errors import ConflictError, PermissionDeniedError, StaleLeaseError
+from torchyard.contract.errors import ConflictError, NotBoundYetError, PermissionDeniedError, StaleLeaseError
 from torchyard.contract.protocol import ClaimedPlacement, HeartbeatResponse, LaunchCheckIn
 
 
@@ -146,7 +147,12 @@ def check_in(
         )
     )
     if not placements:
-        placements = _bind(session, settings, job, attempt, body)
+        if capabilities_of(attempt.engine).binds_ranks:
+            # The engine says where each rank runs (a pod's node): the reconciler binds them.
+            raise NotBoundYetError(
+                f"the nodes of attempt {attempt.number} of job {job.id} are not all bound yet; try again"
+            )
+        placements = bind_ranks(session, settings, job, attempt, body.nodes, {body.node: body.address})
     if body.node_rank >= len(placements):
         raise ConflictError(
             f"node rank {body.node_rank} is not part of attempt {attempt.number} ({len(placements)} nodes)"
@@ -167,23 +173,30 @@ def check_in(
     return claimed
 
 
-def _bind(
-    session: Session, settings: Settings, job: Job, attempt: Attempt, body: LaunchCheckIn
+def bind_ranks(
+    session: Session,
+    settings: Settings,
+    job: Job,
+    attempt: Attempt,
+    nodes: list[str],
+    addresses: dict[str, str],
 ) -> list[Placement]:
-    """Node rank ``i`` on ``body.nodes[i]``; the rendezvous at node rank 0's address."""
-    if len(body.nodes) != job.node_count or len(set(body.nodes)) != len(body.nodes):
+    """Node rank ``i`` on ``nodes[i]``; the rendezvous at node rank 0's address (from
+    ``addresses`` where it has it, else its node row's). The caller holds the job and the
+    attempt locked."""
+    if len(nodes) != job.node_count or len(set(nodes)) != len(nodes):
         raise ConflictError(
-            f"the allocation has nodes {body.nodes}; job {job.id} needs {job.node_count} distinct node(s)"
+            f"the allocation has nodes {nodes}; job {job.id} needs {job.node_count} distinct node(s)"
         )
     now = utcnow()
     rows: list[Node] = []
-    for name in body.nodes:
+    for name in nodes:
         node = session.scalars(select(Node).where(Node.name == name)).first()
         if node is None:
             # Not in the inventory yet (it polls every few seconds): known from now on.
             node = Node(
                 name=name,
-                address=body.address if name == body.node else name,
+                address=addresses.get(name, name),
                 units=job.process_count_per_node,
                 accelerator="unknown",
                 status=NodeStatus.READY,
@@ -195,7 +208,7 @@ def _bind(
             session.add(node)
             session.flush()
         rows.append(node)
-    master = body.address if body.nodes[0] == body.node else rows[0].address
+    master = addresses.get(nodes[0]) or rows[0].address
     port = pick_port(session, settings, master, {})
     if port is None:
         raise ConflictError(f"no free rendezvous port on {master}")

@@ -62,15 +62,17 @@ from service.services.cluster import check_resources
 from service.services.jobs import request_cancel
 from service.services.reaper import lose_node_placements
 from service.services.scheduler import PassResult, is_postgres, run_pass
+from service.services.transitions import set_attempt_status, set_node_status, set_placement_status
 from service.states import (
     LIVE_ATTEMPT_STATUSES,
+    PLACED_STATUSES,
     AttemptStatus,
     EngineName,
     JobStatus,
     NodeStatus,
     PlacementStatus,
 )
-from torchyard.contract.errors import EngineError, ResourceLimitError
+from torchyard.contract.errors import ConflictError, EngineError, ResourceLimitError
 from torchyard.contract.failures import Failure
 
 log = logging.getLogger(__name__)
@@ -81,8 +83,6 @@ ENGINE_LOCK_KEY = 7345013
 LAUNCHER_EXIT_S = 30.0
 # An engine job cancelled this recently is not asked to stop again yet.
 CANCEL_AGAIN_S = 10.0
-_LIVE = [s.value for s in LIVE_ATTEMPT_STATUSES]
-_PLACED = (JobStatus.SCHEDULED.value, JobStatus.RUNNING.value)
 
 
 @dataclass
@@ -116,7 +116,7 @@ class Reconciler:
             try:
                 self._mirror(db, self.driver.inventory())
                 self._hand_over_queued(db, settings, result)
-                self._poll(db)
+                self._poll(db, settings)
             except EngineNotAnswering as exc:
                 log.warning("%s does not answer: %s", self.driver.display_name, exc)
             lock.rollback()
@@ -146,15 +146,15 @@ class Reconciler:
                     session.add(row)
                 was = row.status
                 _mirror_node(row, node, engine, owner, now)
-                if row.status == NodeStatus.LOST.value and was != NodeStatus.LOST.value and row.id:
+                if row.status == NodeStatus.LOST and was != NodeStatus.LOST and row.id:
                     lost.append((row.id, node.why or f"node {node.name} is {node.state}"))
             gone = session.scalars(
                 select(Node).where(
-                    Node.engine == engine, Node.name.not_in(names), Node.status != NodeStatus.LOST.value
+                    Node.engine == engine, Node.name.not_in(names), Node.status != NodeStatus.LOST
                 )
             )
             for row in gone:
-                row.status = NodeStatus.LOST
+                set_node_status(row, NodeStatus.LOST)
                 lost.append((row.id, f"node {row.name} left {self.driver.display_name}'s nodes"))
         for node_id, message in lost:
             log.warning("%s", message)
@@ -167,7 +167,7 @@ class Reconciler:
             queued = list(
                 session.scalars(
                     select(Job.id)
-                    .where(Job.status == JobStatus.QUEUED.value)
+                    .where(Job.status == JobStatus.QUEUED)
                     .order_by(Job.priority.desc(), Job.created_at, Job.id)
                     .limit(500)
                 )
@@ -184,7 +184,7 @@ class Reconciler:
         display = self.driver.display_name
         with db.transaction() as session:
             job = session.scalars(
-                select(Job).where(Job.id == job_id, Job.status == JobStatus.QUEUED.value).with_for_update()
+                select(Job).where(Job.id == job_id, Job.status == JobStatus.QUEUED).with_for_update()
             ).first()
             if job is None:
                 return None
@@ -229,7 +229,7 @@ class Reconciler:
             attempt = session.get_one(Attempt, attempt_id)
             attempt.engine_job_id = engine_job_id
             job = session.scalars(select(Job).where(Job.id == attempt.job_id).with_for_update()).one()
-            if job.status == JobStatus.SCHEDULED.value:
+            if job.status == JobStatus.SCHEDULED:
                 job.wait_reason = f"waiting in {self.driver.display_name} (job {engine_job_id}): submitted"
         log.info(
             "job %s attempt %d: %s job %s", request.job_id, request.attempt_number, self.name, engine_job_id
@@ -255,7 +255,7 @@ class Reconciler:
 
     # --- poll -----------------------------------------------------------------------------
 
-    def _poll(self, db: Database) -> None:
+    def _poll(self, db: Database, settings: Settings) -> None:
         with db.read_session() as session:
             open_attempts = list(
                 session.execute(
@@ -268,7 +268,7 @@ class Reconciler:
         now = utcnow()
         for attempt_id, engine_job_id, status, finished_at in open_attempts:
             if engine_job_id is None:
-                if status in _LIVE:
+                if status in LIVE_ATTEMPT_STATUSES:
                     self._resubmit(db, attempt_id)
                 continue
             state = states.get(engine_job_id)
@@ -276,11 +276,22 @@ class Reconciler:
                 continue
             if state.phase is Phase.ENDED:
                 self._settle(db, attempt_id, state)
-            elif status in _LIVE:
-                if state.phase is Phase.PENDING:
-                    self._pending_reason(db, attempt_id, state)
+                # Whatever of it the engine keeps goes (Kubernetes' ended pods and their owner).
+                self._cancel(engine_job_id)
+            elif status in LIVE_ATTEMPT_STATUSES:
+                self._follow(db, settings, attempt_id, state)
             elif not _exiting_by_itself(status, finished_at, now):
                 self._cancel(engine_job_id)
+
+    def _follow(self, db: Database, settings: Settings, attempt_id: str, state: EngineJobState) -> None:
+        """A live attempt's engine job pends or runs: its reason, its ranks' nodes, a disruption."""
+        if state.phase is Phase.PENDING:
+            self._pending_reason(db, attempt_id, state)
+            return
+        if state.nodes and self.driver.capabilities.binds_ranks:
+            self._bind(db, settings, attempt_id, state)
+        if state.disrupted:
+            self._preempt(db, attempt_id, state)
 
     def _pending_reason(self, db: Database, attempt_id: str, state: EngineJobState) -> None:
         if not state.reason:
@@ -289,9 +300,39 @@ class Reconciler:
         with db.transaction() as session:
             attempt = session.get_one(Attempt, attempt_id)
             row = session.get_one(Job, attempt.job_id)
-            if row.status == JobStatus.SCHEDULED.value and row.wait_reason != reason:
+            if row.status == JobStatus.SCHEDULED and row.wait_reason != reason:
                 row.wait_reason = reason
                 attempt.engine_reason = state.reason
+
+    def _bind(self, db: Database, settings: Settings, attempt_id: str, state: EngineJobState) -> None:
+        """Every rank of the attempt is on a node: its placements, once (the launchers waiting
+        at their check-in then find theirs)."""
+        with db.transaction() as session:
+            job, attempt = launches.lock_attempt(session, attempt_id)
+            if attempt.status not in LIVE_ATTEMPT_STATUSES or job.status not in PLACED_STATUSES:
+                return
+            if session.scalar(select(Placement.id).where(Placement.attempt_id == attempt_id).limit(1)):
+                return
+            try:
+                launches.bind_ranks(
+                    session, settings, job, attempt, list(state.nodes), {state.nodes[0]: state.master_addr}
+                )
+            except ConflictError as exc:
+                failure = Failure(code=EngineError.code, message=f"{self.driver.display_name}: {exc.message}")
+                fail_attempt(session, job, attempt, failure, f"{EngineError.code}: {failure.message}")
+
+    def _preempt(self, db: Database, attempt_id: str, state: EngineJobState) -> None:
+        """The engine is taking a running attempt back: every rank checkpoints and stops (the
+        launchers' heartbeats say so), and the job resumes later, no restart counted."""
+        with db.transaction() as session:
+            job, attempt = launches.lock_attempt(session, attempt_id)
+            if (
+                attempt.status in LIVE_ATTEMPT_STATUSES
+                and attempt.preempt_requested_at is None
+                and job.status in PLACED_STATUSES
+            ):
+                attempt.preempt_requested_at = utcnow()
+                log.warning("job %s attempt %d: %s: preempting it", job.id, attempt.number, state.disrupted)
 
     def _cancel(self, engine_job_id: str) -> None:
         now = time.monotonic()
@@ -310,7 +351,7 @@ class Reconciler:
             job, attempt = launches.lock_attempt(session, attempt_id)
             attempt.engine_state = state.state
             launches.revoke_launch_tokens(session, attempt_id)
-            if attempt.status not in _LIVE:
+            if attempt.status not in LIVE_ATTEMPT_STATUSES:
                 return
             placements = list(
                 session.scalars(
@@ -318,10 +359,10 @@ class Reconciler:
                 )
             )
             open_ids = [p.id for p in placements if p.status != PlacementStatus.DONE]
-            if job.status == JobStatus.CANCELLING.value:
+            if job.status == JobStatus.CANCELLING:
                 _close(session, placements)
                 finish_cancellation(session, job)
-            elif state.ending is Ending.CANCELLED and job.status in _PLACED:
+            elif state.ending is Ending.CANCELLED and job.status in PLACED_STATUSES:
                 _close(session, placements)
                 request_cancel(
                     session, job, f"cancelled in {display} (job {state.id} was {self.driver.cancel_verb})"
@@ -360,7 +401,7 @@ def _exiting_by_itself(status: str, finished_at: datetime | None, now: datetime)
     completed, not cancelled) if given ``LAUNCHER_EXIT_S``; any other ended attempt's engine
     job is stopped at once."""
     return (
-        status == AttemptStatus.SUCCEEDED.value
+        status == AttemptStatus.SUCCEEDED
         and finished_at is not None
         and now - finished_at < timedelta(seconds=LAUNCHER_EXIT_S)
     )
@@ -373,7 +414,7 @@ def _mirror_node(row: Node, seen: NodeSeen, engine: EngineName, owner: str, now:
     row.address = seen.address
     row.units = seen.units
     row.accelerator = seen.accelerator
-    row.status = seen.status
+    set_node_status(row, seen.status)
     row.drained_by = engine if seen.status is NodeStatus.DRAINED else None
     row.info = {"engine": engine, "state": seen.state, **seen.info}
     # The inventory is how this engine's nodes are heard from: when it last saw the node
@@ -384,17 +425,14 @@ def _mirror_node(row: Node, seen: NodeSeen, engine: EngineName, owner: str, now:
 def _close(session: Session, placements: list[Placement]) -> None:
     now = utcnow()
     for p in placements:
-        if p.status != PlacementStatus.DONE:
-            p.status = PlacementStatus.DONE
-            p.finished_at = now
+        set_placement_status(p, PlacementStatus.DONE, now)
     session.flush()
 
 
 def _release(session: Session, job: Job, attempt: Attempt, reason: str) -> None:
     """The engine released an attempt it could not place whole: the job waits in the queue
     again (no restart counted), its reason the engine's."""
-    attempt.status = AttemptStatus.PREEMPTED
-    attempt.finished_at = utcnow()
+    set_attempt_status(attempt, AttemptStatus.PREEMPTED, utcnow())
     attempt.failure_message = f"released: {reason}"
-    if job.status in _PLACED:
+    if job.status in PLACED_STATUSES:
         requeue(session, job, reason)

@@ -108,6 +108,14 @@ class ModelNotReadyError(ConflictError):
     code = "ModelNotReadyError"
 
 
+class NotBoundYetError(TorchyardError):
+    """A launcher checked in before its engine said where every rank of the attempt runs
+    (Kubernetes: a pod of the gang not yet on a node): it tries again shortly."""
+
+    code = "NotBoundYetError"
+    status_code = 425
+
+
 class NodeNameInUseError(ConflictError):
     """Another worker token, or another live agent, holds the node name."""
 
