@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Node
-from service.services import attempts, drain, nodes
+from service.services import claims, drain, nodes, placement_reports
 from service.services.reaper import lose_node_placements, unfinished_placements
 from service.services.tokens import Principal
 from service.states import NodeStatus
@@ -75,7 +75,7 @@ def heartbeat_on(
 ) -> tuple[HeartbeatResponse, bool]:
     """:func:`heartbeat` on ``node``, already checked and locked; the caller commits."""
     was_lost = node.status == NodeStatus.LOST
-    answer = attempts.heartbeat(session, settings, worker, node.name, leases, node=node)
+    answer = nodes.heartbeat(session, settings, node, leases)
     return answer, was_lost and answer.status == NodeStatus.READY
 
 
@@ -86,10 +86,10 @@ def claim_once(
     name: str,
     agent_key: str | None,
     fresh: bool = True,
-) -> attempts.ClaimCheck:
+) -> claims.ClaimCheck:
     """One claim check in its own transaction: the node's next placement, if a pass put one
     there. ``fresh``: the agent's request has just arrived, rather than a long-poll
-    re-checked (see :func:`attempts.claim`)."""
+    re-checked (see :func:`claims.claim`)."""
     with db.session() as session:
         return claim_in(session, settings, worker, name, agent_key, fresh)
 
@@ -101,10 +101,10 @@ def claim_in(
     name: str,
     agent_key: str | None,
     fresh: bool = True,
-) -> attempts.ClaimCheck:
+) -> claims.ClaimCheck:
     """:func:`claim_once` in the caller's session (it commits)."""
     nodes.check_agent(session, worker, name, agent_key)
-    check = attempts.claim(session, settings, worker, name, fresh=fresh)
+    check = claims.claim(session, settings, worker, name, fresh=fresh)
     session.commit()
     return check
 
@@ -112,7 +112,7 @@ def claim_in(
 def work_pending(db: Database, node_id: str) -> bool:
     """Whether a pass has assigned the node a placement (its own rows only)."""
     with db.read_session() as session:
-        return attempts.work_pending(session, node_id)
+        return claims.work_pending(session, node_id)
 
 
 def report_status(
@@ -125,7 +125,7 @@ def report_status(
 ) -> tuple[PlacementStatusResponse, bool]:
     """Apply a placement's status report and commit. Returns the answer and whether the
     placement ended (its units are free: a scheduling pass may place more)."""
-    answer, ended = attempts.report_status(session, worker, lease, report)
+    answer, ended = placement_reports.report_status(session, worker, lease, report)
     session.commit()
     return answer, ended
 

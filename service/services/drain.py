@@ -17,12 +17,12 @@ from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Node, Placement, utcnow
+from service.db.models import Attempt, Node, Placement, utcnow
 from service.services import refs
-from service.services.attempts import preempt_node_attempts
+from service.services.attempt_outcomes import finish_cancellation, finish_preemption, locked_job
 from service.services.cluster import node_status
-from service.services.transitions import set_node_status
-from service.states import DRAINED_NODE_STATUSES, NodeStatus, PlacementStatus
+from service.services.transitions import set_node_status, set_placement_status
+from service.states import DRAINED_NODE_STATUSES, LIVE_ATTEMPT_STATUSES, NodeStatus, PlacementStatus
 from torchyard.contract.errors import NotFoundError
 
 log = logging.getLogger(__name__)
@@ -80,3 +80,41 @@ def undrain(session: Session, settings: Settings, node: Node) -> DrainResult:
         log.info("node %s is ready again (undrained)", node.name)
     session.flush()
     return _result(session, settings, node, [])
+
+
+def preempt_node_attempts(session: Session, node: Node) -> list[str]:
+    """Ask every live attempt with a placement on ``node`` to checkpoint and stop.
+
+    Placements not yet claimed have no process: they are done at once, and an attempt with
+    nothing left running is preempted here. Returns the ids of the jobs touched. The caller
+    holds no job lock yet (jobs are locked here, one by one, before their placements).
+    """
+    job_ids = list(
+        session.scalars(
+            select(Placement.job_id)
+            .where(Placement.node_id == node.id, Placement.status != PlacementStatus.DONE)
+            .distinct()
+            .order_by(Placement.job_id)
+        )
+    )
+    now = utcnow()
+    for job_id in job_ids:
+        job = locked_job(session, job_id)
+        for attempt in session.scalars(
+            select(Attempt)
+            .where(Attempt.job_id == job_id, Attempt.status.in_(LIVE_ATTEMPT_STATUSES))
+            .with_for_update()
+            .execution_options(populate_existing=True)
+        ).all():
+            if attempt.preempt_requested_at is None:
+                attempt.preempt_requested_at = now
+            for placement in session.scalars(
+                select(Placement)
+                .where(Placement.attempt_id == attempt.id, Placement.status == PlacementStatus.ASSIGNED)
+                .order_by(Placement.id)
+                .with_for_update()
+            ):
+                set_placement_status(placement, PlacementStatus.DONE, now)
+            finish_preemption(session, job, attempt)
+        finish_cancellation(session, job)
+    return job_ids

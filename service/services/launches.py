@@ -23,8 +23,9 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.db.models import Attempt, Job, Node, Placement, Token, new_id, utcnow
 from service.engines import capabilities_of
-from service.services.attempts import claimed_placement, renew_leases
+from service.services.claims import claimed_placement
 from service.services.jobs import transition
+from service.services.leases import renew_leases
 from service.services.scheduler import new_placement, pick_port
 from service.services.tokens import TOKEN_PREFIX, Principal, hash_token
 from service.services.transitions import set_placement_status

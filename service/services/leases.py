@@ -1,4 +1,5 @@
-"""Lease fencing: every write from a worker carries its placement's lease token.
+"""Leases: every write from a worker carries its placement's lease token, and its node's
+heartbeats (or its launcher's) renew it.
 
 A token that is unknown, belongs to another worker, or whose placement is finished is
 stale: the write is refused with 409 ``StaleLeaseError`` and changes nothing.
@@ -11,14 +12,19 @@ So an agent whose reports waited out an API restart is still heard.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from datetime import datetime, timedelta
+
 from sqlalchemy import ColumnElement, select
 from sqlalchemy.orm import Session
 
-from service.db.models import Job, Node, Placement
+from service.config import Settings
+from service.db.models import Attempt, Job, Node, Placement, utcnow
 from service.services.tokens import Principal
-from service.states import PlacementStatus
+from service.states import ABORTED_ATTEMPT_STATUSES, LIVE_ATTEMPT_STATUSES, JobStatus, PlacementStatus
 from torchyard.contract.errors import StaleLeaseError
 from torchyard.contract.headers import LEASE_HEADER
+from torchyard.contract.protocol import LeaseRenewal, StopOrder
 
 
 def speaks_for(principal: Principal) -> ColumnElement[bool]:
@@ -71,3 +77,86 @@ def lock_lease(
 def _ensure_live(placement: Placement) -> None:
     if placement.status == PlacementStatus.DONE:
         raise StaleLeaseError("the lease's placement is finished")
+
+
+def renew_leases(
+    session: Session,
+    settings: Settings,
+    leases: list[str],
+    *,
+    owns: Callable[[Placement], bool],
+    draining: bool = False,
+) -> tuple[list[LeaseRenewal], list[StopOrder]]:
+    """Renew the listed leases the caller ``owns`` (another's count as unknown) and say which
+    placements must stop: finished, cancelling, preempted (``draining``: the node of a
+    resident agent is drained), or of an attempt that ended. The caller commits."""
+    now = utcnow()
+    expires = now + timedelta(seconds=settings.lease_timeout_s)
+    wanted = set(leases)
+    rows = (
+        session.execute(
+            select(Placement, Attempt, Job.status)
+            .join(Attempt, Attempt.id == Placement.attempt_id)
+            .join(Job, Job.id == Placement.job_id)
+            .where(Placement.lease_token.in_(wanted))
+            .order_by(Placement.id)
+            .with_for_update(of=Placement)
+        ).all()
+        if wanted
+        else []
+    )
+    renewed: list[LeaseRenewal] = []
+    stop: list[StopOrder] = []
+    seen: set[str] = set()
+    for placement, attempt, job_status in rows:
+        if not owns(placement):
+            continue  # another node's token: treated as unknown below
+        seen.add(placement.lease_token)
+        if placement.status != PlacementStatus.DONE:
+            # A lease past its expiry but not ended by the reaper is renewed: it ran out while
+            # nobody could hear the node (the API or its database was down), and only the
+            # reaper, after its grace period, decides that a node is gone.
+            placement.lease_expires_at = expires
+            renewed.append(LeaseRenewal(lease_token=placement.lease_token, lease_expires_at=expires))
+        order = _stop_order(placement, attempt, job_status, draining=draining, now=now)
+        if order is not None:
+            stop.append(order)
+    for token in sorted(wanted - seen):
+        stop.append(StopOrder(lease_token=token, reason="stale", message="unknown lease token"))
+    return renewed, stop
+
+
+def _stop_order(
+    placement: Placement, attempt: Attempt, job_status: JobStatus, *, draining: bool, now: datetime
+) -> StopOrder | None:
+    """Why the ranks of a placement whose lease its node holds must stop, if they must: the
+    placement is finished, the job cancelling, the attempt preempted (asked now when the
+    node is ``draining``) or ended without success."""
+    token, job_id = placement.lease_token, placement.job_id
+    if placement.status == PlacementStatus.DONE:
+        return StopOrder(
+            lease_token=token, job_id=job_id, reason="stale", message="the placement is finished"
+        )
+    if job_status == JobStatus.CANCELLING:
+        return StopOrder(
+            lease_token=token, job_id=job_id, reason="cancelled", message="the job is being cancelled"
+        )
+    if attempt.status in LIVE_ATTEMPT_STATUSES and (attempt.preempt_requested_at is not None or draining):
+        if attempt.preempt_requested_at is None:
+            attempt.preempt_requested_at = now
+        return StopOrder(
+            lease_token=token,
+            job_id=job_id,
+            reason="preempted",
+            message=f"attempt {attempt.number} is preempted (a node of it is draining): "
+            "checkpoint at the next step boundary, upload it, then report preempted",
+        )
+    if attempt.status in ABORTED_ATTEMPT_STATUSES:
+        return StopOrder(
+            lease_token=token,
+            job_id=job_id,
+            reason="attempt_ended",
+            message=f"attempt {attempt.number} {attempt.status}"
+            + (f": {attempt.failure_message}" if attempt.failure_message else ""),
+        )
+    return None

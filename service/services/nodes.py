@@ -19,11 +19,14 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service.config import Settings
 from service.db.models import Node, Token, utcnow
+from service.services.leases import renew_leases
 from service.services.tokens import Principal
 from service.services.transitions import set_node_status
 from service.states import NodeStatus
 from torchyard.contract.errors import NodeNameInUseError, NotFoundError
+from torchyard.contract.protocol import HeartbeatResponse
 
 
 def hash_agent_key(key: str) -> str:
@@ -145,3 +148,25 @@ def touch_node(session: Session, node: Node) -> bool:
         set_node_status(node, NodeStatus.READY)
         return True
     return False
+
+
+def heartbeat(session: Session, settings: Settings, node: Node, leases: list[str]) -> HeartbeatResponse:
+    """Renew ``node`` (its row read, checked and locked by the caller) and the leases it
+    lists; say which placements must stop. The caller commits."""
+    touch_node(session, node)
+    renewed, stop = renew_leases(
+        session,
+        settings,
+        leases,
+        owns=lambda placement: placement.node_id == node.id,
+        draining=node.status != NodeStatus.READY,
+    )
+    return HeartbeatResponse(
+        node=node.name,
+        status=node.status,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        lease_timeout_s=settings.lease_timeout_s,
+        claim_poll_timeout_s=settings.claim_poll_timeout_s,
+        renewed=renewed,
+        stop=stop,
+    )

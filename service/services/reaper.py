@@ -52,12 +52,14 @@ from service.config import Settings
 from service.db.engine import Database, is_unavailable
 from service.db.models import Job, Node, Placement, utcnow
 from service.services import checkpoints, job_delete, sweep_rounds
-from service.services.attempts import finish_cancellation, lose_placements, overrun_limit_s, time_out
+from service.services.attempt_outcomes import finish_cancellation
+from service.services.lost_placements import lose_placements
 from service.services.node_timing import NodeTiming
 from service.services.replicas import ClusterHearing, ReplicaRow
 from service.services.scheduler import has_queued_jobs, is_postgres, run_pass
 from service.services.scheduler_loop import SchedulerLoop
 from service.services.transitions import set_node_status, set_placement_status
+from service.services.upkeep.timeouts import overrun_limit_s, time_out
 from service.services.wakeup import Wakeup
 from service.states import ENGINE_AGENTS, JobStatus, NodeStatus, PlacementStatus
 

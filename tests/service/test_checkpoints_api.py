@@ -17,7 +17,7 @@ from sqlalchemy import select
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Checkpoint, Placement
-from service.services import attempts, checkpoints
+from service.services import checkpoints, claims
 from service.services.leases import LEASE_HEADER
 from tests.conftest import LiveServer
 from tests.support.factories import auth
@@ -141,7 +141,7 @@ def test_claim_names_the_checkpoint_and_job_end_deletes_it(
         try:
             with db.read_session() as session:
                 placement = session.get_one(Placement, job.placement_ids[0])
-                ref = attempts.claimed_placement(session, placement, settings).checkpoint
+                ref = claims.claimed_placement(session, placement, settings).checkpoint
             assert ref is not None and (ref.epoch, ref.step, ref.attempt) == (2, 5, 1)
             assert ref.sha256 == hashlib.sha256(body).hexdigest() and ref.size_bytes == len(body)
 

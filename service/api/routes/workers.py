@@ -37,7 +37,7 @@ from service.api.routing import SessionScopedRoute
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Node
-from service.services import agents, attempts, launches
+from service.services import agents, claims, launches
 from service.services.node_timing import NodeTiming
 from service.services.tokens import Principal
 from torchyard.contract.protocol import (
@@ -253,7 +253,7 @@ async def claim(
 
 def _first_claim(
     db: Database, settings: Settings, token: str | None, name: str, agent_key: str | None
-) -> tuple[Principal, attempts.ClaimCheck]:
+) -> tuple[Principal, claims.ClaimCheck]:
     with agent_session(db, token) as (session, worker):
         return worker, agents.claim_in(session, settings, worker, name, agent_key, True)
 

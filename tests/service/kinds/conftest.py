@@ -129,7 +129,7 @@ class Rows:
 
     def claim(self, job: Job, node: Node, *, node_rank: int = 0) -> Claim:
         """An attempt and one placement of ``job`` on ``node``, and the claim of it (the
-        common fields as service.services.attempts.claimed_placement fills them)."""
+        common fields as service.services.claims.claimed_placement fills them)."""
         attempt = Attempt(job_id=job.id, number=1, master_addr=node.address, master_port=29511)
         self.session.add(attempt)
         self.session.flush()

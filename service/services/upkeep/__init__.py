@@ -1,0 +1,1 @@
+"""What the reaper does when nobody reports, one module per duty."""
