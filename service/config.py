@@ -17,6 +17,16 @@ EXAMPLE_DATABASE_PASSWORD = "torchyard"
 LOCAL_ENVS = ("local", "development")
 
 
+# The settings an engine cannot run without, and what each is.
+_ENGINE_NEEDS: dict[str, tuple[tuple[str, str], ...]] = {
+    "slurm": (("slurm_api_url", "the API's address as compute nodes reach it"),),
+    "kubernetes": (
+        ("k8s_image", "the worker image"),
+        ("k8s_api_url", "the API's address as pods reach it"),
+    ),
+}
+
+
 class Settings(BaseSettings):
     """Every knob of the API service. Each field is read from ``TORCHYARD_<FIELD>``."""
 
@@ -392,15 +402,12 @@ class Settings(BaseSettings):
                 ".env.example; choose a password of your own (with docker compose: POSTGRES_PASSWORD in "
                 f".env), or set TORCHYARD_ENV=local for a try-out on one machine (TORCHYARD_ENV is {self.env!r})"
             )
-        if self.engine == "slurm" and not self.slurm_api_url:
-            raise ValueError(
-                "TORCHYARD_ENGINE=slurm needs TORCHYARD_SLURM_API_URL: the API's address as compute nodes reach it"
+        missing = [name for name, what in _ENGINE_NEEDS.get(self.engine, ()) if not getattr(self, name)]
+        if missing:
+            needs = " and ".join(
+                f"TORCHYARD_{n.upper()} ({dict(_ENGINE_NEEDS[self.engine])[n]})" for n in missing
             )
-        if self.engine == "kubernetes" and not (self.k8s_image and self.k8s_api_url):
-            raise ValueError(
-                "TORCHYARD_ENGINE=kubernetes needs TORCHYARD_K8S_IMAGE (the worker image) and "
-                "TORCHYARD_K8S_API_URL (the API's address as pods reach it)"
-            )
+            raise ValueError(f"TORCHYARD_ENGINE={self.engine} needs {needs}")
         return self
 
     @property

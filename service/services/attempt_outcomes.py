@@ -15,10 +15,10 @@ from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session
 
 from service.db.models import Attempt, Job, Placement, utcnow
+from service.engines import capabilities_of
 from service.services.jobs import transition
 from service.services.transitions import set_attempt_status
 from service.states import (
-    ENGINE_AGENTS,
     LIVE_ATTEMPT_STATUSES,
     PLACED_STATUSES,
     AttemptStatus,
@@ -162,13 +162,13 @@ def finish_preemption(session: Session, job: Job, attempt: Attempt) -> bool:
 
 
 def _awaits_engine_ending(attempt: Attempt) -> bool:
-    """An engine's job (Slurm's) says how it ended: preempted, or cancelled from outside;
-    until the engine has said it, a preempted attempt of it is not settled here."""
-    return attempt.engine != ENGINE_AGENTS and attempt.engine_state is None
+    """An engine that says how its jobs ended (Slurm, Kubernetes: preempted, or cancelled
+    from outside): until it has said it, a preempted attempt of it is not settled here."""
+    return capabilities_of(attempt.engine).reports_ends and attempt.engine_state is None
 
 
 def _preemption_message(attempt: Attempt) -> str:
-    """Why a preempted attempt ended: its node's drain, or its engine's word."""
-    if attempt.engine == ENGINE_AGENTS:
-        return "preempted: a node of the attempt was drained"
-    return f"preempted: {attempt.engine} stopped its job ({attempt.engine_state})"
+    """Why a preempted attempt ended: its engine's word, or its node's drain."""
+    if capabilities_of(attempt.engine).reports_ends:
+        return f"preempted: {attempt.engine} stopped its job ({attempt.engine_state})"
+    return "preempted: a node of the attempt was drained"

@@ -25,8 +25,9 @@ from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.db.models import Attempt, Job, Node, Placement, utcnow
+from service.engines import capabilities_of
 from service.services.tokens import Principal
-from service.states import DRAINED_NODE_STATUSES, ENGINE_AGENTS, NodeStatus, PlacementStatus
+from service.states import DRAINED_NODE_STATUSES, NodeStatus, PlacementStatus
 from torchyard.contract.errors import ResourceLimitError
 from torchyard.contract.responses import ClusterPublic, NodeAttemptPublic, NodePublic
 
@@ -62,7 +63,15 @@ _READY_CAPACITY = (
 
 
 def _ready_params(settings: Settings, now: datetime) -> dict[str, Any]:
-    return {"engine": settings.engine, "fresh_after": now - timedelta(seconds=settings.lease_timeout_s)}
+    return {"engine": settings.engine, "fresh_after": _fresh_after(settings.engine, settings, now)}
+
+
+def _fresh_after(engine: str, settings: Settings, now: datetime) -> datetime:
+    """Heard from since when, for a ready node: within the lease timeout where nodes heartbeat
+    themselves; for an engine whose inventory says which nodes are ready, any time."""
+    if capabilities_of(engine).nodes_heartbeat:
+        return now - timedelta(seconds=settings.lease_timeout_s)
+    return datetime.min.replace(tzinfo=now.tzinfo)
 
 
 def node_status(node: Node, settings: Settings, now: datetime, *, busy: bool = False) -> NodeStatus:
@@ -72,7 +81,7 @@ def node_status(node: Node, settings: Settings, now: datetime, *, busy: bool = F
         return NodeStatus.DRAINING if busy else NodeStatus.DRAINED
     if node.status != NodeStatus.READY:
         return NodeStatus.LOST
-    if node.last_heartbeat_at < now - timedelta(seconds=settings.lease_timeout_s):
+    if node.last_heartbeat_at < _fresh_after(node.engine, settings, now):
         return NodeStatus.LOST
     return NodeStatus.READY
 
@@ -246,7 +255,9 @@ def cluster_view(session: Session, settings: Settings, principal: Principal) -> 
                 registered_at=node.registered_at,
                 sandbox=_sandbox(node),
                 engine=node.engine,
-                engine_state=(node.info or {}).get("state") if node.engine != ENGINE_AGENTS else None,
+                engine_state=None
+                if capabilities_of(node.engine).nodes_heartbeat
+                else (node.info or {}).get("state"),
                 running_attempts=[s.attempt_id for s in shares],
                 attempts=[
                     NodeAttemptPublic(

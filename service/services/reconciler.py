@@ -412,8 +412,8 @@ def _mirror_node(row: Node, seen: NodeSeen, engine: EngineName, owner: str, now:
     set_node_status(row, seen.status)
     row.drained_by = engine if seen.status is NodeStatus.DRAINED else None
     row.info = {"engine": engine, "state": seen.state, **seen.info}
-    # The inventory is how this engine's nodes are heard from: when it last saw the node
-    # (shown with it; readiness does not wait on it, see Capabilities.nodes_heartbeat).
+    # When the engine's inventory last saw it (shown with the node; its readiness is the
+    # inventory's word, not a heartbeat's age: Capabilities.nodes_heartbeat is off).
     row.last_heartbeat_at = now
 
 
