@@ -8,109 +8,34 @@ digits at 16 px for 2 epochs, or scripts that only print."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pwd
 import re
-import shlex
 import shutil
 import sqlite3
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from tests.support.api_process import ApiProcess
+from tests.support.engine_env import MODEL, PARAMETERS, EngineEnv, write_launcher
 from tests.support.factories import auth
-from tests.support.script_helpers import code_archive
 from tests.support.slurm_cluster import SlurmCluster, require_slurm
-from tests.support.worker_fixtures import agent_log_of, upload_digits, user_client, wait_for_job
+from tests.support.worker_fixtures import agent_log_of, upload_digits, user_client
 from worker.trainer.control import PREEMPT_REQUEST_FILE
-from worker.trainer.hooks import HOOKS_VAR
 
 pytestmark = [pytest.mark.slow]
 
-# MobileNetV3-Small: the smallest torchvision network the trainer takes at 16 px (a 6 MB model).
-MODEL = {"architecture": "mobilenet_v3_small"}
-PARAMETERS = {
-    "epochs": 2,
-    "image_size": 16,
-    "batch_size": 16,
-    "learning_rate": 0.02,
-    "print_frequency": 1,
-    "random_seed": 3,
-}
-# The launcher script exports what this file holds (a test hook for the next Slurm jobs).
-LAUNCH_ENV = "launch.env"
-
 
 @dataclass
-class SlurmEnv:
-    cluster: SlurmCluster
-    api: ApiProcess
-    user: httpx.Client
-    launcher: Path
-    digits: tuple[str, str]
-    root: Path
-    reference: dict[tuple[str, int], float] | None = None
-
-    def submit(self, body: dict[str, Any]) -> str:
-        r = self.user.post("/v1/jobs", json=body)
-        assert r.status_code == 201, r.text
-        job_id: str = r.json()["id"]
-        return job_id
-
-    def train(self, nodes: int = 1, **parameters: Any) -> str:
-        train, val = self.digits
-        return self.submit(
-            {
-                "name": "digits",
-                "model": MODEL,
-                "train_dataset": train,
-                "validation_dataset": val,
-                "parameters": {**PARAMETERS, **parameters},
-                "resources": {"node_count": nodes, "process_count_per_node": 1},
-            }
-        )
-
-    def script(self, command: list[str], nodes: int = 1, launch: str = "per_process", **extra: Any) -> str:
-        r = self.user.post(
-            "/v1/code",
-            data={"name": "probe"},
-            files={"file": ("src.tar.gz", code_archive({"probe.py": PROBE}), "application/gzip")},
-        )
-        assert r.status_code == 201, r.text
-        return self.submit(
-            {
-                "type": "script",
-                "code": r.json()["id"],
-                "command": command,
-                "distribution": {"launch": launch},
-                "resources": {"node_count": nodes, "process_count_per_node": 1, "max_restarts": 0},
-                **extra,
-            }
-        )
-
-    def job(self, job_id: str) -> dict[str, Any]:
-        r = self.user.get(f"/v1/jobs/{job_id}")
-        assert r.status_code == 200, r.text
-        body: dict[str, Any] = r.json()
-        return body
-
-    def wait(
-        self, job_id: str, predicate: Callable[[dict[str, Any]], bool] | None = None, timeout: float = 90
-    ) -> dict[str, Any]:
-        try:
-            if predicate is None:
-                return wait_for_job(self.user, job_id, timeout=timeout)
-            return wait_for_job(self.user, job_id, predicate, timeout=timeout)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n--- api log\n{self.api.log()[-5000:]}\n{self.outputs()}") from None
+class SlurmEnv(EngineEnv):
+    cluster: SlurmCluster | None = None
+    launcher: Path | None = None
 
     def outputs(self) -> str:
         parts = []
@@ -122,44 +47,6 @@ class SlurmEnv:
         r = self.user.get(f"/v1/jobs/{job_id}/metrics", params={"name": "val.top1", "limit": 1000})
         assert r.status_code == 200, r.text
         return {p["epoch"]: p["value"] for p in r.json()["items"]}
-
-    def history(self, job_id: str) -> dict[tuple[str, int], float]:
-        """``{(metric, epoch or step): value}``: the validation metrics by epoch and the
-        training loss by step (a resume that is not exact changes the losses after it)."""
-        history = {}
-        for name, key in (("val.top1", "epoch"), ("val.loss", "epoch"), ("train.loss", "step")):
-            r = self.user.get(f"/v1/jobs/{job_id}/metrics", params={"name": name, "limit": 1000})
-            assert r.status_code == 200, r.text
-            history.update({(name, p[key]): p["value"] for p in r.json()["items"]})
-        return history
-
-    @contextlib.contextmanager
-    def launch_env(self, **variables: str) -> Iterator[None]:
-        """The launchers of the Slurm jobs started meanwhile get these variables (and the test
-        suite's trainer hooks, which the API's environment, Slurm's jobs' own, lacks)."""
-        hook = self.root / LAUNCH_ENV
-        variables = {HOOKS_VAR: os.environ[HOOKS_VAR], **variables}
-        hook.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in variables.items()))
-        try:
-            yield
-        finally:
-            hook.unlink()
-
-    def run_dir(self, job_id: str, attempt: int, node: str) -> Path:
-        return self.root / "nodes" / "runs" / f"{job_id}-a{attempt}-{node}"
-
-    def wait_file(self, job_id: str, attempt: int, name: str, timeout: float = 90) -> Path:
-        """The first of an attempt's run directories (any node) where ``name`` appears."""
-        deadline = time.monotonic() + timeout
-        while True:
-            found = sorted((self.root / "nodes" / "runs").glob(f"{job_id}-a{attempt}-*/{name}"))
-            if found:
-                return found[0]
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"no {name} in attempt {attempt}'s run\n{self.api.log()[-3000:]}\n{self.outputs()}"
-                )
-            time.sleep(0.1)
 
     def slurm_jobs(self, job_id: str) -> list[dict[str, str]]:
         """Slurm's jobs of one torchyard job that still pend or run."""
@@ -185,14 +72,6 @@ class SlurmEnv:
         return job_id
 
 
-PROBE = """
-import os, sys, time
-keys = ("NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "NNODES", "NPROC_PER_NODE")
-print(" ".join(f"{k}={os.environ.get(k)}" for k in keys), flush=True)
-time.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 0)
-"""
-
-
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmEnv]:
     require_slurm()
@@ -200,12 +79,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmEnv]:
     started = time.monotonic()
     cluster = SlurmCluster(root=root / "cluster").start()
     up = time.monotonic() - started
-    launcher = root / "launcher.sh"
-    hook = root / LAUNCH_ENV
-    launcher.write_text(
-        f'#!/bin/sh\n[ -f {hook} ] && . {hook}\nexec {sys.executable} -m worker.agent.placement_launcher "$@"\n'
-    )
-    launcher.chmod(0o755)
+    launcher = write_launcher(root)
     api = ApiProcess(
         root / "data",
         None,
@@ -231,7 +105,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmEnv]:
         admin = httpx.Client(base_url=api.url, headers=auth(api.admin_token), timeout=60)
         user = user_client(admin, api.url)
         digits = upload_digits(user, root / "digits", per_class=12, size=16)
-        env = SlurmEnv(cluster, api, user, launcher, digits, root)
+        env = SlurmEnv(api, user, digits, root, cluster=cluster, launcher=launcher)
         deadline = time.monotonic() + 60  # the engine's first inventory of the cluster
         while user.get("/v1/cluster").json()["ready_nodes"] != 2:
             assert time.monotonic() < deadline, api.log()[-4000:]
