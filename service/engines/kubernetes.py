@@ -91,6 +91,8 @@ class KubernetesDriver:
     launcher: str = field(init=False)
     # Whether the nodes have GPUs: pods then ask for nvidia.com/gpu, else for CPUs.
     gpus: bool = False
+    # The CPUs a pod asks for with each GPU: the fewest any GPU node has per GPU.
+    cpus_per_gpu: int = 1
     # Calls to the API server, by what was called (the benchmark reads them).
     calls: dict[str, int] = field(default_factory=dict)
 
@@ -189,6 +191,8 @@ class KubernetesDriver:
         views = [k8s.node_view(n, tolerated) for n in nodes]
         views = [v for v in views if all(v.labels.get(k) == val for k, val in selector.items())]
         self.gpus = any(v.gpus for v in views)
+        ratios = [v.cpus // v.gpus for v in views if v.gpus]
+        self.cpus_per_gpu = max(1, min(ratios)) if ratios else 1
         return [self._seen(v, asked.get(v.name)) for v in sorted(views, key=lambda v: v.name)]
 
     def _seen(self, view: k8s.NodeView, asked: tuple[Any, Any] | None) -> NodeSeen:
@@ -233,7 +237,7 @@ class KubernetesDriver:
                 )
             }  # fmt: skip
             for rank in range(request.node_count):
-                body = k8s.pod(self.settings, request, rank, owner, self.gpus)
+                body = k8s.pod(self.settings, request, rank, owner, self.gpus, self.cpus_per_gpu)
                 if body["metadata"]["name"] in made:
                     continue
                 try:

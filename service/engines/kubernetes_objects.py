@@ -144,8 +144,12 @@ def owner_service(request: LaunchRequest) -> dict[str, Any]:
     }
 
 
-def pod(settings: Settings, request: LaunchRequest, rank: int, owner_uid: str, gpus: bool) -> dict[str, Any]:
-    """The pod of one node rank: the one-placement launcher, the attempt's units on one node."""
+def pod(
+    settings: Settings, request: LaunchRequest, rank: int, owner_uid: str, gpus: bool, cpus_per_gpu: int = 1
+) -> dict[str, Any]:
+    """The pod of one node rank: the one-placement launcher, the attempt's units on one node
+    (its GPUs with the CPUs that go with them — ``cpus_per_gpu``, the fewest any GPU node has
+    — or its CPUs); the launcher sizes the ranks' threads to those CPUs."""
     name = f"{request.name}-{rank}"
     argv = [
         *shlex.split(settings.k8s_launcher),
@@ -158,7 +162,12 @@ def pod(settings: Settings, request: LaunchRequest, rank: int, owner_uid: str, g
     if settings.k8s_work_dir:
         argv += ["--work-dir", settings.k8s_work_dir]
     units = str(request.process_count_per_node)
-    resources = {"requests": {GPU: units}, "limits": {GPU: units}} if gpus else {"requests": {"cpu": units}}
+    cpus = str(request.process_count_per_node * max(1, cpus_per_gpu)) if gpus else units
+    resources: dict[str, Any] = (
+        {"requests": {GPU: units, "cpu": cpus}, "limits": {GPU: units}}
+        if gpus
+        else {"requests": {"cpu": cpus}}
+    )
     pod_labels = labels(request) | {RANK: str(rank)}
     annotations = {NODE_COUNT: str(request.node_count)}
     if settings.k8s_queue:
@@ -190,6 +199,7 @@ def pod(settings: Settings, request: LaunchRequest, rank: int, owner_uid: str, g
                 "env": [
                     {"name": "TORCHYARD_LAUNCH_TOKEN", "value": request.launch_token},
                     {"name": "TORCHYARD_PREEMPT_GRACE_S", "value": f"{settings.preempt_grace_s:g}"},
+                    {"name": "TORCHYARD_LAUNCH_CPUS", "value": cpus},
                     {
                         "name": "TORCHYARD_NODE_NAME",
                         "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},

@@ -158,7 +158,7 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeEnv]:
             cluster.create_namespace(NAMESPACE)
             _grant_engine_role(cluster)
             for i, host in enumerate(net.hosts, start=1):
-                cluster.add_node(f"k{i}", gpus=GPUS_PER_NODE, cpu="4", address=host.address, netns=host.netns)
+                cluster.add_node(f"k{i}", gpus=GPUS_PER_NODE, cpu="2", address=host.address, netns=host.netns)
             up = time.monotonic() - started
             launcher = write_launcher(root)
             api = ApiProcess(
@@ -372,7 +372,7 @@ def test_a_node_deleted_is_worker_lost_and_the_job_restarts_on_the_others(kube: 
         assert first["status"] == "failed" and first["failure_code"] == "WorkerLostError"
         assert gone in first["failure_message"] and gone not in second["nodes"]
     finally:
-        kube.cluster.add_node(gone, gpus=GPUS_PER_NODE, cpu="4", address=host.address, netns=host.netns)
+        kube.cluster.add_node(gone, gpus=GPUS_PER_NODE, cpu="2", address=host.address, netns=host.netns)
     kube.wait_empty(job_id)
 
 
@@ -486,7 +486,8 @@ def test_labels_name_the_job_attempt_and_rank(kube: KubeEnv) -> None:
             MANAGED_BY: "torchyard", ENGINE_JOB: name, "torchyard.io/job": "label",
             "torchyard.io/attempt": "c" * 32, "torchyard.io/node-rank": "0",
         }  # fmt: skip
-        assert pod.spec.containers[0].resources.requests == {"nvidia.com/gpu": "1"}
+        # 2 GPUs and 2 CPUs a node: a GPU comes with one CPU.
+        assert pod.spec.containers[0].resources.requests == {"nvidia.com/gpu": "1", "cpu": "1"}
     finally:
         driver.cancel(name)
     kube.wait_empty("label")

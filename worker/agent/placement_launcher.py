@@ -17,7 +17,8 @@ SIGINT stops at once.
 
 It touches nothing but its own run: it kills no leftovers on the node (other jobs share it),
 the GPUs are those the engine gave it (``CUDA_VISIBLE_DEVICES`` is kept) and the ranks'
-threads are sized to the CPUs it gave (``SLURM_CPUS_ON_NODE``).
+threads are sized to the CPUs it gave (``TORCHYARD_LAUNCH_CPUS``, or Slurm's
+``SLURM_CPUS_ON_NODE``).
 
 Slurm signals every process of a job step, not only the launcher: torchrun and the ranks
 are started shielded (:mod:`worker.agent.guard` ``--shield``: SIGTERM and SIGUSR1 ignored),
@@ -67,11 +68,17 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return [line.strip() for line in out.stdout.splitlines() if line.strip()]
 
 
+# The CPUs an engine gave the placement (the Kubernetes engine sets it; Slurm has its own).
+LAUNCH_CPUS_ENV = "TORCHYARD_LAUNCH_CPUS"
+
+
 def allocated_cpus(usable: int, environ: Mapping[str, str] | None = None) -> int:
-    """The CPUs the engine gave this node's share of the job (Slurm's ``SLURM_CPUS_ON_NODE``),
-    at most ``usable`` (those this process may run on): the ranks' threads are sized to them,
-    not to the whole node that other jobs share."""
-    raw = (os.environ if environ is None else environ).get("SLURM_CPUS_ON_NODE", "").strip()
+    """The CPUs the engine gave this node's share of the job (``TORCHYARD_LAUNCH_CPUS``, as
+    the Kubernetes engine sets it from the pod's CPU request, else Slurm's
+    ``SLURM_CPUS_ON_NODE``), at most ``usable`` (those this process may run on): the ranks'
+    threads are sized to them, not to the whole node that other jobs share."""
+    env = os.environ if environ is None else environ
+    raw = (env.get(LAUNCH_CPUS_ENV) or env.get("SLURM_CPUS_ON_NODE") or "").strip()
     return max(1, min(usable, int(raw))) if raw.isdecimal() and int(raw) > 0 else usable
 
 

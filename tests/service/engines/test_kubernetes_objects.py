@@ -50,9 +50,14 @@ def test_the_pod_runs_the_launcher_for_its_rank_with_the_attempts_gpus(tmp_path:
         "launch", "--api", "http://torchyard-api.torchyard.svc:8000", "--attempt", "a" * 32,
         "--node-rank", "1", "--node", "$(TORCHYARD_NODE_NAME)", "--address", "$(TORCHYARD_POD_IP)",
     ]  # fmt: skip
-    assert container["resources"] == {"requests": {k8s.GPU: "4"}, "limits": {k8s.GPU: "4"}}
+    assert container["resources"] == {"requests": {k8s.GPU: "4", "cpu": "4"}, "limits": {k8s.GPU: "4"}}
     env = {e["name"]: e for e in container["env"]}
     assert env["TORCHYARD_LAUNCH_TOKEN"]["value"] == "secret-token"
+    assert env["TORCHYARD_LAUNCH_CPUS"]["value"] == "4"
+    # With 8 CPUs a GPU on every GPU node, each GPU comes with 8 of them.
+    big = k8s.pod(settings(tmp_path), REQUEST, 1, "uid-1", gpus=True, cpus_per_gpu=8)["spec"]["containers"][0]
+    assert big["resources"]["requests"] == {k8s.GPU: "4", "cpu": "32"}
+    assert {e["name"]: e.get("value") for e in big["env"]}["TORCHYARD_LAUNCH_CPUS"] == "32"
     assert env["TORCHYARD_NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert env["TORCHYARD_POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert pod["spec"]["restartPolicy"] == "Never" and pod["spec"]["terminationGracePeriodSeconds"] == 45
@@ -199,7 +204,10 @@ def test_the_schedulers_words_lose_their_node_counts() -> None:
     )
     assert k8s.scheduler_words("no nodes available to schedule pods") == "no nodes available to schedule pods"
     # The gang's own one-rank-per-node rule is left out when anything else is said.
-    assert k8s.scheduler_words(
-        "0/3 nodes are available: 1 node(s) didn't match pod affinity/anti-affinity, 1 node(s) didn't "
-        "match pod anti-affinity rules, 2 Insufficient nvidia.com/gpu."
-    ) == "Insufficient nvidia.com/gpu"
+    assert (
+        k8s.scheduler_words(
+            "0/3 nodes are available: 1 node(s) didn't match pod affinity/anti-affinity, 1 node(s) didn't "
+            "match pod anti-affinity rules, 2 Insufficient nvidia.com/gpu."
+        )
+        == "Insufficient nvidia.com/gpu"
+    )

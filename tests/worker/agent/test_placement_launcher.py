@@ -84,6 +84,8 @@ def test_ranks_threads_follow_the_cpus_slurm_gave() -> None:
     assert allocated_cpus(8, {"SLURM_CPUS_ON_NODE": "2"}) == 2
     assert allocated_cpus(2, {"SLURM_CPUS_ON_NODE": "16"}) == 2  # never more than this process may use
     assert allocated_cpus(8, {}) == 8 and allocated_cpus(8, {"SLURM_CPUS_ON_NODE": "x"}) == 8
+    # The Kubernetes engine's pod says it (its CPU request), ahead of anything Slurm left.
+    assert allocated_cpus(8, {"TORCHYARD_LAUNCH_CPUS": "3", "SLURM_CPUS_ON_NODE": "6"}) == 3
 
 
 # Under ``guard --shield``: a DataLoader worker (whose torch installs a SIGTERM handler of
