@@ -46,10 +46,11 @@ from service.db.migrate import upgrade
 from service.engines import make_driver
 from service.services.datasets import sweep_staging_periodically
 from service.services.node_timing import NodeTiming
-from service.services.reaper import ListeningClock, run_reaper
 from service.services.reconciler import Reconciler
 from service.services.scheduler_loop import SchedulerLoop
 from service.services.tokens import ensure_bootstrap_token
+from service.services.upkeep.listening import ListeningClock
+from service.services.upkeep.reaper import run_reaper
 from service.services.wakeup import PlacementListener, Wakeup
 from service.states import Role
 

@@ -15,7 +15,7 @@ from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Node
 from service.services import claims, drain, nodes, placement_reports
-from service.services.reaper import lose_node_placements, unfinished_placements
+from service.services.lost_placements import lose_node_placements, unfinished_placements
 from service.services.tokens import Principal
 from service.states import NodeStatus
 from torchyard.contract.protocol import (

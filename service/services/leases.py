@@ -6,7 +6,7 @@ stale: the write is refused with 409 ``StaleLeaseError`` and changes nothing.
 
 A lease past its expiry time is *not* refused by itself: its placement ends only when
 the reaper says so (``WorkerLostError``), and the reaper first gives nodes a full lease
-period after the API or its database comes back (see :mod:`service.services.reaper`).
+period after the API or its database comes back (see :mod:`service.services.upkeep`).
 So an agent whose reports waited out an API restart is still heard.
 """
 

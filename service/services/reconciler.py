@@ -54,8 +54,7 @@ from service.services import launches
 from service.services.attempt_outcomes import fail_attempt, finish_cancellation, finish_preemption, requeue
 from service.services.cluster import check_resources
 from service.services.jobs import request_cancel
-from service.services.lost_placements import lose_placements
-from service.services.reaper import lose_node_placements
+from service.services.lost_placements import lose_node_placements, lose_placements
 from service.services.scheduler import PassResult, is_postgres, run_pass
 from service.services.transitions import set_attempt_status, set_node_status, set_placement_status
 from service.states import (

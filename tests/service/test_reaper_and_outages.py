@@ -23,8 +23,9 @@ from sqlalchemy import update
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Job, Node, utcnow
-from service.services.reaper import ListeningClock, sweep
 from service.services.scheduler import run_pass
+from service.services.upkeep.listening import ListeningClock
+from service.services.upkeep.upkeep_pass import run_upkeep_pass
 from tests.conftest import free_port
 from tests.support.factories import auth, create_token, insert_dataset, job_spec, register_node, token_id
 from tests.support.report_helpers import point, set_placement, start_running_job
@@ -70,7 +71,7 @@ def test_nodes_get_a_full_lease_period_after_start_and_after_a_database_outage(
     # A replica that started a moment ago has not listened for a lease period yet.
     just_started = ListeningClock()
     assert just_started.grace_left(settings.lease_timeout_s, utcnow()) > 0
-    result = sweep(db, settings, just_started)
+    result = run_upkeep_pass(db, settings, just_started)
     assert (result.lost_placements, result.lost_nodes) == (0, [])
     assert _job_status(db, job.job_id) == "running"
 
@@ -93,16 +94,16 @@ def test_nodes_get_a_full_lease_period_after_start_and_after_a_database_outage(
     listening = ListeningClock(since=utcnow() - timedelta(hours=1))
     listening.lost_hearing()
     assert listening.grace_left(settings.lease_timeout_s, utcnow()) == settings.lease_timeout_s
-    assert sweep(db, settings, listening).lost_nodes == []
+    assert run_upkeep_pass(db, settings, listening).lost_nodes == []
     listening.heard()
     assert listening.since > utcnow() - timedelta(seconds=5)
-    assert sweep(db, settings, listening).lost_nodes == []
+    assert run_upkeep_pass(db, settings, listening).lost_nodes == []
 
     # A replica that has listened for a full lease period judges silence as before: the node
     # that never spoke again is lost and the attempt fails with WorkerLostError (retryable:
     # the job waits in the queue for two nodes again).
     long_listening = ListeningClock(since=utcnow() - timedelta(seconds=2 * settings.lease_timeout_s))
-    result = sweep(db, settings, long_listening)
+    result = run_upkeep_pass(db, settings, long_listening)
     assert job.node_names[1] in result.lost_nodes and job.node_names[0] not in result.lost_nodes
     assert _job_status(db, job.job_id) == "queued"
     shown = client.get(f"/v1/jobs/{job.job_id}", headers=auth(job.user_token)).json()
@@ -284,7 +285,7 @@ def test_a_placement_never_claimed_is_reported_so_when_its_node_falls_silent_in_
     for placement_id in job.placement_ids:
         set_placement(settings, placement_id, status="assigned")
     _silence(db, settings, job, 2 * settings.lease_timeout_s)
-    result = sweep(db, settings)
+    result = run_upkeep_pass(db, settings)
     assert sorted(result.lost_nodes) == sorted(job.node_names)
     shown = client.get(f"/v1/jobs/{job.job_id}", headers=auth(job.user_token)).json()
     reason = shown["attempts"][0]["end_reason"]
@@ -318,13 +319,13 @@ def test_a_lease_that_ran_out_with_its_nodes_last_heartbeat_is_judged_with_the_n
     interval, timeout = settings.heartbeat_interval_s, settings.lease_timeout_s
     job = start_running_job(settings, client, node_count=1, per_node=1)
     _heard(db, settings, job, renewed_ago=timeout + interval / 4, node_after=interval / 2)
-    result = sweep(db, settings, schedule=False)
+    result = run_upkeep_pass(db, settings, schedule=False)
     assert (result.lost_placements, result.lost_nodes) == (0, [])
     assert _job_status(db, job.job_id) == "running"
 
     # One heartbeat interval on, the node is silent: both go together, named as the node's.
     _heard(db, settings, job, renewed_ago=timeout + interval, node_after=interval / 2)
-    result = sweep(db, settings, schedule=False)
+    result = run_upkeep_pass(db, settings, schedule=False)
     assert result.lost_nodes == job.node_names
     assert _job_status(db, job.job_id) == "queued"
     shown = client.get(f"/v1/jobs/{job.job_id}", headers=auth(job.user_token)).json()
@@ -334,6 +335,6 @@ def test_a_lease_that_ran_out_with_its_nodes_last_heartbeat_is_judged_with_the_n
     # as soon as it runs out, and stays ready.
     other = start_running_job(settings, client, node_count=1, per_node=1)
     _heard(db, settings, other, renewed_ago=timeout + interval / 4, node_after=timeout)
-    result = sweep(db, settings, schedule=False)
+    result = run_upkeep_pass(db, settings, schedule=False)
     assert (result.lost_placements, result.lost_nodes) == (1, [])
     assert _job_status(db, other.job_id) == "queued"

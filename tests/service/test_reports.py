@@ -14,7 +14,7 @@ from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Job, utcnow
 from service.services.leases import LEASE_HEADER
-from service.services.reaper import sweep
+from service.services.upkeep.upkeep_pass import run_upkeep_pass
 from tests.support.factories import auth, create_token
 from tests.support.report_helpers import (
     all_metrics,
@@ -124,7 +124,7 @@ def test_stale_leases_are_refused_and_write_nothing(client: TestClient, settings
     # that, it may only have run out while the API was down: see tests/service/test_reaper_and_outages.py).
     set_placement(settings, job.placement_ids[0], lease_expires_at=utcnow() - timedelta(seconds=1))
     db = Database(settings.sqlalchemy_url)
-    sweep(db, settings)
+    run_upkeep_pass(db, settings)
     db.dispose()
     refused(job.worker_headers())
     set_placement(

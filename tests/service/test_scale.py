@@ -129,7 +129,7 @@ def test_hot_queries_read_the_queue_through_indexes(make_settings: Any, emptied_
         assert client.get("/v1/cluster", headers=admin).status_code == 200
         failed = {"state": "failed", "exit_code": 1}
         assert client.post("/v1/worker/placements/status", json=failed, headers=lease_header).is_success
-        time.sleep(1.0)  # reaper sweeps and the scheduling pass the failure asked for
+        time.sleep(1.0)  # reaper passes and the scheduling pass the failure asked for
         statements.recording = False
         seen = dict(statements.seen)
         explained = 0

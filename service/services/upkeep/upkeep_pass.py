@@ -1,0 +1,64 @@
+"""One upkeep pass: every duty of :mod:`service.services.upkeep`, in order (synchronous;
+safe to run on several replicas at once)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from service.config import Settings
+from service.db.engine import Database
+from service.db.models import utcnow
+from service.services import checkpoints, job_delete, sweep_rounds
+from service.services.scheduler import has_queued_jobs, run_pass
+from service.services.upkeep.cancellations import settle_cancellations
+from service.services.upkeep.leases import expired_by_job, lose_expired_leases
+from service.services.upkeep.listening import ListeningClock
+from service.services.upkeep.nodes import lose_silent_nodes, silent_nodes
+from service.services.upkeep.timeouts import time_out_overruns
+
+
+@dataclass
+class UpkeepResult:
+    lost_placements: int = 0
+    lost_nodes: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    timed_out: list[str] = field(default_factory=list)
+    scheduled: list[str] = field(default_factory=list)
+    placed_nodes: list[str] = field(default_factory=list)
+    trials_queued: list[str] = field(default_factory=list)
+    trials_pruned: list[str] = field(default_factory=list)
+
+
+def run_upkeep_pass(
+    db: Database, settings: Settings, listening: ListeningClock | None = None, *, schedule: bool = True
+) -> UpkeepResult:
+    """One pass of the reaper.
+
+    With ``listening``, leases and nodes are judged only once this replica has heard the
+    nodes for a full lease period (:mod:`service.services.upkeep.listening`). ``schedule``:
+    run the scheduling pass here (else the caller asks its scheduling loop for one)."""
+    result = UpkeepResult()
+    now = utcnow()
+    if listening is None or listening.grace_left(settings.lease_timeout_s, now) <= 0:
+        silent_cutoff = now - timedelta(seconds=settings.lease_timeout_s)
+        with db.read_session() as session:
+            expired = expired_by_job(session, settings, now)
+            silent = silent_nodes(session, silent_cutoff)
+        # Silent nodes first: a job requeued by a lost lease must not be placed on them again.
+        # A placement whose lease had already run out is lost for that reason (a placement
+        # never claimed says so), even when its node falls silent in the same pass.
+        known = {pid: message for _, messages in expired.values() for pid, message in messages.items()}
+        result.lost_nodes = lose_silent_nodes(db, settings, silent, silent_cutoff, known)
+        result.lost_placements = lose_expired_leases(db, expired)
+    result.cancelled = settle_cancellations(db)
+    result.timed_out = time_out_overruns(db, now)
+    checkpoints.remove_ended_jobs_files(db, checkpoints.CheckpointStore(settings.data_dir))
+    job_delete.apply_retention(db, settings)
+    decided = sweep_rounds.drive(db, settings)
+    result.trials_queued = decided.created
+    result.trials_pruned = decided.pruned
+    if schedule and has_queued_jobs(db):
+        placed = run_pass(db, settings)
+        result.scheduled, result.placed_nodes = placed.scheduled, placed.placed_nodes
+    return result
