@@ -11,6 +11,8 @@ The caller holds the row and commits. Jobs have theirs: :func:`service.services.
 from __future__ import annotations
 
 from datetime import datetime
+from enum import StrEnum
+from typing import TypeVar
 
 from service.db.models import Attempt, Node, Placement
 from service.states import (
@@ -24,15 +26,14 @@ from service.states import (
 )
 from torchyard.contract.errors import IllegalTransitionError
 
+S = TypeVar("S", bound=StrEnum)
+
 
 def set_attempt_status(attempt: Attempt, new: AttemptStatus, now: datetime) -> bool:
     """Move ``attempt`` to ``new``: ``running`` starts it at ``now``, a final status ends it
     at ``now``. True if it moved."""
-    current: AttemptStatus | None = attempt.status
-    if current == new:
+    if not _is_move(f"attempt {attempt.id}", attempt.status, new, ATTEMPT_TRANSITIONS):
         return False
-    if current is not None and new not in ATTEMPT_TRANSITIONS[current]:
-        raise IllegalTransitionError(f"attempt {attempt.id} cannot go from {current} to {new}")
     attempt.status = new
     if new is AttemptStatus.RUNNING:
         attempt.started_at = now
@@ -44,11 +45,8 @@ def set_attempt_status(attempt: Attempt, new: AttemptStatus, now: datetime) -> b
 def set_placement_status(placement: Placement, new: PlacementStatus, now: datetime) -> bool:
     """Move ``placement`` to ``new``: ``done`` ends it at ``now`` (its units are free). True if
     it moved."""
-    current: PlacementStatus | None = placement.status
-    if current == new:
+    if not _is_move(f"placement {placement.id}", placement.status, new, PLACEMENT_TRANSITIONS):
         return False
-    if current is not None and new not in PLACEMENT_TRANSITIONS[current]:
-        raise IllegalTransitionError(f"placement {placement.id} cannot go from {current} to {new}")
     placement.status = new
     if new is PlacementStatus.DONE:
         placement.finished_at = now
@@ -57,10 +55,17 @@ def set_placement_status(placement: Placement, new: PlacementStatus, now: dateti
 
 def set_node_status(node: Node, new: NodeStatus) -> bool:
     """Move ``node`` to ``new``. True if it moved."""
-    current: NodeStatus | None = node.status
+    if not _is_move(f"node {node.name}", node.status, new, NODE_TRANSITIONS):
+        return False
+    node.status = new
+    return True
+
+
+def _is_move(row: str, current: S | None, new: S, table: dict[S, frozenset[S]]) -> bool:
+    """Whether writing ``new`` over ``current`` moves the row (not when it is the status it
+    has); a move ``table`` does not list raises."""
     if current == new:
         return False
-    if current is not None and new not in NODE_TRANSITIONS[current]:
-        raise IllegalTransitionError(f"node {node.name} cannot go from {current} to {new}")
-    node.status = new
+    if current is not None and new not in table[current]:
+        raise IllegalTransitionError(f"{row} cannot go from {current} to {new}")
     return True
