@@ -12,18 +12,21 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.db.engine import Database
 from service.db.models import Node
+from service.engines import CAPABILITIES, capabilities_of
 from service.services.lost_placements import lose_node_placements
 from service.services.scheduler import is_postgres
 from service.services.transitions import set_node_status
-from service.states import ENGINE_AGENTS, NodeStatus
+from service.states import NodeStatus
 
 log = logging.getLogger(__name__)
+# The engines whose nodes heartbeat themselves (their silence means the node is lost).
+HEARTBEAT_ENGINES = sorted(name for name, can in CAPABILITIES.items() if can.nodes_heartbeat)
 
 
 def kept_by_heartbeats(node: Node) -> bool:
     """The node's own agent keeps its row alive with heartbeats (the built-in agents), so its
     silence means something; an engine's nodes are kept by its inventory instead."""
-    return node.engine == ENGINE_AGENTS
+    return capabilities_of(node.engine).nodes_heartbeat
 
 
 def silent_nodes(session: Session, cutoff: datetime) -> list[str]:
@@ -32,7 +35,7 @@ def silent_nodes(session: Session, cutoff: datetime) -> list[str]:
     return list(
         session.scalars(
             select(Node.id).where(
-                Node.engine == ENGINE_AGENTS,
+                Node.engine.in_(HEARTBEAT_ENGINES),
                 Node.status == NodeStatus.READY,
                 Node.last_heartbeat_at < cutoff,
             )
