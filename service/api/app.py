@@ -44,7 +44,7 @@ from service.config import Settings, get_settings
 from service.db.engine import Database, is_unavailable, postgres_connect_args
 from service.db.migrate import upgrade
 from service.engines import make_driver
-from service.services.datasets import sweep_staging_periodically
+from service.services.datasets import clean_staging_periodically
 from service.services.node_timing import NodeTiming
 from service.services.reconciler import Reconciler
 from service.services.scheduler_loop import SchedulerLoop
@@ -203,7 +203,7 @@ def create_app(settings: Settings | None = None, *, freeze: bool = False) -> Fas
             )
         )
         # What uploads interrupted by a crash left in the staging folder.
-        sweeper = asyncio.create_task(sweep_staging_periodically(settings, stop_reaper))
+        staging_cleaner = asyncio.create_task(clean_staging_periodically(settings, stop_reaper))
         if freeze:
             freeze_heap()
         try:
@@ -211,7 +211,7 @@ def create_app(settings: Settings | None = None, *, freeze: bool = False) -> Fas
         finally:
             stop_reaper.set()
             await reaper
-            await sweeper
+            await staging_cleaner
             await asyncio.to_thread(app.state.scheduling.stop)
             if listener is not None:
                 await asyncio.to_thread(listener.stop)

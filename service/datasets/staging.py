@@ -1,13 +1,13 @@
 """The staging area of dataset uploads: one locked folder per upload, a per-user cap on
-uploads in progress, and the sweep of what interrupted uploads left behind.
+uploads in progress, and the clean-up of what interrupted uploads left behind.
 
 Each upload gets a folder of its own in the staging folder; the uploaded file and its
 extraction are written there, and the folder is removed when the request ends. While it
 is in use, the process using it holds a lock on it (``flock`` on the folder) and also
-remembers it. A sweep removes every entry of the staging folder that is neither in use
+remembers it. A clean-up removes every entry of the staging folder that is neither in use
 by this process nor locked by another one: a process killed in the middle of an upload
-loses its locks with it, so what it left behind goes at the next sweep. Every API
-process sweeps when it starts and then periodically.
+loses its locks with it, so what it left behind goes at the next clean-up. Every API
+process cleans up when it starts and then periodically.
 
 A user's uploads take numbered slots, folders ``u-<user>.<n>`` for ``n`` below the cap:
 holding a slot's lock is what makes it taken, so the cap counts the uploads of every
@@ -35,7 +35,7 @@ from torchyard.contract.errors import ConflictError
 
 log = logging.getLogger(__name__)
 
-# Entries of the staging folder in use by this process. The sweep skips them without
+# Entries of the staging folder in use by this process. The clean-up skips them without
 # opening them: where flock is emulated with POSIX locks (NFS), closing any descriptor of
 # a folder would drop this process's lock on it.
 _in_use: set[str] = set()
@@ -72,7 +72,7 @@ def _lock_folder(path: Path) -> int | None:
 
 
 def _is_open_at(fd: int, path: Path) -> bool:
-    """Whether ``path`` still names the folder open as ``fd`` (a sweep may have moved it)."""
+    """Whether ``path`` still names the folder open as ``fd`` (a clean-up may have moved it)."""
     try:
         st = os.stat(path, follow_symlinks=False)
     except OSError:
@@ -160,7 +160,7 @@ def workspace(
             _release(name)
 
 
-def sweep(staging: Path) -> list[str]:
+def remove_interrupted(staging: Path) -> list[str]:
     """Remove what no upload uses any more from ``staging``; the names removed."""
     try:
         entries = list(os.scandir(staging))
@@ -196,16 +196,18 @@ def sweep(staging: Path) -> list[str]:
     return removed
 
 
-async def sweep_periodically(staging: Path | list[Path], interval_s: float, stop: asyncio.Event) -> None:
+async def remove_interrupted_periodically(
+    staging: Path | list[Path], interval_s: float, stop: asyncio.Event
+) -> None:
     """Sweep ``staging`` (one folder or several) now, then every ``interval_s`` seconds until
     ``stop`` is set."""
     folders = staging if isinstance(staging, list) else [staging]
     while True:
         for folder in folders:
             try:
-                await run_in_threadpool(sweep, folder)
+                await run_in_threadpool(remove_interrupted, folder)
             except OSError as exc:
-                log.warning("could not sweep the staging folder %s: %s", folder, exc)
+                log.warning("could not clean the staging folder %s: %s", folder, exc)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_s)
         if stop.is_set():

@@ -76,15 +76,15 @@ def upload_workspace(settings: Settings, principal: Principal) -> AbstractContex
     )
 
 
-async def sweep_staging_periodically(settings: Settings, stop: asyncio.Event) -> None:
+async def clean_staging_periodically(settings: Settings, stop: asyncio.Event) -> None:
     """Remove what interrupted uploads left in the staging area: at once (a process that
     was killed left its uploads' folders behind), then every ``staging_sweep_interval_s``.
     Folders in use by an upload, of this process or another, are kept. Code packages'
-    uploads are staged the same way and swept with them."""
+    uploads are staged the same way and cleaned with them."""
     from service.services.code import staging_dir as code_staging_dir
 
     folders = [staging_dir(settings), code_staging_dir(settings)]
-    await staging.sweep_periodically(folders, settings.staging_sweep_interval_s, stop)
+    await staging.remove_interrupted_periodically(folders, settings.staging_sweep_interval_s, stop)
 
 
 def data_root(settings: Settings, dataset: Dataset) -> Path:

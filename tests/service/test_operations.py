@@ -382,7 +382,7 @@ def test_restart_after_kill_sweeps_what_the_upload_left(tmp_path: Path) -> None:
     try:
         server = Serve(data).wait_healthy()
         try:
-            wait_for(lambda: sorted(staging_of(data).iterdir()) == [busy], "the start-up sweep")
+            wait_for(lambda: sorted(staging_of(data).iterdir()) == [busy], "the start-up clean-up")
             assert (busy / "upload.part").read_bytes() == b"x"
             assert "leftover(s) of interrupted uploads" in server.log()
         finally:
@@ -412,7 +412,7 @@ def test_staging_is_swept_periodically(sqlite_url: str, tmp_path: Path) -> None:
                 (stale / "extract-x" / "a").mkdir(parents=True)
                 (stale / "extract-x" / "a" / "big.png").write_bytes(bytes(1024 * 1024))
                 wait_for(lambda: not stale.exists(), "the periodic sweep")
-                wait_for(lambda: not code_stale.exists(), "the sweep of the code staging folder")
+                wait_for(lambda: not code_stale.exists(), "the clean-up of the code staging folder")
                 wait_for(lambda: sorted(area.iterdir()) == sorted([mine, locked]), "the sweep to finish")
                 assert (mine / "upload.part").read_bytes() == b"in progress"
             finally:
