@@ -215,6 +215,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct free ports (all held open until each is known)."""
+    socks = []
+    try:
+        for _ in range(n):
+            sock = socket.socket()
+            sock.bind((host, 0))
+            socks.append(sock)
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 class LiveServer:
     """uvicorn serving the app on a free loopback port, in a thread of the test process."""
 

@@ -11,7 +11,6 @@ namespace without its pods. Workloads are the smallest that show the behaviour: 
 
 from __future__ import annotations
 
-import re
 import shutil
 import sys
 import time
@@ -35,7 +34,7 @@ from tests.support.factories import auth
 from tests.support.fake_kubelet import evict
 from tests.support.kube_cluster import KubeCluster, require_kubernetes
 from tests.support.netns import NetnsCluster, require_netns
-from tests.support.worker_fixtures import agent_log_of, upload_digits, user_client
+from tests.support.worker_fixtures import upload_digits, user_client
 from worker.trainer.control import PREEMPT_REQUEST_FILE
 
 pytestmark = [pytest.mark.slow]
@@ -316,16 +315,7 @@ def test_an_evicted_pod_checkpoints_and_the_job_resumes_exactly(kube: KubeEnv) -
     evict(kube.cluster.api_client(), NAMESPACE, victim, disruption_condition=True)
     kube.wait_file(job_id, 1, PREEMPT_REQUEST_FILE)
     paused.unlink()
-    job = kube.wait(job_id, timeout=150)
-    assert job["status"] == "succeeded" and job["restarts"] == 0, job
-    first, second = job["attempts"]
-    assert first["status"] == "preempted" and second["status"] == "succeeded", job["attempts"]
-    assert first["engine_job_id"] != second["engine_job_id"]
-    assert re.search(r"checkpoint of epoch \d step \d+ uploaded", agent_log_of(first_run).read_text())
-    got = kube.history(job_id)
-    assert sorted(got) == sorted(reference)
-    for key, value in reference.items():
-        assert got[key] == (value if key[0] == "val.top1" else pytest.approx(value, abs=1e-6)), key
+    kube.assert_preempted_then_resumed_exactly(job_id, first_run, reference, timeout=150)
     kube.wait_empty(job_id)
 
 

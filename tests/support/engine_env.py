@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import sys
 import time
@@ -14,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.support.api_process import ApiProcess
 from tests.support.script_helpers import code_archive
-from tests.support.worker_fixtures import wait_for_job
+from tests.support.worker_fixtures import agent_log_of, wait_for_job
 from worker.trainer.hooks import HOOKS_VAR
 
 # MobileNetV3-Small: the smallest torchvision network the trainer takes at 16 px (a 6 MB model).
@@ -138,6 +140,23 @@ class EngineEnv:
             yield
         finally:
             hook.unlink()
+
+    def assert_preempted_then_resumed_exactly(
+        self, job_id: str, first_run: Path, reference: dict[tuple[str, int], float], timeout: float
+    ) -> dict[str, Any]:
+        """The job's first attempt was preempted after a checkpoint, its second succeeded, no
+        restart counted, and its metrics are the uninterrupted run's (``reference``)."""
+        job = self.wait(job_id, timeout=timeout)
+        assert job["status"] == "succeeded" and job["restarts"] == 0, job
+        first, second = job["attempts"]
+        assert first["status"] == "preempted" and second["status"] == "succeeded", job["attempts"]
+        assert first["engine_job_id"] != second["engine_job_id"]
+        assert re.search(r"checkpoint of epoch \d step \d+ uploaded", agent_log_of(first_run).read_text())
+        got = self.history(job_id)
+        assert sorted(got) == sorted(reference)
+        for key, value in reference.items():
+            assert got[key] == (value if key[0] == "val.top1" else pytest.approx(value, abs=1e-6)), key
+        return job
 
     def run_dir(self, job_id: str, attempt: int, node: str) -> Path:
         return self.root / "nodes" / "runs" / f"{job_id}-a{attempt}-{node}"

@@ -35,7 +35,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -48,6 +47,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from tests.conftest import free_ports
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
@@ -235,19 +236,6 @@ def _key_pem(key: Any) -> bytes:
     )
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 # --- the cluster --------------------------------------------------------------------------
 
 
@@ -357,7 +345,7 @@ class KubeCluster:
                 raise RuntimeError(found)
             self.bin_dir = found
         self.root.mkdir(parents=True, exist_ok=True)
-        etcd_client, etcd_peer, api_port, sched_port, cm_port = _free_ports(5)
+        etcd_client, etcd_peer, api_port, sched_port, cm_port = free_ports(5)
         self.server = f"https://127.0.0.1:{api_port}"
         self._write_certificates()
 

@@ -41,6 +41,7 @@ from typing import Any
 import pytest
 
 from service.engines.slurm_cli import ENDED_STATES
+from tests.conftest import free_ports
 from tests.support.netns import NetnsCluster, netns_unavailable
 
 REQUIRE_ENV = "TORCHYARD_REQUIRE_SLURM"
@@ -84,19 +85,6 @@ def require_slurm() -> None:
     if os.environ.get(REQUIRE_ENV) == "1":
         pytest.fail(f"{reason}, and {REQUIRE_ENV}=1 requires the Slurm tests to run")
     pytest.skip(f"{reason}; the Slurm tests need a private Slurm cluster ({REQUIRE_ENV}=1 makes this fail)")
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass
@@ -271,7 +259,7 @@ class SlurmCluster:
             dev = root / f"gpu{i}"
             if not dev.exists():
                 os.mknod(dev, 0o666 | 0o020000, os.makedev(1, 3))  # a character device (as /dev/null)
-        ctld_port, slurmd_port = _free_ports(2)
+        ctld_port, slurmd_port = free_ports(2, "")
         me = socket.gethostname().split(".")[0]
         node_lines = "\n".join(
             f"NodeName={n.name} NodeAddr={n.address} CPUs={CPUS_PER_NODE} Gres=gpu:{GPUS_PER_NODE} "
