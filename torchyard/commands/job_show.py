@@ -11,6 +11,7 @@ from torchyard.apiclient.models import Attempt, Failure
 from torchyard.client import Job
 from torchyard.commands.common import _JOB_HELP, _client, _print_json, dataset_names, dataset_text
 from torchyard.contract.jobspec import JobKind
+from torchyard.contract.learning_rate import describe_schedule
 from torchyard.terminal import format_time, human_bytes, job_timing
 
 _PERCENT_KEYS = ("top1", "top5", "accuracy")
@@ -117,6 +118,8 @@ def _print_train(job: Job, names: Mapping[str, str]) -> None:
         f"validation {dataset_text(job.validation_dataset, names)}"
     )
     print(f"parameters:  {_kv(job.parameters)}")
+    # The rate the trainer runs at: scaled by the processes, after the warm-up.
+    print(f"lr schedule: {describe_schedule(job.parameters, job.resources)}")
 
 
 def _tracking_value(value: Any) -> str:

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from torchyard import modeldir
+from torchyard.contract.learning_rate import effective_learning_rate
 from worker.trainer import checkpoint as ckpt
 from worker.trainer import distributed
 from worker.trainer.compiling import CompiledForward, compile_setting
@@ -96,7 +97,7 @@ def set_up(
     steps_per_epoch = loaders.steps_per_epoch
     total_steps = steps_per_epoch * params.epochs
     warmup_steps = steps_per_epoch * params.warmup_epochs
-    effective_lr = params.learning_rate * env.world_size
+    effective_lr = effective_learning_rate(params.learning_rate, env.world_size)
 
     optimizer = _place_model(model, device, effective_lr)
     stopper = EarlyStopping(patience=params.patience)

@@ -90,10 +90,18 @@ export function processCount(resources) {
   return (Number(r.node_count) || 1) * (Number(r.process_count_per_node) || 1);
 }
 
+// These two say what torchyard/contract/learning_rate.py says (LearningRateSchedule's
+// effective_text and schedule_text), which the trainer and `torchyard show` use.
 export function effectiveLrText(lr, processes) {
   if (typeof lr !== "number" || !Number.isFinite(lr)) return "";
   const eff = +(lr * processes).toPrecision(6);
   return processes > 1 ? `${lr} × ${processes} processes = ${eff} effective` : `${lr} (1 process: effective ${eff})`;
+}
+
+export function lrScheduleText(warmupEpochs, epochs) {
+  const warmup = Number(warmupEpochs) || 0;
+  const start = warmup > 0 ? `reached after a linear warm-up over the first ${warmup === 1 ? "epoch" : `${warmup} epochs`}` : "from the first step";
+  return `${start}, then a linear decay to 0 at the end of epoch ${Number(epochs) || "?"}`;
 }
 
 // A number as a person reads it: integers whole, others to `digits` significant digits

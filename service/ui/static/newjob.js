@@ -5,7 +5,7 @@
 // next to its field.
 
 import { api, ApiError, jsonWithIntegers } from "./api.js";
-import { h, errorBox, processCount, effectiveLrText, fieldLabel, sig } from "./dom.js";
+import { h, errorBox, processCount, effectiveLrText, lrScheduleText, fieldLabel, sig } from "./dom.js";
 
 // Used when the schema cannot be read: the fields of docs/datasets.md.
 const FALLBACK = {
@@ -283,7 +283,8 @@ export async function renderNewJob(ctx) {
     const value = (sel) => train.querySelector(sel)?.value.trim();
     const lr = Number(value("#f-parameters-learning_rate"));
     const processes = processCount({ node_count: value("#f-resources-node_count"), process_count_per_node: value("#f-resources-process_count_per_node") });
-    lrHint.textContent = Number.isFinite(lr) && lr > 0 ? `effective: ${effectiveLrText(lr, processes)} (the learning rate is multiplied by the number of processes)` : "";
+    const schedule = lrScheduleText(value("#f-parameters-warmup_epochs"), value("#f-parameters-epochs"));
+    lrHint.textContent = Number.isFinite(lr) && lr > 0 ? `effective: ${effectiveLrText(lr, processes)} (the learning rate is multiplied by the number of processes); ${schedule}` : "";
   };
   train.addEventListener("input", showLr);
   applyPreset();
