@@ -67,6 +67,11 @@ class Settings(BaseSettings):
         gt=0,
         description="Largest code archive accepted by POST /v1/code (and most it may expand to: 4x).",
     )
+    max_weights_upload_bytes: int = Field(
+        default=4 * 1024**3,
+        gt=0,
+        description="Largest state dict accepted by POST /v1/weights (docs/fine-tuning.md).",
+    )
     max_code_files: int = Field(default=50_000, gt=0, description="Most files a code archive may hold.")
     max_outputs_bytes: int = Field(
         default=4 * 1024**3,

@@ -35,6 +35,7 @@ from service.api.routes import (
     streams,
     sweeps,
     tokens,
+    weights,
     workers,
 )
 from service.api.routes.ui import install_ui
@@ -250,6 +251,7 @@ def create_app(settings: Settings | None = None, *, freeze: bool = False) -> Fas
         outputs,
         streams,
         sweeps,
+        weights,
     ):
         app.include_router(module.router)
     app.include_router(tokens.whoami_router)

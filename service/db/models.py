@@ -129,6 +129,23 @@ class CodePackage(Base):
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
+class PretrainedWeights(Base):
+    """An uploaded state dict of a torchvision architecture, the starting point of
+    ``pretrained: true`` jobs (docs/fine-tuning.md); the file is ``<data dir>/weights/<sha256>.pth``.
+    Shared by every user; only an admin deletes one (row and file)."""
+
+    __tablename__ = "pretrained_weights"
+    __table_args__ = (CheckConstraint("size_bytes >= 0", name="size"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    architecture: Mapped[str] = mapped_column(String(100), index=True)
+    filename: Mapped[str] = mapped_column(String(255))
+    sha256: Mapped[str] = mapped_column(String(64), index=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    uploaded_by: Mapped[str] = mapped_column(ForeignKey("tokens.id"))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
 _final = sql_in(FINAL_STATUSES)
 
 

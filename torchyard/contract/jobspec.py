@@ -59,7 +59,9 @@ class ModelFields(BaseModel):
         ),
     ]
     pretrained: bool = Field(
-        default=False, description="Start from pretrained weights found offline on the node."
+        default=False,
+        description="Start from pretrained weights (the service's weights store, or the model hub "
+        "where nodes may reach it; docs/fine-tuning.md) and train a new head for the job's classes.",
     )
     memory_efficient: bool = Field(
         default=False, description="DenseNet only: checkpointed, memory-efficient implementation."

@@ -109,6 +109,16 @@ class ClaimedDatasets(BaseModel):
     validation: ClaimedDataset
 
 
+class ClaimedWeights(BaseModel):
+    """The stored weights a ``pretrained`` training job starts from (GET /v1/worker/weights/{id}/file)."""
+
+    id: str
+    architecture: str
+    filename: str
+    sha256: str
+    size_bytes: int
+
+
 class ClaimedCode(BaseModel):
     """A script job's code package (GET /v1/worker/code/{id}/archive)."""
 
@@ -225,6 +235,11 @@ class TrainPlacement(ClaimedPlacement):
     type: Literal[JobKind.TRAIN] = JobKind.TRAIN
     spec: TrainSpec
     datasets: ClaimedDatasets
+    weights: ClaimedWeights | None = Field(
+        default=None,
+        description="With model.pretrained: the stored weights to start from; null when there are none "
+        "(the node then downloads the default weights from the model hub, if it may).",
+    )
 
 
 class EvaluatePlacement(ClaimedPlacement):

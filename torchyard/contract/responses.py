@@ -181,6 +181,18 @@ class CodePublic(BaseModel):
     created_at: datetime
 
 
+class WeightsPublic(BaseModel):
+    """Pretrained weights in the service's store (docs/fine-tuning.md)."""
+
+    id: str
+    architecture: str = Field(description="The torchvision architecture the state dict is for.")
+    filename: str = Field(description="The uploaded file's name.")
+    sha256: str = Field(description="sha256 of the file.")
+    size_bytes: int
+    uploaded_by: str = Field(description="Id of the token that uploaded them.")
+    created_at: datetime
+
+
 class DatasetPublic(BaseModel):
     id: str
     name: str

@@ -10,12 +10,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import CurrentUser, ReadSessionDep, SessionDep, SettingsDep, WorkerDep
-from service.api.routes.dataset_bodies import receive_multipart
+from service.api.routes.dataset_bodies import receive_file_upload
 from service.api.routes.datasets import default_archive_name
 from service.api.routing import SessionScopedRoute
 from service.schemas.code import NAME_MAX, CodeList
 from service.services import code as code_service
-from torchyard.contract.errors import RequestValidationError, TorchyardError
+from torchyard.contract.errors import RequestValidationError
 from torchyard.contract.headers import SHA256_HEADER
 from torchyard.contract.responses import CodePublic
 
@@ -68,26 +68,22 @@ async def create_code(
             "send multipart/form-data with a 'file' part holding the archive", details={"field": "file"}
         )
     with ExitStack() as stack:
-        try:
-            work = stack.enter_context(code_service.upload_workspace(settings, user))
-            dest = work / "upload.part"
-            form = await receive_multipart(
-                request,
-                dest,
-                max_file_bytes=settings.max_code_upload_bytes,
-                text_fields=frozenset({"name"}),
-            )
-        except TorchyardError as exc:
-            return JSONResponse(exc.to_dict(), status_code=exc.status_code, headers={"Connection": "close"})
-        if not form.has_file:
-            raise RequestValidationError("the multipart body has no 'file' part", details={"field": "file"})
-        name = form.fields.get("name") or default_archive_name(form.filename, "code")
+        upload = await receive_file_upload(
+            request,
+            stack,
+            code_service.upload_workspace(settings, user),
+            max_file_bytes=settings.max_code_upload_bytes,
+            text_fields=frozenset({"name"}),
+        )
+        if isinstance(upload, JSONResponse):
+            return upload
+        name = upload.form.fields.get("name") or default_archive_name(upload.form.filename, "code")
         if len(name) > NAME_MAX:
             raise RequestValidationError(
                 f"name is longer than {NAME_MAX} characters", details={"field": "name"}
             )
         row = await run_in_threadpool(
-            code_service.create_from_archive, session, settings, user, name, dest, work
+            code_service.create_from_archive, session, settings, user, name, upload.path, upload.work
         )
     return code_service.code_public(row)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,10 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from service.api.errors import malformed_json_message, surrogate_field, surrogate_message
-from torchyard.contract.errors import PayloadTooLargeError, RequestValidationError
+from torchyard.contract.errors import PayloadTooLargeError, RequestValidationError, TorchyardError
 
 _FLUSH_BYTES = 1024 * 1024
 # Room for the multipart framing and the small text fields around the file.
@@ -225,3 +227,35 @@ async def receive_json(request: Request, max_bytes: int = 64 * 1024) -> Any:
     if found is not None:
         raise RequestValidationError(surrogate_message(*found), details={"field": found[0]})
     return value
+
+
+@dataclass
+class FileUpload:
+    """A multipart upload received into its own workspace: the workspace, the file, the form."""
+
+    work: Path
+    path: Path
+    form: ReceivedForm
+
+
+async def receive_file_upload(
+    request: Request,
+    stack: ExitStack,
+    workspace: AbstractContextManager[Path],
+    *,
+    max_file_bytes: int,
+    text_fields: frozenset[str],
+) -> FileUpload | JSONResponse:
+    """Receive a multipart body with a ``file`` part into ``workspace`` (entered on ``stack``,
+    so it lasts as long as the caller's block). A refusal while the body arrives (413, 409
+    for too many uploads at once, 422) is the answer to send, closing the connection: the
+    rest of the body is not wanted, rather than drained. 422 when no ``file`` part came."""
+    try:
+        work = stack.enter_context(workspace)
+        dest = work / "upload.part"
+        form = await receive_multipart(request, dest, max_file_bytes=max_file_bytes, text_fields=text_fields)
+    except TorchyardError as exc:
+        return JSONResponse(exc.to_dict(), status_code=exc.status_code, headers={"Connection": "close"})
+    if not form.has_file:
+        raise RequestValidationError("the multipart body has no 'file' part", details={"field": "file"})
+    return FileUpload(work, dest, form)

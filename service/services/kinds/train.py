@@ -15,13 +15,13 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.db.models import Job
 from service.schemas.jobs import TrainJobCreate
-from service.services import checkpoints
+from service.services import checkpoints, weights
+from service.services.architectures import check_architecture
 from service.services.cluster import check_resources
 from service.services.datasets import resolve_job_datasets
 from service.services.kinds.base import Claim, Kind, claimed_dataset, queue
 from service.services.tokens import Principal
 from service.states import JobStatus
-from torchyard.architectures import CLASSIFICATION_ARCHITECTURES, closest_architecture
 from torchyard.contract.errors import InvalidModelDirectoryError, RequestValidationError
 from torchyard.contract.jobspec import JobKind
 from torchyard.contract.protocol import ClaimedDatasets, TrainPlacement, TrainSpec
@@ -29,22 +29,14 @@ from torchyard.contract.protocol import ClaimedDatasets, TrainPlacement, TrainSp
 
 def check_model(session: Session, principal: Principal, spec: TrainJobCreate) -> None:
     arch = spec.model.architecture
-    if arch not in CLASSIFICATION_ARCHITECTURES:
-        suggestion = closest_architecture(arch)
-        hint = (
-            f"did you mean {suggestion}?"
-            if suggestion
-            else "use a torchvision classification model name such as resnet18, resnet50 or densenet121"
-        )
-        details: dict[str, Any] = {"field": "model.architecture", "value": arch}
-        if suggestion:
-            details["suggestion"] = suggestion
-        raise InvalidModelDirectoryError(f"unknown architecture {arch!r}: {hint}", details=details)
+    check_architecture(arch)
     if spec.model.memory_efficient and not arch.startswith("densenet"):
         raise InvalidModelDirectoryError(
             "model.memory_efficient applies to DenseNet architectures only",
             details={"field": "model.memory_efficient", "value": True},
         )
+    if spec.model.pretrained and spec.model.init_from_job is None:
+        weights.check_available(session, arch)
     if spec.model.init_from_job is not None:
         source = session.get(Job, spec.model.init_from_job)
         if source is None or (not principal.is_admin and source.owner_id != principal.id):
@@ -107,6 +99,7 @@ class Train(Kind):
             classes=sorted(train.classes),
             init_from_job=job.init_from_job_id,
             checkpoint=checkpoints.latest_ref(session, store, job.id),
+            weights=weights.claimed(session, spec["model"]) if job.init_from_job_id is None else None,
         )
 
     def shown(self, job: Job) -> dict[str, Any]:
