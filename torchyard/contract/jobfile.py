@@ -44,7 +44,10 @@ class _Section(BaseModel):
 
 
 class ModelSpec(ModelFields, _Section):
-    pass
+    weights_file: str | None = Field(
+        default=None,
+        description="With pretrained: the node's verified copy of the stored weights (a state dict).",
+    )
 
 
 class Parameters(JobParameters, _Section):

@@ -35,7 +35,7 @@ from typing import Any
 
 from torchyard.contract.errors import AuthenticationError, NodeNameInUseError, NotFoundError, TorchyardError
 from torchyard.contract.protocol import ClaimedPlacement, HeartbeatResponse, StopOrder
-from worker.agent import sandbox
+from worker.agent import sandbox, weights_cache
 from worker.agent.api import Backoff, WorkerApi, is_retryable, retrying
 from worker.agent.identity import NodeLock, load_or_create_agent_key
 from worker.agent.marked_processes import kill_leftovers
@@ -141,6 +141,7 @@ class Agent:
             "gpus": len(self.resources.gpu_ids),
             "socket_ifname": self.ctx.socket_ifname,
             "sandbox": self.ctx.sandbox,
+            weights_cache.HUB_INFO_KEY: weights_cache.hub_allowed(),
         }
         answer = retrying(
             lambda: self.api.register(

@@ -58,10 +58,11 @@ class RunInputs:
         init_dir = None
         if self.work.init_from_job:
             init_dir = self._fetch_init_model(self.work.init_from_job)
+        weights_file = self._fetch_weights() if init_dir is None else None
         if self.work.checkpoint is not None and self.work.node_rank == 0:
             # Only global rank 0 (on node rank 0) reads it; it shares the state with the others.
             self._fetch_checkpoint()
-        job = self._job_document(dirs, init_dir)
+        job = self._job_document(dirs, init_dir, weights_file)
         path = self.run_dir / JOB_FILE
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(job.to_json(), encoding="utf-8")
@@ -81,6 +82,40 @@ class RunInputs:
         )
         self.log.info("%s dataset %s ready in %.2f s: %s", role, ref.id, time.monotonic() - started, folder)
         return folder
+
+    def _fetch_weights(self) -> Path | None:
+        """A ``pretrained`` job's stored weights (cached per node), or the hub's default
+        weights where this node may download them; None for the trainer's offline hub cache."""
+        from worker.agent import weights_cache
+
+        ref = getattr(self.work, "weights", None)
+        if not self.work.spec.model.pretrained:
+            return None
+        if ref is None:
+            if weights_cache.hub_allowed():
+                arch = self.work.spec.model.architecture
+                retrying(
+                    lambda: weights_cache.fetch_hub_weights(arch),
+                    f"downloading the default weights of {arch} from the model hub",
+                    stop=self.stop,
+                    deadline=time.monotonic() + FETCH_DEADLINE_S,
+                )
+            return None
+        started = time.monotonic()
+        path: Path = retrying(
+            lambda: weights_cache.fetch_weights(self.ctx.api.client, ref, self.ctx.work_dir / "weights"),
+            f"fetching weights {ref.id}",
+            stop=self.stop,
+            deadline=time.monotonic() + FETCH_DEADLINE_S,
+        )
+        self.log.info(
+            "pretrained weights %s (%s, sha256 %s) ready in %.2f s",
+            ref.id,
+            ref.filename,
+            ref.sha256,
+            time.monotonic() - started,
+        )
+        return path
 
     def _fetch_init_model(self, source_job: str) -> Path:
         from worker.agent.reporting import download_model
@@ -124,7 +159,9 @@ class RunInputs:
             got.get("sha256"),
         )
 
-    def _job_document(self, dirs: dict[str, Path], init_dir: Path | None) -> JobConfig:
+    def _job_document(
+        self, dirs: dict[str, Path], init_dir: Path | None, weights_file: Path | None = None
+    ) -> JobConfig:
         w = self.work
         model = w.spec.model
         return JobConfig(
@@ -134,6 +171,7 @@ class RunInputs:
                 architecture=model.architecture,
                 pretrained=model.pretrained,
                 memory_efficient=model.memory_efficient,
+                weights_file=str(weights_file) if weights_file is not None else None,
             ),
             init_from_dir=str(init_dir) if init_dir is not None else None,
             parameters=Parameters.model_validate(w.spec.parameters.model_dump()),

@@ -1,4 +1,4 @@
-"""Building the network: torchvision architectures, offline pretrained weights, fine-tuning."""
+"""Building the network: torchvision architectures, pretrained weights (stored or torch hub), fine-tuning."""
 
 from __future__ import annotations
 
@@ -159,8 +159,10 @@ def build_model(job: JobConfig) -> BuiltModel:
     """The job's network with ``len(job.classes)`` outputs, on the CPU.
 
     - scratch: ``torchvision.models.get_model(name, weights=None, num_classes=...)``;
-    - ``pretrained``: the default weights, only from the offline torch hub cache (never
-      downloaded), head re-sized to the job's classes;
+    - ``pretrained``: the weights file the agent fetched from the service's weights store
+      (``model.weights_file``), else the default weights from the torch hub cache (which the
+      agent fills on nodes that may download them; the trainer itself never downloads),
+      head re-sized to the job's classes;
     - ``init_from_dir``: a verified model directory of an earlier job; its head is kept
       when the class list is the same and re-initialised otherwise.
 
@@ -187,18 +189,30 @@ def build_model(job: JobConfig) -> BuiltModel:
         module = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
         return BuiltModel(module, _shape_kwargs(kwargs))
 
-    cache_file = pretrained_cache_file(arch)
-    if not cache_file.is_file():
-        raise InvalidModelDirectoryError(
-            f"pretrained weights for {arch} are not in the offline torch hub cache "
-            f"(expected checkpoints/{cache_file.name} under the TORCH_HOME hub directory); "
-            "place the file there on every node or train with pretrained=false"
-        )
     weights = torchvision.models.get_model_weights(arch).DEFAULT
     native_size = weights.meta.get("min_size", (0, 0))[0]
     if arch.startswith(("vit_", "maxvit_")) and image_size != native_size:
         raise InvalidModelDirectoryError(
             f"pretrained {arch} only accepts image_size {native_size}, not {image_size}"
+        )
+    if spec.weights_file:
+        return _from_state_dict(job, Path(spec.weights_file), kwargs)
+    return _from_hub_cache(job, kwargs)
+
+
+def _from_hub_cache(job: JobConfig, kwargs: dict[str, Any]) -> BuiltModel:
+    """The default weights from the torch hub cache (never downloaded here), head re-sized."""
+    arch = job.model.architecture
+    num_classes = job.num_classes
+    weights = torchvision.models.get_model_weights(arch).DEFAULT
+    cache_file = pretrained_cache_file(arch)
+    if not cache_file.is_file():
+        raise InvalidModelDirectoryError(
+            f"pretrained weights for {arch} are not in the offline torch hub cache "
+            f"(expected checkpoints/{cache_file.name} under the TORCH_HOME hub directory) and the job "
+            f"has none from the service's weights store: upload them with 'torchyard weights upload "
+            f"{arch} FILE', let the nodes download them (TORCHYARD_WORKER_PRETRAINED_FROM_HUB=1), "
+            "or train with pretrained=false"
         )
     try:
         with _weights_only_loads():
@@ -215,6 +229,42 @@ def build_model(job: JobConfig) -> BuiltModel:
     if arch.startswith("vit_"):
         shape_kwargs["image_size"] = weights.meta["min_size"][0]
     return BuiltModel(module, shape_kwargs, initialized_from=f"pretrained:{cache_file.name}")
+
+
+def _from_state_dict(job: JobConfig, path: Path, kwargs: dict[str, Any]) -> BuiltModel:
+    """The architecture with a state dict from the weights store (torchvision's default
+    number of classes), its head re-initialised for the job's classes (fine-tuning)."""
+    arch = job.model.architecture
+    weights = torchvision.models.get_model_weights(arch).DEFAULT
+    stored_classes = len(weights.meta["categories"])
+    shape_kwargs = _shape_kwargs(kwargs)
+    if arch.startswith("vit_"):
+        shape_kwargs["image_size"] = weights.meta["min_size"][0]
+    module = torchvision.models.get_model(arch, weights=None, num_classes=stored_classes, **kwargs)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a damaged or foreign file fails in many ways inside torch.load
+        raise InvalidModelDirectoryError(
+            f"cannot read the stored pretrained weights of {arch} ({path.name}): {type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(state, dict):
+        raise InvalidModelDirectoryError(
+            f"the stored pretrained weights of {arch} are a {type(state).__name__}, not a state dict"
+        )
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise InvalidModelDirectoryError(
+            f"the stored pretrained weights do not fit {arch} with {stored_classes} classes: {exc}"
+        ) from exc
+    sha = path.stem
+    log.info("pretrained %s: starting from the stored weights (sha256 %s)", arch, sha)
+    if stored_classes != job.num_classes:
+        replaced = resize_head(module, stored_classes, job.num_classes)
+        log.info(
+            "pretrained %s: re-initialised %s for %d classes", arch, ", ".join(replaced), job.num_classes
+        )
+    return BuiltModel(module, shape_kwargs, initialized_from=f"pretrained:{sha}")
 
 
 def _from_model_dir(job: JobConfig, directory: Path) -> BuiltModel:

@@ -96,13 +96,13 @@ class TrainerRun(KindRun):
         )
 
     def _sandbox(self) -> Sandbox | None:
-        """The ranks see the run directory, and read-only their datasets, initial model and
-        the offline torch hub (worker.agent.sandbox)."""
+        """The ranks see the run directory, and read-only their datasets, initial model or
+        pretrained weights and the offline torch hub (worker.agent.sandbox)."""
         h = self.host
         if h.ctx.sandbox != sandbox.BWRAP:
             return None
         assert self.job is not None
-        inputs = [self.job.train_dir, self.job.val_dir, self.job.init_from_dir]
+        inputs = [self.job.train_dir, self.job.val_dir, self.job.init_from_dir, self.job.model.weights_file]
         read_only = [Path(p) for p in inputs if isinstance(p, str)]
         read_only.append(sandbox.torch_hub_dir(os.environ))
         return Sandbox(writable=h.run_dir, hidden=[h.ctx.work_dir], read_only=read_only, gpus=bool(h.gpu_ids))
