@@ -61,6 +61,7 @@ from torchyard.apiclient.registry import ModelVersion, RegisteredModel, Registry
 from torchyard.apiclient.streams import StreamCalls
 from torchyard.apiclient.sweeps import Sweep, SweepCalls, Trial
 from torchyard.apiclient.transport import ProgressCallback, ServiceUnreachableError, Transport, segment
+from torchyard.apiclient.weights import WeightsCalls
 
 __all__ = [
     "AMBIGUOUS",
@@ -109,6 +110,7 @@ class Client(
     StreamCalls,
     ModelDownloads,
     RegistryCalls,
+    WeightsCalls,
 ):
     """The torchyard API over HTTP.
 

@@ -152,7 +152,10 @@ def add_submit(
     submit.add_argument("--train", help="training dataset (id or name)")
     submit.add_argument("--val", help="validation dataset (id or name)")
     submit.add_argument(
-        "--pretrained", action="store_true", default=None, help="start from offline pretrained weights"
+        "--pretrained",
+        action="store_true",
+        default=None,
+        help="start from pretrained weights (docs/fine-tuning.md)",
     )
     for flag, _dotted, kind, text in _SUBMIT_FLAGS:
         submit.add_argument(flag, type=kind, default=None, help=text)
