@@ -330,6 +330,12 @@ def test_a_node_cut_off_is_worker_lost_and_the_job_resumes(slurm: SlurmEnv) -> N
         paused = slurm.wait_file(job_id, 1, "paused-train-2")
     node = paused.parent.name.rsplit("-", 1)[1]
     _wait_for_text(agent_log_of(paused.parent), "checkpoint of epoch 1 uploaded")
+    # Epoch 1's metrics reach the API in the launcher's next report batch, which a loaded
+    # machine may send after the checkpoint: the link is cut once they are in.
+    deadline = time.monotonic() + 60
+    while 1 not in slurm.top1(job_id):
+        assert time.monotonic() < deadline, slurm.api.log()[-3000:]
+        time.sleep(0.2)
     slurm.cluster.link(node, up=False)
     try:
         job = slurm.wait(job_id, lambda j: len(j["attempts"]) >= 2, timeout=60)
