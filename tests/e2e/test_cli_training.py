@@ -227,6 +227,50 @@ def test_a_quick_restart_of_serve_while_a_job_runs_loses_neither_the_node_nor_th
     assert "NodeNameInUse" not in worker_log + serve.log.read_text(errors="replace")
 
 
+def test_fine_tuning_from_weights_uploaded_with_the_cli(serve: Serve, tmp_path: Path) -> None:
+    """docs/fine-tuning.md: ``pretrained: true`` is refused at submission while no weights are
+    stored; ``torchyard weights upload`` refuses a file whose name carries another sha256
+    prefix and stores one that carries its own; the job then starts from those weights."""
+    import hashlib
+
+    import torch
+    import torchvision
+
+    serve.wait_ready()
+    train_dir, val_dir = write_digits(tmp_path / "digits", per_class=6, size=16)
+    serve.ok("datasets", "upload", str(train_dir), "--name", "tune-train")
+    serve.ok("datasets", "upload", str(val_dir), "--name", "tune-val")
+    submit = ("submit", "--train", "tune-train", "--val", "tune-val", "--arch", "mobilenet_v3_small",
+              "--pretrained", "--image-size", "16", "--epochs", "1", "--batch-size", "8",
+              "--name", "fine-tune")  # fmt: skip
+    refused = serve.cli(*submit)
+    assert refused.returncode != 0 and "torchyard weights upload mobilenet_v3_small FILE" in refused.stderr
+
+    torch.manual_seed(11)  # stands in for published ImageNet weights
+    state = torchvision.models.mobilenet_v3_small(num_classes=1000).state_dict()
+    plain = tmp_path / "weights.pth"
+    torch.save(state, plain)
+    sha = hashlib.sha256(plain.read_bytes()).hexdigest()
+    misnamed = tmp_path / "mobilenet_v3_small-deadbeef.pth"
+    shutil.copy(plain, misnamed)
+    wrong = serve.cli("weights", "upload", "mobilenet_v3_small", str(misnamed))
+    assert wrong.returncode != 0 and "deadbeef" in wrong.stderr and sha in wrong.stderr, wrong.stderr
+    named = tmp_path / f"mobilenet_v3_small-{sha[:8]}.pth"
+    plain.rename(named)
+    weights_id = serve.ok("weights", "upload", "mobilenet_v3_small", str(named)).strip()
+    (listed,) = json.loads(serve.ok("weights", "list", "--json"))
+    assert (listed["id"], listed["sha256"]) == (weights_id, sha)
+
+    job_id = serve.ok(*submit).strip()
+    deadline = time.monotonic() + 300
+    while (job := json.loads(serve.ok("show", job_id, "--json")))["status"] not in ("succeeded", "failed"):
+        assert time.monotonic() < deadline, serve.tail()
+        time.sleep(0.5)
+    log_text = serve.ok("logs", job_id)
+    assert job["status"] == "succeeded", (job, log_text[-3000:])
+    assert f"starting from the stored weights (sha256 {sha})" in log_text, log_text[-3000:]
+
+
 def test_train_follow_download_and_predict_with_the_cli(serve: Serve, tmp_path: Path) -> None:
     # Runs last: it stops the module's server.
     cluster = serve.wait_ready()
