@@ -16,7 +16,7 @@ engine sees through the API, against the real apiserver, scheduler and controlle
   ``spec.serviceAccountName``, ``status.podIP``, ``status.hostIP``; ConfigMap and Secret
   keys) on top of ``env=`` (what the "image" would set; by default ``PATH`` and ``HOME``
   only, not the test's environment), in ``workingDir`` if given; with ``netns=`` inside that
-  network namespace (``nsenter --net``), the pod's IP being ``address``;
+  network namespace (``ip netns exec``, with that namespace's name files), the pod's IP being ``address``;
 * it writes the pod's status as a kubelet does: ``Running`` with ``podIP``, ``hostIP``,
   conditions and a ``containerStatuses`` entry in ``state.running``, then ``Succeeded`` or
   ``Failed`` with ``state.terminated`` (``exitCode``, ``reason`` ``Completed``/``Error``;
@@ -755,7 +755,9 @@ class FakeKubelet:
         if not container.get("command"):
             raise _ConfigError("the stand-in kubelet has no image entrypoint: the container needs a command")
         if self.netns:
-            argv = ["nsenter", f"--net=/run/netns/{self.netns}", "--", *argv]
+            # ip netns exec (not nsenter --net): the namespace's own hosts and resolv.conf
+            # (tests.support.netns writes them), so a peer's name is looked up there, at once.
+            argv = ["ip", "netns", "exec", self.netns, *argv]
         cwd = container.get("workingDir")
         if cwd:
             Path(cwd).mkdir(parents=True, exist_ok=True)

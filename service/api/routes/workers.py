@@ -40,6 +40,7 @@ from service.db.models import Node
 from service.services import agents, claims, launches
 from service.services.node_timing import NodeTiming
 from service.services.tokens import Principal
+from torchyard.contract.errors import NotBoundYetError
 from torchyard.contract.protocol import (
     AnyClaimedPlacement,
     ClaimedPlacement,
@@ -298,12 +299,23 @@ async def report_status(
 
 @router.post("/attempts/{attempt_id}/check-in", response_model=AnyClaimedPlacement)
 def launch_check_in(
-    attempt_id: str, body: LaunchCheckIn, session: SessionDep, settings: SettingsDep, launcher: LauncherDep
+    attempt_id: str,
+    body: LaunchCheckIn,
+    session: SessionDep,
+    settings: SettingsDep,
+    launcher: LauncherDep,
+    scheduling: SchedulingDep,
 ) -> ClaimedPlacement:
     """A one-placement launcher (docs/slurm.md) takes its node rank's placement of the attempt its
     launch token belongs to; the first one to check in binds every node rank to the
-    allocation's nodes. 409 when the attempt is over or the rank already checked in."""
-    return launches.check_in(session, settings, launcher, attempt_id, body)
+    allocation's nodes. 409 when the attempt is over or the rank already checked in; 425 when
+    its engine has not said yet where every rank runs (Kubernetes): a pass is asked for, which
+    binds them, and the launcher tries again."""
+    try:
+        return launches.check_in(session, settings, launcher, attempt_id, body)
+    except NotBoundYetError:
+        scheduling.request()
+        raise
 
 
 @router.post("/attempts/{attempt_id}/heartbeat")
