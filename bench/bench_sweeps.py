@@ -46,7 +46,8 @@ from sqlalchemy import select
 from service.config import Settings
 from service.db.engine import Database
 from service.db.migrate import upgrade
-from service.db.models import Attempt, Dataset, Job, Metric, Node, Sweep, SweepTrial, utcnow
+from service.db.models import Attempt, Dataset, Job, Metric, Node, Sweep, SweepTrial
+from service.db.types import utcnow
 from service.schemas.sweeps import SweepCreate
 from service.services import sweep_rounds, sweeps
 from service.services.tokens import Principal, create_token

@@ -56,7 +56,8 @@ from sqlalchemy import insert, select
 
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Attempt, Dataset, Job, Metric, utcnow
+from service.db.models import Attempt, Dataset, Job, Metric
+from service.db.types import utcnow
 
 TRAIN = ("train.loss", "train.lr", "train.images_per_sec")
 VAL = ("val.loss", "val.top1", "val.top5", "epoch.seconds")

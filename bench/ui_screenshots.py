@@ -27,7 +27,8 @@ from bench_ui import Service, write_job
 from sqlalchemy import select
 
 from service.db.engine import Database
-from service.db.models import Attempt, Job, utcnow
+from service.db.models import Attempt, Job
+from service.db.types import utcnow
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-from service.db.models import UTCDateTime
+from service.db.types import UTCDateTime
 
 revision: str = "0007"
 down_revision: str | None = "0006"

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-from service.db.models import UTCDateTime
+from service.db.types import UTCDateTime
 
 revision: str = "0016"
 down_revision: str | None = "0015"

@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from service.api.security import CSRF_HEADER, SAFE_METHODS, SESSION_COOKIE
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import utcnow
+from service.db.types import utcnow
 from service.services.node_timing import NodeTiming
 from service.services.scheduler_loop import SchedulerLoop
 from service.services.tokens import USE_RECORDER, Principal, authenticate, record_use

@@ -22,7 +22,8 @@ from pathlib import Path
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
-from service.db.models import Job, Node, Placement, utcnow
+from service.db.models import Job, Node, Placement
+from service.db.types import utcnow
 from service.services.incoming import IncomingModelArchive
 from service.services.job_lookup import get_job
 from service.services.leases import lock_lease, placement_for_lease, speaks_for

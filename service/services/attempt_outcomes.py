@@ -14,7 +14,8 @@ from datetime import datetime
 from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session
 
-from service.db.models import Attempt, Job, Placement, utcnow
+from service.db.models import Attempt, Job, Placement
+from service.db.types import utcnow
 from service.engines import capabilities_of
 from service.services.jobs import transition
 from service.services.transitions import set_attempt_status

@@ -26,7 +26,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.db.engine import Database
-from service.db.models import Attempt, Checkpoint, Job, Placement, utcnow
+from service.db.models import Attempt, Checkpoint, Job, Placement
+from service.db.types import utcnow
 from service.services.artifacts import fsync_dir
 from service.services.incoming import IncomingCheckpoint
 from service.services.leases import lock_lease, placement_for_lease

@@ -16,7 +16,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Attempt, Job, Placement, utcnow
+from service.db.models import Attempt, Job, Placement
+from service.db.types import utcnow
 from service.services.kinds import kind_of
 from service.services.kinds.base import Claim
 from service.services.nodes import get_own_node, touch_node

@@ -24,7 +24,8 @@ from sqlalchemy import BindParameter, and_, bindparam, case, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Attempt, Job, Node, Placement, utcnow
+from service.db.models import Attempt, Job, Node, Placement
+from service.db.types import utcnow
 from service.engines import capabilities_of
 from service.services.tokens import Principal
 from service.states import DRAINED_NODE_STATUSES, NodeStatus, PlacementStatus

@@ -24,7 +24,8 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.datasets import staging
 from service.datasets.tarstream import DatasetTar
-from service.db.models import CodePackage, Job, Node, Placement, utcnow
+from service.db.models import CodePackage, Job, Node, Placement
+from service.db.types import utcnow
 from service.services import refs
 from service.services.leases import speaks_for
 from service.services.tokens import Principal

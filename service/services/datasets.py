@@ -30,7 +30,8 @@ from service.config import Settings
 from service.datasets import staging
 from service.datasets.tarstream import DatasetTar
 from service.datasets.validate import ValidatedDataset, validate_image_directory
-from service.db.models import Dataset, Job, JobInput, Node, Placement, utcnow
+from service.db.models import Dataset, Job, JobInput, Node, Placement
+from service.db.types import utcnow
 from service.schemas.datasets import DatasetRegister
 from service.services import refs
 from service.services.leases import speaks_for

@@ -17,7 +17,8 @@ from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Attempt, Node, Placement, utcnow
+from service.db.models import Attempt, Node, Placement
+from service.db.types import utcnow
 from service.services import refs
 from service.services.attempt_outcomes import finish_cancellation, finish_preemption, locked_job
 from service.services.cluster import node_status

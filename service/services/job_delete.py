@@ -36,16 +36,8 @@ from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import (
-    Attempt,
-    Checkpoint,
-    Job,
-    JobEvent,
-    LogChunk,
-    Metric,
-    ModelVersion,
-    utcnow,
-)
+from service.db.models import Attempt, Checkpoint, Job, JobEvent, LogChunk, Metric, ModelVersion
+from service.db.types import utcnow
 from service.services.artifacts import ModelStore
 from service.services.checkpoints import CheckpointStore
 from service.services.job_lookup import get_job

@@ -9,7 +9,8 @@ from sqlalchemy import ColumnElement, Text, cast, delete, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Attempt, Checkpoint, Job, JobEvent, Node, Placement, utcnow
+from service.db.models import Attempt, Checkpoint, Job, JobEvent, Node, Placement
+from service.db.types import utcnow
 from service.schemas.jobs import (
     JOB_CREATE,
     JOB_CREATE_MODELS,

@@ -21,7 +21,8 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Attempt, Job, Node, Placement, Token, new_id, utcnow
+from service.db.models import Attempt, Job, Node, Placement, Token
+from service.db.types import new_id, utcnow
 from service.engines import capabilities_of
 from service.services.claims import claimed_placement
 from service.services.jobs import transition

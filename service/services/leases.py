@@ -19,7 +19,8 @@ from sqlalchemy import ColumnElement, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Attempt, Job, Node, Placement, utcnow
+from service.db.models import Attempt, Job, Node, Placement
+from service.db.types import utcnow
 from service.services.tokens import Principal
 from service.states import ABORTED_ATTEMPT_STATUSES, LIVE_ATTEMPT_STATUSES, JobStatus, PlacementStatus
 from torchyard.contract.errors import StaleLeaseError

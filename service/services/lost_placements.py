@@ -11,7 +11,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.db.engine import Database
-from service.db.models import Node, Placement, utcnow
+from service.db.models import Node, Placement
+from service.db.types import utcnow
 from service.services.attempt_outcomes import fail_attempt, finish_cancellation, locked_attempt, locked_job
 from service.services.transitions import set_placement_status
 from service.states import LIVE_ATTEMPT_STATUSES, JobStatus, PlacementStatus

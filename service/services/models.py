@@ -24,7 +24,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Job, ModelVersion, utcnow
+from service.db.models import Job, ModelVersion
+from service.db.types import utcnow
 from service.schemas.models import ModelPublic, ModelVersionPublic
 from service.services.artifacts import UNPACK_RATIO, ModelStore, fsync_dir
 from service.services.job_lookup import get_job

@@ -20,7 +20,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Node, Token, utcnow
+from service.db.models import Node, Token
+from service.db.types import utcnow
 from service.services.leases import renew_leases
 from service.services.tokens import Principal
 from service.services.transitions import set_node_status

@@ -31,7 +31,8 @@ from typing import IO
 
 from sqlalchemy.orm import Session
 
-from service.db.models import Job, utcnow
+from service.db.models import Job
+from service.db.types import utcnow
 from service.services.artifacts import ModelFile
 from service.services.incoming import IncomingOutputs
 from service.services.job_lookup import get_job

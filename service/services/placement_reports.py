@@ -25,7 +25,8 @@ from datetime import datetime
 
 from sqlalchemy.orm import Session
 
-from service.db.models import Attempt, Job, Node, Placement, utcnow
+from service.db.models import Attempt, Job, Node, Placement
+from service.db.types import utcnow
 from service.services.attempt_outcomes import (
     end_attempt,
     fail_attempt,

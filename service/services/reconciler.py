@@ -38,7 +38,8 @@ from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Attempt, Job, Node, Placement, utcnow
+from service.db.models import Attempt, Job, Node, Placement
+from service.db.types import utcnow
 from service.engines.base import (
     Driver,
     Ending,

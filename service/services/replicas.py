@@ -33,7 +33,8 @@ from sqlalchemy.dialects.postgresql import insert
 
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import ApiReplica, new_id, utcnow
+from service.db.models import ApiReplica
+from service.db.types import new_id, utcnow
 
 
 def stale_after_s(settings: Settings) -> float:

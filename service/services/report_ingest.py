@@ -30,7 +30,8 @@ from sqlalchemy import Table, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from service.db.models import Attempt, Job, LogChunk, Metric, Node, Placement, utcnow
+from service.db.models import Attempt, Job, LogChunk, Metric, Node, Placement
+from service.db.types import utcnow
 from service.services.kinds import kind_of
 from service.services.leases import lock_lease
 from service.services.metric_store import INSERT_ROWS, MetricLimits, count_dropped, store_metrics

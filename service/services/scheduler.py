@@ -40,7 +40,8 @@ from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Attempt, Job, Placement, utcnow
+from service.db.models import Attempt, Job, Placement
+from service.db.types import utcnow
 from service.services.cluster import NodeCapacity, ready_capacity
 from service.services.jobs import transition
 from service.services.wakeup import announce_placed

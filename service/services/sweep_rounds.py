@@ -25,7 +25,8 @@ from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Job, Metric, Sweep, SweepTrial, utcnow
+from service.db.models import Job, Metric, Sweep, SweepTrial
+from service.db.types import utcnow
 from service.services.jobs import request_cancel
 from service.services.metric_points import not_superseded
 from service.services.sweep_judge import Reported, prune_reason, pruned_epochs

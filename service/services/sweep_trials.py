@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Sweep, SweepTrial, Token, utcnow
+from service.db.models import Sweep, SweepTrial, Token
+from service.db.types import utcnow
 from service.schemas.jobs import JOB_CREATE
 from service.services.jobs import submit_job
 from service.services.sweep_space import set_path, space_size, target_trials

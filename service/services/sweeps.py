@@ -11,7 +11,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Sweep, utcnow
+from service.db.models import Sweep
+from service.db.types import utcnow
 from service.schemas.jobs import TrainJobCreate
 from service.schemas.sweeps import SweepCreate
 from service.services import refs

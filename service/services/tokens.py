@@ -15,7 +15,8 @@ from pathlib import Path
 from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.orm import Session
 
-from service.db.models import Token, utcnow
+from service.db.models import Token
+from service.db.types import utcnow
 from service.states import Role
 from torchyard.contract.errors import AuthenticationError, ConflictError, NotFoundError
 

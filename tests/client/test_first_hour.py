@@ -21,7 +21,8 @@ import yaml
 
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Dataset, Job, utcnow
+from service.db.models import Dataset, Job
+from service.db.types import utcnow
 from tests.client.test_cli import cli, cli_env, fails, ok, spawn_cli
 from tests.conftest import LiveServer
 from tests.support import REPO_ROOT

@@ -639,7 +639,8 @@ def test_a_failed_job_shows_its_failure_rank_node_and_traceback(
     live_server: LiveServer, admin: httpx.Client, open_ui: Any
 ) -> None:
     from service.db.engine import Database
-    from service.db.models import Job, utcnow
+    from service.db.models import Job
+    from service.db.types import utcnow
 
     token, uid = _user(admin, "jana")
     register_node(admin, create_token(admin, "worker"), "cpu-1", units=1)
@@ -840,7 +841,8 @@ def _succeeded_evaluation(settings: Settings, owner: str, dataset: str) -> str:
     """An evaluation job as its worker's report leaves it: succeeded after one attempt, its
     result and best (epoch 0) stored as the report route stores them."""
     from service.db.engine import Database
-    from service.db.models import Attempt, Job, utcnow
+    from service.db.models import Attempt, Job
+    from service.db.types import utcnow
 
     best = {"val.loss": _EVALUATION["loss"], "val.top1": _EVALUATION["top1"], "val.top5": 1.0}
     result = {
@@ -907,7 +909,8 @@ def _steps_only(settings: Settings, job_id: str, name: str, values: list[float])
     from sqlalchemy import select
 
     from service.db.engine import Database
-    from service.db.models import Attempt, Job, Metric, utcnow
+    from service.db.models import Attempt, Job, Metric
+    from service.db.types import utcnow
 
     db = Database(settings.sqlalchemy_url)
     now = utcnow()
@@ -1073,7 +1076,8 @@ def test_a_jobs_tags_note_clone_and_delete_on_its_page(
     live_server: LiveServer, admin: httpx.Client, open_ui: Any
 ) -> None:
     from service.db.engine import Database
-    from service.db.models import Job, utcnow
+    from service.db.models import Job
+    from service.db.types import utcnow
 
     token, uid = _user(admin, "kira")
     register_node(admin, create_token(admin, "worker"), "cpu-1", units=1)

@@ -18,7 +18,8 @@ from sqlalchemy import update
 
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Job, Node, utcnow
+from service.db.models import Job, Node
+from service.db.types import utcnow
 from service.services.cluster import submission_limits
 from service.services.scheduler import run_pass
 from service.states import NodeStatus

@@ -19,7 +19,8 @@ from sqlalchemy import event, select, update
 from service.api.heartbeats import Beat, make_beats
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Node, Placement, utcnow
+from service.db.models import Node, Placement
+from service.db.types import utcnow
 from service.states import NodeStatus
 from tests.conftest import LiveServer, fast_leases
 from tests.support.factories import auth, create_token

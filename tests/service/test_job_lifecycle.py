@@ -13,7 +13,8 @@ from sqlalchemy import Engine, event, func, insert, select, update
 
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Attempt, Checkpoint, Job, JobEvent, LogChunk, Metric, ModelVersion, utcnow
+from service.db.models import Attempt, Checkpoint, Job, JobEvent, LogChunk, Metric, ModelVersion
+from service.db.types import utcnow
 from service.services import job_delete
 from service.services.artifacts import ModelStore
 from service.services.checkpoints import CheckpointStore

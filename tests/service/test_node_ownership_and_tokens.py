@@ -32,7 +32,8 @@ from sqlalchemy import event, select, update
 
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Job, Node, Token, utcnow
+from service.db.models import Job, Node, Token
+from service.db.types import utcnow
 from service.services.tokens import Principal, UseRecorder
 from service.states import Role
 from tests.conftest import LiveServer, fast_leases, free_port

@@ -22,7 +22,8 @@ from sqlalchemy import update
 
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Job, Node, utcnow
+from service.db.models import Job, Node
+from service.db.types import utcnow
 from service.services.scheduler import run_pass
 from service.services.upkeep.listening import ListeningClock
 from service.services.upkeep.upkeep_pass import run_upkeep_pass

@@ -12,7 +12,8 @@ from fastapi.testclient import TestClient
 from service.api.app import create_app
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Job, utcnow
+from service.db.models import Job
+from service.db.types import utcnow
 from service.services.leases import LEASE_HEADER
 from service.services.upkeep.upkeep_pass import run_upkeep_pass
 from tests.support.factories import auth, create_token

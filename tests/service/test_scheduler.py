@@ -17,7 +17,8 @@ from sqlalchemy import func, select
 from service.config import Settings
 from service.db.engine import Database
 from service.db.migrate import upgrade
-from service.db.models import Attempt, Job, Node, Placement, utcnow
+from service.db.models import Attempt, Job, Node, Placement
+from service.db.types import utcnow
 from service.services.scheduler import run_pass, schedule
 from service.states import JobStatus
 from tests.support.queue_fill import owner_and_dataset

@@ -325,7 +325,8 @@ def test_code_deletion_and_a_submission_using_it_are_serialised(
     from sqlalchemy import select
 
     from service.db.engine import Database
-    from service.db.models import CodePackage, Job, utcnow
+    from service.db.models import CodePackage, Job
+    from service.db.types import utcnow
 
     if not settings.sqlalchemy_url.startswith("postgresql"):
         pytest.skip("row locks: SQLite serialises writers as a whole")

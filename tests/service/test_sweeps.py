@@ -17,7 +17,8 @@ from sqlalchemy import select, update
 
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Attempt, Job, Metric, Node, Sweep, SweepTrial, utcnow
+from service.db.models import Attempt, Job, Metric, Node, Sweep, SweepTrial
+from service.db.types import utcnow
 from service.services import sweep_rounds
 from tests.support.factories import auth, create_token, insert_dataset, register_node, token_id
 

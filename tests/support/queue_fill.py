@@ -7,7 +7,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from service.db.engine import Database
-from service.db.models import Dataset, Token, new_id
+from service.db.models import Dataset, Token
+from service.db.types import new_id
 
 
 def owner_and_dataset(db: Database, token_id: str | None = None) -> tuple[str, str]:

@@ -25,7 +25,8 @@ from sqlalchemy import func, select, update
 from service.api.app import create_app
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Attempt, Job, LogChunk, Metric, Node, Placement, utcnow
+from service.db.models import Attempt, Job, LogChunk, Metric, Node, Placement
+from service.db.types import utcnow
 from service.schemas.jobs import ScriptJobCreate, TrainJobCreate
 from service.services.leases import LEASE_HEADER
 from tests.conftest import LiveServer

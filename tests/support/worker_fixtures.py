@@ -19,7 +19,8 @@ import httpx
 from sqlalchemy import func, select
 
 from service.db.engine import Database
-from service.db.models import Attempt, Checkpoint, Job, Placement, utcnow
+from service.db.models import Attempt, Checkpoint, Job, Placement
+from service.db.types import utcnow
 from service.services.jobs import transition
 from service.states import FINAL_STATUSES, JobStatus
 from tests.support.factories import auth

@@ -16,7 +16,8 @@ from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Attempt, Dataset, Job, JobEvent, Placement, utcnow
+from service.db.models import Attempt, Dataset, Job, JobEvent, Placement
+from service.db.types import utcnow
 from service.services.tokens import Principal
 from service.states import JobStatus
 from torchyard.contract.errors import RequestValidationError, TorchyardError

@@ -7,7 +7,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.db.engine import Database
-from service.db.models import Job, Placement, utcnow
+from service.db.models import Job, Placement
+from service.db.types import utcnow
 from service.services.attempt_outcomes import finish_cancellation, locked_job
 from service.services.transitions import set_placement_status
 from service.states import JobStatus, PlacementStatus

@@ -19,7 +19,7 @@ import logging
 import threading
 from datetime import datetime
 
-from service.db.models import utcnow
+from service.db.types import utcnow
 from service.services.replicas import ClusterHearing
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import utcnow
+from service.db.types import utcnow
 from service.services import checkpoints, job_delete, sweep_rounds
 from service.services.scheduler import has_queued_jobs, run_pass
 from service.services.upkeep.cancellations import settle_cancellations

@@ -20,7 +20,8 @@ from sqlalchemy import select
 from service.config import Settings
 from service.db.engine import Database
 from service.db.migrate import upgrade
-from service.db.models import Attempt, Job, Node, Placement, Token, utcnow
+from service.db.models import Attempt, Job, Node, Placement, Token
+from service.db.types import utcnow
 from service.engines.base import (
     Capabilities,
     Ending,

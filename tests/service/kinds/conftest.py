@@ -14,7 +14,8 @@ from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Attempt, CodePackage, Dataset, Job, ModelVersion, Node, Placement, Token, utcnow
+from service.db.models import Attempt, CodePackage, Dataset, Job, ModelVersion, Node, Placement, Token
+from service.db.types import utcnow
 from service.services.kinds.base import Claim
 from service.services.tokens import Principal
 from service.states import JobStatus, Role
