@@ -253,7 +253,7 @@ def test_fine_tuning_from_weights_uploaded_with_the_cli(serve: Serve, tmp_path: 
     sha = hashlib.sha256(plain.read_bytes()).hexdigest()
     misnamed = tmp_path / "mobilenet_v3_small-deadbeef.pth"
     shutil.copy(plain, misnamed)
-    wrong = serve.cli("weights", "upload", "mobilenet_v3_small", str(misnamed))
+    wrong = serve.cli("weights", "upload", "mobilenet_v3_small", str(misnamed), "--no-check")
     assert wrong.returncode != 0 and "deadbeef" in wrong.stderr and sha in wrong.stderr, wrong.stderr
     named = tmp_path / f"mobilenet_v3_small-{sha[:8]}.pth"
     plain.rename(named)
@@ -262,11 +262,8 @@ def test_fine_tuning_from_weights_uploaded_with_the_cli(serve: Serve, tmp_path: 
     assert (listed["id"], listed["sha256"]) == (weights_id, sha)
 
     job_id = serve.ok(*submit).strip()
-    deadline = time.monotonic() + 300
-    while (job := json.loads(serve.ok("show", job_id, "--json")))["status"] not in ("succeeded", "failed"):
-        assert time.monotonic() < deadline, serve.tail()
-        time.sleep(0.5)
-    log_text = serve.ok("logs", job_id)
+    log_text = serve.ok("logs", job_id, "-f")  # ends with the job
+    job = json.loads(serve.ok("show", job_id, "--json"))
     assert job["status"] == "succeeded", (job, log_text[-3000:])
     assert f"starting from the stored weights (sha256 {sha})" in log_text, log_text[-3000:]
 
