@@ -3,6 +3,11 @@
 Images are decoded and cropped in the loader (PIL), handed over as uint8 tensors and
 normalized on the training device (:func:`torchyard.modeldir.normalize_batch`): a
 uint8 batch is four times lighter to pin and copy than a float one.
+
+Training images are decoded once per node into a memory-mapped cache at a size a bit
+larger than the training resolution, and cropped and flipped from there in every epoch
+(:mod:`worker.trainer.image_cache` says what that changes in the augmentation);
+``TORCHYARD_IMAGE_CACHE=0`` crops the original images as before.
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -22,6 +29,7 @@ from torchvision.transforms import v2 as T
 from torchyard.contract.errors import InvalidDatasetError
 from torchyard.contract.jobspec import Augmentation
 from torchyard.modeldir import eval_geometry, image_directory_samples, load_rgb_image
+from worker.trainer import image_cache
 from worker.trainer.config import JobConfig
 from worker.trainer.distributed import DistEnv
 from worker.trainer.gpu_decode import (
@@ -96,21 +104,112 @@ class ImageDataset(Dataset[tuple[torch.Tensor, int]]):
         return self.transform(load_rgb_image(path)), target
 
 
-def train_transform(image_size: int, augmentation: Augmentation) -> T.Compose:
-    """Training geometry for an augmentation level (uint8 CHW output)."""
-    steps: list[Callable[..., object]]
+class CachedImageSet(Dataset[tuple[torch.Tensor, int]]):
+    """Training samples in the cache geometry, transformed to uint8 CHW tensors: the row
+    of the node's image cache once it is complete, else the file decoded and resized on
+    the fly (:func:`image_cache.decode_resized`: the same pixels), then ``transform``
+    (:func:`cached_train_transform`) in the loader worker."""
+
+    def __init__(
+        self,
+        samples: Sequence[tuple[str, int]],
+        size: int,
+        transform: Callable[[torch.Tensor], torch.Tensor],
+        entry: image_cache.CacheEntry | None = None,
+    ) -> None:
+        self.samples = list(samples)
+        self.size = size
+        self.transform = transform
+        self.entry = entry
+        self._pixels: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_pixels"] = None  # each loader worker maps the file itself
+        return state
+
+    def pixels(self, index: int) -> np.ndarray:
+        """``size x size x 3`` uint8 pixels of a sample."""
+        if self._pixels is None and self.entry is not None and self.entry.ready():
+            self._pixels = self.entry.open_pixels()
+        if self._pixels is not None:
+            return np.array(self._pixels[index])
+        return image_cache.decode_resized(self.samples[index][0], self.size)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image = torch.from_numpy(self.pixels(index)).permute(2, 0, 1)
+        return self.transform(image), self.samples[index][1]
+
+
+def cached_train_transform(image_size: int, augmentation: Augmentation) -> T.Compose:
+    """Training geometry on cached pixels (uint8 CHW tensors in and out): the steps of
+    :func:`train_transform`, applied to the ``image_cache.cache_size`` square instead of
+    the original image."""
+    return T.Compose(_geometry_steps(image_size, augmentation))
+
+
+def _cache_entry(
+    root: Path,
+    job: JobConfig,
+    sha256: str | None,
+    samples: Sequence[tuple[str, int]],
+    size: int,
+    *,
+    write: bool,
+) -> image_cache.CacheEntry | None:
+    entry = image_cache.cache_entry(root, job.train_dir, sha256, samples, size)
+    if entry.ready():
+        log.info("image cache: reading %s", entry.folder)
+        return entry
+    ok, why = image_cache.fits(entry)
+    if not ok:
+        log.info("image cache: not written (%s): decoding every epoch", why)
+        return None
+    if write:
+        log.info("image cache: writing %s during training", entry.folder)
+        image_cache.start_writer(entry, samples)
+    return entry
+
+
+def cached_train_set(job: JobConfig, samples: Sequence[tuple[str, int]], *, write: bool) -> CachedImageSet:
+    """The training set in the cache geometry; ``write``: start the node's cache writer
+    when the cache is missing and fits (local rank 0)."""
+    params = job.parameters
+    size = image_cache.cache_size(params.image_size)
+    sha256 = job.datasets.train.sha256 if job.datasets is not None else None
+    root = image_cache.cache_root(job.train_dir, sha256)
+    entry = None
+    if root is None:
+        log.info("image cache: none for a dataset outside the node's dataset cache: decoding every epoch")
+    else:
+        try:
+            entry = _cache_entry(root, job, sha256, samples, size, write=write)
+        except OSError as exc:  # a folder this rank cannot write: train without the cache
+            log.warning("image cache: unusable (%s): decoding every epoch", exc)
+    return CachedImageSet(
+        samples, size, cached_train_transform(params.image_size, params.augmentation), entry
+    )
+
+
+def _geometry_steps(image_size: int, augmentation: Augmentation) -> list[Callable[..., object]]:
     if augmentation == "standard":
         # The ImageNet recipe, for photos.
-        steps = [T.RandomResizedCrop(image_size, antialias=True), T.RandomHorizontalFlip()]
-    elif augmentation == "light":
+        return [T.RandomResizedCrop(image_size, antialias=True), T.RandomHorizontalFlip()]
+    if augmentation == "light":
         # Mild scale/aspect jitter and no flip: for digits, text and scans a mirror image
         # is another symbol.
-        steps = [T.RandomResizedCrop(image_size, scale=(0.8, 1.0), ratio=(0.9, 1.1), antialias=True)]
-    elif augmentation == "none":
-        steps = [T.Resize(image_size, antialias=True), T.CenterCrop(image_size)]
-    else:
-        raise ValueError(f"unknown augmentation {augmentation!r}")
-    return T.Compose([*steps, T.PILToTensor()])
+        return [T.RandomResizedCrop(image_size, scale=(0.8, 1.0), ratio=(0.9, 1.1), antialias=True)]
+    if augmentation == "none":
+        return [T.Resize(image_size, antialias=True), T.CenterCrop(image_size)]
+    raise ValueError(f"unknown augmentation {augmentation!r}")
+
+
+def train_transform(image_size: int, augmentation: Augmentation) -> T.Compose:
+    """Training geometry for an augmentation level (uint8 CHW output)."""
+    return T.Compose([*_geometry_steps(image_size, augmentation), T.PILToTensor()])
 
 
 def shard_indices(n: int, rank: int, world_size: int) -> list[int]:
@@ -148,6 +247,27 @@ class Loaders:
         return len(self.train)
 
 
+def _train_set(
+    job: JobConfig, env: DistEnv, device: torch.device, samples: Sequence[tuple[str, int]]
+) -> tuple[Dataset[Any], GpuDecoder | None, str]:
+    """The training set (before :class:`SeededSamples`), the GPU decoder when images are
+    decoded on the GPU, and how the images are handled (for the log)."""
+    params = job.parameters
+    if image_cache.cache_wanted():
+        dataset = cached_train_set(job, samples, write=env.local_rank == 0)
+        return dataset, None, "cropped from the image cache geometry in the loader workers"
+    transform = train_transform(params.image_size, params.augmentation)
+    has_jpeg = any(path.lower().endswith((".jpg", ".jpeg")) for path, _ in samples)
+    if has_jpeg and device.type == "cuda" and gpu_decode_wanted() and gpu_decode_works(device):
+        decoder = GpuDecoder(device, params.image_size, params.augmentation)
+        return (
+            EncodedTrainSet(samples, transform, cpu_share()),
+            decoder,
+            "decoded on the GPU (nvJPEG; other formats in the loader workers)",
+        )
+    return ImageDataset(samples, transform), None, "decoded in the loader workers"
+
+
 def build_loaders(job: JobConfig, env: DistEnv, device: torch.device, start_epoch: int = 0) -> Loaders:
     """Datasets, samplers and loaders of this rank.
 
@@ -165,15 +285,7 @@ def build_loaders(job: JobConfig, env: DistEnv, device: torch.device, start_epoc
             f"the training set has {len(train_samples)} images: too few for {env.world_size} processes"
         )
 
-    transform = train_transform(params.image_size, params.augmentation)
-    gpu_decoder = None
-    train_set: Dataset[Any]
-    has_jpeg = any(path.lower().endswith((".jpg", ".jpeg")) for path, _ in train_samples)
-    if has_jpeg and device.type == "cuda" and gpu_decode_wanted() and gpu_decode_works(device):
-        gpu_decoder = GpuDecoder(device, params.image_size, params.augmentation)
-        train_set = EncodedTrainSet(train_samples, transform, cpu_share())
-    else:
-        train_set = ImageDataset(train_samples, transform)
+    train_set, gpu_decoder, pipeline = _train_set(job, env, device, train_samples)
     val_set = ImageDataset(val_samples, eval_geometry(params.image_size))
     val_shard = torch.utils.data.Subset(val_set, shard_indices(len(val_set), env.rank, env.world_size))
 
@@ -213,16 +325,14 @@ def build_loaders(job: JobConfig, env: DistEnv, device: torch.device, start_epoc
     val_loader = DataLoader(val_shard, batch_size=params.batch_size, shuffle=False, **common)  # type: ignore[arg-type]
     log.info(
         "data: %d training images, %d validation images (%d on this rank), %d classes, %d loader workers, "
-        "%d steps/epoch, training images decoded %s",
+        "%d steps/epoch, training images %s",
         len(train_samples),
         len(val_set),
         len(val_shard),
         job.num_classes,
         workers,
         len(train_loader),
-        "on the GPU (nvJPEG; other formats in the loader workers)"
-        if gpu_decoder
-        else "in the loader workers",
+        pipeline,
     )
     return Loaders(
         train=train_loader,

@@ -142,12 +142,18 @@ def test_under_bwrap_the_ranks_see_their_run_and_read_only_inputs(
     assert box.gpus
 
 
-def test_without_an_initial_model_the_sandbox_shows_the_datasets_and_the_hub(
-    make_host: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def _boxed(make_host: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Any, Any]:
+    """A training placement launched under bwrap without an initial model: the host, its launch."""
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
     host = make_host(train_placement(), ctx={"sandbox": sandbox.BWRAP})
     _, group = _launched(host)
+    return host, group
+
+
+def test_without_an_initial_model_the_sandbox_shows_the_datasets_and_the_hub(
+    make_host: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _, group = _boxed(make_host, monkeypatch, tmp_path)
     assert group.spec.box is not None
     assert [p.name for p in group.spec.box.read_only] == ["train", "val", "hub"]
     assert not group.spec.box.gpus
@@ -327,3 +333,12 @@ def test_an_echo_on_a_one_node_job_does_not_wait(make_host: Any) -> None:
     state, failure = run.outcome(1, host.agent_dir / "agent.log")
     assert event.waits == []
     assert state == "failed" and failure is not None and failure.code == "CommunicationError"
+
+
+def test_the_sandbox_shows_the_nodes_image_cache_writable(
+    make_host: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    host, group = _boxed(make_host, monkeypatch, tmp_path)
+    images = host.ctx.work_dir / "image-cache"
+    assert list(group.spec.box.binds) == [(images, str(images))]
+    assert images.is_dir()

@@ -92,6 +92,8 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         **os.environ,
         "TORCHYARD_DATA_DIR": str(data_dir),
         "TORCHYARD_DATABASE_URL": f"sqlite:///{root / 'torchyard.db'}",
+        # These jobs measure GPU decoding, which the decoded-image cache replaces (docs/gpu.md).
+        "TORCHYARD_IMAGE_CACHE": "0",
     }
     env.pop("TORCHYARD_TOKEN", None)
     processes = [

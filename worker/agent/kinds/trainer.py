@@ -105,7 +105,20 @@ class TrainerRun(KindRun):
         inputs = [self.job.train_dir, self.job.val_dir, self.job.init_from_dir, self.job.model.weights_file]
         read_only = [Path(p) for p in inputs if isinstance(p, str)]
         read_only.append(sandbox.torch_hub_dir(os.environ))
-        return Sandbox(writable=h.run_dir, hidden=[h.ctx.work_dir], read_only=read_only, gpus=bool(h.gpu_ids))
+        # The node's cache of decoded training images, beside the dataset cache, where the
+        # trainer looks for it (worker/trainer/image_cache.py): writable, for training ranks only.
+        images = h.ctx.work_dir / "image-cache"
+        images.mkdir(parents=True, exist_ok=True)
+        box = Sandbox(
+            writable=h.run_dir,
+            hidden=[h.ctx.work_dir],
+            read_only=read_only,
+            gpus=bool(h.gpu_ids),
+            binds=[(images, str(images))],
+        )
+        if box.user is not None:
+            os.chown(images, *box.user)
+        return box
 
     def succeeded(self) -> FailureReport | None:
         """What the ranks' success still needs (an upload): the failure if that went wrong."""
