@@ -18,11 +18,12 @@ from torchyard import modeldir
 from torchyard.scoring import ONNX_FILE
 from worker.trainer import checkpoint as ckpt
 from worker.trainer import distributed, rng_state
+from worker.trainer.batchnorm import precise_bn_batches, recompute_batchnorm_stats
 from worker.trainer.config import JobConfig
 from worker.trainer.distributed import DistEnv
 from worker.trainer.early_stopping import EarlyStopping
 from worker.trainer.events import EventWriter
-from worker.trainer.loop import EpochSummary, diverged_error, validate
+from worker.trainer.loop import EpochSummary, device_batches, diverged_error, validate
 from worker.trainer.models import BuiltModel, build_model
 from worker.trainer.onnx_export import export_onnx
 from worker.trainer.schedule import POLY_POWER
@@ -265,6 +266,15 @@ def _run_epoch(t: Training, epoch: int) -> tuple[EpochSummary, dict[str, float]]
     if train is None:
         return None
     t.hooks.at_point("validation", epoch)
+    # The moving averages lag weights that change fast (a warm-up's end): the model is
+    # validated and saved with statistics of its own weights (worker/trainer/batchnorm.py).
+    recompute_batchnorm_stats(
+        t.model,
+        device_batches(t.loaders.train, t.loop.prepare, t.device),
+        max_batches=precise_bn_batches(params.batch_size, t.loop.steps_per_epoch),
+        autocast=t.autocast,
+        progress=t.control.mark_progress,
+    )
     distributed.sync_buffers(t.model)
     val = validate(
         t.model,
