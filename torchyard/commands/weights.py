@@ -31,21 +31,24 @@ def check_state_dict(architecture: str, file: Path) -> str | None:
     model = torchvision.models.get_model(architecture, weights=None)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(getattr(v, "shape", ())) for k, v in state.items()}
+    parts = _differences(expected, got)
+    return f"{file} does not fit {architecture}: " + ", ".join(parts) if parts else None
+
+
+def _differences(expected: dict[str, tuple[int, ...]], got: dict[str, tuple[int, ...]]) -> list[str]:
+    """A state dict's missing and unexpected keys and differing shapes, in words."""
     missing = sorted(set(expected) - set(got))
     extra = sorted(set(got) - set(expected))
     wrong = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
-    if not (missing or extra or wrong):
-        return None
     parts = []
     if missing:
         parts.append(f"{len(missing)} missing key(s) (first {missing[0]})")
     if extra:
         parts.append(f"{len(extra)} unexpected key(s) (first {extra[0]})")
     if wrong:
-        parts.append(
-            f"{len(wrong)} shape(s) differ (first {wrong[0]}: {got[wrong[0]]} for {expected[wrong[0]]})"
-        )
-    return f"{file} does not fit {architecture}: " + ", ".join(parts)
+        first = wrong[0]
+        parts.append(f"{len(wrong)} shape(s) differ (first {first}: {got[first]} for {expected[first]})")
+    return parts
 
 
 def _weights_upload(args: argparse.Namespace) -> int:
