@@ -71,6 +71,7 @@ def test_no_batch_leaves_the_statistics_and_the_count_of_batches_is_bounded() ->
     assert recompute_batchnorm_stats(model, iter([]), max_batches=4) == 0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not model.training
-    assert precise_bn_batches(32, 44) == 16
+    assert precise_bn_batches(32, 44) == 32
     assert precise_bn_batches(16, 15) == 15  # never more than an epoch
     assert precise_bn_batches(4096, 10) == 1
+    assert precise_bn_batches(32, 100) == 32
