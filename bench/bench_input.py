@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -155,9 +156,14 @@ def main() -> int:
         f"{torch.get_num_threads()} torch thread(s), {os.cpu_count()} CPUs, CUDA: {torch.cuda.is_available()}"
     )
     print(f"{'size':>5} {'pipeline':>8} {'epoch 1 img/s':>14} {'epochs 2+ img/s':>16} {'cache wait s':>13}")
-    results = [
-        measure(size, root, classes, samples, cache_dir, args) for size in map(int, args.sizes.split(","))
-    ]
+    try:
+        results = [
+            measure(size, root, classes, samples, cache_dir, args) for size in map(int, args.sizes.split(","))
+        ]
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        if not args.data:
+            shutil.rmtree(root, ignore_errors=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2), encoding="utf-8")
     return 0
