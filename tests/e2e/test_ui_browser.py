@@ -156,6 +156,11 @@ def test_new_job_form_shows_each_422_next_to_its_field_then_submits(
     assert "0.05 × 2 processes = 0.1 effective" in page.text_content("#effective-lr-hint")
     page.fill("#f-resources-process_count_per_node", "1")
     assert "1 process: effective 0.05" in page.text_content("#effective-lr-hint")
+    # ... reached after the warm-up (the preset's one epoch), as `torchyard show` says it.
+    assert (
+        "reached after a linear warm-up over the first epoch, then a linear decay to 0 at the end of epoch"
+        in (page.text_content("#effective-lr-hint") or "")
+    )
     page.fill("#f-parameters-epochs", "0")
     page.fill("#f-parameters-image_size", "8")
     page.fill("#f-priority", "101")
