@@ -407,11 +407,11 @@ class Settings(BaseSettings):
                 ".env.example; choose a password of your own (with docker compose: POSTGRES_PASSWORD in "
                 f".env), or set TORCHYARD_ENV=local for a try-out on one machine (TORCHYARD_ENV is {self.env!r})"
             )
-        missing = [name for name, what in _ENGINE_NEEDS.get(self.engine, ()) if not getattr(self, name)]
+        missing = [
+            (name, what) for name, what in _ENGINE_NEEDS.get(self.engine, ()) if not getattr(self, name)
+        ]
         if missing:
-            needs = " and ".join(
-                f"TORCHYARD_{n.upper()} ({dict(_ENGINE_NEEDS[self.engine])[n]})" for n in missing
-            )
+            needs = " and ".join(f"TORCHYARD_{name.upper()} ({what})" for name, what in missing)
             raise ValueError(f"TORCHYARD_ENGINE={self.engine} needs {needs}")
         return self
 

@@ -215,6 +215,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+def log_tails(folder: Path, tail: int = 3000) -> str:
+    """The end of every ``*.log`` of ``folder``, each under its name (for a failure's message)."""
+    parts = []
+    for path in sorted(folder.glob("*.log")):
+        parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-tail:]}")
+    return "\n".join(parts)
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """``n`` distinct free ports (all held open until each is known)."""
     socks = []

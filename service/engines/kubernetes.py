@@ -113,9 +113,7 @@ class KubernetesDriver:
         kwargs.setdefault("_request_timeout", _TIMEOUT_S)
         try:
             return fn(*args, **kwargs)
-        except ApiException:
-            raise
-        except (HTTPError, OSError) as exc:
+        except (HTTPError, OSError) as exc:  # no answer (an ApiException is one: it goes up)
             raise EngineNotAnswering(f"the Kubernetes API server does not answer: {exc}") from exc
 
     # --- start ----------------------------------------------------------------------------

@@ -254,14 +254,18 @@ class Reconciler:
         with db.read_session() as session:
             open_attempts = list(
                 session.execute(
-                    select(Attempt.id, Attempt.engine_job_id, Attempt.status, Attempt.finished_at).where(
-                        Attempt.engine == self.driver.name, Attempt.engine_state.is_(None)
-                    )
+                    select(
+                        Attempt.id,
+                        Attempt.engine_job_id,
+                        Attempt.status,
+                        Attempt.finished_at,
+                        select(Placement.id).where(Placement.attempt_id == Attempt.id).exists(),
+                    ).where(Attempt.engine == self.driver.name, Attempt.engine_state.is_(None))
                 )
             )
         states = self.driver.poll([row.engine_job_id for row in open_attempts if row.engine_job_id])
         now = utcnow()
-        for attempt_id, engine_job_id, status, finished_at in open_attempts:
+        for attempt_id, engine_job_id, status, finished_at, bound in open_attempts:
             if engine_job_id is None:
                 if status in LIVE_ATTEMPT_STATUSES:
                     self._resubmit(db, attempt_id)
@@ -274,16 +278,19 @@ class Reconciler:
                 # Whatever of it the engine keeps goes (Kubernetes' ended pods and their owner).
                 self._cancel(engine_job_id)
             elif status in LIVE_ATTEMPT_STATUSES:
-                self._follow(db, settings, attempt_id, state)
+                self._follow(db, settings, attempt_id, state, bound=bool(bound))
             elif not _exiting_by_itself(status, finished_at, now):
                 self._cancel(engine_job_id)
 
-    def _follow(self, db: Database, settings: Settings, attempt_id: str, state: EngineJobState) -> None:
-        """A live attempt's engine job pends or runs: its reason, its ranks' nodes, a disruption."""
+    def _follow(
+        self, db: Database, settings: Settings, attempt_id: str, state: EngineJobState, *, bound: bool
+    ) -> None:
+        """A live attempt's engine job pends or runs: its reason, its ranks' nodes (once: ``bound``
+        says its placements exist), a disruption."""
         if state.phase is Phase.PENDING:
             self._pending_reason(db, attempt_id, state)
             return
-        if state.nodes and self.driver.capabilities.binds_ranks:
+        if state.nodes and not bound and self.driver.capabilities.binds_ranks:
             self._bind(db, settings, attempt_id, state)
         if state.disrupted:
             self._preempt(db, attempt_id, state)

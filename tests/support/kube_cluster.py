@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.conftest import free_ports
+from tests.conftest import free_ports, log_tails
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
@@ -322,11 +322,7 @@ class KubeCluster:
         self.kubelets.remove(kubelet)
 
     def logs(self, tail: int = 3000) -> str:
-        parts = []
-        for path in sorted(self.root.glob("*.log")):
-            text = path.read_text(errors="replace")
-            parts.append(f"--- {path.name}\n{text[-tail:]}")
-        return "\n".join(parts)
+        return log_tails(self.root, tail)
 
     # --- bring-up ------------------------------------------------------------------------
 

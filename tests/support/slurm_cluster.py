@@ -41,7 +41,7 @@ from typing import Any
 import pytest
 
 from service.engines.slurm_cli import ENDED_STATES
-from tests.conftest import free_ports
+from tests.conftest import free_ports, log_tails
 from tests.support.netns import NetnsCluster, netns_unavailable
 
 REQUIRE_ENV = "TORCHYARD_REQUIRE_SLURM"
@@ -168,11 +168,7 @@ class SlurmCluster:
             time.sleep(0.1)
 
     def logs(self) -> str:
-        parts = []
-        for path in sorted(self.root.glob("*.log")):
-            text = path.read_text(errors="replace")
-            parts.append(f"--- {path.name}\n{text[-3000:]}")
-        return "\n".join(parts)
+        return log_tails(self.root)
 
     # --- bring-up ------------------------------------------------------------------------
 
