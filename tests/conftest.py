@@ -287,6 +287,19 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return train_small_model(tmp_path_factory.mktemp("trained"))
 
 
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A private S3 server (SeaweedFS, tests/support/s3_server.py), one per test process,
+    started by the first test that asks for it; skipped where ``weed`` is missing unless
+    ``TORCHYARD_REQUIRE_S3=1``."""
+    from tests.support.s3_server import S3Server, require_s3
+
+    require_s3()
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+    yield server
+    server.stop()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Registered here, not in pyproject.toml, whose hash keys CI's cached environment.
     config.addinivalue_line(
