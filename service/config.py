@@ -381,6 +381,34 @@ class Settings(BaseSettings):
     checkpoint_max_bytes: int = Field(
         default=8 * 1024**3, gt=0, description="Largest training-state checkpoint a worker may upload."
     )
+    storage_url: str | None = Field(
+        default=None,
+        description="Where artifacts live: unset = files under TORCHYARD_DATA_DIR; s3://bucket/prefix = an "
+        "S3 bucket, with the endpoint, region and credentials of the standard AWS settings "
+        "(AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID...). Clients then move the bytes with "
+        "presigned URLs (docs/storage.md).",
+    )
+    storage_url_ttl_s: int = Field(
+        default=900,
+        ge=60,
+        le=7 * 24 * 3600,
+        description="How long a presigned URL is valid (S3 storage); a longer transfer asks for fresh ones.",
+    )
+    storage_upload_expiry_s: float = Field(
+        default=24 * 3600.0,
+        gt=0,
+        description="An unfinished direct upload older than this is dropped, its parts removed (S3 storage).",
+    )
+
+    @field_validator("storage_url")
+    @classmethod
+    def _storage_url(cls, value: str | None) -> str | None:
+        value = (value or "").strip() or None
+        if value is not None:
+            parts = urlsplit(value)
+            if parts.scheme != "s3" or not parts.netloc:
+                raise ValueError(f"TORCHYARD_STORAGE_URL must be s3://bucket[/prefix], not {value!r}")
+        return value
 
     @field_validator("dataset_roots", mode="before")
     @classmethod

@@ -32,6 +32,7 @@ from service.api.routes import (
     models,
     outputs,
     reports,
+    storage,
     streams,
     sweeps,
     tokens,
@@ -252,6 +253,7 @@ def create_app(settings: Settings | None = None, *, freeze: bool = False) -> Fas
         streams,
         sweeps,
         weights,
+        storage,
     ):
         app.include_router(module.router)
     app.include_router(tokens.whoami_router)

@@ -4,19 +4,18 @@
 from __future__ import annotations
 
 import os
-import re
 from typing import Any, BinaryIO
-from urllib.parse import quote
 
 import anyio
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, RedirectResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from service.services.artifacts import ModelFile
 from service.services.checkpoints import CheckpointFile
 from service.services.incoming import IncomingUpload
-from torchyard.contract.errors import PayloadTooLargeError
+from service.storage.base import ObjectStorage, StorageError, attachment
+from torchyard.contract.errors import PayloadTooLargeError, ServiceUnavailableError
 
 _READ_CHUNK = 256 * 1024
 _WRITE_CHUNK = 1 << 20
@@ -84,11 +83,6 @@ def _etags(header: str) -> list[str]:
     return [tag.strip().removeprefix("W/") for tag in header.split(",") if tag.strip()]
 
 
-def _content_disposition(filename: str) -> str:
-    ascii_name = re.sub(r"[^A-Za-z0-9._-]+", "_", filename)
-    return f"attachment; filename=\"{ascii_name}\"; filename*=UTF-8''{quote(filename, safe='')}"
-
-
 async def _file_chunks(fh: BinaryIO, start: int, length: int) -> Any:
     try:
         position, remaining = start, length
@@ -105,6 +99,51 @@ async def _file_chunks(fh: BinaryIO, start: int, length: int) -> Any:
         fh.close()
 
 
+def object_response(
+    request: Request,
+    storage: ObjectStorage,
+    key: str,
+    served: ModelFile | CheckpointFile,
+    *,
+    ttl_s: int,
+    media_type: str = "application/gzip",
+    extra_headers: dict[str, str] | None = None,
+) -> Response:
+    """An artifact's download: the bytes from disk (file storage, :func:`file_response`), or
+    a redirect to a presigned URL of the object (object storage: the client's GET, its
+    ``Range`` included, goes to the store). ``ETag``, ``If-None-Match`` and the kind's own
+    headers are the API's either way; a HEAD is answered here without the store."""
+    if not storage.direct:
+        return file_response(request, served, media_type=media_type, extra_headers=extra_headers)
+    headers = _headers(served, extra_headers)
+    if _not_modified(request, headers["ETag"]):
+        return Response(status_code=304, headers=headers)
+    if request.method == "HEAD":
+        headers["Content-Length"] = str(served.size)
+        return Response(status_code=200, headers=headers, media_type=media_type)
+    try:
+        url = storage.download_url(key, filename=served.filename, content_type=media_type, ttl_s=ttl_s)
+    except StorageError as exc:
+        raise ServiceUnavailableError(f"the object store did not answer: {exc}") from exc
+    headers.pop("Accept-Ranges")
+    return RedirectResponse(url, status_code=307, headers=headers)
+
+
+def _headers(served: ModelFile | CheckpointFile, extra_headers: dict[str, str] | None) -> dict[str, str]:
+    return {
+        "ETag": f'"{served.sha256}"',
+        "Accept-Ranges": "bytes",
+        "Content-Disposition": attachment(served.filename),
+        "Cache-Control": "private, no-cache",
+        **(extra_headers or {}),
+    }
+
+
+def _not_modified(request: Request, etag: str) -> bool:
+    if_none_match = request.headers.get("if-none-match")
+    return if_none_match is not None and any(tag in (etag, "*") for tag in _etags(if_none_match))
+
+
 def file_response(
     request: Request,
     model: ModelFile | CheckpointFile,
@@ -112,17 +151,11 @@ def file_response(
     media_type: str = "application/gzip",
     extra_headers: dict[str, str] | None = None,
 ) -> Response:
-    etag = f'"{model.sha256}"'
-    headers = {
-        "ETag": etag,
-        "Accept-Ranges": "bytes",
-        "Content-Disposition": _content_disposition(model.filename),
-        "Cache-Control": "private, no-cache",
-        **(extra_headers or {}),
-    }
-    if_none_match = request.headers.get("if-none-match")
-    if if_none_match is not None and any(tag in (etag, "*") for tag in _etags(if_none_match)):
+    headers = _headers(model, extra_headers)
+    etag = headers["ETag"]
+    if _not_modified(request, etag):
         return Response(status_code=304, headers=headers)
+    assert model.path is not None, "a file download of an object that is not a file"
     fh = open(model.path, "rb")  # noqa: SIM115 - closed by the body iterator
     try:
         size = os.fstat(fh.fileno()).st_size

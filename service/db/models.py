@@ -107,6 +107,9 @@ class Dataset(Base):
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     sha256: Mapped[str] = mapped_column(String(64), index=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # Object storage: the object holding the dataset's archive (docs/storage.md); None when
+    # the dataset is the folder ``storage_path``.
+    archive_key: Mapped[str | None] = mapped_column(Text)
     # Deleted datasets keep their row (finished jobs still reference it) but are hidden.
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
@@ -125,6 +128,9 @@ class CodePackage(Base):
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     files: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # Object storage: the object holding the package's archive (docs/storage.md); None when
+    # the package is the folder ``code/<sha256>``.
+    archive_key: Mapped[str | None] = mapped_column(Text)
     # Deleted packages keep their row (finished jobs still reference it) but are hidden.
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
@@ -190,6 +196,8 @@ class Job(Base):
     code_id: Mapped[str | None] = mapped_column(ForeignKey("code_packages.id"), index=True)
     outputs_sha256: Mapped[str | None] = mapped_column(String(64))
     outputs_size: Mapped[int | None] = mapped_column(BigInteger)
+    # As ``model_key``, for the outputs archive. None: ``outputs/<id>.tar.gz``.
+    outputs_key: Mapped[str | None] = mapped_column(Text)
     init_from_job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"))
     node_count: Mapped[int] = mapped_column(Integer)
     process_count_per_node: Mapped[int] = mapped_column(Integer)
@@ -213,6 +221,9 @@ class Job(Base):
     failure_traceback: Mapped[str | None] = mapped_column(Text)
     model_sha256: Mapped[str | None] = mapped_column(String(64))
     model_size: Mapped[int | None] = mapped_column(BigInteger)
+    # The object of the model archive when it came by direct upload (docs/storage.md): one
+    # key per upload, so only the row says which is current. None: ``models/<id>.tar.gz``.
+    model_key: Mapped[str | None] = mapped_column(Text)
     attempts_count: Mapped[int] = mapped_column(Integer, default=0)
     # Restarts used after retryable failures (preemptions are not counted).
     restarts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
@@ -502,6 +513,33 @@ class Checkpoint(Base):
     step: Mapped[int | None] = mapped_column(Integer)
     sha256: Mapped[str] = mapped_column(String(64))
     size_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ObjectUpload(Base):
+    """A direct upload in progress (docs/storage.md): the client PUTs its parts to the object
+    store with presigned URLs, then asks the API to complete it. The row goes when it is
+    completed, refused or abandoned (the upkeep drops those older than
+    ``storage_upload_expiry_s``, parts and all)."""
+
+    __tablename__ = "object_uploads"
+    __table_args__ = (
+        CheckConstraint("size_bytes >= 0 AND part_bytes > 0", name="sizes"),
+        Index("ix_object_uploads_lookup", "kind", "owner_id", "sha256"),
+        Index("ix_object_uploads_created", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    kind: Mapped[str] = mapped_column(String(32))
+    key: Mapped[str] = mapped_column(Text)
+    owner_id: Mapped[str] = mapped_column(ForeignKey("tokens.id"))
+    job_id: Mapped[str | None] = mapped_column(String(32))
+    store_upload_id: Mapped[str | None] = mapped_column(Text)
+    sha256: Mapped[str] = mapped_column(String(64))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    part_bytes: Mapped[int] = mapped_column(BigInteger)
+    part_sha256: Mapped[list[str]] = mapped_column(JSON)
+    details: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

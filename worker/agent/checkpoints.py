@@ -29,6 +29,7 @@ from typing import BinaryIO
 
 import httpx
 
+from torchyard.apiclient import direct
 from torchyard.contract.errors import StaleLeaseError, TorchyardError, error_from_body
 from torchyard.contract.files import sha256_fileobj
 from torchyard.contract.headers import (
@@ -89,6 +90,8 @@ class CheckpointUploader:
         self.lease_lost = False
         # Descriptions whose file does not hash to their sha256: never sent (a newer one is awaited).
         self._bad: set[str] = set()
+        # Whether checkpoints go to an object store (docs/storage.md): asked once.
+        self._direct: bool | None = None
         self._stopping = threading.Event()
         self._idle = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"checkpoints-{job_id[:8]}", daemon=True)
@@ -150,21 +153,29 @@ class CheckpointUploader:
                 return  # replaced between the description and the open: the next poll takes the newer
             epoch = int(str(info.get("epoch", 0)))
             step_in_epoch = int(str(info.get("step_in_epoch", 0)))
-            headers = {
-                LEASE_HEADER: self.lease_token,
-                SHA256_HEADER: sha256,
-                CHECKPOINT_EPOCH_HEADER: str(epoch),
-                "Content-Length": str(size),
-                "Content-Type": "application/octet-stream",
-            }
+            headers = {LEASE_HEADER: self.lease_token, CHECKPOINT_EPOCH_HEADER: str(epoch)}
             if step_in_epoch:
                 headers[CHECKPOINT_STEP_HEADER] = str(step_in_epoch)
-            response = self.client.put(
-                _url(self.job_id),
-                content=_chunks(fh),
-                headers=headers,
-                timeout=httpx.Timeout(300.0, connect=10.0),
-            )
+            if self._direct is None:
+                self._direct = direct.is_direct(self.client)
+            try:
+                response = self._upload_direct(fh, headers, sha256) if self._direct else None
+            except _Changed as exc:
+                self._bad.add(sha256)
+                self.log.warning("checkpoint.pt is not what checkpoint.json describes (%s); skipping it", exc)
+                return
+            if response is None:
+                response = self.client.put(
+                    _url(self.job_id),
+                    content=_chunks(fh),
+                    headers={
+                        **headers,
+                        SHA256_HEADER: sha256,
+                        "Content-Length": str(size),
+                        "Content-Type": "application/octet-stream",
+                    },
+                    timeout=httpx.Timeout(300.0, connect=10.0),
+                )
             if response.status_code == 422 and described and sha256_fileobj(fh, rewind=True) != sha256:
                 # The file is not what its description says (changed in place, or a reused
                 # inode): never send it again; the trainer's next checkpoint is awaited.
@@ -189,6 +200,20 @@ class CheckpointUploader:
             size,
             done.seconds,
         )
+
+    def _upload_direct(self, fh: BinaryIO, headers: dict[str, str], sha256: str) -> httpx.Response | None:
+        """Upload the open file straight to the object store (docs/storage.md)."""
+        try:
+            # The open file (not the path, which the trainer may replace meanwhile).
+            return direct.upload(
+                self.client,
+                f"{_url(self.job_id)}/upload",
+                Path(f"/proc/self/fd/{fh.fileno()}"),
+                headers=headers,
+                sha256=sha256,
+            )
+        except OSError as exc:
+            raise _Changed(str(exc)) from exc
 
     def flush(self, timeout: float) -> bool:
         """Wait until the newest checkpoint is uploaded (or ``timeout``); True if it is."""
@@ -254,17 +279,26 @@ class ChecksumMismatch(Exception):
     pass
 
 
+class _Changed(Exception):
+    """The checkpoint file changed while it was read for a direct upload."""
+
+
 def _download_once(client: httpx.Client, job_id: str, lease_token: str, run_dir: Path) -> dict[str, object]:
     target = run_dir / CHECKPOINT_FILE
     with client.stream(
-        "GET", _url(job_id), headers={LEASE_HEADER: lease_token}, timeout=httpx.Timeout(300.0, connect=10.0)
+        "GET",
+        _url(job_id),
+        headers={LEASE_HEADER: lease_token},
+        timeout=httpx.Timeout(300.0, connect=10.0),
+        follow_redirects=True,  # object storage: to a presigned URL of the store
     ) as response:
         if response.status_code >= 400:
             response.read()
             raise error_from_body(response.status_code, _body(response))
-        expected = response.headers.get(SHA256_HEADER, "")
-        epoch = response.headers.get(CHECKPOINT_EPOCH_HEADER)
-        step = response.headers.get(CHECKPOINT_STEP_HEADER)
+        described = direct.api_headers(response)
+        expected = described.get(SHA256_HEADER, "")
+        epoch = described.get(CHECKPOINT_EPOCH_HEADER)
+        step = described.get(CHECKPOINT_STEP_HEADER)
         fd, tmp = tempfile.mkstemp(prefix=".checkpoint-download-", dir=run_dir)
         try:
             digest = hashlib.sha256()

@@ -4,7 +4,10 @@
   lease, with ``X-Torchyard-Sha256`` and ``X-Torchyard-Checkpoint-Epoch`` (and
   ``-Step`` for a mid-epoch one); the latest two are kept;
 * ``GET /v1/worker/jobs/{id}/checkpoint``: the newest checkpoint that still matches
-  its sha256, for a placement of that job, with the same headers.
+  its sha256, for a placement of that job, with the same headers (object storage: a
+  redirect to a presigned URL);
+* ``POST /v1/worker/jobs/{id}/checkpoint/upload`` and ``.../upload/{upload id}``: a
+  direct upload (docs/storage.md): the plan, then its completion.
 """
 
 from __future__ import annotations
@@ -15,18 +18,19 @@ from fastapi import APIRouter, Header, Request, Response
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import DatabaseDep, LeaseHeader, SettingsDep, WorkerDep
-from service.api.files import file_response
+from service.api.deps import DatabaseDep, LeaseHeader, SessionDep, SettingsDep, WorkerDep
+from service.api.files import object_response
 from service.api.routing import SessionScopedRoute
 from service.api.uploads import receive_fenced_upload
 from service.db.engine import Database
-from service.services import artifacts, checkpoints
+from service.services import artifacts, checkpoints, direct_uploads
 from service.services.checkpoints import CheckpointFile, CheckpointStore
 from service.services.incoming import IncomingCheckpoint
 from service.services.tokens import Principal
-from torchyard.contract.errors import RequestValidationError
+from torchyard.contract.errors import ConflictError, NotFoundError, RequestValidationError
 from torchyard.contract.headers import CHECKPOINT_EPOCH_HEADER, CHECKPOINT_STEP_HEADER, SHA256_HEADER
 from torchyard.contract.protocol import CheckpointRef
+from torchyard.contract.transfer import UploadPlan, UploadRequest
 
 router = APIRouter(route_class=SessionScopedRoute)
 
@@ -93,7 +97,7 @@ async def upload_checkpoint(
     epoch_value = _position(epoch, CHECKPOINT_EPOCH_HEADER, required=True)
     assert epoch_value is not None
     step_value = _position(step, CHECKPOINT_STEP_HEADER, required=False)
-    store = CheckpointStore(settings.data_dir)
+    store = CheckpointStore.of(settings)
     upload = await receive_fenced_upload(
         request,
         db,
@@ -129,8 +133,84 @@ async def download_checkpoint(
     """The job's newest checkpoint whose bytes still match their sha256 (else the previous
     one), for a live placement of that job (409 otherwise; 404 when there is none).
     ``X-Torchyard-Sha256``, ``-Checkpoint-Epoch`` and ``-Checkpoint-Step`` describe it."""
-    found = await run_in_threadpool(_latest, db, worker, CheckpointStore(settings.data_dir), job_id, lease)
+    store = CheckpointStore.of(settings)
+    found = await run_in_threadpool(_latest, db, worker, store, job_id, lease)
     headers = {SHA256_HEADER: found.sha256, CHECKPOINT_EPOCH_HEADER: str(found.epoch)}
     if found.step is not None:
         headers[CHECKPOINT_STEP_HEADER] = str(found.step)
-    return file_response(request, found, media_type="application/octet-stream", extra_headers=headers)
+    return object_response(
+        request,
+        store.storage,
+        found.key,
+        found,
+        ttl_s=settings.storage_url_ttl_s,
+        media_type="application/octet-stream",
+        extra_headers=headers,
+    )
+
+
+_KIND = "checkpoint"
+
+
+@router.post("/v1/worker/jobs/{job_id}/checkpoint/upload", tags=["worker"])
+def plan_checkpoint_upload(
+    job_id: str,
+    body: UploadRequest,
+    session: SessionDep,
+    settings: SettingsDep,
+    worker: WorkerDep,
+    lease: LeaseHeader = None,
+    epoch: Annotated[str | None, Header(alias=CHECKPOINT_EPOCH_HEADER)] = None,
+    step: Annotated[str | None, Header(alias=CHECKPOINT_STEP_HEADER)] = None,
+) -> UploadPlan:
+    """Where to put a checkpoint (node rank 0, live lease of the job: 409 otherwise):
+    ``mode "api"`` with file storage (PUT it to ``/v1/worker/jobs/{id}/checkpoint``), else
+    presigned parts (docs/storage.md). The same request again resumes the upload."""
+    epoch_value = _position(epoch, CHECKPOINT_EPOCH_HEADER, required=True)
+    step_value = _position(step, CHECKPOINT_STEP_HEADER, required=False)
+    checkpoints.authorize_upload(session, worker, job_id, lease)
+    store = CheckpointStore.of(settings)
+    if not store.storage.direct:
+        return direct_uploads.api_plan(f"/v1/worker/jobs/{job_id}/checkpoint")
+    return direct_uploads.plan_upload(
+        session,
+        store.storage,
+        settings,
+        body,
+        kind=_KIND,
+        owner_id=worker.id,
+        job_id=job_id,
+        details={"epoch": epoch_value, "step": step_value},
+        key_for=lambda upload_id: store.key(job_id, upload_id),
+        complete_url=lambda upload_id: f"/v1/worker/jobs/{job_id}/checkpoint/upload/{upload_id}",
+        limit=settings.checkpoint_max_bytes,
+        what="the checkpoint",
+    )
+
+
+@router.post("/v1/worker/jobs/{job_id}/checkpoint/upload/{upload_id}", tags=["worker"])
+def complete_checkpoint_upload(
+    job_id: str,
+    upload_id: str,
+    db: DatabaseDep,
+    settings: SettingsDep,
+    worker: WorkerDep,
+    lease: LeaseHeader = None,
+) -> CheckpointRef:
+    """Record a checkpoint whose parts are in the object store: 409 while parts are missing
+    (ask for the plan again), and 409 on a stale lease (the object is then removed)."""
+    store = CheckpointStore.of(settings)
+    with db.session() as session:
+        upload = direct_uploads.find_upload(session, upload_id, kind=_KIND, owner_id=worker.id)
+        if upload.job_id != job_id:
+            raise NotFoundError(f"upload {upload_id!r} not found")
+        checkpoints.authorize_upload(session, worker, job_id, lease)
+        direct_uploads.take_upload(session, store.storage, upload)
+        session.commit()
+        try:
+            row = checkpoints.record_direct_checkpoint(session, worker, store, job_id, lease, upload)
+        except ConflictError:
+            session.rollback()
+            direct_uploads.refuse(db, store.storage, upload_id)
+            raise
+        return checkpoints.checkpoint_ref(row)
