@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from torchyard.contract.errors import TorchyardError
 from worker.trainer import distributed
 from worker.trainer.config import load_job
 from worker.trainer.control import enable_stack_dumps
@@ -66,13 +67,23 @@ def main(argv: list[str] | None = None) -> int:
             run_job(job, env)
     except Exception as exc:
         record = failure_record(exc, rank=env.rank, local_rank=env.local_rank, node=env.node_name)
-        log.error("rank %d failed with %s: %s", env.rank, record.code, record.message, exc_info=exc)
+        # A torchyard error says what is wrong in its message, printed once: its traceback
+        # (in the failure file) and torchrun's summary of it would print it again.
+        expected = isinstance(exc, TorchyardError)
+        log.error(
+            "rank %d failed with %s: %s",
+            env.rank,
+            record.code,
+            record.message,
+            exc_info=None if expected else exc,
+        )
         try:
             path = write_failure(output_dir, record)
             log.info("failure recorded in %s", path.name)
         except OSError as write_error:
             log.error("cannot write the failure file: %s", write_error)
-        _record_for_torchrun(exc)
+        if not expected:
+            _record_for_torchrun(exc)
         if env.world_size == 1:
             # With peers the group may hold a broken collective; the process exits hard instead.
             distributed.teardown()

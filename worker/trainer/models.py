@@ -200,6 +200,15 @@ def build_model(job: JobConfig) -> BuiltModel:
     return _from_hub_cache(job, kwargs)
 
 
+def _ways_to_add_weights(arch: str) -> str:
+    """The two ways to give a pretrained job its weights (docs/fine-tuning.md)."""
+    return (
+        f"add weights for {arch} in one of two ways: upload them to the weights store with "
+        f"'torchyard weights upload {arch} FILE', or let the nodes download them from the torch hub "
+        "(TORCHYARD_WORKER_PRETRAINED_FROM_HUB=1 on the workers); or train with pretrained=false"
+    )
+
+
 def _from_hub_cache(job: JobConfig, kwargs: dict[str, Any]) -> BuiltModel:
     """The default weights from the torch hub cache (never downloaded here), head re-sized."""
     arch = job.model.architecture
@@ -210,16 +219,15 @@ def _from_hub_cache(job: JobConfig, kwargs: dict[str, Any]) -> BuiltModel:
         raise InvalidModelDirectoryError(
             f"pretrained weights for {arch} are not in the offline torch hub cache "
             f"(expected checkpoints/{cache_file.name} under the TORCH_HOME hub directory) and the job "
-            f"has none from the service's weights store: upload them with 'torchyard weights upload "
-            f"{arch} FILE', let the nodes download them (TORCHYARD_WORKER_PRETRAINED_FROM_HUB=1), "
-            "or train with pretrained=false"
+            f"has none from the service's weights store: {_ways_to_add_weights(arch)}"
         )
     try:
         with _weights_only_loads():
             module = torchvision.models.get_model(arch, weights=weights, progress=False, **kwargs)
     except Exception as exc:  # a damaged cache file fails in many ways inside torch.load
         raise InvalidModelDirectoryError(
-            f"cannot load the cached pretrained weights of {arch} ({cache_file.name}): {type(exc).__name__}: {exc}"
+            f"cannot load the cached pretrained weights of {arch} ({cache_file.name} in the torch hub "
+            f"cache): {type(exc).__name__}: {exc}; remove that file, then {_ways_to_add_weights(arch)}"
         ) from exc
     pretrained_classes = len(weights.meta["categories"])
     if pretrained_classes != num_classes:
@@ -245,7 +253,8 @@ def _from_state_dict(job: JobConfig, path: Path, kwargs: dict[str, Any]) -> Buil
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # a damaged or foreign file fails in many ways inside torch.load
         raise InvalidModelDirectoryError(
-            f"cannot read the stored pretrained weights of {arch} ({path.name}): {type(exc).__name__}: {exc}"
+            f"cannot read the stored pretrained weights of {arch} ({path.name}): {type(exc).__name__}: {exc}; "
+            f"{_ways_to_add_weights(arch)}"
         ) from exc
     if not isinstance(state, dict):
         raise InvalidModelDirectoryError(

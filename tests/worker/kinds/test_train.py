@@ -6,6 +6,7 @@ No process starts: torchrun's start is replaced by one that records it."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import threading
 from pathlib import Path
@@ -259,11 +260,15 @@ def _failure_file(run_dir: Path, rank: int, **fields: Any) -> None:
     (run_dir / f"failure-rank-{rank}.json").write_text(json.dumps(record))
 
 
-def test_a_failed_rank_reports_its_own_failure(make_host: Any) -> None:
+def test_a_failed_rank_reports_its_own_failure(make_host: Any, caplog: pytest.LogCaptureFixture) -> None:
     host = make_host(train_placement(nproc=2))
     run, _ = _launched(host)
     _failure_file(host.run_dir, 1)
-    state, failure = run.outcome(1, host.agent_dir / "agent.log")
+    with caplog.at_level(logging.ERROR):
+        state, failure = run.outcome(1, host.agent_dir / "agent.log")
+    # The rank printed its message in the job's log: the agent's line does not repeat it.
+    assert "failed: TrainingDivergedError (rank 1 on n1): its error is in the rank's log above" in caplog.text
+    assert "the loss is nan" not in caplog.text
     assert state == "failed"
     assert failure is not None
     assert (failure.code, failure.message, failure.rank, failure.node) == (

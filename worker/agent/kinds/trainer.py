@@ -17,7 +17,7 @@ from torchyard.contract.jobfile import JobConfig, TrainerTask
 from torchyard.contract.protocol import EvaluatePlacement, TrainPlacement
 from worker.agent import sandbox
 from worker.agent.kinds.base import KindRun, PlacementHost
-from worker.agent.rank_failures import collect_failure, rank_log_files
+from worker.agent.rank_failures import collect_failure, rank_log_files, read_failure_files
 from worker.agent.rank_group import LaunchSpec, RankGroup
 from worker.agent.reporting import RunReporter
 from worker.agent.run_inputs import RunInputs
@@ -140,13 +140,15 @@ class TrainerRun(KindRun):
             return ("failed", failure) if failure is not None else ("succeeded", None)
         assert self.spec is not None
         failure = collect_failure(self.spec, exit_code, agent_log)
+        # A rank that wrote its failure file printed its message in the job's log already.
+        printed = any(r.get("message") == failure.message for r in read_failure_files(self.spec.run_dir))
         h.log.error(
             "job %s failed: %s (rank %s on %s): %s",
             h.job_id,
             failure.code,
             failure.rank,
             failure.node,
-            failure.message,
+            "its error is in the rank's log above" if printed else failure.message,
         )
         if failure.secondary and self.work.node_count > 1:
             # Probably the echo of a failure elsewhere: give the node where it started
