@@ -5,8 +5,11 @@ normalized on the training device (:func:`torchyard.modeldir.normalize_batch`): 
 uint8 batch is four times lighter to pin and copy than a float one.
 
 Training images are decoded once per node into a memory-mapped cache at a size a bit
-larger than the training resolution, and cropped and flipped from there in every epoch
-(:mod:`worker.trainer.image_cache` says what that changes in the augmentation);
+larger than the training resolution, and every epoch crops and flips them from there, a
+batch at a time on the training device (:class:`CachedCrops`; each sample's box and flip
+drawn in the loader from the job's seed, so the random stream is the same on every
+device); validation images are cached as the evaluation transform's pixels
+(:mod:`worker.trainer.image_cache` says what that changes in the augmentation).
 ``TORCHYARD_IMAGE_CACHE=0`` crops the original images as before.
 """
 
@@ -33,9 +36,11 @@ from worker.trainer import image_cache
 from worker.trainer.config import JobConfig
 from worker.trainer.distributed import DistEnv
 from worker.trainer.gpu_decode import (
+    CROP_POLICY,
     EncodedTrainSet,
     GpuDecoder,
     cpu_share,
+    crop_boxes,
     encoded_collate,
     gpu_decode_wanted,
     gpu_decode_works,
@@ -105,22 +110,22 @@ class ImageDataset(Dataset[tuple[torch.Tensor, int]]):
 
 
 class CachedImageSet(Dataset[tuple[torch.Tensor, int]]):
-    """Training samples in the cache geometry, transformed to uint8 CHW tensors: the row
-    of the node's image cache once it is complete, else the file decoded and resized on
-    the fly (:func:`image_cache.decode_resized`: the same pixels), then ``transform``
-    (:func:`cached_train_transform`) in the loader worker."""
+    """Samples in a cache geometry as uint8 CHW tensors: the row of the node's image cache
+    once it is complete, else the file decoded and resized on the fly
+    (:func:`image_cache.decode_resized`: the same pixels). ``crop``: the centre square kept
+    (the evaluation transform's pixels for validation); ``None`` keeps the ``size`` square."""
 
     def __init__(
         self,
         samples: Sequence[tuple[str, int]],
         size: int,
-        transform: Callable[[torch.Tensor], torch.Tensor],
         entry: image_cache.CacheEntry | None = None,
+        crop: int | None = None,
     ) -> None:
         self.samples = list(samples)
         self.size = size
-        self.transform = transform
         self.entry = entry
+        self.crop = crop
         self._pixels: np.ndarray | None = None
 
     def __len__(self) -> int:
@@ -132,65 +137,158 @@ class CachedImageSet(Dataset[tuple[torch.Tensor, int]]):
         return state
 
     def pixels(self, index: int) -> np.ndarray:
-        """``size x size x 3`` uint8 pixels of a sample."""
+        """``side x side x 3`` uint8 pixels of a sample."""
         if self._pixels is None and self.entry is not None and self.entry.ready():
             self._pixels = self.entry.open_pixels()
         if self._pixels is not None:
             return np.array(self._pixels[index])
-        return image_cache.decode_resized(self.samples[index][0], self.size)
+        return image_cache.decode_resized(self.samples[index][0], self.size, self.crop)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        image = torch.from_numpy(self.pixels(index)).permute(2, 0, 1)
-        return self.transform(image), self.samples[index][1]
+        return torch.from_numpy(self.pixels(index)).permute(2, 0, 1), self.samples[index][1]
 
 
-def cached_train_transform(image_size: int, augmentation: Augmentation) -> T.Compose:
-    """Training geometry on cached pixels (uint8 CHW tensors in and out): the steps of
-    :func:`train_transform`, applied to the ``image_cache.cache_size`` square instead of
-    the original image."""
-    return T.Compose(_geometry_steps(image_size, augmentation))
+class CachedTrainSet(CachedImageSet):
+    """Training samples in the cache geometry, with the random crop and flip to apply:
+    ``(pixels, box, flip, target)``, ``pixels`` the uint8 CHW ``size`` square, ``box``
+    ``(left, top, width, height)`` (float64) and ``flip`` a bool tensor, drawn here with
+    torch's CPU generator (:func:`worker.trainer.gpu_decode.crop_boxes`, torchvision's
+    ``RandomResizedCrop`` rule), so that :class:`SeededSamples` makes them a function of
+    the seed, the epoch and the sample whatever the training device. The crops themselves
+    are made a batch at a time on the training device (:class:`CachedCrops`)."""
+
+    def __init__(
+        self,
+        samples: Sequence[tuple[str, int]],
+        size: int,
+        augmentation: Augmentation,
+        entry: image_cache.CacheEntry | None = None,
+    ) -> None:
+        if augmentation not in (*CROP_POLICY, "none"):
+            raise ValueError(f"unknown augmentation {augmentation!r}")
+        super().__init__(samples, size, entry)
+        self.augmentation = augmentation
+        self._shape = torch.tensor([[size, size]], dtype=torch.int64)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:  # type: ignore[override]
+        image, target = super().__getitem__(index)
+        boxes, flips = crop_boxes(self._shape, self.augmentation)
+        return image, boxes[0], flips[0], target
 
 
-def _cache_entry(
+def crop_batch(
+    pixels: torch.Tensor, boxes: torch.Tensor, flips: torch.Tensor, image_size: int
+) -> torch.Tensor:
+    """uint8 ``(N, 3, image_size, image_size)`` crops of uint8 ``(N, 3, S, S)`` pixels, on
+    their device: each ``box`` (``(N, 4)``: left, top, width, height) resized to
+    ``image_size`` by one ``roi_align`` call (bilinear, the adaptive sampling averaging
+    every source pixel of an output pixel when shrinking) and the ``flips`` mirrored."""
+    from torchvision.ops import roi_align
+
+    device = pixels.device
+    boxes = boxes.to(torch.float64)
+    corners = torch.cat([boxes[:, :2], boxes[:, :2] + boxes[:, 2:]], dim=1)  # x1, y1, x2, y2
+    index = torch.arange(boxes.shape[0], dtype=torch.float64)[:, None]
+    rois = torch.cat([index, corners], dim=1).to(device, torch.float32)
+    crops = roi_align(
+        pixels.to(torch.float32),
+        rois,
+        output_size=(image_size, image_size),
+        spatial_scale=1.0,
+        sampling_ratio=-1,
+        aligned=True,
+    )
+    crops = torch.where(flips.to(device).view(-1, 1, 1, 1), crops.flip(-1), crops)
+    return crops.round_().clamp_(0, 255).to(torch.uint8)
+
+
+class CachedCrops:
+    """A loader batch of :class:`CachedTrainSet` to the training batch on ``device``: the
+    pixels copied there and cropped, resized and flipped as one batch (:func:`crop_batch`);
+    ``(uint8 images, targets)`` on the device."""
+
+    def __init__(self, device: torch.device, image_size: int) -> None:
+        self.device = device
+        self.image_size = image_size
+
+    def __call__(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        pixels, boxes, flips, targets = batch
+        images = crop_batch(pixels.to(self.device, non_blocking=True), boxes, flips, self.image_size)
+        return images, targets.to(self.device, non_blocking=True)
+
+
+def _entry_in_use(
     root: Path,
-    job: JobConfig,
+    data_dir: str,
     sha256: str | None,
     samples: Sequence[tuple[str, int]],
     size: int,
-    *,
-    write: bool,
+    crop: int | None = None,
 ) -> image_cache.CacheEntry | None:
-    entry = image_cache.cache_entry(root, job.train_dir, sha256, samples, size)
+    """The entry of these samples, marked as used by this process, when it is there or
+    may be written; None when it cannot be cached."""
+    entry = image_cache.cache_entry(root, data_dir, sha256, samples, size, crop=crop)
+    image_cache.mark_in_use(entry)
     if entry.ready():
         log.info("image cache: reading %s", entry.folder)
         return entry
     ok, why = image_cache.fits(entry)
     if not ok:
-        log.info("image cache: not written (%s): decoding every epoch", why)
+        log.info("image cache: %s not written (%s): decoding every epoch", entry.folder.name, why)
         return None
-    if write:
-        log.info("image cache: writing %s during training", entry.folder)
-        image_cache.start_writer(entry, samples)
     return entry
 
 
-def cached_train_set(job: JobConfig, samples: Sequence[tuple[str, int]], *, write: bool) -> CachedImageSet:
-    """The training set in the cache geometry; ``write``: start the node's cache writer
-    when the cache is missing and fits (local rank 0)."""
-    params = job.parameters
-    size = image_cache.cache_size(params.image_size)
-    sha256 = job.datasets.train.sha256 if job.datasets is not None else None
-    root = image_cache.cache_root(job.train_dir, sha256)
-    entry = None
+def _cached(
+    job: JobConfig, data_dir: str, sha256: str | None, samples: Sequence[tuple[str, int]], crop: int | None
+) -> image_cache.CacheEntry | None:
+    size = image_cache.cache_size(job.parameters.image_size)
+    root = image_cache.cache_root(data_dir, sha256)
     if root is None:
         log.info("image cache: none for a dataset outside the node's dataset cache: decoding every epoch")
-    else:
-        try:
-            entry = _cache_entry(root, job, sha256, samples, size, write=write)
-        except OSError as exc:  # a folder this rank cannot write: train without the cache
-            log.warning("image cache: unusable (%s): decoding every epoch", exc)
-    return CachedImageSet(
-        samples, size, cached_train_transform(params.image_size, params.augmentation), entry
+        return None
+    try:
+        return _entry_in_use(root, data_dir, sha256, samples, size, crop)
+    except OSError as exc:  # a folder this rank cannot write: train without the cache
+        log.warning("image cache: unusable (%s): decoding every epoch", exc)
+        return None
+
+
+def cached_train_set(job: JobConfig, samples: Sequence[tuple[str, int]], *, write: bool) -> CachedTrainSet:
+    """The training set in the cache geometry; ``write``: start the node's cache writer
+    when the cache is missing and fits (local rank 0)."""
+    sets = cached_sets(job, samples, [], write=write)
+    return sets[0]
+
+
+def cached_sets(
+    job: JobConfig,
+    train_samples: Sequence[tuple[str, int]],
+    val_samples: Sequence[tuple[str, int]],
+    *,
+    write: bool,
+) -> tuple[CachedTrainSet, CachedImageSet]:
+    """The training set in the cache geometry and the validation set as the evaluation
+    transform's pixels, both read from the node's image cache where it has them;
+    ``write``: start the node's cache writer for the missing entries that fit (local rank 0)."""
+    params = job.parameters
+    size = image_cache.cache_size(params.image_size)
+    datasets = job.datasets
+    train_sha = datasets.train.sha256 if datasets is not None else None
+    val_sha = datasets.validation.sha256 if datasets is not None else None
+    train_entry = _cached(job, job.train_dir, train_sha, train_samples, None)
+    val_entry = _cached(job, job.val_dir, val_sha, val_samples, params.image_size) if val_samples else None
+    missing = [
+        (entry, samples)
+        for entry, samples in ((train_entry, train_samples), (val_entry, val_samples))
+        if entry is not None and not entry.ready()
+    ]
+    if write and missing:
+        log.info("image cache: writing %s during training", ", ".join(e.folder.name for e, _ in missing))
+        image_cache.start_writer(missing)
+    return (
+        CachedTrainSet(train_samples, size, params.augmentation, train_entry),
+        CachedImageSet(val_samples, size, val_entry, crop=params.image_size),
     )
 
 
@@ -239,33 +337,52 @@ class Loaders:
     num_val: int
     workers: int
     generator: torch.Generator
-    # Set when training images are decoded on the GPU: turns a loader batch into device pixels.
-    gpu_decoder: GpuDecoder | None = None
+    # Turns a training loader batch into uint8 device pixels and targets where the crops are
+    # made on the device (cached pixels: CachedCrops; GPU decoding: GpuDecoder); None: the
+    # loader's batches are the images.
+    on_device: Callable[[Any], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def steps_per_epoch(self) -> int:
         return len(self.train)
 
 
-def _train_set(
-    job: JobConfig, env: DistEnv, device: torch.device, samples: Sequence[tuple[str, int]]
-) -> tuple[Dataset[Any], GpuDecoder | None, str]:
-    """The training set (before :class:`SeededSamples`), the GPU decoder when images are
-    decoded on the GPU, and how the images are handled (for the log)."""
+def _sets(
+    job: JobConfig,
+    env: DistEnv,
+    device: torch.device,
+    train_samples: Sequence[tuple[str, int]],
+    val_samples: Sequence[tuple[str, int]],
+) -> tuple[
+    Dataset[Any],
+    CachedImageSet | ImageDataset,
+    Callable[[Any], tuple[torch.Tensor, torch.Tensor]] | None,
+    str,
+]:
+    """The training set (before :class:`SeededSamples`), the validation set, what turns a
+    training loader batch into device pixels (``None``: the loader's uint8 images), and how
+    the training images are handled (for the log)."""
     params = job.parameters
     if image_cache.cache_wanted():
-        dataset = cached_train_set(job, samples, write=env.local_rank == 0)
-        return dataset, None, "cropped from the image cache geometry in the loader workers"
+        train_set, val_set = cached_sets(job, train_samples, val_samples, write=env.local_rank == 0)
+        return (
+            train_set,
+            val_set,
+            CachedCrops(device, params.image_size),
+            f"read in the image cache geometry, cropped and flipped a batch at a time on {device.type}",
+        )
+    val = ImageDataset(val_samples, eval_geometry(params.image_size))
     transform = train_transform(params.image_size, params.augmentation)
-    has_jpeg = any(path.lower().endswith((".jpg", ".jpeg")) for path, _ in samples)
+    has_jpeg = any(path.lower().endswith((".jpg", ".jpeg")) for path, _ in train_samples)
     if has_jpeg and device.type == "cuda" and gpu_decode_wanted() and gpu_decode_works(device):
         decoder = GpuDecoder(device, params.image_size, params.augmentation)
         return (
-            EncodedTrainSet(samples, transform, cpu_share()),
+            EncodedTrainSet(train_samples, transform, cpu_share()),
+            val,
             decoder,
             "decoded on the GPU (nvJPEG; other formats in the loader workers)",
         )
-    return ImageDataset(samples, transform), None, "decoded in the loader workers"
+    return ImageDataset(train_samples, transform), val, None, "decoded in the loader workers"
 
 
 def build_loaders(job: JobConfig, env: DistEnv, device: torch.device, start_epoch: int = 0) -> Loaders:
@@ -285,8 +402,7 @@ def build_loaders(job: JobConfig, env: DistEnv, device: torch.device, start_epoc
             f"the training set has {len(train_samples)} images: too few for {env.world_size} processes"
         )
 
-    train_set, gpu_decoder, pipeline = _train_set(job, env, device, train_samples)
-    val_set = ImageDataset(val_samples, eval_geometry(params.image_size))
+    train_set, val_set, on_device, pipeline = _sets(job, env, device, train_samples, val_samples)
     val_shard = torch.utils.data.Subset(val_set, shard_indices(len(val_set), env.rank, env.world_size))
 
     train_set = SeededSamples(train_set)
@@ -319,7 +435,7 @@ def build_loaders(job: JobConfig, env: DistEnv, device: torch.device, start_epoc
         batch_size=params.batch_size,
         sampler=sampler,
         drop_last=per_rank >= params.batch_size,
-        collate_fn=encoded_collate if gpu_decoder is not None else None,
+        collate_fn=encoded_collate if isinstance(on_device, GpuDecoder) else None,
         **common,  # type: ignore[arg-type]
     )
     val_loader = DataLoader(val_shard, batch_size=params.batch_size, shuffle=False, **common)  # type: ignore[arg-type]
@@ -342,5 +458,5 @@ def build_loaders(job: JobConfig, env: DistEnv, device: torch.device, start_epoc
         num_val=len(val_set),
         workers=workers,
         generator=generator,
-        gpu_decoder=gpu_decoder,
+        on_device=on_device,
     )

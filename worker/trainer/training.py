@@ -128,8 +128,8 @@ def set_up(
     events: EventWriter = EventWriter(output_dir / EVENTS_FILE) if env.is_primary else NullEventWriter()
     prepare = BatchPreparer(device, modeldir.IMAGENET_MEAN, modeldir.IMAGENET_STD)
     train_prepare: BatchPrepare = prepare
-    if loaders.gpu_decoder is not None:
-        train_prepare = DecodeThenPrepare(loaders.gpu_decoder, prepare)
+    if loaders.on_device is not None:
+        train_prepare = DecodeThenPrepare(loaders.on_device, prepare)
     autocast = autocast_factory(device)
     forward = CompiledForward(ddp, setting=compiling, device=device, batch_size=params.batch_size)
     control = RankControl(output_dir, env.rank, device)
