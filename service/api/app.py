@@ -42,6 +42,7 @@ from service.api.routes import (
 from service.api.routes.ui import install_ui
 from service.api.routes.workers import Lanes
 from service.api.security import SecurityHeadersMiddleware
+from service.api.traffic import ArtifactTrafficMiddleware
 from service.config import Settings, get_settings
 from service.db.engine import Database, is_unavailable, postgres_connect_args
 from service.db.migrate import upgrade
@@ -259,4 +260,5 @@ def create_app(settings: Settings | None = None, *, freeze: bool = False) -> Fas
     app.include_router(tokens.whoami_router)
     install_ui(app)
     app.add_middleware(SecurityHeadersMiddleware)
+    app.add_middleware(ArtifactTrafficMiddleware)
     return app

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 import boto3
 from boto3.s3.transfer import TransferConfig
+from boto3.exceptions import Boto3Error
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -99,7 +100,7 @@ class S3Storage:
                 Config=TransferConfig(multipart_threshold=64 * 1024**2, multipart_chunksize=64 * 1024**2),
                 ExtraArgs={"ChecksumAlgorithm": "SHA256"},
             )
-        except (ClientError, BotoCoreError) as exc:
+        except (ClientError, BotoCoreError, Boto3Error) as exc:
             raise StorageError(f"upload of {key} to {self.description}: {exc}") from exc
 
     def adopt_file(self, key: str, source: Path) -> None:
@@ -113,7 +114,7 @@ class S3Storage:
         try:
             self.client.download_file(self.bucket, self._key(key), tmp)
             os.replace(tmp, dest)
-        except (ClientError, BotoCoreError) as exc:
+        except (ClientError, BotoCoreError, Boto3Error) as exc:
             raise StorageError(f"download of {key} from {self.description}: {exc}") from exc
         finally:
             Path(tmp).unlink(missing_ok=True)

@@ -3,19 +3,36 @@ safe to run on several replicas at once)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 from service.config import Settings
 from service.db.engine import Database
 from service.db.types import utcnow
-from service.services import checkpoints, job_delete, sweep_rounds
+from service.services import checkpoints, direct_uploads, job_delete, sweep_rounds
 from service.services.scheduler import has_queued_jobs, run_pass
 from service.services.upkeep.cancellations import settle_cancellations
 from service.services.upkeep.leases import expired_by_job, lose_expired_leases
 from service.services.upkeep.listening import ListeningClock
 from service.services.upkeep.nodes import lose_silent_nodes, silent_nodes
 from service.services.upkeep.timeouts import time_out_overruns
+
+# Object storage is listed at most this often (a LIST per pass would cost requests; files are cheap).
+_OBJECT_SWEEP_S = 60.0
+_last_object_sweep = 0.0
+
+
+def _sweep_storage(db: Database, settings: Settings) -> None:
+    """Remove ended jobs' checkpoints, and direct uploads left unfinished (docs/storage.md)."""
+    global _last_object_sweep
+    store = checkpoints.CheckpointStore.of(settings)
+    if store.storage.direct:
+        if time.monotonic() - _last_object_sweep < _OBJECT_SWEEP_S:
+            return
+        _last_object_sweep = time.monotonic()
+        direct_uploads.drop_abandoned(db, settings)
+    checkpoints.remove_ended_jobs_files(db, store)
 
 
 @dataclass
@@ -53,7 +70,7 @@ def run_upkeep_pass(
         result.lost_placements = lose_expired_leases(db, expired)
     result.cancelled = settle_cancellations(db)
     result.timed_out = time_out_overruns(db, now)
-    checkpoints.remove_ended_jobs_files(db, checkpoints.CheckpointStore(settings.data_dir))
+    _sweep_storage(db, settings)
     job_delete.apply_retention(db, settings)
     decided = sweep_rounds.drive(db, settings)
     result.trials_queued = decided.created
