@@ -30,6 +30,7 @@ from typing import Any
 import uvicorn
 
 from service.config import Settings
+from service.storage import is_storage_credential
 from torchyard.contract.jobspec import SANDBOX_HIDE_VARIABLE
 
 log = logging.getLogger(__name__)
@@ -211,7 +212,11 @@ class LocalWorker:
     def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
         """The worker's environment: serve's, with the token (in the environment, not on the
         command line, visible in ``ps``) and the data directory named hidden from its runs."""
-        env = {**(os.environ if base is None else base), "TORCHYARD_TOKEN": self.token}
+        source = os.environ if base is None else base
+        # The object store's credentials are the API's alone (docs/storage.md): the worker and
+        # its runs move artifacts with presigned URLs and never see them.
+        env = {k: v for k, v in source.items() if not is_storage_credential(k)}
+        env["TORCHYARD_TOKEN"] = self.token
         # The service's data directory (tokens, database, artifacts) is never shown to a run,
         # wherever it lies (worker.agent.sandbox).
         if self.data_dir is not None:

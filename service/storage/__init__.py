@@ -26,4 +26,10 @@ def open_storage(storage_url: str | None, data_dir: Path) -> ObjectStorage:
     return found
 
 
-__all__ = ["FileStorage", "ObjectStorage", "open_storage"]
+def is_storage_credential(name: str) -> bool:
+    """Whether an environment variable configures the object store's access (the standard
+    AWS settings): the API's own, never passed to a worker it starts."""
+    return name.startswith("AWS_") or name == "TORCHYARD_STORAGE_URL"
+
+
+__all__ = ["FileStorage", "ObjectStorage", "is_storage_credential", "open_storage"]

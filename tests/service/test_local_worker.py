@@ -43,3 +43,18 @@ def test_the_worker_is_told_to_hide_the_data_directory_besides_what_was_named(tm
     env = worker.environment({"PATH": "/usr/bin", SANDBOX_HIDE_VARIABLE: "/srv/other"})
     assert env[SANDBOX_HIDE_VARIABLE] == os.pathsep.join(["/srv/other", str(data.absolute())])
     assert env["TORCHYARD_TOKEN"] == "t" and env["PATH"] == "/usr/bin"
+
+
+def test_the_object_stores_credentials_never_reach_the_worker(tmp_path: Path) -> None:
+    worker = LocalWorker("http://127.0.0.1:1", "t", "n", 1, tmp_path / "worker", tmp_path / "l.log")
+    env = worker.environment(
+        {
+            "PATH": "/usr/bin",
+            "AWS_ACCESS_KEY_ID": "AKIA",
+            "AWS_SECRET_ACCESS_KEY": "secret",
+            "AWS_SESSION_TOKEN": "session",
+            "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+            "TORCHYARD_STORAGE_URL": "s3://bucket/prefix",
+        }
+    )
+    assert sorted(env) == ["PATH", "TORCHYARD_TOKEN"]
