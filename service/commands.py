@@ -1,4 +1,5 @@
-"""The service's commands of ``torchyard``: ``serve``, ``db upgrade`` and ``token create``.
+"""The service's commands of ``torchyard``: ``serve``, ``db upgrade``, ``storage migrate`` and
+``token create``.
 
 The ``torchyard`` command finds them through the ``torchyard.commands`` entry point of
 this package (see :mod:`torchyard.cli`): the CLI imports no part of the service.
@@ -90,8 +91,41 @@ def _token_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _storage_migrate(args: argparse.Namespace) -> int:
+    require("storage migrate", "server")
+    from service.config import Settings
+    from service.db.engine import Database
+    from service.db.migrate import upgrade
+    from service.services.storage_migrate import migrate
+    from service.storage import open_storage
+
+    settings = Settings()
+    target = Settings(storage_url=args.to).storage_url  # checked as TORCHYARD_STORAGE_URL is
+    _quiet_migrations(args)
+    upgrade(settings.sqlalchemy_url)
+    storage = open_storage(target, settings.data_dir)
+    db = Database(settings.sqlalchemy_url)
+    try:
+        report = migrate(db, settings, storage, progress=print)
+    finally:
+        db.dispose()
+    print(
+        f"{len(report.copied)} copied ({report.bytes_sent} bytes), {len(report.skipped)} already there, "
+        f"{len(report.missing)} missing from the data directory, {len(report.failed)} failed"
+    )
+    if not report.complete:
+        print("not complete: nothing was switched; run the same command again to go on")
+        return 1
+    print(
+        f"every artifact is in {storage.description}. To serve from it: stop the service, run this "
+        f"command once more (it copies what arrived meanwhile), then start it with "
+        f"TORCHYARD_STORAGE_URL={target}"
+    )
+    return 0
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``serve`` and ``db upgrade``."""
+    """``serve``, ``db upgrade`` and ``storage migrate``."""
     serve = sub.add_parser(
         "serve",
         help="run the API service",
@@ -135,6 +169,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     db_sub = db.add_subparsers(dest="db_command", required=True)
     db_up = db_sub.add_parser("upgrade", help="apply the migrations up to the newest schema")
     db_up.set_defaults(handler=_db_upgrade)
+
+    storage = sub.add_parser("storage", help="artifact storage administration (docs/storage.md)")
+    storage_sub = storage.add_subparsers(dest="storage_command", required=True)
+    storage_migrate = storage_sub.add_parser(
+        "migrate",
+        help="copy the data directory's artifacts into an S3 bucket (verified, resumable)",
+        description="Copy every artifact of the data directory (TORCHYARD_DATA_DIR and its database) "
+        "into the bucket, each verified by its sha256; objects already there are skipped, so it can "
+        "be run again to go on or to copy what is new. Nothing is switched until every artifact is "
+        "there; the service serves from the bucket once started with TORCHYARD_STORAGE_URL. The "
+        "bucket's endpoint, region and credentials come from the standard AWS settings.",
+    )
+    storage_migrate.add_argument("--to", required=True, metavar="s3://BUCKET/PREFIX", help="the object store")
+    storage_migrate.set_defaults(handler=_storage_migrate)
 
 
 def register_token(token_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

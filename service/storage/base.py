@@ -145,6 +145,11 @@ class ObjectStorage(Protocol):
         is missing or the object is not the announced size and checksum."""
         ...
 
+    def holds(self, key: str, *, sha256: str, size: int, part_bytes: int, part_sha256: list[str]) -> bool:
+        """Whether ``key`` is already exactly the file described (its size and its checksum:
+        the whole sha256, or for an object uploaded in parts, the checksum of the parts')."""
+        ...
+
     def abort_upload(self, key: str, upload_id: str | None) -> None:
         """Drop an upload: its received parts, and the object of a single PUT."""
         ...

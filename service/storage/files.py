@@ -4,6 +4,7 @@ process moves every byte (its upload and download routes), and direct uploads do
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -137,6 +138,16 @@ class FileStorage:
         part_sha256: list[str],
     ) -> None:
         raise self._no_direct()
+
+    def holds(self, key: str, *, sha256: str, size: int, part_bytes: int, part_sha256: list[str]) -> bool:
+        path = self.local_path(key)
+        if not path.is_file() or path.stat().st_size != size:
+            return False
+        digest = hashlib.sha256()
+        with open(path, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                digest.update(chunk)
+        return digest.hexdigest() == sha256
 
     def abort_upload(self, key: str, upload_id: str | None) -> None:
         return None

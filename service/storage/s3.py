@@ -14,6 +14,7 @@ and a request without that exact header does not match its signature (403).
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
@@ -23,8 +24,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import boto3
-from boto3.s3.transfer import TransferConfig
 from boto3.exceptions import Boto3Error
+from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -281,6 +282,19 @@ class S3Storage:
         if found is None or found.size != size:
             self.delete(key)
             raise UploadIncomplete(f"the object is {found.size if found else 0} bytes, not {size}")
+
+    def holds(self, key: str, *, sha256: str, size: int, part_bytes: int, part_sha256: list[str]) -> bool:
+        if len(part_sha256) <= 1:
+            return self._verified_single(key, sha256, size)
+        try:
+            found = self.client.head_object(Bucket=self.bucket, Key=self._key(key), ChecksumMode="ENABLED")
+        except ClientError as exc:
+            if _code(exc) in _NOT_FOUND:
+                return False
+            raise StorageError(f"HEAD {key} in {self.description}: {_code(exc) or exc}") from exc
+        parts = b"".join(bytes.fromhex(d) for d in part_sha256)
+        composite = f"{b64_sha256(hashlib.sha256(parts).hexdigest())}-{len(part_sha256)}"
+        return int(found["ContentLength"]) == size and found.get("ChecksumSHA256") == composite
 
     def abort_upload(self, key: str, upload_id: str | None) -> None:
         if upload_id is not None:
