@@ -10,8 +10,8 @@ for a one-rank CPU job (no model: the input pipeline alone), ``--epochs`` epochs
 * ``cache``: the decoded-image cache (``worker.trainer.image_cache``) in a temporary
   folder. Epoch 1 decodes on the fly while the writer process fills the cache beside
   it; the bench then waits for the cache to be complete (the wait is shown) and the
-  later epochs read it. The crops of each batch are made on the CPU in this process
-  (``worker.trainer.data.CachedCrops``: the training device's step) and are counted.
+  later epochs read it. The loader workers crop each image (``worker.trainer.data.crop_each``,
+  as on a CPU node; a GPU node crops the same boxes a batch at a time on the GPU).
 
 The figure is images/s of the epochs after the first (their mean); epoch 1 is shown
 beside it. Loader workers: the trainer's default for the machine (``--workers``).
@@ -84,7 +84,7 @@ def run_epochs(
         started = time.perf_counter()
         images = 0
         for batch in loaders.train:
-            # With the cache, the crops are made here, a batch at a time (the training device's step).
+            # A GPU node's loader leaves the crops to the GPU's step (none here: the loader crops).
             pixels = loaders.on_device(batch)[0] if loaders.on_device is not None else batch[0]
             images += pixels.shape[0]
         rates.append(images / (time.perf_counter() - started))

@@ -12,7 +12,7 @@ resizes to (256 for 224 px): the image's shorter side is resized to ``S`` (PIL b
 antialiased) and the centre ``S x S`` square is kept. The training crops
 (:class:`worker.trainer.data.CachedTrainSet`, :func:`worker.trainer.data.crop_batch`:
 torchvision's ``RandomResizedCrop`` rule and the flip of the ``standard`` level, made a
-batch at a time on the training device) pick their box inside the ``S x S`` square
+batch at a time on the GPU, or image by image by the loader workers on a CPU node) pick their box inside the ``S x S`` square
 instead of inside the original photo, so the parts of a non-square photo outside its
 centre square are never seen, and a crop's source resolution is at most ``S`` pixels.
 Every epoch, the first included, trains on this geometry: the first epoch decodes and

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.utils.data import default_collate
 
 from tests.support.trainer_helpers import DIGIT_CLASSES, Digits, epoch_history, run_in_process, write_job
 from torchyard.contract.files import locked
@@ -112,10 +113,10 @@ def test_the_writer_process_writes_the_cache(
 
 
 def _epoch_batches(loaders: Loaders, epoch: int) -> list[torch.Tensor]:
-    """The epoch's training images as the training step gets them (cropped on the device)."""
-    assert loaders.on_device is not None
+    """The epoch's training images as the training step gets them (on the CPU: cropped by the loader)."""
+    assert loaders.on_device is None
     loaders.train_sampler.set_epoch(epoch)
-    return [loaders.on_device(batch)[0] for batch in loaders.train]
+    return [images for images, _ in loaders.train]
 
 
 def test_cached_batches_equal_the_uncached_ones(
@@ -266,12 +267,23 @@ def test_crops_on_the_device_are_seeded_per_sample_and_resume_exactly(
     env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_name="test-node")
     cpu = torch.device("cpu")
     first = build_loaders(job, env, cpu)
-    assert isinstance(first.on_device, CachedCrops) and first.on_device.device == cpu
-    batch = next(iter(first.train))
-    pixels, boxes, flips, _ = batch
-    assert pixels.shape == (16, 3, SIZE, SIZE) and boxes.shape == (16, 4) and flips.shape == (16,)
+    # The loader's samples: the cached square, each with its box and flip drawn from the seed.
+    first.train_sampler.set_epoch(0)
+    keys = list(first.train_sampler)[:16]
+    items = [first.train.dataset[key] for key in keys]
+    pixels, box, flip, _ = items[0]
+    assert pixels.shape == (3, SIZE, SIZE) and box.shape == (4,) and flip.dtype == torch.bool
+    # On the CPU the loader crops each image; a GPU's step crops the same boxes and flips as
+    # one batch (roi_align, here on CPU tensors): the same pixels but for resampling rounding.
+    loader_batch, targets = first.train.collate_fn(items)  # type: ignore[misc]
+    device_batch, device_targets = CachedCrops(cpu, 32)(default_collate(items))
+    assert device_batch.shape == loader_batch.shape == (16, 3, 32, 32) and torch.equal(
+        targets, device_targets
+    )
+    assert (device_batch.float() - loader_batch.float()).abs().mean() < 2.0
     epoch0, epoch1 = _epoch_batches(first, 0), _epoch_batches(first, 1)
     assert epoch0[0].shape == (16, 3, 32, 32) and epoch0[0].dtype == torch.uint8
+    assert torch.equal(epoch0[0], loader_batch)
     assert not torch.equal(epoch0[0], epoch1[0])
     # The same seed: the same batches, with loader workers or without.
     again = build_loaders(job.model_copy(update={"loader_workers": 2}), env, cpu)
