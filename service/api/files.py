@@ -14,8 +14,12 @@ from starlette.concurrency import run_in_threadpool
 from service.services.artifacts import ModelFile
 from service.services.checkpoints import CheckpointFile
 from service.services.incoming import IncomingUpload
+from service.services.stored_archives import StoredFile
 from service.storage.base import ObjectStorage, StorageError, attachment
 from torchyard.contract.errors import PayloadTooLargeError, ServiceUnavailableError
+
+# What a download serves: a model, a checkpoint, or an input's stored archive.
+Served = ModelFile | CheckpointFile | StoredFile
 
 _READ_CHUNK = 256 * 1024
 _WRITE_CHUNK = 1 << 20
@@ -103,7 +107,7 @@ def object_response(
     request: Request,
     storage: ObjectStorage,
     key: str,
-    served: ModelFile | CheckpointFile,
+    served: Served,
     *,
     ttl_s: int,
     media_type: str = "application/gzip",
@@ -129,7 +133,7 @@ def object_response(
     return RedirectResponse(url, status_code=307, headers=headers)
 
 
-def _headers(served: ModelFile | CheckpointFile, extra_headers: dict[str, str] | None) -> dict[str, str]:
+def _headers(served: Served, extra_headers: dict[str, str] | None) -> dict[str, str]:
     return {
         "ETag": f'"{served.sha256}"',
         "Accept-Ranges": "bytes",
@@ -146,7 +150,7 @@ def _not_modified(request: Request, etag: str) -> bool:
 
 def file_response(
     request: Request,
-    model: ModelFile | CheckpointFile,
+    model: Served,
     *,
     media_type: str = "application/gzip",
     extra_headers: dict[str, str] | None = None,

@@ -26,6 +26,7 @@ from PIL import Image
 
 from torchyard.contract.dataset_digest import (
     file_sha256,
+    find_data_root,
     is_ignored_name,
     is_image_name,
     list_files,
@@ -105,20 +106,6 @@ def _names(items: Sequence[str]) -> str:
 def _visible_entries(folder: Path) -> list[os.DirEntry[str]]:
     with os.scandir(folder) as it:
         return sorted((e for e in it if not is_ignored_name(e.name)), key=lambda e: e.name)
-
-
-def find_data_root(root: Path) -> Path:
-    """The folder that holds the class folders: ``root``, or its single wrapping folder.
-
-    ``root`` is unwrapped when it holds exactly one folder and nothing else, and that
-    folder itself holds folders (a lone folder of images is a single class, not a wrapper).
-    """
-    entries = _visible_entries(root)
-    if len(entries) == 1 and entries[0].is_dir():
-        inner = Path(entries[0].path)
-        if any(e.is_dir() for e in _visible_entries(inner)):
-            return inner
-    return root
 
 
 def check_image(path: Path, max_pixels: int) -> str | None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from service.schemas.common import StrictModel
+from torchyard.contract.manifests import DatasetManifest
 from torchyard.contract.responses import DatasetPublic
+from torchyard.contract.transfer import UploadRequest
 
 NAME_MAX = 200
 
@@ -26,6 +28,17 @@ class DatasetRegister(StrictModel):
         description="Decode only this many images (at least one per class) instead of all of them: "
         "for very large datasets. Every file is still hashed.",
         json_schema_extra={"allowed": "> 0"},
+    )
+
+
+class DatasetUploadRequest(UploadRequest):
+    """A direct upload of a dataset's archive (object storage, docs/storage.md): the archive's
+    transfer, and what the dataset is, as the client computed it from the files."""
+
+    name: str = Field(min_length=1, max_length=NAME_MAX, description="A name for the dataset.")
+    manifest: DatasetManifest = Field(
+        description="The dataset's files, content checksum and classes (the API checks the layout "
+        "rules on it; each node that fetches the archive checks the files against it)."
     )
 
 

@@ -23,15 +23,19 @@ from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.datasets import staging
+from service.datasets.manifest import check_code_manifest
 from service.datasets.tarstream import DatasetTar
-from service.db.models import CodePackage, Job, Node, Placement
+from service.db.models import CodePackage, Job, Node, ObjectUpload, Placement
 from service.db.types import utcnow
-from service.services import refs
+from service.schemas.code import CodeUploadRequest
+from service.services import direct_uploads, refs
 from service.services.leases import speaks_for
+from service.services.stored_archives import archive_suffix, delete_object
 from service.services.tokens import Principal
 from service.states import ACTIVE_STATUSES, PlacementStatus
-from torchyard.contract.archive import ExtractionLimits, extract_archive
-from torchyard.contract.dataset_digest import hash_files, is_ignored_name, list_files, manifest_sha256
+from service.storage import ObjectStorage
+from torchyard.contract.archive import ExtractionLimits, detect_format, extract_archive
+from torchyard.contract.dataset_digest import drop_ignored, hash_files, list_files, manifest_sha256
 from torchyard.contract.errors import (
     ConflictError,
     InvalidCodeError,
@@ -41,6 +45,7 @@ from torchyard.contract.errors import (
 )
 from torchyard.contract.files import locked
 from torchyard.contract.responses import CodePublic
+from torchyard.contract.transfer import UploadPlan
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +101,13 @@ def create_from_archive(
             raise InvalidCodeError(str(exc), details=exc.details) from None
         if not files:
             raise InvalidCodeError("the archive holds no files (hidden files are not part of a package)")
-        _drop_ignored(extracted)
+        drop_ignored(extracted)
         digests = hash_files(extracted, files)
         sha = manifest_sha256(digests.items())
         size = sum((extracted / rel).stat().st_size for rel in files)
         final = code_dir(settings) / sha
+        storage = direct_uploads.storage_of(settings)
         with _store_lock(settings):
-            if not final.exists():
-                os.rename(extracted, final)
             row = CodePackage(
                 owner_id=principal.id,
                 name=name,
@@ -112,6 +116,15 @@ def create_from_archive(
                 files=len(files),
                 created_at=utcnow(),
             )
+            if storage.direct:
+                # Object storage: the checked archive itself is kept (shared by content).
+                key = _checked_archive(session, sha)
+                if key is None:
+                    key = f"code/{sha}.{detect_format(archive)}"
+                    storage.adopt_file(key, archive)
+                row.archive_key = key
+            elif not final.exists():
+                os.rename(extracted, final)
             session.add(row)
             session.commit()
     finally:
@@ -120,17 +133,89 @@ def create_from_archive(
     return row
 
 
-def _drop_ignored(root: Path) -> None:
-    """Remove hidden entries (see :func:`is_ignored_name`): they are not part of a package."""
-    for folder, dirs, names in os.walk(root):
-        for name in [*dirs, *names]:
-            if is_ignored_name(name):
-                path = Path(folder) / name
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path)
-                else:
-                    path.unlink()
-        dirs[:] = [d for d in dirs if not is_ignored_name(d)]
+def _checked_archive(session: Session, sha: str) -> str | None:
+    """The object key of a visible package of content ``sha`` whose archive the API itself
+    checked (``code/<sha256>.<format>``), if any: only those are shared (a direct upload's
+    archive is its manifest's content only as far as its client says)."""
+    found: str | None = session.scalars(
+        select(CodePackage.archive_key)
+        .where(
+            CodePackage.sha256 == sha,
+            CodePackage.deleted_at.is_(None),
+            CodePackage.archive_key.like(f"code/{sha}.%"),
+        )
+        .limit(1)
+    ).first()
+    return found
+
+
+_DIRECT_KIND = "code"
+
+
+def plan_direct_upload(
+    session: Session,
+    settings: Settings,
+    storage: ObjectStorage,
+    principal: Principal,
+    body: CodeUploadRequest,
+) -> UploadPlan:
+    """Object storage: check the client's manifest (422 InvalidCodeError, nothing recorded),
+    then plan the archive's direct upload (docs/storage.md)."""
+    manifest = body.manifest
+    check_code_manifest(
+        manifest, max_files=settings.max_code_files, max_bytes=settings.max_code_upload_bytes * EXPANSION
+    )
+    suffix = archive_suffix(body.filename)
+    details = {
+        "name": body.name,
+        "sha256": manifest.sha256,
+        "files": manifest.num_files,
+        "size_bytes": manifest.size_bytes,
+    }
+    return direct_uploads.plan_upload(
+        session,
+        storage,
+        settings,
+        body,
+        kind=_DIRECT_KIND,
+        owner_id=principal.id,
+        key_for=lambda upload_id: f"code/{manifest.sha256}/{upload_id}.{suffix}",
+        complete_url=lambda upload_id: f"/v1/code/uploads/{upload_id}",
+        limit=settings.max_code_upload_bytes,
+        what="the code archive",
+        details=details,
+    )
+
+
+def complete_direct_upload(
+    session: Session, settings: Settings, storage: ObjectStorage, principal: Principal, upload_id: str
+) -> CodePackage:
+    """Record the package of a completed direct upload (409 while parts are missing); every
+    node that fetches its archive recomputes the checksum and refuses another content."""
+    upload = direct_uploads.find_upload(session, upload_id, kind=_DIRECT_KIND, owner_id=principal.id)
+    direct_uploads.take_upload(session, storage, upload)
+    session.commit()
+    d = upload.details
+    with _store_lock(settings):
+        existing = _checked_archive(session, str(d["sha256"]))
+        row = CodePackage(
+            owner_id=principal.id,
+            name=str(d["name"]),
+            sha256=str(d["sha256"]),
+            size_bytes=int(d["size_bytes"]),
+            files=int(d["files"]),
+            archive_key=existing or upload.key,
+            created_at=utcnow(),
+        )
+        session.add(row)
+        upload_row = session.get(ObjectUpload, upload_id)
+        if upload_row is not None:
+            session.delete(upload_row)
+        session.commit()
+    if existing is not None:
+        delete_object(storage, upload.key)
+    log.info("code package %s (%r) uploaded to the object store: %d files", row.id, row.name, row.files)
+    return row
 
 
 def get_code(
@@ -190,14 +275,27 @@ def delete_code(session: Session, settings: Settings, principal: Principal, code
             details={"jobs": [job_id for job_id, _ in users]},
         )
     row.deleted_at = utcnow()
-    sha = row.sha256
+    sha, key = row.sha256, row.archive_key
     session.commit()
     log.info("code package %s deleted by %s", row.id, principal.name)
+    if key is not None:
+        with _store_lock(settings):
+            users = session.scalar(
+                select(func.count())
+                .select_from(CodePackage)
+                .where(CodePackage.archive_key == key, CodePackage.deleted_at.is_(None))
+            )
+            session.commit()
+            if not users:
+                delete_object(direct_uploads.storage_of(settings), key)
+        return
     with _store_lock(settings):
         left = session.scalar(
             select(func.count())
             .select_from(CodePackage)
-            .where(CodePackage.sha256 == sha, CodePackage.deleted_at.is_(None))
+            .where(
+                CodePackage.sha256 == sha, CodePackage.deleted_at.is_(None), CodePackage.archive_key.is_(None)
+            )
         )
         session.commit()
         target = code_dir(settings) / sha

@@ -28,16 +28,19 @@ from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.datasets import staging
+from service.datasets.manifest import check_dataset_manifest
 from service.datasets.tarstream import DatasetTar
 from service.datasets.validate import ValidatedDataset, validate_image_directory
-from service.db.models import Dataset, Job, JobInput, Node, Placement
+from service.db.models import Dataset, Job, JobInput, Node, ObjectUpload, Placement
 from service.db.types import utcnow
-from service.schemas.datasets import DatasetRegister
-from service.services import refs
+from service.schemas.datasets import DatasetRegister, DatasetUploadRequest
+from service.services import direct_uploads, refs
 from service.services.leases import speaks_for
+from service.services.stored_archives import archive_suffix, delete_object
 from service.services.tokens import Principal
 from service.states import ACTIVE_STATUSES, PlacementStatus
-from torchyard.contract.archive import ExtractionLimits, extract_archive
+from service.storage import ObjectStorage
+from torchyard.contract.archive import ExtractionLimits, detect_format, extract_archive
 from torchyard.contract.dataset_digest import list_files
 from torchyard.contract.errors import (
     ConflictError,
@@ -48,6 +51,7 @@ from torchyard.contract.errors import (
 )
 from torchyard.contract.files import locked
 from torchyard.contract.responses import DatasetPublic
+from torchyard.contract.transfer import UploadPlan
 
 log = logging.getLogger(__name__)
 
@@ -147,22 +151,153 @@ def create_from_archive(
         max_ratio=settings.max_compression_ratio,
     )
     extracted = extract_archive(archive, workspace, limits)
+    storage = direct_uploads.storage_of(settings)
     try:
         v = validate_image_directory(
             extracted, max_pixels=settings.max_image_pixels, max_files=settings.max_extracted_files
         )
-        final = datasets_dir(settings) / v.sha256
-        with _store_lock(settings):
-            if final.exists():
-                log.info("dataset content %s already stored; reusing it", v.sha256)
-            else:
-                os.rename(v.data_root, final)
-            row = _new_row(principal, name, SOURCE_UPLOAD, f"datasets/{v.sha256}", v)
-            session.add(row)
-            session.commit()
+        if storage.direct:
+            row = _keep_archive(session, settings, storage, principal, name, archive, v)
+        else:
+            final = datasets_dir(settings) / v.sha256
+            with _store_lock(settings):
+                if final.exists():
+                    log.info("dataset content %s already stored; reusing it", v.sha256)
+                else:
+                    os.rename(v.data_root, final)
+                row = _new_row(principal, name, SOURCE_UPLOAD, f"datasets/{v.sha256}", v)
+                session.add(row)
+                session.commit()
     finally:
         shutil.rmtree(extracted, ignore_errors=True)
     log.info("dataset %s (%r) uploaded: %d images, sha256 %s", row.id, name, row.num_images, row.sha256)
+    return row
+
+
+def _checked_archive(session: Session, sha: str) -> str | None:
+    """The object key of a visible dataset of content ``sha`` whose archive the API itself
+    checked (received by ``POST /v1/datasets``: ``datasets/<sha256>.<format>``), if any.
+    Only those are shared: a direct upload's archive is its manifest's content only as far
+    as its client says, and another upload of that content must not depend on it."""
+    found: str | None = session.scalars(
+        select(Dataset.archive_key)
+        .where(
+            Dataset.sha256 == sha,
+            Dataset.source == SOURCE_UPLOAD,
+            Dataset.deleted_at.is_(None),
+            Dataset.archive_key.like(f"datasets/{sha}.%"),
+        )
+        .limit(1)
+    ).first()
+    return found
+
+
+def _keep_archive(
+    session: Session,
+    settings: Settings,
+    storage: ObjectStorage,
+    principal: Principal,
+    name: str,
+    archive: Path,
+    v: ValidatedDataset,
+) -> Dataset:
+    """Object storage: the validated upload's archive becomes the object
+    ``datasets/<sha256>.<format>`` (the content already kept as an archive is reused)."""
+    with _store_lock(settings):
+        key = _checked_archive(session, v.sha256)
+        if key is None:
+            key = f"datasets/{v.sha256}.{detect_format(archive)}"
+            storage.adopt_file(key, archive)
+        else:
+            log.info("dataset content %s already stored as %s; reusing it", v.sha256, key)
+        row = _new_row(principal, name, SOURCE_UPLOAD, f"datasets/{v.sha256}", v)
+        row.archive_key = key
+        session.add(row)
+        session.commit()
+    return row
+
+
+_DIRECT_KIND = "dataset"
+
+
+def plan_direct_upload(
+    session: Session,
+    settings: Settings,
+    storage: ObjectStorage,
+    principal: Principal,
+    body: DatasetUploadRequest,
+) -> UploadPlan:
+    """Object storage: check the client's manifest (422 with nothing recorded when the layout
+    rules or limits refuse it), then plan the archive's direct upload (docs/storage.md)."""
+    manifest = body.manifest
+    check_dataset_manifest(
+        manifest, max_files=settings.max_extracted_files, max_bytes=settings.max_extracted_bytes
+    )
+    suffix = archive_suffix(body.filename)
+    details = {
+        "name": body.name,
+        "sha256": manifest.sha256,
+        "classes": manifest.classes,
+        "class_counts": manifest.class_counts,
+        "num_images": manifest.num_files,
+        "size_bytes": manifest.size_bytes,
+    }
+    return direct_uploads.plan_upload(
+        session,
+        storage,
+        settings,
+        body,
+        kind=_DIRECT_KIND,
+        owner_id=principal.id,
+        key_for=lambda upload_id: f"datasets/{manifest.sha256}/{upload_id}.{suffix}",
+        complete_url=lambda upload_id: f"/v1/datasets/uploads/{upload_id}",
+        limit=settings.max_upload_bytes,
+        what="the dataset archive",
+        details=details,
+    )
+
+
+def complete_direct_upload(
+    session: Session, settings: Settings, storage: ObjectStorage, principal: Principal, upload_id: str
+) -> Dataset:
+    """Record the dataset of a completed direct upload (409 while parts are missing). The
+    archive's content is the manifest's only as far as the client says: every node that
+    fetches it recomputes the checksum and refuses another content (InvalidDatasetError)."""
+    upload = direct_uploads.find_upload(session, upload_id, kind=_DIRECT_KIND, owner_id=principal.id)
+    direct_uploads.take_upload(session, storage, upload)
+    session.commit()
+    d = upload.details
+    with _store_lock(settings):
+        existing = _checked_archive(session, str(d["sha256"]))
+        key = existing or upload.key
+        row = Dataset(
+            owner_id=principal.id,
+            name=str(d["name"]),
+            source=SOURCE_UPLOAD,
+            storage_path=f"datasets/{d['sha256']}",
+            classes=list(d["classes"]),
+            class_counts=dict(d["class_counts"]),
+            num_images=int(d["num_images"]),
+            size_bytes=int(d["size_bytes"]),
+            sha256=str(d["sha256"]),
+            archive_key=key,
+            created_at=utcnow(),
+        )
+        session.add(row)
+        upload_row = session.get(ObjectUpload, upload_id)
+        if upload_row is not None:
+            session.delete(upload_row)
+        session.commit()
+    if existing is not None:
+        log.info("dataset content %s already stored as %s; dropping the new copy", row.sha256, existing)
+        delete_object(storage, upload.key)
+    log.info(
+        "dataset %s (%r) uploaded to the object store: %d images, sha256 %s",
+        row.id,
+        row.name,
+        row.num_images,
+        row.sha256,
+    )
     return row
 
 
@@ -310,11 +445,26 @@ def delete_dataset(session: Session, settings: Settings, principal: Principal, d
             details={"jobs": [job_id for job_id, _ in users]},
         )
     row.deleted_at = utcnow()
-    source, sha = row.source, row.sha256
+    source, sha, key = row.source, row.sha256, row.archive_key
     session.commit()
     log.info("dataset %s deleted by %s", row.id, principal.name)
-    if source == SOURCE_UPLOAD:
+    if key is not None:
+        _release_archive(session, settings, key)
+    elif source == SOURCE_UPLOAD:
         _release_content(session, settings, sha)
+
+
+def _release_archive(session: Session, settings: Settings, key: str) -> None:
+    """Remove the object ``key`` if no visible dataset uses it any more."""
+    with _store_lock(settings):
+        users = session.scalar(
+            select(func.count())
+            .select_from(Dataset)
+            .where(Dataset.archive_key == key, Dataset.deleted_at.is_(None))
+        )
+        session.commit()
+        if not users:
+            delete_object(direct_uploads.storage_of(settings), key)
 
 
 def _release_content(session: Session, settings: Settings, sha: str) -> None:

@@ -29,12 +29,17 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.datasets import staging
 from service.db.models import Node, PretrainedWeights
+from service.schemas.weights import WeightsUploadRequest
+from service.services import direct_uploads
 from service.services.architectures import check_architecture
+from service.services.stored_archives import StoredFile, delete_object, stored_file
 from service.services.tokens import Principal
 from service.states import NodeStatus
+from service.storage import ObjectStorage
 from torchyard.contract.errors import InvalidModelDirectoryError, NotFoundError, PermissionDeniedError
 from torchyard.contract.protocol import ClaimedWeights
 from torchyard.contract.responses import WeightsPublic
+from torchyard.contract.transfer import UploadPlan
 
 # torch.save writes a zip archive (torch >= 1.6); the legacy pickle format is not accepted.
 ZIP_MAGIC = b"PK\x03\x04"
@@ -52,6 +57,78 @@ def store_dir(settings: Settings) -> Path:
 
 def weights_file(settings: Settings, row: PretrainedWeights) -> Path:
     return store_dir(settings) / f"{row.sha256}.pth"
+
+
+def weights_key(sha: str) -> str:
+    """The object of the file of content ``sha`` (the file layout's path, in any store)."""
+    return f"weights/{sha}.pth"
+
+
+_DIRECT_KIND = "weights"
+
+
+def plan_direct_upload(
+    session: Session,
+    settings: Settings,
+    storage: ObjectStorage,
+    principal: Principal,
+    body: WeightsUploadRequest,
+) -> UploadPlan:
+    """Object storage: the checks that need no byte of the file (the architecture, a sha256
+    prefix in the file's name against the announced sha256, which the store verifies), then
+    the direct upload's plan (docs/storage.md). That the file is a torch archive is the
+    client's to check before it uploads, and the node's when it loads it."""
+    check_architecture(body.architecture, field="architecture")
+    filename = Path(body.filename or "weights.pth").name
+    check_name(filename, body.sha256)
+    return direct_uploads.plan_upload(
+        session,
+        storage,
+        settings,
+        body,
+        kind=_DIRECT_KIND,
+        owner_id=principal.id,
+        key_for=lambda _upload_id: weights_key(body.sha256),
+        complete_url=lambda upload_id: f"/v1/weights/uploads/{upload_id}",
+        limit=settings.max_weights_upload_bytes,
+        what="the weights file",
+        details={"architecture": body.architecture, "filename": filename},
+    )
+
+
+def complete_direct_upload(
+    session: Session, storage: ObjectStorage, principal: Principal, upload_id: str
+) -> PretrainedWeights:
+    """Record the weights of a completed direct upload (409 while parts are missing); the
+    same file for the same architecture answers its row again."""
+    upload = direct_uploads.find_upload(session, upload_id, kind=_DIRECT_KIND, owner_id=principal.id)
+    direct_uploads.take_upload(session, storage, upload)
+    architecture = str(upload.details["architecture"])
+    row = session.scalars(
+        select(PretrainedWeights).where(
+            PretrainedWeights.architecture == architecture, PretrainedWeights.sha256 == upload.sha256
+        )
+    ).first()
+    if row is None:
+        row = PretrainedWeights(
+            architecture=architecture,
+            filename=str(upload.details["filename"])[:FILENAME_MAX],
+            sha256=upload.sha256,
+            size_bytes=upload.size_bytes,
+            uploaded_by=principal.id,
+        )
+        session.add(row)
+    session.delete(upload)
+    session.commit()
+    return row
+
+
+def stored(settings: Settings, row: PretrainedWeights) -> StoredFile:
+    """The weights' file as served to a node (object storage: 404 when the store lost it)."""
+    storage = direct_uploads.storage_of(settings)
+    return stored_file(
+        storage, weights_key(row.sha256), sha256=row.sha256, filename=row.filename, what=f"weights {row.id!r}"
+    )
 
 
 def upload_workspace(settings: Settings, principal: Principal) -> AbstractContextManager[Path]:
@@ -83,6 +160,13 @@ def check_file(path: Path, filename: str) -> str:
             details={"field": "file"},
         )
     sha = _sha256(path)
+    check_name(filename, sha)
+    return sha
+
+
+def check_name(filename: str, sha: str) -> None:
+    """422 when ``filename`` names a sha256 prefix (torchvision's ``resnet50-0676ba61.pth``)
+    that ``sha`` does not start with."""
     named = _HASH_IN_NAME.search(filename)
     if named is not None and not sha.startswith(named.group(1)):
         raise InvalidModelDirectoryError(
@@ -90,7 +174,6 @@ def check_file(path: Path, filename: str) -> str:
             "it is damaged or not the published file",
             details={"field": "file", "expected_prefix": named.group(1), "sha256": sha},
         )
-    return sha
 
 
 def create(
@@ -112,10 +195,14 @@ def create(
     ).first()
     if existing is not None:
         return existing
-    store = store_dir(settings)
-    store.mkdir(parents=True, exist_ok=True)
     size = upload.stat().st_size
-    os.replace(upload, store / f"{sha}.pth")
+    storage = direct_uploads.storage_of(settings)
+    if storage.direct:
+        storage.adopt_file(weights_key(sha), upload)
+    else:
+        store = store_dir(settings)
+        store.mkdir(parents=True, exist_ok=True)
+        os.replace(upload, store / f"{sha}.pth")
     row = PretrainedWeights(
         architecture=architecture,
         filename=filename[:FILENAME_MAX],
@@ -155,7 +242,11 @@ def delete_weights(session: Session, settings: Settings, principal: Principal, w
     session.execute(delete(PretrainedWeights).where(PretrainedWeights.id == row.id))
     session.commit()
     if session.scalars(select(PretrainedWeights.id).where(PretrainedWeights.sha256 == sha)).first() is None:
-        (store_dir(settings) / f"{sha}.pth").unlink(missing_ok=True)
+        storage = direct_uploads.storage_of(settings)
+        if storage.direct:
+            delete_object(storage, weights_key(sha))
+        else:
+            (store_dir(settings) / f"{sha}.pth").unlink(missing_ok=True)
 
 
 def newest_for(session: Session, architecture: str) -> PretrainedWeights | None:

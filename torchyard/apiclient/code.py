@@ -14,9 +14,12 @@ from typing import Any
 
 import httpx
 
+from torchyard.apiclient.datasets import stores_directly, upload_direct
 from torchyard.apiclient.models import CodePackage, Page
 from torchyard.apiclient.transport import Transport, raise_for, segment
+from torchyard.contract.archive import extract_archive
 from torchyard.contract.errors import TorchyardError
+from torchyard.contract.manifests import folder_manifest
 
 IGNORE_FILE = ".torchyardignore"
 
@@ -130,9 +133,15 @@ class CodeCalls:
         self, folder: str | Path, name: str | None = None, *, timeout: float = 3600.0
     ) -> CodePackage:
         """Upload a source folder (everything in it but what ``.torchyardignore`` and hidden
-        names leave out) or an archive file as a code package."""
+        names leave out) or an archive file as a code package.
+
+        With object storage (``GET /v1/storage``) the archive goes straight to the store with
+        its manifest (the files' checksums, computed here); each node checks the archive
+        against it when it fetches it."""
         source = Path(folder)
+        name = name or source.resolve().name.split(".")[0] or "code"
         with tempfile.TemporaryDirectory(prefix="torchyard-code-") as tmp:
+            files: list[str] | None = None
             if source.is_dir():
                 files, _skipped = code_files(source)
                 archive = Path(tmp) / "code.tar.gz"
@@ -141,11 +150,23 @@ class CodeCalls:
                 archive = source
             else:
                 raise FileNotFoundError(f"no such file or folder: {source}")
+            if stores_directly(self._transport):
+                if files is not None:
+                    manifest = folder_manifest(source, files)
+                else:
+                    manifest = folder_manifest(extract_archive(archive, Path(tmp) / "extracted"))
+                data = upload_direct(
+                    self._transport,
+                    "/v1/code/uploads",
+                    archive,
+                    fields={"name": name, "manifest": manifest.model_dump()},
+                )
+                return CodePackage.model_validate(data)
             with open(archive, "rb") as fh:
                 data = self._transport.json(
                     "POST",
                     "/v1/code",
-                    data={"name": name or source.resolve().name.split(".")[0] or "code"},
+                    data={"name": name},
                     files={"file": (archive.name, fh, "application/gzip")},
                     timeout=httpx.Timeout(self._transport.timeout, read=timeout, write=timeout),
                 )

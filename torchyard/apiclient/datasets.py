@@ -5,17 +5,20 @@ from __future__ import annotations
 import os
 import tarfile
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import httpx
 
+from torchyard.apiclient import direct
 from torchyard.apiclient.models import Dataset, Page
 from torchyard.apiclient.transport import ProgressCallback, Transport, segment
-from torchyard.contract.dataset_digest import dataset_sha256
+from torchyard.contract.archive import extract_archive
+from torchyard.contract.dataset_digest import dataset_sha256, find_data_root, list_files
 from torchyard.contract.deflate import GzipWriter, LevelChooser
 from torchyard.contract.errors import TorchyardError
+from torchyard.contract.manifests import DatasetManifest, dataset_files, dataset_manifest
 
 AMBIGUOUS = "AmbiguousReferenceError"
 """The error code of a name or id prefix that matches several of the caller's objects."""
@@ -80,6 +83,72 @@ class ProgressReader:
             yield chunk
 
 
+# Pillow's names of the formats datasets may hold (what the service decodes them with).
+_PILLOW_FORMATS = ("JPEG", "PNG", "BMP", "WEBP", "GIF", "TIFF")
+
+
+def pillow_check() -> Callable[[Path], str | None] | None:
+    """A decode of one image that says why it cannot be used (None: it can), where Pillow is
+    installed (the worker and server extras); None where it is not."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return None
+
+    def check(path: Path) -> str | None:
+        try:
+            with Image.open(path, formats=_PILLOW_FORMATS) as im:
+                im.load()
+        except Image.UnidentifiedImageError:
+            return "not a supported image"
+        except Exception as exc:  # Pillow raises many types on bad data
+            return f"cannot be decoded ({type(exc).__name__}: {exc})"
+        return None
+
+    return check
+
+
+def describe_dataset(source: Path, archive: Path, scratch: Path) -> DatasetManifest:
+    """The manifest of the dataset ``archive`` holds: of the folder ``source`` it was packed from,
+    else of the archive itself, extracted into ``scratch`` as the nodes will extract it. Every
+    image is decoded first where Pillow is installed (InvalidDatasetError naming the bad ones)."""
+    check = pillow_check()
+    if source.is_dir():
+        return dataset_manifest(source, dataset_files(source), check_image=check)
+    root = find_data_root(extract_archive(archive, scratch))
+    return dataset_manifest(root, list_files(root), check_image=check)
+
+
+def stores_directly(transport: Transport) -> bool:
+    """Whether the API keeps artifacts in an object store that clients upload to directly
+    (``GET /v1/storage``): asked once per upload."""
+    try:
+        return direct.is_direct(transport.http)
+    except httpx.TransportError as exc:
+        raise transport.unreachable(exc) from exc
+
+
+def upload_direct(
+    transport: Transport,
+    plan_url: str,
+    path: Path,
+    *,
+    fields: dict[str, Any],
+    progress: ProgressCallback | None = None,
+) -> Any:
+    """A direct upload of ``path`` (object storage, docs/storage.md) and the API's answer to
+    its completion, as JSON."""
+    try:
+        response = direct.upload(
+            transport.http, plan_url, path, filename=path.name, fields=fields, progress=progress
+        )
+    except httpx.TransportError as exc:
+        raise transport.unreachable(exc) from exc
+    if response is None:  # pragma: no cover - the API said direct, then planned "api"
+        raise TorchyardError(f"{plan_url} planned no direct upload though the API stores objects directly")
+    return response.json()
+
+
 class DatasetCalls:
     """The ``/v1/datasets`` routes."""
 
@@ -95,7 +164,12 @@ class DatasetCalls:
         timeout: float = 3600.0,
     ) -> Dataset:
         """Upload an ImageDirectory: a folder (packed to .tar.gz on the fly, in a temp file)
-        or an archive file (.zip, .tar, .tar.gz/.tgz) as it is."""
+        or an archive file (.zip, .tar, .tar.gz/.tgz) as it is.
+
+        With object storage (``GET /v1/storage``) the archive goes straight to the store: the
+        API records the dataset from its manifest (the files' checksums and classes, computed
+        here, every image decoded first where Pillow is installed), and each node checks the
+        archive against it when it fetches it. Else the API receives and checks the archive."""
         source = Path(path)
         name = name or source.name.split(".")[0] or "dataset"
         with tempfile.TemporaryDirectory(prefix="torchyard-upload-") as tmp:
@@ -107,6 +181,16 @@ class DatasetCalls:
                 archive = source
             else:
                 raise FileNotFoundError(f"no such file or folder: {source}")
+            if stores_directly(self._transport):
+                manifest = describe_dataset(source, archive, Path(tmp) / "extracted")
+                data = upload_direct(
+                    self._transport,
+                    "/v1/datasets/uploads",
+                    archive,
+                    fields={"name": name, "manifest": manifest.model_dump()},
+                    progress=progress,
+                )
+                return Dataset.model_validate(data)
             total = archive.stat().st_size
             with open(archive, "rb") as fh:
                 body: IO[bytes] | ProgressReader = (

@@ -56,8 +56,11 @@ def _part_body(path: Path, offset: int, size: int, progress: Callable[[int], Non
             yield chunk
 
 
-def _ask(api: httpx.Client, url: str, request: UploadRequest, headers: dict[str, str]) -> UploadPlan:
-    response = api.post(url, json=request.model_dump(exclude_none=True), headers=headers)
+def _ask(
+    api: httpx.Client, url: str, request: UploadRequest, headers: dict[str, str], fields: dict[str, Any]
+) -> UploadPlan:
+    body = {**request.model_dump(exclude_none=True), **fields}
+    response = api.post(url, json=body, headers=headers, timeout=httpx.Timeout(60.0, read=300.0))
     if response.status_code >= 400:
         raise error_from_body(response.status_code, _body(response))
     return UploadPlan.model_validate(response.json())
@@ -74,19 +77,22 @@ def upload(
     part_bytes: int = PART_BYTES,
     progress: ProgressCallback | None = None,
     store: httpx.Client | None = None,
+    fields: dict[str, Any] | None = None,
 ) -> httpx.Response | None:
     """Upload the file ``path`` by the plan the API gives at ``plan_url``.
 
     Returns the API's answer to the completion (the kind's usual answer), or None when the
     API stores the bytes itself (file storage: ``mode == "api"``): the caller then PUTs the
     body to its route as it always did. The API's refusals raise the matching
-    :class:`TorchyardError`.
+    :class:`TorchyardError`. ``fields`` go into the plan's request beside the transfer's
+    (what the kind's route needs to record the artifact: a name, a manifest...).
     """
+    fields = dict(fields or {})
     headers = dict(headers or {})
     request = describe_file(Path(path), part_bytes, sha256=sha256)
     if filename is not None:
         request = request.model_copy(update={"filename": filename})
-    plan = _ask(api, plan_url, request, headers)
+    plan = _ask(api, plan_url, request, headers, fields)
     if plan.mode == "api":
         return None
     sent = 0
@@ -106,7 +112,7 @@ def upload(
             if _send_parts(store, Path(path), plan, moved):
                 return _complete(api, plan, headers)
             log.info("presigned URLs expired; asking for fresh ones (round %d)", round_number + 2)
-            plan = _ask(api, plan_url, request, headers)
+            plan = _ask(api, plan_url, request, headers, fields)
     finally:
         if own_store:
             store.close()

@@ -8,8 +8,13 @@ from typing import Any
 
 import httpx
 
+from torchyard.apiclient.datasets import stores_directly, upload_direct
 from torchyard.apiclient.transport import Transport, segment
+from torchyard.contract.errors import InvalidModelDirectoryError
 from torchyard.contract.responses import WeightsPublic
+
+# torch.save writes a zip archive (torch >= 1.6); the service takes no other format.
+ZIP_MAGIC = b"PK\x03\x04"
 
 
 class WeightsCalls:
@@ -20,8 +25,23 @@ class WeightsCalls:
         self, architecture: str, file: str | Path, *, timeout: float = 3600.0
     ) -> WeightsPublic:
         """Upload a state dict (``torch.save(model.state_dict(), file)``, or a torchvision
-        weights file) as the pretrained weights of ``architecture``."""
+        weights file) as the pretrained weights of ``architecture``.
+
+        With object storage (``GET /v1/storage``) the file goes straight to the store (the
+        API never sees it: that it is a torch archive is checked here first)."""
         path = Path(file)
+        if stores_directly(self._transport):
+            with open(path, "rb") as fh:
+                if fh.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+                    raise InvalidModelDirectoryError(
+                        f"{path.name} is not a torch state dict archive (torch.save(model.state_dict(), "
+                        "path) writes one); the file does not start as a zip archive does",
+                        details={"field": "file"},
+                    )
+            data = upload_direct(
+                self._transport, "/v1/weights/uploads", path, fields={"architecture": architecture}
+            )
+            return WeightsPublic.model_validate(data)
         with open(path, "rb") as fh:
             data = self._transport.json(
                 "POST",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import stat
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,40 @@ def is_ignored_name(name: str) -> bool:
 def is_image_name(name: str) -> bool:
     """Whether a file name has one of the supported image extensions (case-insensitive)."""
     return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
+
+
+def _visible_entries(folder: Path) -> list[os.DirEntry[str]]:
+    with os.scandir(folder) as it:
+        return sorted((e for e in it if not is_ignored_name(e.name)), key=lambda e: e.name)
+
+
+def find_data_root(root: Path) -> Path:
+    """The folder that holds the class folders: ``root``, or its single wrapping folder.
+
+    ``root`` is unwrapped when it holds exactly one folder and nothing else, and that
+    folder itself holds folders (a lone folder of images is a single class, not a wrapper).
+    """
+    entries = _visible_entries(root)
+    if len(entries) == 1 and entries[0].is_dir():
+        inner = Path(entries[0].path)
+        if any(e.is_dir() for e in _visible_entries(inner)):
+            return inner
+    return root
+
+
+def drop_ignored(root: Path) -> None:
+    """Remove the ignored entries (see :func:`is_ignored_name`) below ``root``: they are not
+    part of a dataset or a code package, so an extracted archive holds only what its
+    checksum covers."""
+    for folder, dirs, names in os.walk(root):
+        for name in [*dirs, *names]:
+            if is_ignored_name(name):
+                path = Path(folder) / name
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+        dirs[:] = [d for d in dirs if not is_ignored_name(d)]
 
 
 def _within(path: Path, roots: Sequence[Path]) -> bool:

@@ -11,3 +11,7 @@ AGENT_KEY_HEADER = "X-Torchyard-Agent-Key"
 # The training-state checkpoint's epoch (and step, for a mid-epoch preemption checkpoint).
 CHECKPOINT_EPOCH_HEADER = "X-Torchyard-Checkpoint-Epoch"
 CHECKPOINT_STEP_HEADER = "X-Torchyard-Checkpoint-Step"
+# A dataset's or code package's download: how many files it holds and their bytes once
+# extracted (a node caps its extraction of a stored archive at about these).
+FILES_HEADER = "X-Torchyard-Files"
+CONTENT_BYTES_HEADER = "X-Torchyard-Content-Bytes"

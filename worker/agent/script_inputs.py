@@ -70,8 +70,12 @@ def prepare_script(
 
     def fetch(what: str, url: str | None, ref_id: str, sha256: str, cache: Path) -> Path:
         started = time.monotonic()
+        # A code package's files are at the top of its archive: no wrapping folder to unwrap.
+        unwrap = url is None
         folder: Path = retrying(
-            lambda: fetch_dataset(ctx.api.client, ref_id, sha256, cache, url=url),
+            lambda: fetch_dataset(
+                ctx.api.client, ref_id, sha256, cache, url=url, what=f"{what} {ref_id}", unwrap=unwrap
+            ),
             f"fetching {what} {ref_id}",
             stop=stop,
             deadline=time.monotonic() + FETCH_DEADLINE_S,

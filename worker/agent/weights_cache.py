@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from torchyard.apiclient import direct
 from torchyard.contract.errors import InvalidModelDirectoryError, error_from_body
 from torchyard.contract.files import locked
 from torchyard.contract.headers import SHA256_HEADER
@@ -42,7 +43,10 @@ def hub_allowed(environ: Mapping[str, str] = os.environ) -> bool:
 
 def _download(client: httpx.Client, ref: ClaimedWeights, dest: Path) -> str:
     digest = hashlib.sha256()
-    with client.stream("GET", f"/v1/worker/weights/{ref.id}/file") as response:
+    # Object storage: a redirect to the file in the store, followed; the API's headers say
+    # what it is, and the bytes are hashed here whoever sends them.
+    url = f"/v1/worker/weights/{ref.id}/file"
+    with client.stream("GET", url, follow_redirects=True) as response:
         if response.status_code != 200:
             response.read()
             try:
@@ -50,7 +54,7 @@ def _download(client: httpx.Client, ref: ClaimedWeights, dest: Path) -> str:
             except ValueError:
                 body = response.text
             raise error_from_body(response.status_code, body)
-        announced = response.headers.get(SHA256_HEADER)
+        announced = direct.api_headers(response).get(SHA256_HEADER)
         if announced != ref.sha256:
             raise InvalidModelDirectoryError(
                 f"weights {ref.id}: the service sends content {announced!r}, the job expects {ref.sha256!r}"

@@ -10,14 +10,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import CurrentUser, ReadSessionDep, SessionDep, SettingsDep, WorkerDep
+from service.api.files import object_response
 from service.api.routes.dataset_bodies import receive_file_upload
 from service.api.routes.datasets import default_archive_name
 from service.api.routing import SessionScopedRoute
-from service.schemas.code import NAME_MAX, CodeList
+from service.schemas.code import NAME_MAX, CodeList, CodeUploadRequest
 from service.services import code as code_service
+from service.services import direct_uploads
+from service.services.stored_archives import archive_suffix, stored_file
 from torchyard.contract.errors import RequestValidationError
-from torchyard.contract.headers import SHA256_HEADER
+from torchyard.contract.headers import CONTENT_BYTES_HEADER, FILES_HEADER, SHA256_HEADER
 from torchyard.contract.responses import CodePublic
+from torchyard.contract.transfer import UploadPlan
 
 router = APIRouter(tags=["code"], route_class=SessionScopedRoute)
 
@@ -113,18 +117,65 @@ def delete_code(code_id: str, session: SessionDep, settings: SettingsDep, user: 
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
+@router.post("/v1/code/uploads")
+def plan_code_upload(
+    body: CodeUploadRequest, session: SessionDep, settings: SettingsDep, user: CurrentUser
+) -> UploadPlan:
+    """Where to put a code package's archive (docs/storage.md): with object storage,
+    presigned parts, once the manifest (the files and their checksum) passes the checks
+    (422 otherwise, nothing recorded). ``mode "api"`` with file storage: ``POST /v1/code``."""
+    storage = direct_uploads.storage_of(settings)
+    if not storage.direct:
+        return direct_uploads.api_plan("/v1/code")
+    return code_service.plan_direct_upload(session, settings, storage, user, body)
+
+
+@router.post("/v1/code/uploads/{upload_id}", status_code=status.HTTP_201_CREATED)
+def complete_code_upload(
+    upload_id: str, session: SessionDep, settings: SettingsDep, user: CurrentUser
+) -> CodePublic:
+    """Record the package whose archive is in the object store (409 while parts are missing);
+    201 as ``POST /v1/code`` answers."""
+    storage = direct_uploads.storage_of(settings)
+    row = code_service.complete_direct_upload(session, settings, storage, user, upload_id)
+    return code_service.code_public(row)
+
+
 @router.get(
     "/v1/worker/code/{code_id}/archive",
     tags=["worker"],
     response_class=StreamingResponse,
-    responses={200: {"content": {"application/x-tar": {}}}},
+    responses={200: {"content": {"application/x-tar": {}}}, 307: {"description": "Object storage."}},
 )
 def code_archive(
-    code_id: str, session: ReadSessionDep, settings: SettingsDep, worker: WorkerDep
-) -> StreamingResponse:
+    code_id: str, request: Request, session: ReadSessionDep, settings: SettingsDep, worker: WorkerDep
+) -> Response:
     """The package's files as a deterministic tar with its checksum in ``X-Torchyard-Sha256``;
-    only for a package that a job placed on one of the worker's nodes uses."""
+    only for a package that a job placed on one of the worker's nodes uses. A package kept
+    as an archive in the object store: a redirect to it (the node checks the checksum)."""
     row = code_service.code_for_worker(session, worker, code_id)
+    if row.archive_key is not None:
+        storage = direct_uploads.storage_of(settings)
+        served = stored_file(
+            storage,
+            row.archive_key,
+            sha256=row.sha256,
+            filename=f"{row.id}.{archive_suffix(row.archive_key)}",
+            what=f"code package {row.id!r}",
+        )
+        return object_response(
+            request,
+            storage,
+            row.archive_key,
+            served,
+            ttl_s=settings.storage_url_ttl_s,
+            media_type="application/octet-stream",
+            extra_headers={
+                SHA256_HEADER: row.sha256,
+                FILES_HEADER: str(row.files),
+                CONTENT_BYTES_HEADER: str(row.size_bytes),
+            },
+        )
     tar = code_service.code_tar(settings, row)
     headers = {
         "Content-Length": str(tar.size),

@@ -13,12 +13,17 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import CurrentUser, ReadSessionDep, SessionDep, SettingsDep, WorkerDep
+from service.api.files import object_response
 from service.api.routes.dataset_bodies import receive_json, receive_multipart
 from service.api.routing import SessionScopedRoute
-from service.schemas.datasets import NAME_MAX, DatasetList, DatasetRegister
+from service.schemas.datasets import NAME_MAX, DatasetList, DatasetRegister, DatasetUploadRequest
 from service.services import datasets as datasets_service
+from service.services import direct_uploads
+from service.services.stored_archives import archive_suffix, stored_file
 from torchyard.contract.errors import RequestValidationError, TorchyardError
+from torchyard.contract.headers import CONTENT_BYTES_HEADER, FILES_HEADER, SHA256_HEADER
 from torchyard.contract.responses import DatasetPublic
+from torchyard.contract.transfer import UploadPlan
 
 router = APIRouter(tags=["datasets"], route_class=SessionScopedRoute)
 
@@ -153,24 +158,73 @@ def delete_dataset(
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
+@router.post("/v1/datasets/uploads")
+def plan_dataset_upload(
+    body: DatasetUploadRequest, session: SessionDep, settings: SettingsDep, user: CurrentUser
+) -> UploadPlan:
+    """Where to put a dataset's archive (docs/storage.md): with object storage, presigned
+    parts, once the manifest (the files, their checksum, the classes) passes the layout
+    rules (422 otherwise, nothing recorded); the same request again resumes the upload.
+    ``mode "api"`` with file storage: upload it with ``POST /v1/datasets``."""
+    storage = direct_uploads.storage_of(settings)
+    if not storage.direct:
+        return direct_uploads.api_plan("/v1/datasets")
+    return datasets_service.plan_direct_upload(session, settings, storage, user, body)
+
+
+@router.post("/v1/datasets/uploads/{upload_id}", status_code=status.HTTP_201_CREATED)
+def complete_dataset_upload(
+    upload_id: str, session: SessionDep, settings: SettingsDep, user: CurrentUser
+) -> DatasetPublic:
+    """Record the dataset whose archive is in the object store (409 while parts are missing:
+    ask for the plan again). 201 as ``POST /v1/datasets`` answers; the nodes check the
+    archive's files against the manifest when they fetch it."""
+    storage = direct_uploads.storage_of(settings)
+    row = datasets_service.complete_direct_upload(session, settings, storage, user, upload_id)
+    return datasets_service.dataset_public(row)
+
+
 @router.get(
     "/v1/worker/datasets/{dataset_id}/archive",
     tags=["worker"],
     response_class=StreamingResponse,
-    responses={200: {"content": {"application/x-tar": {}}}},
+    responses={200: {"content": {"application/x-tar": {}}}, 307: {"description": "Object storage."}},
 )
 def dataset_archive(
-    dataset_id: str, session: ReadSessionDep, settings: SettingsDep, worker: WorkerDep
-) -> StreamingResponse:
+    dataset_id: str, request: Request, session: ReadSessionDep, settings: SettingsDep, worker: WorkerDep
+) -> Response:
     """The dataset's files as a deterministic tar (class folders at the top), with its content
     checksum in ``X-Torchyard-Sha256``; only for a dataset that a job placed on one of the
-    worker's nodes uses."""
+    worker's nodes uses. A dataset kept as an archive in the object store: a redirect to it
+    (any archive format, possibly one wrapping folder; the node checks the content checksum)."""
     row = datasets_service.dataset_for_worker(session, worker, dataset_id)
+    if row.archive_key is not None:
+        storage = direct_uploads.storage_of(settings)
+        served = stored_file(
+            storage,
+            row.archive_key,
+            sha256=row.sha256,
+            filename=f"{row.id}.{archive_suffix(row.archive_key)}",
+            what=f"dataset {row.id!r}",
+        )
+        return object_response(
+            request,
+            storage,
+            row.archive_key,
+            served,
+            ttl_s=settings.storage_url_ttl_s,
+            media_type="application/octet-stream",
+            extra_headers={
+                SHA256_HEADER: row.sha256,
+                FILES_HEADER: str(row.num_images),
+                CONTENT_BYTES_HEADER: str(row.size_bytes),
+            },
+        )
     tar = datasets_service.dataset_tar(settings, row)
     headers = {
         "Content-Length": str(tar.size),
-        "X-Torchyard-Sha256": row.sha256,
-        "X-Torchyard-Files": str(len(tar.members)),
+        SHA256_HEADER: row.sha256,
+        FILES_HEADER: str(len(tar.members)),
         "ETag": f'"{row.sha256}"',
     }
     return StreamingResponse(iter(tar), media_type="application/x-tar", headers=headers)

@@ -12,12 +12,16 @@ from fastapi.responses import FileResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import CurrentUser, ReadSessionDep, SessionDep, SettingsDep, WorkerDep
+from service.api.files import object_response
 from service.api.routes.dataset_bodies import receive_file_upload
 from service.api.routing import SessionScopedRoute
+from service.schemas.weights import WeightsUploadRequest
+from service.services import direct_uploads
 from service.services import weights as weights_service
 from torchyard.contract.errors import RequestValidationError
 from torchyard.contract.headers import SHA256_HEADER
 from torchyard.contract.responses import WeightsPublic
+from torchyard.contract.transfer import UploadPlan
 
 router = APIRouter(tags=["weights"], route_class=SessionScopedRoute)
 
@@ -90,6 +94,29 @@ async def create_weights(
     return weights_service.public(row)
 
 
+@router.post("/v1/weights/uploads")
+def plan_weights_upload(
+    body: WeightsUploadRequest, session: SessionDep, settings: SettingsDep, user: CurrentUser
+) -> UploadPlan:
+    """Where to put a state dict (docs/storage.md): with object storage, presigned parts,
+    once the architecture and a sha256 prefix in the file's name pass (422 otherwise); the
+    same request again resumes. ``mode "api"`` with file storage: ``POST /v1/weights``."""
+    storage = direct_uploads.storage_of(settings)
+    if not storage.direct:
+        return direct_uploads.api_plan("/v1/weights")
+    return weights_service.plan_direct_upload(session, settings, storage, user, body)
+
+
+@router.post("/v1/weights/uploads/{upload_id}", status_code=status.HTTP_201_CREATED)
+def complete_weights_upload(
+    upload_id: str, session: SessionDep, settings: SettingsDep, user: CurrentUser
+) -> WeightsPublic:
+    """Record the weights whose file is in the object store (409 while parts are missing);
+    201 as ``POST /v1/weights`` answers."""
+    storage = direct_uploads.storage_of(settings)
+    return weights_service.public(weights_service.complete_direct_upload(session, storage, user, upload_id))
+
+
 @router.get("/v1/weights")
 def list_weights(
     session: ReadSessionDep,
@@ -122,10 +149,22 @@ def delete_weights(
     responses={200: {"content": {"application/octet-stream": {}}}},
 )
 def weights_download(
-    weights_id: str, session: ReadSessionDep, settings: SettingsDep, worker: WorkerDep
-) -> FileResponse:
-    """The stored file, with its checksum in ``X-Torchyard-Sha256`` (the node verifies it)."""
+    weights_id: str, request: Request, session: ReadSessionDep, settings: SettingsDep, worker: WorkerDep
+) -> Response:
+    """The stored file, with its checksum in ``X-Torchyard-Sha256`` (the node verifies it);
+    with object storage, a redirect to it."""
     row = weights_service.get_weights(session, weights_id)
+    storage = direct_uploads.storage_of(settings)
+    if storage.direct:
+        return object_response(
+            request,
+            storage,
+            weights_service.weights_key(row.sha256),
+            weights_service.stored(settings, row),
+            ttl_s=settings.storage_url_ttl_s,
+            media_type="application/octet-stream",
+            extra_headers={SHA256_HEADER: row.sha256},
+        )
     return FileResponse(
         weights_service.weights_file(settings, row),
         media_type="application/octet-stream",
