@@ -28,7 +28,8 @@ from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.datasets import staging
-from service.db.models import Node, PretrainedWeights
+from service.db.models import Node, ObjectUpload, PretrainedWeights
+from service.db.types import new_id, utcnow
 from service.schemas.weights import WeightsUploadRequest
 from service.services import direct_uploads
 from service.services.architectures import check_architecture
@@ -36,7 +37,14 @@ from service.services.stored_archives import StoredFile, delete_object, stored_f
 from service.services.tokens import Principal
 from service.states import NodeStatus
 from service.storage import ObjectStorage
-from torchyard.contract.errors import InvalidModelDirectoryError, NotFoundError, PermissionDeniedError
+from service.storage.base import StorageError
+from torchyard.contract.errors import (
+    ConflictError,
+    InvalidModelDirectoryError,
+    NotFoundError,
+    PermissionDeniedError,
+    ServiceUnavailableError,
+)
 from torchyard.contract.protocol import ClaimedWeights
 from torchyard.contract.responses import WeightsPublic
 from torchyard.contract.transfer import UploadPlan
@@ -81,6 +89,9 @@ def plan_direct_upload(
     check_architecture(body.architecture, field="architecture")
     filename = Path(body.filename or "weights.pth").name
     check_name(filename, body.sha256)
+    details: dict[str, Any] = {"architecture": body.architecture, "filename": filename}
+    if _already_stored(session, storage, body.sha256):
+        return _plan_stored(session, settings, principal, body, details)
     return direct_uploads.plan_upload(
         session,
         storage,
@@ -92,7 +103,53 @@ def plan_direct_upload(
         complete_url=lambda upload_id: f"/v1/weights/uploads/{upload_id}",
         limit=settings.max_weights_upload_bytes,
         what="the weights file",
-        details={"architecture": body.architecture, "filename": filename},
+        details=details,
+    )
+
+
+def _already_stored(session: Session, storage: ObjectStorage, sha: str) -> bool:
+    """Whether the file of content ``sha`` is stored for a row already (its object verified)."""
+    if session.scalars(select(PretrainedWeights.id).where(PretrainedWeights.sha256 == sha)).first() is None:
+        return False
+    try:
+        return storage.head(weights_key(sha)) is not None
+    except StorageError as exc:
+        raise ServiceUnavailableError(f"the object store did not answer: {exc}") from exc
+
+
+def _plan_stored(
+    session: Session,
+    settings: Settings,
+    principal: Principal,
+    body: WeightsUploadRequest,
+    details: dict[str, Any],
+) -> UploadPlan:
+    """The plan of a file stored already: no part to send, only the completion. Its upload
+    row names no object of its own (the key is the file's, shared by content: an upload of it
+    that is abandoned, or refused, must not remove it)."""
+    upload_id = new_id()
+    session.add(
+        ObjectUpload(
+            id=upload_id,
+            kind=_DIRECT_KIND,
+            key=f"weights/{body.sha256}/{upload_id}.stored",
+            owner_id=principal.id,
+            job_id=None,
+            store_upload_id=None,
+            sha256=body.sha256,
+            size_bytes=body.size,
+            part_bytes=body.part_bytes,
+            part_sha256=body.part_sha256,
+            details={**details, "stored": True},
+            created_at=utcnow(),
+        )
+    )
+    session.commit()
+    return UploadPlan(
+        mode="direct",
+        upload_id=upload_id,
+        complete_url=f"/v1/weights/uploads/{upload_id}",
+        expires_in_s=settings.storage_url_ttl_s,
     )
 
 
@@ -102,7 +159,12 @@ def complete_direct_upload(
     """Record the weights of a completed direct upload (409 while parts are missing); the
     same file for the same architecture answers its row again."""
     upload = direct_uploads.find_upload(session, upload_id, kind=_DIRECT_KIND, owner_id=principal.id)
-    direct_uploads.take_upload(session, storage, upload)
+    if not upload.details.get("stored"):
+        direct_uploads.take_upload(session, storage, upload)
+    elif not _already_stored(session, storage, upload.sha256):
+        session.delete(upload)
+        session.commit()
+        raise ConflictError("the stored file this upload reused was deleted meanwhile; upload it again")
     architecture = str(upload.details["architecture"])
     row = session.scalars(
         select(PretrainedWeights).where(

@@ -379,8 +379,20 @@ def test_weights_go_straight_to_the_bucket_and_a_node_fetches_them(api: Api, tmp
     key = f"weights/{row.sha256}.pth"
     assert api.keys("weights/") == [key]
     assert not (api.settings.data_dir / "weights" / f"{row.sha256}.pth").exists()
-    # The same file again answers the same row.
+    # The same file again answers the same row, without sending it again (a plan of no parts).
     assert api.client.upload_weights("resnet18", path).id == row.id
+    body = {**describe_file(path).model_dump(), "filename": path.name, "architecture": "resnet34"}
+    plan = api.admin.post("/v1/weights/uploads", json=body).json()
+    assert plan["mode"] == "direct" and plan["parts"] == [], plan
+    # Left unfinished, the upkeep drops that upload: the stored file it named stays.
+    from service.services.direct_uploads import drop_abandoned
+
+    db = Database(api.settings.sqlalchemy_url)
+    try:
+        assert drop_abandoned(db, api.settings.model_copy(update={"storage_upload_expiry_s": 0})) >= 1
+    finally:
+        db.dispose()
+    assert api.keys("weights/") == [key] and api.uploads_left() == 0
 
     ref = ClaimedWeights(
         id=row.id,
