@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -32,12 +32,15 @@ from torchyard.contract.errors import (
     ConflictError,
     NotFoundError,
     PayloadTooLargeError,
+    PermissionDeniedError,
     RequestValidationError,
     ServiceUnavailableError,
 )
 from torchyard.contract.transfer import PartUpload, UploadPlan, UploadRequest, part_sizes
 
 log = logging.getLogger(__name__)
+
+Published = TypeVar("Published")
 
 
 def storage_of(settings: Settings) -> ObjectStorage:
@@ -214,6 +217,46 @@ def refuse(db: Database, storage: ObjectStorage, upload_id: str) -> None:
         session.delete(row)
         session.commit()
     discard(storage, key, store_upload_id)
+
+
+def complete_upload(
+    db: Database,
+    storage: ObjectStorage,
+    upload_id: str,
+    *,
+    kind: str,
+    owner_id: str,
+    job_id: str | None,
+    authorize: Callable[[Session], None],
+    publish: Callable[[Session, ObjectUpload], Published],
+) -> Published:
+    """Complete the caller's direct upload ``upload_id`` of ``kind`` for ``job_id`` (404 for
+    another's or none) and publish it.
+
+    ``authorize(session)`` checks the caller again (its lease...): a refusal (403, 409)
+    drops the upload, row, parts and object, since it will never be published. Then the
+    parts become one verified object (409 while parts are missing: the upload is kept, to
+    be resumed), and ``publish(session, row)`` records it, deleting the row in its own
+    transaction; a refused publication (403, 409: a lease gone stale meanwhile) drops the
+    object too."""
+    with db.session() as session:
+        row = find_upload(session, upload_id, kind=kind, owner_id=owner_id)
+        if row.job_id != job_id:
+            raise NotFoundError(f"upload {upload_id!r} not found")
+        try:
+            authorize(session)
+        except (ConflictError, PermissionDeniedError):
+            session.rollback()
+            refuse(db, storage, upload_id)
+            raise
+        take_upload(session, storage, row)
+        session.commit()
+        try:
+            return publish(session, row)
+        except (ConflictError, PermissionDeniedError):
+            session.rollback()
+            refuse(db, storage, upload_id)
+            raise
 
 
 def drop_abandoned(db: Database, settings: Settings) -> int:

@@ -4,8 +4,9 @@ The job's row stays, marked ``deleted_at`` and hidden everywhere (as a deleted d
 is), so that its id is never given again and the rows that name it (a soft-deleted model
 version, a job fine-tuned from it) stay valid. Everything that takes room goes: the
 metric points, log chunks, status history, attempts with their placements, checkpoints,
-and the files under the data directory (model archive and its unpacked copy, a script
-job's outputs, checkpoint files).
+the job's objects in the artifact store (model archives, a script job's outputs,
+checkpoints: docs/storage.md) and its files under the data directory (the model's
+unpacked copy, single output files served).
 
 The metric points and log chunks, which can be many (a job keeps up to
 ``TORCHYARD_MAX_METRIC_POINTS_PER_JOB`` points), go first, at most :data:`DELETE_BATCH_ROWS`
@@ -40,10 +41,13 @@ from service.db.models import Attempt, Checkpoint, Job, JobEvent, LogChunk, Metr
 from service.db.types import utcnow
 from service.services.artifacts import ModelStore
 from service.services.checkpoints import CheckpointStore
+from service.services.direct_uploads import storage_of
 from service.services.job_lookup import get_job
 from service.services.outputs import OutputsStore
 from service.services.tokens import Principal
 from service.states import FINAL_STATUSES
+from service.storage import ObjectStorage
+from service.storage.base import StorageError
 from torchyard.contract.errors import ConflictError
 
 log = logging.getLogger(__name__)
@@ -119,8 +123,21 @@ def _forget(session: Session, job: Job) -> None:
     job.updated_at = now
 
 
-def remove_files(data_dir: Path, job_id: str) -> None:
-    """Every file the service keeps for the job (missing ones are fine)."""
+def remove_files(data_dir: Path, job_id: str, storage: ObjectStorage | None = None) -> None:
+    """Every object and file the service keeps for the job (missing ones are fine): with
+    object storage, every object of the job's keys (``models/<job id>.tar.gz`` and
+    ``models/<job id>/``, the same for ``outputs/``, and ``checkpoints/<job id>/``); then
+    the files under the data directory (the whole layout with file storage, local copies
+    with object storage). An object the store fails to remove is logged (the job is
+    deleted all the same)."""
+    if storage is not None and storage.direct:
+        try:
+            for kind in ("models", "outputs"):
+                storage.delete(f"{kind}/{job_id}.tar.gz")
+                storage.delete_prefix(f"{kind}/{job_id}/")
+            storage.delete_prefix(f"checkpoints/{job_id}/")
+        except StorageError as exc:
+            log.error("job %s: its objects could not all be removed from the store: %s", job_id, exc)
     models = ModelStore(data_dir)
     outputs = OutputsStore(data_dir)
     paths = [
@@ -154,7 +171,7 @@ def delete_job(session: Session, settings: Settings, principal: Principal, job_r
         raise refused
     _forget(session, job)
     session.commit()
-    remove_files(settings.data_dir, job.id)
+    remove_files(settings.data_dir, job.id, storage_of(settings))
     log.info("job %s deleted by %s", job.id, principal.name)
     return job
 
@@ -185,7 +202,7 @@ def apply_retention(db: Database, settings: Settings) -> int:
             break
         if not _retire(db, job_id):
             continue
-        remove_files(settings.data_dir, job_id)
+        remove_files(settings.data_dir, job_id, storage_of(settings))
         removed += 1
         log.info("job %s deleted: finished more than %.0f s ago (retention)", job_id, settings.retention_s)
     return removed

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from service.config import Settings
 from service.db.models import Job, ModelVersion
 from service.db.types import utcnow
 from service.schemas.models import ModelPublic, ModelVersionPublic
-from service.services.artifacts import UNPACK_RATIO, ModelStore, fsync_dir
+from service.services.artifacts import UNPACK_RATIO, ModelStore
 from service.services.job_lookup import get_job
 from service.services.kinds import kind_of
 from service.services.model_versions import get_version as get_version  # also the routes' lookup
@@ -93,10 +92,12 @@ def _read_config(folder: Path) -> dict[str, Any]:
 def unpacked_job_model(settings: Settings, job: Job) -> Path:
     if job.model_sha256 is None:
         raise ModelNotReadyError(f"job {job.id} has no model directory")
-    store = ModelStore(settings.data_dir)
-    if not store.path(job.id).is_file():
+    store = ModelStore.of(settings)
+    local = store.storage.local_path(store.key(job.id, job.model_key))
+    if local is not None and not local.is_file():
         raise NotFoundError(f"the model archive of job {job.id} is missing from the artifact store")
-    return store.unpacked(job.id, job.model_sha256, settings.model_max_bytes * UNPACK_RATIO)
+    # Object storage: fetched once from the store to be unpacked (the API reads it to serve predictions).
+    return store.unpacked(job.id, job.model_sha256, settings.model_max_bytes * UNPACK_RATIO, job.model_key)
 
 
 def register_model(
@@ -185,16 +186,20 @@ def store_script_model(
     A script job holds one model directory: registering another folder whose content
     differs from the one stored is a 409.
     """
-    outputs = OutputsStore(settings.data_dir)
+    outputs = OutputsStore.of(settings)
     archive = outputs_for_user(session, principal, outputs, job.id)
-    store = ModelStore(settings.data_dir)
+    store = ModelStore.of(settings)
     store.incoming.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="register-", dir=store.incoming))
     try:
         folder = work / "model"
         folder.mkdir()
         rel, names = extract_folder(
-            archive.path, path, folder, max_files=MAX_MEMBERS, max_bytes=settings.model_max_bytes
+            outputs.local_archive(job.id, archive),
+            path,
+            folder,
+            max_files=MAX_MEMBERS,
+            max_bytes=settings.model_max_bytes,
         )
         try:
             _checked_model_folder(folder, names, rel)
@@ -216,10 +221,10 @@ def store_script_model(
                     details={"field": "path", "registered": earlier},
                 )
             if job.model_sha256 is None:
-                target = store.path(job.id)
-                os.replace(work / "model.tar.gz", target)
-                fsync_dir(target.parent)
+                key = store.new_key(job.id)
+                store.storage.adopt_file(key, work / "model.tar.gz")
                 job.model_sha256, job.model_size = sha256, size
+                job.model_key = key if store.storage.direct else None
                 job.updated_at = utcnow()
                 session.commit()
     finally:

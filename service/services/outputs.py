@@ -1,10 +1,20 @@
 """Script jobs' outputs (docs/script-jobs.md): the output folder of node rank 0 (of every node with
 ``"outputs": "all"``), uploaded by the agents when the job ends, succeeded or failed.
 
-Stored as ``<data dir>/outputs/<job id>.tar.gz`` (what ``GET /v1/jobs/{id}/outputs``
-serves, ETag = sha256). With ``"outputs": "all"`` each node's upload is kept as
-``<job id>/node-<rank>.tar.gz`` and the served archive is rebuilt from all of them, each
-under ``node-<rank>/``. An upload is streamed to a temporary file, its sha256 checked
+Stored as the object ``outputs/<job id>.tar.gz`` of the artifact store (docs/storage.md;
+with file storage ``<data dir>/outputs/<job id>.tar.gz``), what ``GET /v1/jobs/{id}/outputs``
+serves, ETag = sha256. With object storage each upload is an object of its own,
+``outputs/<job id>/<upload id>.tar.gz``, recorded in ``jobs.outputs_key`` under the lease
+(the previous one removed after). With ``"outputs": "all"`` each node's upload is kept as
+``outputs/<job id>/node-<rank>.tar.gz`` and the served archive is rebuilt by the API from
+all of them, each under ``node-<rank>/``: such jobs upload through the API in either
+storage (the plan says ``mode "api"``), and with object storage the API fetches the other
+nodes' archives from the store to rebuild it and stores the result (every node's bytes
+pass through the API once per node's upload). Node rank 0's outputs of other jobs go
+straight to the store (a direct upload the API never reads: the agent packed only
+regular files within the caps, and readers take members through
+:func:`~torchyard.contract.archive.safe_member_parts`). Through the API, an upload is
+streamed to a temporary file, its sha256 checked
 against the announced one, its members checked (regular files and folders with safe
 names only) and counted: past :data:`~torchyard.contract.archive.MAX_OUTPUTS_FILES`
 entries or :data:`~torchyard.contract.archive.MAX_OUTPUTS_UNCOMPRESSED_BYTES` bytes once
@@ -12,7 +22,8 @@ unpacked (all nodes' together with ``"outputs": "all"``) it is refused with 413 
 nothing is kept; then it is moved into place with one rename. Single files asked for with
 ``?path=`` are extracted once into ``<job id>.files/`` and served from there, each read
 from the archive's index (:mod:`service.services.outputs_index`): the archive is read
-whole once per API process, not once per file.
+whole once per API process, not once per file. With object storage the archive is
+fetched once into ``<job id>.files/`` for that (the whole archive itself is a redirect).
 """
 
 from __future__ import annotations
@@ -31,9 +42,11 @@ from typing import IO
 
 from sqlalchemy.orm import Session
 
-from service.db.models import Job
-from service.db.types import utcnow
-from service.services.artifacts import ModelFile
+from service.config import Settings
+from service.db.models import Job, ObjectUpload
+from service.db.types import new_id, utcnow
+from service.services.artifacts import ModelFile, object_present
+from service.services.direct_uploads import storage_of
 from service.services.incoming import IncomingOutputs
 from service.services.job_lookup import get_job
 from service.services.kinds import kind_of
@@ -41,6 +54,8 @@ from service.services.leases import lock_lease, placement_for_lease
 from service.services.outputs_index import ArchiveReadError, copy_file, index_of
 from service.services.tokens import Principal
 from service.states import LIVE_STATUSES, JobStatus
+from service.storage import FileStorage, ObjectStorage
+from service.storage.base import StorageError
 from torchyard.contract.archive import MAX_OUTPUTS_FILES, MAX_OUTPUTS_UNCOMPRESSED_BYTES, safe_member_parts
 from torchyard.contract.deflate import SAMPLE_BYTES, GzipWriter, LevelChooser
 from torchyard.contract.errors import (
@@ -51,6 +66,7 @@ from torchyard.contract.errors import (
     PayloadTooLargeError,
     PermissionDeniedError,
     RequestValidationError,
+    ServiceUnavailableError,
     StaleLeaseError,
 )
 from torchyard.contract.files import locked, sha256_file
@@ -63,9 +79,17 @@ _UPLOAD_STATUSES = LIVE_STATUSES | {JobStatus.FAILED}
 
 
 class OutputsStore:
-    def __init__(self, data_dir: Path) -> None:
+    """Outputs archives in the artifact store (objects ``outputs/...``); uploads through the
+    API in progress in ``<data dir>/outputs/.incoming``, single files in ``<job id>.files``."""
+
+    def __init__(self, data_dir: Path, storage: ObjectStorage | None = None) -> None:
         self.root = Path(data_dir) / "outputs"
         self.incoming = self.root / ".incoming"
+        self.storage: ObjectStorage = storage if storage is not None else FileStorage(Path(data_dir))
+
+    @classmethod
+    def of(cls, settings: Settings) -> OutputsStore:
+        return cls(settings.data_dir, storage_of(settings))
 
     def archive(self, job_id: str) -> Path:
         return self.root / f"{job_id}.tar.gz"
@@ -75,6 +99,43 @@ class OutputsStore:
 
     def files_dir(self, job_id: str) -> Path:
         return self.root / f"{job_id}.files"
+
+    def key(self, job_id: str, outputs_key: str | None = None) -> str:
+        """The object of the job's served archive: ``outputs_key``, else ``outputs/<job id>.tar.gz``."""
+        return outputs_key or f"outputs/{job_id}.tar.gz"
+
+    def upload_key(self, job_id: str, upload_id: str) -> str:
+        """The object of one upload of the job's archive (object storage)."""
+        return f"outputs/{job_id}/{upload_id}.tar.gz"
+
+    def node_key(self, job_id: str, node_rank: int) -> str:
+        return f"outputs/{job_id}/node-{node_rank}.tar.gz"
+
+    def new_key(self, job_id: str) -> str:
+        """Where the job's next archive goes: the legacy file with file storage, a key of its
+        own with object storage."""
+        return self.upload_key(job_id, new_id()) if self.storage.direct else self.key(job_id)
+
+    def drop_replaced(self, job_id: str, previous: str | None, current: str) -> None:
+        if previous is None or previous == current:
+            return
+        try:
+            self.storage.delete(previous)
+        except StorageError as exc:
+            log.warning("job %s: could not remove the replaced outputs archive %s: %s", job_id, previous, exc)
+
+    def local_archive(self, job_id: str, archive: ModelFile) -> Path:
+        """The served archive as a file of this machine: itself with file storage; with object
+        storage a copy fetched once into ``<job id>.files/`` (removed with the next upload)."""
+        if archive.path is not None:
+            return archive.path
+        cached = self.files_dir(job_id) / f"{archive.sha256}.tar.gz"
+        if not cached.is_file():
+            try:
+                self.storage.get_file(archive.key, cached)
+            except StorageError as exc:
+                raise ServiceUnavailableError(f"the object store did not answer: {exc}") from exc
+        return cached
 
     def start_upload(self, max_bytes: int) -> IncomingOutputs:
         self.incoming.mkdir(parents=True, exist_ok=True)
@@ -103,6 +164,12 @@ def authorize_upload(session: Session, principal: Principal, job_id: str, lease_
     if placement.job_id != job_id:
         raise StaleLeaseError("the lease belongs to another job")
     _check_uploader(session.get_one(Job, job_id), placement.node_rank)
+
+
+def takes_direct_upload(session: Session, store: OutputsStore, job_id: str) -> bool:
+    """Whether the job's outputs may go straight to the object store: object storage, and not
+    ``"outputs": "all"`` (whose served archive the API rebuilds from every node's)."""
+    return store.storage.direct and session.get_one(Job, job_id).spec.get("outputs") != "all"
 
 
 class _Totals:
@@ -176,12 +243,39 @@ class _Prefixed:
         return out
 
 
+def _stored_nodes(store: OutputsStore, job_id: str, work: Path) -> dict[int, Path]:
+    """Every node's stored archive by rank, as files (object storage: fetched into ``work``)."""
+    found: dict[int, Path] = {}
+    try:
+        for info in store.storage.list_objects(f"outputs/{job_id}/node-"):
+            name = info.key.rpartition("/")[2]
+            rank_text = name[5:].split(".")[0]
+            if not (name.endswith(".tar.gz") and rank_text.isdecimal()):
+                continue
+            local = store.storage.local_path(info.key)
+            if local is None:
+                local = work / name
+                store.storage.get_file(info.key, local)
+            found[int(rank_text)] = local
+    except StorageError as exc:
+        raise ServiceUnavailableError(f"the object store did not answer: {exc}") from exc
+    return found
+
+
 def _combine(store: OutputsStore, job_id: str, target: Path, incoming: tuple[int, Path]) -> None:
     """One archive of every node's outputs, each under ``node-<rank>/`` (sorted, fixed times):
     the stored ones, with ``incoming`` (node rank, file) in place of that node's. 413 when
     they hold more than the caps together (``target`` is then left half-written)."""
-    stored = {int(p.name[5:].split(".")[0]): p for p in (store.root / job_id).glob("node-*.tar.gz")}
-    stored[incoming[0]] = incoming[1]
+    work = Path(tempfile.mkdtemp(prefix="combine-", dir=target.parent))
+    try:
+        stored = _stored_nodes(store, job_id, work)
+        stored[incoming[0]] = incoming[1]
+        _write_combined(stored, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _write_combined(stored: dict[int, Path], target: Path) -> None:
     levels = LevelChooser()  # weights and images stored, text deflated
     totals = _Totals()
     with (
@@ -220,32 +314,61 @@ def publish(
     incoming: IncomingOutputs,
     sha256: str,
 ) -> Job:
-    """Move a checked upload into the store and record it on the job, under the lease; commits."""
+    """Store a checked upload and record it on the job, under the lease; commits."""
     job, placement = lock_lease(session, principal, lease_token, job_id=job_id)
     _check_uploader(job, placement.node_rank)
-    target = store.archive(job_id)
+    previous = store.key(job_id, job.outputs_key) if job.outputs_sha256 is not None else None
+    key = store.new_key(job_id)
     with store.lock(job_id):
         shutil.rmtree(store.files_dir(job_id), ignore_errors=True)
         if job.spec.get("outputs") == "all":
-            node_file = store.node_archive(job_id, placement.node_rank)
-            node_file.parent.mkdir(parents=True, exist_ok=True)
             tmp = store.incoming / f"combined-{job_id}.tar.gz"
             try:
                 _combine(store, job_id, tmp, (placement.node_rank, incoming.path))
-            except BaseException:
+                digest, size = sha256_file(tmp), tmp.stat().st_size
+                store.storage.adopt_file(store.node_key(job_id, placement.node_rank), incoming.path)
+                store.storage.adopt_file(key, tmp)
+            finally:
                 tmp.unlink(missing_ok=True)
-                raise
-            os.replace(incoming.path, node_file)
-            os.replace(tmp, target)
-            digest, size = sha256_file(target), target.stat().st_size
         else:
-            os.replace(incoming.path, target)
+            store.storage.adopt_file(key, incoming.path)
             digest, size = sha256, incoming.size
         job.outputs_sha256 = digest
         job.outputs_size = size
+        job.outputs_key = key if store.storage.direct else None
         job.updated_at = utcnow()
         session.commit()
+    store.drop_replaced(job_id, previous, key)
     log.info("job %s: outputs stored from node rank %d (%d bytes)", job_id, placement.node_rank, size)
+    return job
+
+
+def publish_direct(
+    session: Session,
+    principal: Principal,
+    store: OutputsStore,
+    job_id: str,
+    lease_token: str | None,
+    upload: ObjectUpload,
+) -> Job:
+    """Record outputs a node PUT to the object store (a completed direct upload, verified by
+    the store) as the job's, under the lease, in the transaction that drops the upload's
+    row; the previous object is removed after. Commits."""
+    job, placement = lock_lease(session, principal, lease_token, job_id=job_id)
+    _check_uploader(job, placement.node_rank)
+    if job.spec.get("outputs") == "all":
+        raise ConflictError(f"job {job_id} keeps every node's outputs: they are uploaded through the API")
+    previous = store.key(job_id, job.outputs_key) if job.outputs_sha256 is not None else None
+    with store.lock(job_id):
+        shutil.rmtree(store.files_dir(job_id), ignore_errors=True)
+        job.outputs_sha256 = upload.sha256
+        job.outputs_size = upload.size_bytes
+        job.outputs_key = upload.key
+        job.updated_at = utcnow()
+        session.delete(upload)
+        session.commit()
+    store.drop_replaced(job_id, previous, job.outputs_key)
+    log.info("job %s: outputs stored by direct upload (%d bytes)", job_id, job.outputs_size)
     return job
 
 
@@ -258,14 +381,15 @@ def outputs_for_user(session: Session, principal: Principal, store: OutputsStore
         raise OutputsNotReadyError(
             f"job {job.id} is {job.status}: its outputs are uploaded when it ends (succeeded or failed)"
         )
-    path = store.archive(job.id)
-    if not path.is_file():
+    key = store.key(job.id, job.outputs_key)
+    if not object_present(store.storage, key):
         raise NotFoundError(f"the outputs of job {job.id} are missing from the artifact store")
     return ModelFile(
-        path=path,
+        path=store.storage.local_path(key),
         sha256=job.outputs_sha256,
         size=job.outputs_size or 0,
         filename=f"{job.name}-{job.id}-outputs.tar.gz",
+        key=key,
     )
 
 
@@ -283,7 +407,8 @@ def output_file(store: OutputsStore, archive: ModelFile, job_id: str, wanted: st
     dest = folder.joinpath(*parts)
     with store.lock(job_id):
         if not dest.is_file():
-            index = index_of(archive.path, archive.sha256)
+            local = store.local_archive(job_id, archive)
+            index = index_of(local, archive.sha256)
             if index.problem is not None:
                 raise PayloadTooLargeError(index.problem, details={"path": rel})
             if rel not in index.files:
@@ -294,7 +419,7 @@ def output_file(store: OutputsStore, archive: ModelFile, job_id: str, wanted: st
             tmp = dest.with_name(f".{dest.name}.part")
             try:
                 with open(tmp, "wb") as out:
-                    copy_file(archive.path, index, rel, out)
+                    copy_file(local, index, rel, out)
             except ArchiveReadError as exc:
                 tmp.unlink(missing_ok=True)
                 raise RequestValidationError(str(exc)) from None

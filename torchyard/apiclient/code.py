@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from torchyard.apiclient import direct
 from torchyard.apiclient.datasets import stores_directly, upload_direct
 from torchyard.apiclient.models import CodePackage, Page
 from torchyard.apiclient.transport import Transport, raise_for, segment
@@ -199,9 +200,10 @@ class CodeCalls:
                 f"/v1/jobs/{segment(job_id)}/outputs",
                 params=params,
                 timeout=self._transport.read_timeout(300.0),
+                follow_redirects=True,  # object storage: the whole archive from a presigned URL
             ) as response:
                 raise_for(response)
-                etag = response.headers.get("etag", "").strip().strip('"')
+                etag = direct.api_headers(response).get("etag", "").strip().strip('"')
                 with open(part, "wb") as out:
                     for chunk in _chunks(response):
                         hasher.update(chunk)

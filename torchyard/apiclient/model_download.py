@@ -1,4 +1,8 @@
-"""Downloading a job's model: a resumable, checksummed archive unpacked and verified."""
+"""Downloading a job's model: a resumable, checksummed archive unpacked and verified.
+
+With object storage (docs/storage.md) the API answers with a redirect to a presigned URL
+of the archive, followed here (the token is not sent to the store): the archive's sha256
+is the ``ETag`` of the API's own answer, and a resume's ``Range`` goes to the store."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from typing import IO
 
 import httpx
 
+from torchyard.apiclient import direct
 from torchyard.apiclient.models import Job
 from torchyard.apiclient.transport import ProgressCallback, Transport, raise_for, segment
 from torchyard.contract.errors import InvalidModelDirectoryError
@@ -26,13 +31,10 @@ def etag_digest(value: str | None) -> str | None:
     return value.strip('"') or None
 
 
-def _range_headers(have: int, expected: str | None) -> dict[str, str]:
-    headers: dict[str, str] = {}
-    if have:
-        headers["Range"] = f"bytes={have}-"
-        if expected:
-            headers["If-Range"] = f'"{expected}"'
-    return headers
+def _range_headers(have: int) -> dict[str, str]:
+    """A resume's ``Range``. No ``If-Range``: the redirect to an object store would carry it to
+    the store, whose ETag is not the sha256; the API's ``ETag`` is checked here instead."""
+    return {"Range": f"bytes={have}-"} if have else {}
 
 
 def _hash_file(path: Path, hasher: hashlib._Hash) -> None:
@@ -96,7 +98,8 @@ class ModelDownloads:
         The archive is written to ``<dest>.tar.gz.part``; an interrupted download is
         resumed from there with an HTTP Range request (if the model is still the same
         one, by its ETag). The complete archive must match its sha256 (the ETag), is
-        unpacked safely, and its manifest is verified before ``dest`` appears.
+        unpacked safely, and its manifest is verified before ``dest`` appears. A redirect
+        to an object store (docs/storage.md) is followed.
         """
         target = Path(dest)
         if target.exists() and (not target.is_dir() or any(target.iterdir())):
@@ -139,8 +142,9 @@ class ModelDownloads:
             with self._transport.http.stream(
                 "GET",
                 path,
-                headers=_range_headers(have, expected),
+                headers=_range_headers(have),
                 timeout=self._transport.read_timeout(300.0),
+                follow_redirects=True,  # object storage: to a presigned URL of the store
             ) as response:
                 if response.status_code == 416 and have:
                     # The part file is not a prefix of this model (or already too long): restart.
@@ -148,7 +152,7 @@ class ModelDownloads:
                     part.unlink()
                     return self.fetch_archive(job_id, part, expected, progress=progress, on_resume=on_resume)
                 raise_for(response)
-                etag = etag_digest(response.headers.get("etag"))
+                etag = etag_digest(direct.api_headers(response).get("etag"))
                 if expected and etag and etag != expected:
                     raise InvalidModelDirectoryError(f"the service sent model {etag}, expected {expected}")
                 have = _resumed_at(response, have)

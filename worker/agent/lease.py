@@ -86,14 +86,17 @@ class LeaseSession:
         *,
         outage_deadline: Deadline | None = None,
     ) -> None:
-        """PUT a packed outputs archive of this node under the lease."""
+        """Upload a packed outputs archive of this node under the lease: straight to the object
+        store when the API's artifacts are there (docs/storage.md), else PUT to the API."""
+        url = f"/v1/worker/jobs/{self.job_id}/outputs"
         put_archive(
             self.client,
-            f"/v1/worker/jobs/{self.job_id}/outputs",
+            url,
             archive,
             sha256,
             size,
             self.lease_token,
             what,
             outage_deadline=outage_deadline,
+            plan_url=f"{url}/upload",
         )

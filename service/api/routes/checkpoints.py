@@ -27,7 +27,7 @@ from service.services import artifacts, checkpoints, direct_uploads
 from service.services.checkpoints import CheckpointFile, CheckpointStore
 from service.services.incoming import IncomingCheckpoint
 from service.services.tokens import Principal
-from torchyard.contract.errors import ConflictError, NotFoundError, RequestValidationError
+from torchyard.contract.errors import RequestValidationError
 from torchyard.contract.headers import CHECKPOINT_EPOCH_HEADER, CHECKPOINT_STEP_HEADER, SHA256_HEADER
 from torchyard.contract.protocol import CheckpointRef
 from torchyard.contract.transfer import UploadPlan, UploadRequest
@@ -200,17 +200,16 @@ def complete_checkpoint_upload(
     """Record a checkpoint whose parts are in the object store: 409 while parts are missing
     (ask for the plan again), and 409 on a stale lease (the object is then removed)."""
     store = CheckpointStore.of(settings)
-    with db.session() as session:
-        upload = direct_uploads.find_upload(session, upload_id, kind=_KIND, owner_id=worker.id)
-        if upload.job_id != job_id:
-            raise NotFoundError(f"upload {upload_id!r} not found")
-        checkpoints.authorize_upload(session, worker, job_id, lease)
-        direct_uploads.take_upload(session, store.storage, upload)
-        session.commit()
-        try:
-            row = checkpoints.record_direct_checkpoint(session, worker, store, job_id, lease, upload)
-        except ConflictError:
-            session.rollback()
-            direct_uploads.refuse(db, store.storage, upload_id)
-            raise
-        return checkpoints.checkpoint_ref(row)
+    row = direct_uploads.complete_upload(
+        db,
+        store.storage,
+        upload_id,
+        kind=_KIND,
+        owner_id=worker.id,
+        job_id=job_id,
+        authorize=lambda session: checkpoints.authorize_upload(session, worker, job_id, lease),
+        publish=lambda session, upload: checkpoints.record_direct_checkpoint(
+            session, worker, store, job_id, lease, upload
+        ),
+    )
+    return checkpoints.checkpoint_ref(row)
