@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -48,6 +49,19 @@ class Settings(BaseSettings):
     )
     host: str = Field(default="127.0.0.1", description="Address `torchyard serve` listens on.")
     port: int = Field(default=8000, ge=1, le=65535, description="Port `torchyard serve` listens on.")
+    metrics_token: str | None = Field(
+        default=None,
+        repr=False,
+        min_length=16,
+        description="The scrape token of `GET /metrics` (docs/operations.md): when set, a scrape must send "
+        "`Authorization: Bearer <it>` (at least 16 characters), from any address; unset: only the "
+        "addresses of TORCHYARD_METRICS_ALLOW may scrape, without a token.",
+    )
+    metrics_allow: str = Field(
+        default="127.0.0.0/8,::1/128",
+        description="The networks (CIDR, comma-separated) that may scrape `GET /metrics` without a token "
+        "while TORCHYARD_METRICS_TOKEN is unset; loopback only by default.",
+    )
     max_upload_bytes: int = Field(
         default=2 * 1024**3, gt=0, description="Largest dataset archive accepted by POST /v1/datasets."
     )
@@ -414,6 +428,26 @@ class Settings(BaseSettings):
     @classmethod
     def _split_roots(cls, value: object) -> object:
         return _path_list(value)
+
+    @field_validator("metrics_token", mode="before")
+    @classmethod
+    def _token_or_unset(cls, value: object) -> object:
+        return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("metrics_allow")
+    @classmethod
+    def _check_networks(cls, value: str) -> str:
+        networks = []
+        for item in value.split(","):
+            if not item.strip():
+                continue
+            try:
+                networks.append(str(ipaddress.ip_network(item.strip(), strict=False)))
+            except ValueError:
+                raise ValueError(
+                    f"TORCHYARD_METRICS_ALLOW: {item.strip()!r} is not a network (CIDR such as 10.0.0.0/8)"
+                ) from None
+        return ",".join(networks)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

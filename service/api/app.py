@@ -20,6 +20,7 @@ from sqlalchemy.engine import make_url
 
 from service.api.docs import install_docs
 from service.api.errors import install_error_handlers
+from service.api.metrics import attach_database, install_metrics
 from service.api.routes import (
     artifacts,
     checkpoints,
@@ -48,6 +49,7 @@ from service.db.engine import Database, is_unavailable, postgres_connect_args
 from service.db.migrate import upgrade
 from service.engines import make_driver
 from service.services.datasets import clean_staging_periodically
+from service.services.metrics_collector import DatabaseCollector
 from service.services.node_timing import NodeTiming
 from service.services.reconciler import Reconciler
 from service.services.scheduler_loop import SchedulerLoop
@@ -168,6 +170,8 @@ def create_app(settings: Settings | None = None, *, freeze: bool = False) -> Fas
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.db = await asyncio.to_thread(bootstrap, settings)
+        # GET /metrics: the gauges read from the database (docs/operations.md).
+        attach_database(app, DatabaseCollector(app.state.db, app.state.timing.settings))
         app.state.lanes = Lanes()
         # The OpenAPI schema is built once, now: the web UI reads it on every page load.
         await asyncio.to_thread(_build_openapi, app)
@@ -261,4 +265,6 @@ def create_app(settings: Settings | None = None, *, freeze: bool = False) -> Fas
     install_ui(app)
     app.add_middleware(SecurityHeadersMiddleware)
     app.add_middleware(ArtifactTrafficMiddleware)
+    # GET /metrics, and every request timed by its route (outermost: the others' time counts).
+    install_metrics(app)
     return app

@@ -22,7 +22,7 @@ from service.schemas.jobs import (
     ScriptJobCreate,
     TrainJobCreate,
 )
-from service.services import refs
+from service.services import metrics, refs
 from service.services.job_lookup import get_job as get_job  # also the jobs API of the routes
 from service.services.kinds import kind_named, kind_of
 from service.services.kinds.base import submitted_change
@@ -66,6 +66,8 @@ def transition(
     job.updated_at = now
     if new is JobStatus.SCHEDULED:
         job.scheduled_at = now
+        # Its time in the queue (torchyard_queue_wait_seconds), once this write commits.
+        metrics.job_placed(session, job.id, now)
         job.wait_reason = None
         job.requeue_reason = None
     elif new is JobStatus.RUNNING and job.started_at is None:

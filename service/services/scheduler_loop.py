@@ -30,6 +30,7 @@ from typing import Protocol
 
 from service.config import Settings
 from service.db.engine import Database, is_unavailable
+from service.services import metrics
 from service.services.node_timing import NodeTiming
 from service.services.scheduler import PassResult
 from service.services.wakeup import Wakeup
@@ -145,8 +146,10 @@ class SchedulerLoop:
             last_start = time.monotonic()
             try:
                 settings = self._timing.settings() if self._timing is not None else self._settings
-                result = self._engine.run_pass(self._db, settings)
+                with metrics.SCHEDULING_PASS.time():
+                    result = self._engine.run_pass(self._db, settings)
             except Exception as exc:
+                metrics.SCHEDULING_PASS_FAILURES.inc()
                 if is_unavailable(exc):
                     log.warning("scheduling pass failed: the database is unreachable; retrying")
                 else:

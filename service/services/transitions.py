@@ -15,6 +15,7 @@ from enum import StrEnum
 from typing import TypeVar
 
 from service.db.models import Attempt, Node, Placement
+from service.services import metrics
 from service.states import (
     ATTEMPT_TRANSITIONS,
     FINAL_ATTEMPT_STATUSES,
@@ -39,6 +40,8 @@ def set_attempt_status(attempt: Attempt, new: AttemptStatus, now: datetime) -> b
         attempt.started_at = now
     elif new in FINAL_ATTEMPT_STATUSES:
         attempt.finished_at = now
+        # torchyard_attempts_ended_total, once this write commits (with its failure code).
+        metrics.attempt_ended(attempt, new.value)
     return True
 
 

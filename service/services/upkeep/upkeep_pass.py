@@ -10,7 +10,7 @@ from datetime import timedelta
 from service.config import Settings
 from service.db.engine import Database
 from service.db.types import utcnow
-from service.services import checkpoints, direct_uploads, job_delete, sweep_rounds
+from service.services import checkpoints, direct_uploads, job_delete, metrics, sweep_rounds
 from service.services.scheduler import has_queued_jobs, run_pass
 from service.services.upkeep.cancellations import settle_cancellations
 from service.services.upkeep.leases import expired_by_job, lose_expired_leases
@@ -55,6 +55,17 @@ def run_upkeep_pass(
     With ``listening``, leases and nodes are judged only once this replica has heard the
     nodes for a full lease period (:mod:`service.services.upkeep.listening`). ``schedule``:
     run the scheduling pass here (else the caller asks its scheduling loop for one)."""
+    try:
+        with metrics.UPKEEP_PASS.time():
+            return _upkeep_pass(db, settings, listening, schedule)
+    except Exception:
+        metrics.UPKEEP_PASS_FAILURES.inc()
+        raise
+
+
+def _upkeep_pass(
+    db: Database, settings: Settings, listening: ListeningClock | None, schedule: bool
+) -> UpkeepResult:
     result = UpkeepResult()
     now = utcnow()
     if listening is None or listening.grace_left(settings.lease_timeout_s, now) <= 0:
