@@ -237,6 +237,13 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             sock.close()
 
 
+# How long a live server's stop waits for the requests still open before it cancels them.
+# At a test's end these are the claims its SIGKILLed agents left parked: a parked claim looks
+# for its agent's disconnect only every few seconds, and uvicorn's default waits for it
+# (3-5 s of every end-to-end test's teardown).
+STOP_GRACE_S = 1
+
+
 class LiveServer:
     """uvicorn serving the app on a free loopback port, in a thread of the test process."""
 
@@ -245,7 +252,12 @@ class LiveServer:
         self.host = host
         self.port = free_port(host)
         config = uvicorn.Config(
-            create_app(settings), host=host, port=self.port, log_level="warning", lifespan="on"
+            create_app(settings),
+            host=host,
+            port=self.port,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=STOP_GRACE_S,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
