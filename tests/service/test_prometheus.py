@@ -5,6 +5,8 @@ series. A second scrape job without the token shows the API refusing it."""
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +21,7 @@ from tests.support.factories import auth, create_token, insert_dataset, job_spec
 from tests.support.prometheus import Prometheus, require_prometheus
 
 SCRAPE_TOKEN = "scrape-token-for-the-tests-0123"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +151,22 @@ def test_attempts_ended_are_counted_by_outcome(prometheus: Prometheus, work: dic
     ended = prometheus.wait_for('torchyard_attempts_ended_total{outcome="cancelled"}')
     assert ended[0]["metric"]["failure_code"] == "none"
     assert _value(ended) == 1
+
+
+def test_the_dashboard_and_the_docs_name_the_metrics_served(
+    prometheus: Prometheus, api: LiveServer, work: dict[str, Any]
+) -> None:
+    text = httpx.get(f"{api.url}/metrics", headers=auth(SCRAPE_TOKEN)).text
+    # (A gauge histogram's _gsum and _gcount come as gauges of their own in this format.)
+    served = set(re.findall(r"^# TYPE (torchyard_\w+?)(?:_gsum|_gcount)? ", text, re.M))
+    documented = set(
+        re.findall(r"^\| `(torchyard_\w+)` \|", (ROOT / "docs" / "operations.md").read_text(), re.M)
+    )
+    assert documented == served
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "torchyard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    named = {re.sub(r"_(bucket|count|sum)$", "", m) for e in exprs for m in re.findall(r"torchyard_\w+", e)}
+    assert named <= served, named - served
+    assert {"torchyard_jobs", "torchyard_queue_wait_seconds", "torchyard_units"} <= named
+    for expr in exprs:  # each one valid PromQL: Prometheus answers it
+        prometheus.query(expr)
