@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import json
 from functools import lru_cache
@@ -9,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import unquote, urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # The database password that docker-compose.yml and .env.example ship with: published,
@@ -413,6 +414,54 @@ class Settings(BaseSettings):
         gt=0,
         description="An unfinished direct upload older than this is dropped, its parts removed (S3 storage).",
     )
+    webhook_key: SecretStr | None = Field(
+        default=None,
+        description="The Fernet key (32 url-safe base64 bytes) that encrypts webhook secrets in the database "
+        "(docs/webhooks.md); unset: a key kept in webhook.key in the data directory, made at first use. "
+        "API replicas that share no data directory must all be given the same key.",
+    )
+    webhook_retry_s: float = Field(
+        default=24 * 3600.0,
+        gt=0,
+        description="How long a webhook delivery is retried (its receiver down or answering other than "
+        "2xx) before it is given up as failed.",
+    )
+    webhook_backoff_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        description="The wait before a failed webhook delivery's first retry; it doubles with each try, "
+        "up to an hour.",
+    )
+    webhook_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=120,
+        description="Longest a webhook receiver may take to answer a delivery (then the try failed).",
+    )
+    webhook_poll_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=60,
+        description="How often each API replica looks for webhook deliveries due.",
+    )
+
+    @field_validator("webhook_key")
+    @classmethod
+    def _webhook_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value().strip():
+            return None
+        key = value.get_secret_value().strip()
+        try:
+            raw = base64.urlsafe_b64decode(key.encode())
+        except ValueError:
+            raw = b""
+        if len(raw) != 32:
+            raise ValueError(
+                "TORCHYARD_WEBHOOK_KEY must be a Fernet key: 32 bytes in url-safe base64 (make one with "
+                'python -c "from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())")'
+            )
+        return SecretStr(key)
 
     @field_validator("storage_url")
     @classmethod

@@ -61,6 +61,7 @@ from torchyard.apiclient.registry import ModelVersion, RegisteredModel, Registry
 from torchyard.apiclient.streams import StreamCalls
 from torchyard.apiclient.sweeps import Sweep, SweepCalls, Trial
 from torchyard.apiclient.transport import ProgressCallback, ServiceUnreachableError, Transport, segment
+from torchyard.apiclient.webhooks import WebhookCalls
 from torchyard.apiclient.weights import WeightsCalls
 
 __all__ = [
@@ -111,6 +112,7 @@ class Client(
     ModelDownloads,
     RegistryCalls,
     WeightsCalls,
+    WebhookCalls,
 ):
     """The torchyard API over HTTP.
 

@@ -37,6 +37,7 @@ from service.api.routes import (
     streams,
     sweeps,
     tokens,
+    webhooks,
     weights,
     workers,
 )
@@ -57,6 +58,7 @@ from service.services.tokens import ensure_bootstrap_token
 from service.services.upkeep.listening import ListeningClock
 from service.services.upkeep.reaper import run_reaper
 from service.services.wakeup import PlacementListener, Wakeup
+from service.services.webhook_delivery import run_deliveries
 from service.states import Role
 
 log = logging.getLogger(__name__)
@@ -211,6 +213,8 @@ def create_app(settings: Settings | None = None, *, freeze: bool = False) -> Fas
         )
         # What uploads interrupted by a crash left in the staging folder.
         staging_cleaner = asyncio.create_task(clean_staging_periodically(settings, stop_reaper))
+        # Webhook deliveries due, from any replica's outbox rows (docs/webhooks.md).
+        deliveries = asyncio.create_task(run_deliveries(app.state.db, settings, stop_reaper))
         if freeze:
             freeze_heap()
         try:
@@ -219,6 +223,7 @@ def create_app(settings: Settings | None = None, *, freeze: bool = False) -> Fas
             stop_reaper.set()
             await reaper
             await staging_cleaner
+            await deliveries
             await asyncio.to_thread(app.state.scheduling.stop)
             if listener is not None:
                 await asyncio.to_thread(listener.stop)
@@ -259,6 +264,7 @@ def create_app(settings: Settings | None = None, *, freeze: bool = False) -> Fas
         sweeps,
         weights,
         storage,
+        webhooks,
     ):
         app.include_router(module.router)
     app.include_router(tokens.whoami_router)

@@ -613,3 +613,50 @@ class SweepTrial(Base):
     def steps(self) -> dict[int, float]:
         """The objective's value at each epoch reported so far (JSON keys are text)."""
         return {int(k): float(v) for k, v in (self.intermediate or {}).items()}
+
+
+class Webhook(Base):
+    """A subscription (docs/webhooks.md): the events of its owner's jobs and sweeps POSTed to
+    ``url``, signed with its secret. The secret is stored encrypted (Fernet, under the key of
+    ``TORCHYARD_WEBHOOK_KEY`` or the data directory's ``webhook.key``): signing needs it back.
+    ``team`` is for subscriptions of a team's jobs, which come with teams; NULL until then."""
+
+    __tablename__ = "webhooks"
+    __table_args__ = (Index("ix_webhooks_owner_created", "owner_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    owner_id: Mapped[str] = mapped_column(ForeignKey("tokens.id"))
+    team: Mapped[str | None] = mapped_column(String(200))
+    url: Mapped[str] = mapped_column(Text)
+    events: Mapped[list[str]] = mapped_column(JSON)
+    secret_encrypted: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class WebhookDelivery(Base):
+    """One event for one subscription: the outbox row written in the transaction of the change
+    it tells of, then sent (and retried) by the API's delivery loop. ``body`` is the JSON sent,
+    as signed; ``next_attempt_at`` is when a pending one is due (pushed ahead while a replica
+    sends it, so that no other replica sends it at the same time)."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (
+        CheckConstraint("status IN ('pending', 'delivered', 'failed')", name="status"),
+        CheckConstraint("attempts >= 0", name="attempts"),
+        Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),
+        Index("ix_webhook_deliveries_webhook_created", "webhook_id", "created_at"),
+        Index("ix_webhook_deliveries_finished", "finished_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    webhook_id: Mapped[str] = mapped_column(ForeignKey("webhooks.id", ondelete="CASCADE"))
+    event: Mapped[str] = mapped_column(String(32))
+    body: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    last_status: Mapped[int | None] = mapped_column(Integer)
+    last_response: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_attempt_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

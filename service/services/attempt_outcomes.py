@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from service.db.models import Attempt, Job, Placement
 from service.db.types import utcnow
 from service.engines import capabilities_of
-from service.services.jobs import transition
+from service.services.jobs import emit_job_event, transition
 from service.services.transitions import set_attempt_status
 from service.states import (
     LIVE_ATTEMPT_STATUSES,
@@ -158,6 +158,7 @@ def finish_preemption(session: Session, job: Job, attempt: Attempt) -> bool:
     attempt.failure_message = _preemption_message(attempt)
     if job.status in PLACED_STATUSES:
         requeue(session, job, "preempted")
+        emit_job_event(session, job, "job.preempted")
         log.info("job %s: attempt %d preempted, back to the queue", job.id, attempt.number)
     return True
 

@@ -27,6 +27,7 @@ from service.services.job_lookup import get_job as get_job  # also the jobs API 
 from service.services.kinds import kind_named, kind_of
 from service.services.kinds.base import submitted_change
 from service.services.tokens import Principal
+from service.services.webhooks import emit as emit_webhook
 from service.states import PLACED_STATUSES, AttemptStatus, JobStatus, can_transition
 from torchyard.contract.errors import IllegalTransitionError
 from torchyard.contract.failures import Failure
@@ -88,6 +89,30 @@ def transition(
     if new.is_final():
         # Its checkpoints are of no more use (the reaper removes their files).
         session.execute(delete(Checkpoint).where(Checkpoint.job_id == job.id))
+    event = _WEBHOOK_EVENTS.get(new)
+    if event is not None:
+        emit_job_event(session, job, event)
+
+
+# The job statuses that webhooks tell of (docs/webhooks.md); ``job.preempted`` is told by the
+# preemption (:func:`service.services.attempt_outcomes.finish_preemption`).
+_WEBHOOK_EVENTS = {
+    JobStatus.RUNNING: "job.started",
+    JobStatus.SUCCEEDED: "job.succeeded",
+    JobStatus.FAILED: "job.failed",
+    JobStatus.CANCELLED: "job.cancelled",
+}
+
+
+def emit_job_event(session: Session, job: Job, event: str) -> None:
+    """Record ``event`` of ``job`` for its owner's webhooks, in the caller's transaction."""
+    emit_webhook(
+        session,
+        job.owner_id,
+        event,
+        "job",
+        lambda: job_public(session, job, detail=False).model_dump(mode="json"),
+    )
 
 
 def list_jobs(

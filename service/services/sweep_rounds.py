@@ -32,6 +32,8 @@ from service.services.metric_points import not_superseded
 from service.services.sweep_judge import Reported, prune_reason, pruned_epochs
 from service.services.sweep_space import target_trials
 from service.services.sweep_trials import FINAL_TRIALS, create_trials, is_live
+from service.services.sweep_views import sweeps_public
+from service.services.webhooks import emit as emit_webhook
 from service.states import FINAL_STATUSES, JobStatus, SweepStatus, TrialState
 from torchyard.contract.errors import TorchyardError
 
@@ -96,7 +98,11 @@ def drive_sweep(session: Session, settings: Settings, sweep_id: str) -> DriveRes
     if sweep is None or sweep.status != SweepStatus.RUNNING.value:
         return result
     trials = list(session.scalars(select(SweepTrial).where(SweepTrial.sweep_id == sweep.id)))
+    best_before = _best_trial(sweep, trials)
     result.pruned = _update_trials(session, sweep, trials)
+    best = _best_trial(sweep, trials)
+    if best is not None and best != best_before:
+        emit_sweep_event(session, sweep, "sweep.best_changed")
     result.created = create_trials(session, settings, sweep, trials)
     result.finished = _settle(session, sweep, trials)
     if result.created or result.pruned:
@@ -124,6 +130,30 @@ def stop(session: Session, sweep: Sweep, status: SweepStatus, reason: str) -> No
     sweep.message = reason
     sweep.finished_at = now
     sweep.updated_at = now
+    emit_sweep_event(session, sweep, "sweep.ended")
+
+
+def emit_sweep_event(session: Session, sweep: Sweep, event: str) -> None:
+    """Record ``event`` of ``sweep`` for its owner's webhooks (docs/webhooks.md), in the
+    caller's transaction."""
+    emit_webhook(
+        session,
+        sweep.owner_id,
+        event,
+        "sweep",
+        lambda: sweeps_public(session, [sweep], detail=False)[0].model_dump(mode="json"),
+    )
+
+
+def _best_trial(sweep: Sweep, trials: list[SweepTrial]) -> tuple[float, int] | None:
+    """The best completed trial's value and number (as ``best_trial`` shows it), or None."""
+    scored = [
+        (t.value, t.number) for t in trials if t.value is not None and t.state == TrialState.COMPLETED.value
+    ]
+    if not scored:
+        return None
+    pick = max if sweep.spec["objective"]["goal"] == "maximize" else min
+    return pick(scored, key=lambda s: (s[0], -s[1]))
 
 
 # --- what the live trials reported -------------------------------------------------------------
@@ -247,4 +277,5 @@ def _settle(session: Session, sweep: Sweep, trials: list[SweepTrial]) -> bool:
     )
     sweep.finished_at = now
     sweep.updated_at = now
+    emit_sweep_event(session, sweep, "sweep.ended")
     return True

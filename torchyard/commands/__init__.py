@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from torchyard.commands import cluster, code, datasets, jobs, logs, metrics, models, sweeps, weights
+from torchyard.commands import cluster, code, datasets, jobs, logs, metrics, models, sweeps, webhooks, weights
 from torchyard.commands.common import _print_json, client_options, parse_since
 from torchyard.commands.metrics import comparison_text
 from torchyard.commands.models import _predict_remote, register_model_commands
@@ -68,6 +68,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     metrics.register(sub, common)
     code.register(sub, common)
     weights.register(sub, common)
+    webhooks.register(sub, common)
     cluster.register(sub, common)
     predict = sub.add_parser(
         "predict",

@@ -87,7 +87,7 @@ class Train(Kind):
         assert job.train_dataset_id is not None and job.validation_dataset_id is not None
         spec = job.spec
         train = claimed_dataset(session, job.train_dataset_id)
-        store = checkpoints.CheckpointStore(claim.settings.data_dir)
+        store = checkpoints.CheckpointStore.of(claim.settings)
         return TrainPlacement(
             **claim.common,
             spec=TrainSpec.model_validate(

@@ -1,0 +1,206 @@
+"""The delivery loop of one API replica (docs/webhooks.md): webhook deliveries due are sent,
+signed, and retried with backoff until their receiver answers 2xx or
+``TORCHYARD_WEBHOOK_RETRY_S`` has passed since the event.
+
+Each round claims a batch of due deliveries in a short transaction (PostgreSQL:
+``FOR UPDATE SKIP LOCKED``, so replicas claiming at once take different rows) and pushes their
+``next_attempt_at`` past the send's longest duration: no other replica sends them meanwhile.
+The POSTs go out concurrently, outside any transaction; each outcome is then written back. A
+replica that stops mid-send leaves the delivery due again once that time is past: a delivery
+is sent at least once, and its ``X-Torchyard-Delivery`` id lets a receiver drop a repeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import httpx
+from sqlalchemy import delete, select
+from starlette.concurrency import run_in_threadpool
+
+from service.config import Settings
+from service.db.engine import Database, is_unavailable
+from service.db.models import Webhook, WebhookDelivery
+from service.db.types import utcnow
+from service.services.webhooks import secret_of
+from torchyard.contract.errors import ConflictError
+from torchyard.contract.webhooks import (
+    DELIVERY_HEADER,
+    EVENT_HEADER,
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    sign,
+)
+
+log = logging.getLogger(__name__)
+
+# Deliveries claimed (and sent at once) per round.
+BATCH = 32
+# The longest wait between two tries of a delivery.
+MAX_BACKOFF_S = 3600.0
+# Past the send's timeout, how long a claimed delivery stays another replica's.
+CLAIM_MARGIN_S = 30.0
+# How much of a receiver's answer is kept (characters).
+RESPONSE_KEPT = 1000
+# Delivered and failed deliveries are kept this long, then removed (checked hourly).
+KEEP_FINISHED_S = 30 * 24 * 3600.0
+_PRUNE_EVERY_S = 3600.0
+USER_AGENT = "torchyard-webhooks/1"
+
+
+@dataclass(frozen=True)
+class Due:
+    """A claimed delivery, with what sending it needs."""
+
+    id: str
+    url: str
+    event: str
+    body: str
+    secret: str
+
+
+@dataclass(frozen=True)
+class Outcome:
+    ok: bool
+    status: int | None
+    response: str
+
+
+def claim_due(db: Database, settings: Settings, limit: int = BATCH) -> list[Due]:
+    """Up to ``limit`` due deliveries, claimed for this replica (their next try pushed past
+    this send). A subscription whose secret cannot be decrypted fails its delivery at once."""
+    now = utcnow()
+    hold = now + timedelta(seconds=settings.webhook_timeout_s + CLAIM_MARGIN_S)
+    claimed: list[Due] = []
+    with db.transaction() as session:
+        rows = session.execute(
+            select(WebhookDelivery, Webhook)
+            .join(Webhook, Webhook.id == WebhookDelivery.webhook_id)
+            .where(WebhookDelivery.status == "pending", WebhookDelivery.next_attempt_at <= now)
+            .order_by(WebhookDelivery.next_attempt_at)
+            .limit(limit)
+            .with_for_update(skip_locked=True, of=WebhookDelivery)
+        ).all()
+        for delivery, hook in rows:
+            try:
+                secret = secret_of(settings, hook)
+            except ConflictError as exc:
+                _finish(delivery, "failed", now)
+                delivery.last_response = exc.message
+                log.error("webhook %s: %s", hook.id, exc.message)
+                continue
+            delivery.next_attempt_at = hold
+            claimed.append(Due(delivery.id, hook.url, delivery.event, delivery.body, secret))
+    return claimed
+
+
+async def send(http: httpx.AsyncClient, due: Due, timeout_s: float) -> Outcome:
+    """POST the delivery, signed now; 2xx is delivered. At most ``timeout_s`` in all, and at
+    most :data:`RESPONSE_KEPT` characters of the answer read."""
+    stamp = str(int(time.time()))
+    body = due.body.encode()
+    headers = {
+        "Content-Type": "application/json",
+        "User-Agent": USER_AGENT,
+        TIMESTAMP_HEADER: stamp,
+        SIGNATURE_HEADER: sign(due.secret, stamp, body),
+        EVENT_HEADER: due.event,
+        DELIVERY_HEADER: due.id,
+    }
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with http.stream("POST", due.url, content=body, headers=headers) as answer:
+                kept = b""
+                async for chunk in answer.aiter_raw():
+                    kept += chunk
+                    if len(kept) >= RESPONSE_KEPT * 4:
+                        break
+                text = kept.decode(errors="replace")[:RESPONSE_KEPT]
+                return Outcome(answer.is_success, answer.status_code, text)
+    except TimeoutError:
+        return Outcome(False, None, f"no answer within {timeout_s:g} s")
+    except httpx.HTTPError as exc:
+        return Outcome(False, None, f"{type(exc).__name__}: {exc}"[:RESPONSE_KEPT])
+
+
+def record(db: Database, settings: Settings, due: Due, outcome: Outcome) -> None:
+    """The try's outcome: delivered, retried later (the wait doubling from
+    ``webhook_backoff_s``, at most an hour), or failed once ``webhook_retry_s`` has passed."""
+    now = utcnow()
+    with db.transaction() as session:
+        delivery = session.get(WebhookDelivery, due.id, with_for_update=True)
+        if delivery is None or delivery.status != "pending":
+            return  # unsubscribed meanwhile
+        delivery.attempts += 1
+        delivery.last_attempt_at = now
+        delivery.last_status = outcome.status
+        delivery.last_response = outcome.response
+        if outcome.ok:
+            _finish(delivery, "delivered", now)
+            return
+        wait = min(settings.webhook_backoff_s * 2 ** min(delivery.attempts - 1, 30), MAX_BACKOFF_S)
+        retry = now + timedelta(seconds=wait)
+        if retry > delivery.created_at + timedelta(seconds=settings.webhook_retry_s):
+            _finish(delivery, "failed", now)
+            log.warning(
+                "webhook delivery %s (%s) given up after %d tries: %s",
+                delivery.id,
+                delivery.event,
+                delivery.attempts,
+                outcome.status or outcome.response,
+            )
+        else:
+            delivery.next_attempt_at = retry
+
+
+def _finish(delivery: WebhookDelivery, status: str, now: datetime) -> None:
+    delivery.status = status
+    delivery.finished_at = now
+    delivery.next_attempt_at = None
+
+
+def prune_finished(db: Database, now: datetime | None = None) -> int:
+    """Remove deliveries finished more than :data:`KEEP_FINISHED_S` ago."""
+    cutoff = (now or utcnow()) - timedelta(seconds=KEEP_FINISHED_S)
+    with db.transaction() as session:
+        result = session.execute(delete(WebhookDelivery).where(WebhookDelivery.finished_at < cutoff))
+        return int(getattr(result, "rowcount", 0) or 0)
+
+
+async def deliver_round(db: Database, settings: Settings, http: httpx.AsyncClient) -> int:
+    """Claim, send and record one batch; how many were sent."""
+    batch = await run_in_threadpool(claim_due, db, settings)
+    if not batch:
+        return 0
+    outcomes = await asyncio.gather(*(send(http, due, settings.webhook_timeout_s) for due in batch))
+    for due, outcome in zip(batch, outcomes, strict=True):
+        await run_in_threadpool(record, db, settings, due, outcome)
+    return len(batch)
+
+
+async def run_deliveries(db: Database, settings: Settings, stop: asyncio.Event) -> None:
+    """The loop, until ``stop`` is set: a round every ``webhook_poll_s`` (at once again after
+    a full batch), across database outages."""
+    last_prune = 0.0
+    limits = httpx.Limits(max_connections=BATCH, max_keepalive_connections=8)
+    async with httpx.AsyncClient(timeout=settings.webhook_timeout_s, limits=limits) as http:
+        while not stop.is_set():
+            sent = 0
+            try:
+                sent = await deliver_round(db, settings, http)
+                if time.monotonic() - last_prune > _PRUNE_EVERY_S:
+                    await run_in_threadpool(prune_finished, db)
+                    last_prune = time.monotonic()
+            except Exception as exc:  # keep the loop alive across database outages
+                if is_unavailable(exc):
+                    log.warning("webhook deliveries skipped: the database is unreachable")
+                else:
+                    log.exception("webhook delivery round failed")
+            if sent < BATCH:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), settings.webhook_poll_s)
