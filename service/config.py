@@ -396,6 +396,12 @@ class Settings(BaseSettings):
     checkpoint_max_bytes: int = Field(
         default=8 * 1024**3, gt=0, description="Largest training-state checkpoint a worker may upload."
     )
+    reclaim_min_run_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="A borrowed job that has run less than this is not preempted to give a team its quota "
+        "back (it would lose its work; docs/teams.md).",
+    )
     storage_url: str | None = Field(
         default=None,
         description="Where artifacts live: unset = files under TORCHYARD_DATA_DIR; s3://bucket/prefix = an "

@@ -36,6 +36,7 @@ from service.api.routes import (
     storage,
     streams,
     sweeps,
+    teams,
     tokens,
     webhooks,
     weights,
@@ -264,6 +265,7 @@ def create_app(settings: Settings | None = None, *, freeze: bool = False) -> Fas
         sweeps,
         weights,
         storage,
+        teams,
         webhooks,
     ):
         app.include_router(module.router)

@@ -23,6 +23,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, validates
@@ -85,8 +86,70 @@ class Token(Base):
     last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     # A launch token (docs/slurm.md): it speaks only for this attempt's placements.
     attempt_id: Mapped[str | None] = mapped_column(String(32), index=True)
+    # The user a user or admin token acts for (docs/teams.md); None for worker tokens.
+    user_id: Mapped[str | None] = mapped_column(String(32), index=True)
 
     _enums = enum_columns("role")
+
+
+class User(Base):
+    """A person (docs/teams.md): owns tokens, belongs to teams (the first is their default)."""
+
+    __tablename__ = "users"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    admin: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    disabled_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class Team(Base):
+    """A team (docs/teams.md): its members' jobs are admitted against its quotas."""
+
+    __tablename__ = "teams"
+    __table_args__ = (CheckConstraint("weight > 0", name="weight"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    # Fair-share weight: a team of weight 2 is entitled to twice the share of one of weight 1.
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
+    # Whether a higher-priority job of the team may preempt a lower-priority one of the team.
+    preempt_within: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # Passed to the engines that schedule: sbatch --account, Kueue's queue-name label.
+    slurm_account: Mapped[str | None] = mapped_column(String(100))
+    kueue_queue: Mapped[str | None] = mapped_column(String(100))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class TeamMember(Base):
+    __tablename__ = "team_members"
+
+    team_id: Mapped[str] = mapped_column(ForeignKey("teams.id", ondelete="CASCADE"), primary_key=True)
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), primary_key=True)
+    # The order of the user's teams: the first is the default of their submissions.
+    position: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+
+
+class TeamQuota(Base):
+    """A team's quota in one resource pool, in units (GPUs, or CPU slots): ``nominal`` is
+    its own, ``borrowing_limit`` how much more it may use of others' idle units,
+    ``lending_limit`` how much of its idle nominal others may borrow (None: no limit)."""
+
+    __tablename__ = "team_quotas"
+    __table_args__ = (
+        CheckConstraint(
+            "nominal >= 0 AND (borrowing_limit IS NULL OR borrowing_limit >= 0) "
+            "AND (lending_limit IS NULL OR lending_limit >= 0)",
+            name="limits",
+        ),
+    )
+
+    team_id: Mapped[str] = mapped_column(ForeignKey("teams.id", ondelete="CASCADE"), primary_key=True)
+    pool: Mapped[str] = mapped_column(String(100), primary_key=True)
+    nominal: Mapped[int] = mapped_column(Integer)
+    borrowing_limit: Mapped[int | None] = mapped_column(Integer)
+    lending_limit: Mapped[int | None] = mapped_column(Integer)
 
 
 class Dataset(Base):
@@ -98,6 +161,8 @@ class Dataset(Base):
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     owner_id: Mapped[str] = mapped_column(ForeignKey("tokens.id"), index=True)
+    # The team it belongs to (docs/teams.md); None only for rows older than teams.
+    team_id: Mapped[str | None] = mapped_column(String(32))
     name: Mapped[str] = mapped_column(String(200))
     source: Mapped[str] = mapped_column(String(16))
     storage_path: Mapped[str] = mapped_column(Text)
@@ -123,6 +188,8 @@ class CodePackage(Base):
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     owner_id: Mapped[str] = mapped_column(ForeignKey("tokens.id"), index=True)
+    # The team it belongs to (docs/teams.md); None only for rows older than teams.
+    team_id: Mapped[str | None] = mapped_column(String(32))
     name: Mapped[str] = mapped_column(String(200))
     sha256: Mapped[str] = mapped_column(String(64), index=True)
     size_bytes: Mapped[int] = mapped_column(BigInteger)
@@ -176,11 +243,14 @@ class Job(Base):
         # The job lists' cursors (newest first): everyone's, one owner's, by status.
         Index("ix_jobs_created_id", "created_at", "id"),
         Index("ix_jobs_owner_created_id", "owner_id", "created_at", "id"),
+        Index("ix_jobs_team_status", "team_id", "status"),
         Index("ix_jobs_status_created_id", "status", "created_at", "id"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     owner_id: Mapped[str] = mapped_column(ForeignKey("tokens.id"))
+    # The team it belongs to (docs/teams.md); None only for rows older than teams.
+    team_id: Mapped[str | None] = mapped_column(String(32))
     name: Mapped[str] = mapped_column(String(200))
     status: Mapped[JobStatus] = mapped_column(EnumAsString(JobStatus), default=JobStatus.QUEUED)
     # What runs (torchyard.contract.jobspec.JobKind); the API refuses other values.
@@ -362,6 +432,8 @@ class Attempt(Base):
     failure_message: Mapped[str | None] = mapped_column(Text)
     # Set when a node of the attempt is drained: every node is told to checkpoint and stop.
     preempt_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # Why the scheduler asked it to stop (docs/teams.md: a team's quota reclaimed); None: a drain.
+    preempt_reason: Mapped[str | None] = mapped_column(Text)
     # The engine that runs it ("agents", "slurm"), its job id there once submitted, that
     # job's final state once the engine reports it ended (None while it may still run), and
     # the engine's last word on it (a pending reason, the tail of its output).
@@ -481,6 +553,8 @@ class ModelVersion(Base):
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     owner_id: Mapped[str] = mapped_column(ForeignKey("tokens.id"))
+    # The team it belongs to (docs/teams.md); None only for rows older than teams.
+    team_id: Mapped[str | None] = mapped_column(String(32))
     name: Mapped[str] = mapped_column(String(100))
     version: Mapped[int] = mapped_column(Integer)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
@@ -571,6 +645,8 @@ class Sweep(Base):
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     owner_id: Mapped[str] = mapped_column(ForeignKey("tokens.id"))
+    # The team it belongs to (docs/teams.md); None only for rows older than teams.
+    team_id: Mapped[str | None] = mapped_column(String(32))
     name: Mapped[str] = mapped_column(String(200))
     status: Mapped[str] = mapped_column(String(16), default="running")
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)

@@ -73,6 +73,12 @@ class TrainJobCreate(StrictModel):
         description="Higher runs first; FIFO among equal priorities.",
         json_schema_extra=allowed("-100..100"),
     )
+    team: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=100,
+        description="The team it belongs to (docs/teams.md): one of yours; default: your first.",
+    )
 
 
 class ScriptJobCreate(ScriptFields, StrictModel):
@@ -89,6 +95,12 @@ class ScriptJobCreate(ScriptFields, StrictModel):
         le=100,
         description="Higher runs first; FIFO among equal priorities.",
         json_schema_extra=allowed("-100..100"),
+    )
+    team: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=100,
+        description="The team it belongs to (docs/teams.md): one of yours; default: your first.",
     )
 
     @model_validator(mode="after")
@@ -128,6 +140,12 @@ class EvaluateJobCreate(StrictModel):
         le=100,
         description="Higher runs first; FIFO among equal priorities.",
         json_schema_extra=allowed("-100..100"),
+    )
+    team: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=100,
+        description="The team it belongs to (docs/teams.md): one of yours; default: your first.",
     )
 
 

@@ -13,6 +13,13 @@ from torchyard.contract.responses import TokenPublic
 class TokenCreate(StrictModel):
     name: str = Field(min_length=1, max_length=200)
     role: Role = Field(strict=False)
+    user: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        description="The user the token acts for (docs/teams.md); default: a new user of the token's name "
+        "in the team default.",
+    )
 
 
 class TokenList(BaseModel):
@@ -23,3 +30,5 @@ class WhoAmI(BaseModel):
     id: str
     name: str
     role: Role
+    user: str | None = None
+    teams: list[str] = []

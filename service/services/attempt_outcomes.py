@@ -170,7 +170,9 @@ def _awaits_engine_ending(attempt: Attempt) -> bool:
 
 
 def _preemption_message(attempt: Attempt) -> str:
-    """Why a preempted attempt ended: its engine's word, or its node's drain."""
+    """Why a preempted attempt ended: the scheduler's reclaim, its engine's word, or its node's drain."""
+    if attempt.preempt_reason:
+        return f"preempted: {attempt.preempt_reason}"
     if capabilities_of(attempt.engine).reports_ends:
         return f"preempted: {attempt.engine} stopped its job ({attempt.engine_state})"
     return "preempted: a node of the attempt was drained"

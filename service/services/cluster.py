@@ -56,7 +56,7 @@ _HELD = (
     .subquery()
 )
 _READY_CAPACITY = (
-    select(Node.id, Node.name, Node.address, Node.units, _HELD.c.units)
+    select(Node.id, Node.name, Node.address, Node.units, _HELD.c.units, Node.accelerator)
     .outerjoin(_HELD, _HELD.c.node_id == Node.id)
     .where(_READY)
     .order_by(Node.name)
@@ -189,14 +189,24 @@ class NodeCapacity:
     address: str
     units: int
     free: int
+    accelerator: str = "cpu"
 
 
 def ready_capacity(session: Session, settings: Settings, now: datetime) -> list[NodeCapacity]:
     """Ready nodes (``_READY``) with their free units, by name: what the scheduler
     places onto. One query: each node's units held by its placements that are not done."""
     return [
-        NodeCapacity(id=id_, name=name, address=address, units=units, free=max(0, units - int(used or 0)))
-        for id_, name, address, units, used in session.execute(_READY_CAPACITY, _ready_params(settings, now))
+        NodeCapacity(
+            id=id_,
+            name=name,
+            address=address,
+            units=units,
+            free=max(0, units - int(used or 0)),
+            accelerator=acc,
+        )
+        for id_, name, address, units, used, acc in session.execute(
+            _READY_CAPACITY, _ready_params(settings, now)
+        )
     ]
 
 

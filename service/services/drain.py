@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
@@ -100,22 +101,30 @@ def preempt_node_attempts(session: Session, node: Node) -> list[str]:
     )
     now = utcnow()
     for job_id in job_ids:
-        job = locked_job(session, job_id)
-        for attempt in session.scalars(
-            select(Attempt)
-            .where(Attempt.job_id == job_id, Attempt.status.in_(LIVE_ATTEMPT_STATUSES))
-            .with_for_update()
-            .execution_options(populate_existing=True)
-        ).all():
-            if attempt.preempt_requested_at is None:
-                attempt.preempt_requested_at = now
-            for placement in session.scalars(
-                select(Placement)
-                .where(Placement.attempt_id == attempt.id, Placement.status == PlacementStatus.ASSIGNED)
-                .order_by(Placement.id)
-                .with_for_update()
-            ):
-                set_placement_status(placement, PlacementStatus.DONE, now)
-            finish_preemption(session, job, attempt)
-        finish_cancellation(session, job)
+        preempt_job(session, job_id, now)
     return job_ids
+
+
+def preempt_job(session: Session, job_id: str, now: datetime, reason: str | None = None) -> None:
+    """Ask the job's live attempts to checkpoint and stop (``reason``: why, for its history;
+    none: a drained node). Placements not yet claimed are done at once; an attempt with
+    nothing left running is preempted here. Locks the job, then its attempts."""
+    job = locked_job(session, job_id)
+    for attempt in session.scalars(
+        select(Attempt)
+        .where(Attempt.job_id == job_id, Attempt.status.in_(LIVE_ATTEMPT_STATUSES))
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    ).all():
+        if attempt.preempt_requested_at is None:
+            attempt.preempt_requested_at = now
+            attempt.preempt_reason = reason
+        for placement in session.scalars(
+            select(Placement)
+            .where(Placement.attempt_id == attempt.id, Placement.status == PlacementStatus.ASSIGNED)
+            .order_by(Placement.id)
+            .with_for_update()
+        ):
+            set_placement_status(placement, PlacementStatus.DONE, now)
+        finish_preemption(session, job, attempt)
+    finish_cancellation(session, job)

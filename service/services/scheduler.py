@@ -31,6 +31,7 @@ import ipaddress
 import logging
 import random
 import secrets
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import NamedTuple
@@ -43,7 +44,10 @@ from service.db.engine import Database
 from service.db.models import Attempt, Job, Placement
 from service.db.types import utcnow
 from service.services.cluster import NodeCapacity, ready_capacity
+from service.services.drain import preempt_job
+from service.services.fair_share import Ledger, Running, load_ledger, reclaim_victims, running_attempts
 from service.services.jobs import transition
+from service.services.teams import DEFAULT_POOL
 from service.services.wakeup import announce_placed
 from service.states import AttemptStatus, JobStatus, PlacementStatus
 
@@ -66,6 +70,12 @@ class QueuedJob(NamedTuple):
     process_count_per_node: int
     requeue_reason: str | None
     wait_reason: str | None
+    team_id: str | None = None
+    priority: int = 0
+
+    @property
+    def units(self) -> int:
+        return self.node_count * self.process_count_per_node
 
 
 @dataclass
@@ -201,6 +211,12 @@ def schedule(session: Session, settings: Settings) -> PassResult:
         return result
     now = utcnow()
     nodes = ready_capacity(session, settings, now)
+    ledger = load_ledger(session, {DEFAULT_POOL: sum(n.units for n in nodes)}, unit_word(nodes))
+    if ledger.managed:
+        # Teams with quotas (docs/teams.md): fair share between them.
+        TeamPass(session, settings, ledger, nodes, now, result).run(queued)
+        _announce(session, result)
+        return result
     taken_ports: dict[str, set[int]] = {}
     blocker: QueuedJob | None = None
     behind: dict[tuple[int, int], str] = {}  # reasons behind the blocker, by job shape
@@ -224,6 +240,12 @@ def schedule(session: Session, settings: Settings) -> PassResult:
         if job.wait_reason != reason:
             changed.setdefault(reason, []).append(job.id)
     _write_reasons(session, changed)
+    _announce(session, result)
+    return result
+
+
+def _announce(session: Session, result: PassResult) -> None:
+    """Wake the claims of the nodes that got placements."""
     if result.scheduled:
         log.info("scheduled %s", ", ".join(result.scheduled))
         placed = session.scalars(
@@ -233,7 +255,6 @@ def schedule(session: Session, settings: Settings) -> PassResult:
         )
         result.placed_nodes = sorted({*placed})
         announce_placed(session, result.placed_nodes)
-    return result
 
 
 def _write_reasons(session: Session, changed: dict[str, list[str]]) -> None:
@@ -275,6 +296,8 @@ _QUEUE_HEAD = (
         Job.process_count_per_node,
         Job.requeue_reason,
         Job.wait_reason,
+        Job.team_id,
+        Job.priority,
     )
     .where(Job.status == JobStatus.QUEUED)
     .order_by(Job.priority.desc(), Job.created_at, Job.id)
@@ -335,6 +358,124 @@ def _try_place(
         return _GONE, False
     _place(session, settings, row, chosen, port, now)
     return None, True
+
+
+def unit_word(nodes: list[NodeCapacity]) -> str:
+    """What a pool's units are, for the reasons users read: GPUs where its nodes have them."""
+    return "GPUs" if any(n.accelerator not in ("cpu", "") for n in nodes) else "CPU slots"
+
+
+class TeamPass:
+    """One pass between teams with quotas (:mod:`service.services.fair_share`): the team
+    furthest below its fair share goes next; within a team, its line in order, nothing past
+    its first job that waits; a job within its team's quota that finds the units lent out
+    gets them back by preemption of borrowed jobs."""
+
+    def __init__(
+        self,
+        session: Session,
+        settings: Settings,
+        ledger: Ledger,
+        nodes: list[NodeCapacity],
+        now: datetime,
+        result: PassResult,
+    ) -> None:
+        self.session = session
+        self.settings = settings
+        self.ledger = ledger
+        self.nodes = nodes
+        self.now = now
+        self.result = result
+        self.taken_ports: dict[str, set[int]] = {}
+        self.blockers: dict[str, QueuedJob] = {}
+        self.changed: dict[str, list[str]] = {}
+        self._running: list[Running] | None = None
+
+    def run(self, queued: list[QueuedJob]) -> None:
+        lines: dict[str, deque[QueuedJob]] = {}
+        for job in queued:
+            lines.setdefault(job.team_id or "", deque()).append(job)
+        for team_id, line in lines.items():
+            head = line[0]
+            book = self.ledger.book(team_id or None)
+            if book.used.get(DEFAULT_POOL, 0) + head.units <= book.quota(DEFAULT_POOL).nominal:
+                book.wants.add(DEFAULT_POOL)
+        while lines:
+            team_id = min(lines, key=lambda t: (self.ledger.share(t or None), -lines[t][0].priority))
+            job = lines[team_id].popleft()
+            if not lines[team_id]:
+                del lines[team_id]
+            self._consider(team_id, job)
+        _write_reasons(self.session, self.changed)
+
+    def _wait(self, job: QueuedJob, reason: str) -> None:
+        if job.requeue_reason:
+            reason = f"{job.requeue_reason}; {reason}"
+        self.result.waiting[job.id] = reason
+        if job.wait_reason != reason:
+            self.changed.setdefault(reason, []).append(job.id)
+
+    def _consider(self, team_id: str, job: QueuedJob) -> None:
+        blocker = self.blockers.get(team_id)
+        if blocker is not None:
+            name = self.ledger.book(team_id or None).name
+            self._wait(job, f"queued behind job {blocker.name!r} ({blocker.id}), first in team {name}'s line")
+            return
+        decision = self.ledger.decide(job.team_id, DEFAULT_POOL, job.units)
+        if not decision.admitted:
+            self.blockers[team_id] = job
+            self._wait(job, decision.reason or "waiting for its team's quota")
+            return
+        placed_or_reason, possible = _try_place(
+            self.session, self.settings, job, self.nodes, self.taken_ports, self.now
+        )
+        if placed_or_reason is None:
+            self.ledger.take(job.team_id, DEFAULT_POOL, job.units)
+            self.result.scheduled.append(job.id)
+            return
+        if placed_or_reason is _GONE:
+            return
+        reason = placed_or_reason
+        if possible:
+            self.blockers[team_id] = job
+            if not decision.borrowing and DEFAULT_POOL in self.ledger.managed:
+                reason = self._reclaim(job) or reason
+        self._wait(job, reason)
+
+    def _reclaim(self, job: QueuedJob) -> str | None:
+        """Preempt borrowed jobs so that ``job``, within its team's quota, can start."""
+        if self._running is None:
+            self._running = running_attempts(self.session)
+        free = sum(n.free for n in self.nodes)
+        needed = max(1, job.units - free)
+        victims, coming = reclaim_victims(
+            self.ledger,
+            self._running,
+            team_id=job.team_id,
+            pool=DEFAULT_POOL,
+            needed=needed,
+            priority=job.priority,
+            now=self.now,
+            min_run_s=self.settings.reclaim_min_run_s,
+        )
+        team = self.ledger.book(job.team_id).name
+        word = self.ledger.unit_word
+        for victim in victims:
+            lender = self.ledger.book(victim.team_id).name
+            why = (
+                f"team {team} took back its quota ({victim.units} {word} lent to team {lender})"
+                if lender != team
+                else f"a job of priority {job.priority} of team {team} needed its {victim.units} {word}"
+            )
+            log.info("job %s: preempting job %s: %s", job.id, victim.job_id, why)
+            preempt_job(self.session, victim.job_id, self.now, why)
+        if victims:
+            self._running = None
+            names = ", ".join(f"{v.job_name!r} ({v.job_id})" for v in victims)
+            return f"reclaiming {sum(v.units for v in victims) + coming} {word} of team {team}'s quota: preempting {names}"
+        if coming:
+            return f"{coming} {word} of team {team}'s quota on their way back from preempted jobs"
+        return None
 
 
 def run_pass(db: Database, settings: Settings) -> PassResult:

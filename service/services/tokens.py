@@ -15,10 +15,15 @@ from pathlib import Path
 from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.orm import Session
 
-from service.db.models import Token
+from service.db.models import Team, TeamMember, Token, User
 from service.db.types import utcnow
 from service.states import Role
-from torchyard.contract.errors import AuthenticationError, ConflictError, NotFoundError
+from torchyard.contract.errors import (
+    AuthenticationError,
+    ConflictError,
+    NotFoundError,
+    RequestValidationError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,20 +42,78 @@ class Principal:
     last_used_at: datetime | None = field(default=None, compare=False)
     # A launch token's attempt (docs/slurm.md): it speaks only for that attempt's placements.
     attempt_id: str | None = None
+    # The user the token acts for (docs/teams.md), the ids of every token of that user (what
+    # they own is what any of them made), and their teams (the first is their default).
+    user_id: str | None = None
+    owner_ids: tuple[str, ...] = ()
+    team_ids: tuple[str, ...] = ()
+    team_names: tuple[str, ...] = ()
 
     @property
     def is_admin(self) -> bool:
         return self.role is Role.ADMIN
+
+    @property
+    def owners(self) -> tuple[str, ...]:
+        """The token ids whose rows this principal owns: its user's tokens, or itself."""
+        return self.owner_ids or (self.id,)
 
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def create_token(session: Session, name: str, role: Role) -> tuple[Token, str]:
-    """Create a token; the plain value is returned once and never stored."""
+DEFAULT_TEAM = "default"
+
+
+def default_team(session: Session) -> Team:
+    """The team ``default`` (made by the migration; made again here if it was deleted)."""
+    team = session.scalars(select(Team).where(Team.name == DEFAULT_TEAM)).first()
+    if team is None:
+        team = Team(name=DEFAULT_TEAM, created_at=utcnow())
+        session.add(team)
+        session.flush()
+    return team
+
+
+def _free_user_name(session: Session, name: str) -> str:
+    taken = set(session.scalars(select(User.name).where(User.name.like(f"{name}%"))))
+    candidate, n = name, 1
+    while candidate in taken:
+        n += 1
+        candidate = f"{name}-{n}"
+    return candidate
+
+
+def user_for_new_token(session: Session, token_name: str, role: Role, user_name: str | None) -> str | None:
+    """The user a new token acts for: the named one, or a new user of the token's own (see the
+    module's docstring); None for worker tokens."""
+    if role not in (Role.USER, Role.ADMIN):
+        if user_name is not None:
+            raise RequestValidationError("only user and admin tokens act for a user")
+        return None
+    if user_name is not None:
+        user = session.scalars(select(User).where(User.name == user_name)).first()
+        if user is None:
+            raise RequestValidationError(f"no user named {user_name!r}")
+        if role is Role.ADMIN and not user.admin:
+            raise RequestValidationError(f"user {user_name!r} is not an admin: an admin token needs one")
+        return user.id
+    user = User(
+        name=_free_user_name(session, token_name[:190]), admin=role is Role.ADMIN, created_at=utcnow()
+    )
+    session.add(user)
+    session.flush()
+    session.add(TeamMember(team_id=default_team(session).id, user_id=user.id, position=0))
+    return user.id
+
+
+def create_token(session: Session, name: str, role: Role, user: str | None = None) -> tuple[Token, str]:
+    """Create a token; the plain value is returned once and never stored. A user or admin
+    token acts for ``user``, or for a new user of its own (docs/teams.md)."""
     plain = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    row = Token(name=name, role=role, token_hash=hash_token(plain))
+    user_id = user_for_new_token(session, name, role, user)
+    row = Token(name=name, role=role, token_hash=hash_token(plain), user_id=user_id)
     session.add(row)
     session.flush()
     return row, plain
@@ -58,8 +121,23 @@ def create_token(session: Session, name: str, role: Role) -> tuple[Token, str]:
 
 # Run on every request: the columns only (no Token object), in a statement built once.
 _BY_HASH = select(
-    Token.id, Token.name, Token.role, Token.token_hash, Token.revoked_at, Token.last_used_at, Token.attempt_id
+    Token.id,
+    Token.name,
+    Token.role,
+    Token.token_hash,
+    Token.revoked_at,
+    Token.last_used_at,
+    Token.attempt_id,
+    Token.user_id,
 ).where(Token.token_hash == bindparam("digest"))
+_USER_TOKENS = select(Token.id).where(Token.user_id == bindparam("user")).order_by(Token.id)
+_USER_TEAMS = (
+    select(Team.id, Team.name)
+    .join(TeamMember, TeamMember.team_id == Team.id)
+    .where(TeamMember.user_id == bindparam("user"))
+    .order_by(TeamMember.position, Team.name)
+)
+_USER_STATE = select(User.disabled_at).where(User.id == bindparam("user"))
 
 
 def authenticate(session: Session, token: str | None) -> Principal:
@@ -76,12 +154,24 @@ def authenticate(session: Session, token: str | None) -> Principal:
     # comparison itself depends on how much of a guessed token is right.
     if row is None or not hmac.compare_digest(row.token_hash, digest) or row.revoked_at is not None:
         raise AuthenticationError("invalid or revoked token")
+    if row.user_id is None:
+        return Principal(
+            id=row.id, name=row.name, role=row.role, last_used_at=row.last_used_at, attempt_id=row.attempt_id
+        )
+    params = {"user": row.user_id}
+    if session.execute(_USER_STATE, params).scalar_one_or_none() is not None:
+        raise AuthenticationError("invalid or revoked token")  # its user is disabled
+    teams = session.execute(_USER_TEAMS, params).all()
     return Principal(
         id=row.id,
         name=row.name,
         role=row.role,
         last_used_at=row.last_used_at,
         attempt_id=row.attempt_id,
+        user_id=row.user_id,
+        owner_ids=tuple(session.scalars(_USER_TOKENS, params)),
+        team_ids=tuple(t.id for t in teams),
+        team_names=tuple(t.name for t in teams),
     )
 
 
@@ -148,9 +238,9 @@ def list_tokens(session: Session, *, include_revoked: bool = True) -> list[Token
     return list(session.scalars(stmt))
 
 
-def issue_token(session: Session, name: str, role: Role) -> tuple[Token, str]:
+def issue_token(session: Session, name: str, role: Role, user: str | None = None) -> tuple[Token, str]:
     """Create a token and commit; the plain secret is returned once, never stored."""
-    row, plain = create_token(session, name, role)
+    row, plain = create_token(session, name, role, user)
     session.commit()
     return row, plain
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Query, status
 
 from service.api.deps import AdminUser, ReadSessionDep, SessionDep, get_principal
 from service.api.routing import SessionScopedRoute
-from service.db.models import Token
+from service.db.models import Token, User
 from service.schemas.tokens import TokenCreate, TokenList, WhoAmI
 from service.services import tokens as tokens_service
 from service.services.tokens import Principal
@@ -31,7 +31,7 @@ def _public(row: Token) -> TokenPublic:
 @router.post("", status_code=status.HTTP_201_CREATED)
 def post_token(body: TokenCreate, session: SessionDep, _admin: AdminUser) -> TokenCreated:
     """Create a token (admin only)."""
-    row, plain = tokens_service.issue_token(session, body.name, body.role)
+    row, plain = tokens_service.issue_token(session, body.name, body.role, body.user)
     return TokenCreated(id=row.id, name=row.name, role=row.role, token=plain, created_at=row.created_at)
 
 
@@ -59,6 +59,13 @@ whoami_router = APIRouter(prefix="/v1", tags=["tokens"], route_class=SessionScop
 
 
 @whoami_router.get("/whoami")
-def whoami(principal: Annotated[Principal, Depends(get_principal)]) -> WhoAmI:
-    """The identity behind the presented token (any role)."""
-    return WhoAmI(id=principal.id, name=principal.name, role=principal.role)
+def whoami(principal: Annotated[Principal, Depends(get_principal)], session: ReadSessionDep) -> WhoAmI:
+    """The identity behind the presented token (any role): its user and teams, if any."""
+    user = session.get(User, principal.user_id) if principal.user_id else None
+    return WhoAmI(
+        id=principal.id,
+        name=principal.name,
+        role=principal.role,
+        user=user.name if user is not None else None,
+        teams=list(principal.team_names),
+    )

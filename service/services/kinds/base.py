@@ -16,8 +16,9 @@ from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Attempt, Dataset, Job, JobEvent, Placement
+from service.db.models import Attempt, Dataset, Job, JobEvent, Placement, Team
 from service.db.types import utcnow
+from service.services.teams import team_for_submission
 from service.services.tokens import Principal
 from service.states import JobStatus
 from torchyard.contract.errors import RequestValidationError, TorchyardError
@@ -61,8 +62,12 @@ def queue(
     node_count = resources.node_count if resources is not None else 1
     process_count_per_node = resources.process_count_per_node if resources is not None else 1
     now = utcnow()
+    team_id = team_for_submission(session, principal, getattr(request, "team", None))
+    if team_id is not None:
+        normalized = {**normalized, "team": session.get_one(Team, team_id).name}
     job = Job(
         owner_id=principal.id,
+        team_id=team_id,
         type=kind,
         name=normalized["name"],
         status=JobStatus.QUEUED,
