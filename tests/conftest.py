@@ -293,10 +293,17 @@ def live_server(settings: Settings) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A small model trained in-process once per test process (tests/support/trained_model.py)."""
-    from tests.support.trained_model import train_small_model
+    """A small model trained in-process once per run (tests/support/trained_model.py): under
+    pytest-xdist, in a folder of this run's beside the test processes' own (their basetemps'
+    parent, which a given --basetemp keeps from run to run), by the first that needs it. Tests
+    only read its files."""
+    from tests.support.trained_model import shared_trained_model
 
-    return train_small_model(tmp_path_factory.mktemp("trained"))
+    root = tmp_path_factory.getbasetemp() / "trained-model"
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if os.environ.get("PYTEST_XDIST_WORKER") and run:
+        root = tmp_path_factory.getbasetemp().parent / f"trained-model-{run}"
+    return shared_trained_model(root)
 
 
 @pytest.fixture(scope="session")
