@@ -99,10 +99,8 @@ def bounded(value: str | None, default: str) -> str:
 
 
 def job_team_label(team: str | None = None) -> str:
-    """The ``team`` label of a job's series. Jobs have no team in the database yet, so every
-    caller passes nothing and every job counts under "default"; once jobs have a team column,
-    the callers pass its value here (and the jobs' gauge groups by it), and this stays the
-    one place that names the label's value."""
+    """The ``team`` label of a job's series: its team's name (docs/teams.md); a job older than
+    teams counts under "default". Team names are few and chosen by admins: a bounded set."""
     return bounded(team, DEFAULT_TEAM)
 
 

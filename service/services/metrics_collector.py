@@ -22,7 +22,7 @@ from sqlalchemy.pool import QueuePool
 
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Job, Node, Placement, SweepTrial
+from service.db.models import Job, Node, Placement, SweepTrial, Team
 from service.db.types import utcnow
 from service.services.cluster import node_status
 from service.services.metrics import DEFAULT_POOL, job_team_label, node_pool
@@ -44,7 +44,12 @@ _HELD = (
 )
 _NODES = select(Node, _HELD.c.units).outerjoin(_HELD, _HELD.c.node_id == Node.id)
 # Every job the service still holds (a deleted job's row stays as a tombstone).
-_JOBS = select(Job.status, func.count(Job.id)).where(Job.deleted_at.is_(None)).group_by(Job.status)
+_JOBS = (
+    select(Job.status, Team.name, func.count(Job.id))
+    .outerjoin(Team, Team.id == Job.team_id)
+    .where(Job.deleted_at.is_(None))
+    .group_by(Job.status, Team.name)
+)
 _TRIALS = select(SweepTrial.state, func.count(SweepTrial.id)).group_by(SweepTrial.state)
 
 
@@ -110,17 +115,22 @@ class DatabaseCollector(Collector):
         return [up, _jobs(jobs), _trials(trials), *_nodes(nodes, self._settings(), utcnow())]
 
 
-def _jobs(rows: Iterable[tuple[JobStatus, int]]) -> Metric:
+def _jobs(rows: Iterable[tuple[JobStatus, str | None, int]]) -> Metric:
     family = GaugeMetricFamily(
-        "torchyard_jobs", "Jobs by state and team (every state listed, 0 included).", labels=["state", "team"]
+        "torchyard_jobs",
+        "Jobs by state and team (every state listed for every team with jobs, 0 included).",
+        labels=["state", "team"],
     )
-    # One team until jobs have one (job_team_label); then the query groups by it too.
-    team = job_team_label()
-    counts = {status.value: 0 for status in JobStatus}
-    for status, count in rows:
-        counts[str(status)] = counts.get(str(status), 0) + int(count)
-    for state, count in sorted(counts.items()):
-        family.add_metric([state, team], count)
+    counts: dict[str, dict[str, int]] = {}
+    for status, team_name, count in rows:
+        team = job_team_label(team_name)
+        per_state = counts.setdefault(team, {status.value: 0 for status in JobStatus})
+        per_state[str(status)] = per_state.get(str(status), 0) + int(count)
+    if not counts:
+        counts[job_team_label()] = {status.value: 0 for status in JobStatus}
+    for team, per_state in sorted(counts.items()):
+        for state, count in sorted(per_state.items()):
+            family.add_metric([state, team], count)
     return family
 
 

@@ -123,3 +123,16 @@ def test_events_count_when_their_transaction_commits(sqlite_url: str) -> None:
         assert counted == ["committed"]
     finally:
         db.dispose()
+
+
+def test_jobs_are_counted_by_state_and_their_team() -> None:
+    from service.services.metrics_collector import _jobs
+    from service.states import JobStatus
+
+    family = _jobs(
+        [(JobStatus.QUEUED, "vision", 2), (JobStatus.RUNNING, None, 1), (JobStatus.QUEUED, "speech", 1)]
+    )
+    got = {(s.labels["team"], s.labels["state"]): s.value for s in family.samples}
+    assert got[("vision", "queued")] == 2 and got[("vision", "running")] == 0
+    assert got[("speech", "queued")] == 1
+    assert got[("default", "running")] == 1, "a job older than teams counts under default"
