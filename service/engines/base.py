@@ -88,6 +88,9 @@ class LaunchRequest:
     launch_token: str
     # The job's own run-time limit (its spec's ``resources.max_runtime_s``), if any.
     max_runtime_s: float | None = None
+    # The job's team's names in the engine (docs/teams.md): Slurm's account, Kueue's queue.
+    account: str | None = None
+    queue: str | None = None
 
     @property
     def name(self) -> str:

@@ -170,8 +170,9 @@ def pod(
     )
     pod_labels = labels(request) | {RANK: str(rank)}
     annotations = {NODE_COUNT: str(request.node_count)}
-    if settings.k8s_queue:
-        pod_labels |= {KUEUE_QUEUE: settings.k8s_queue, KUEUE_GROUP: request.name}
+    queue = request.queue or settings.k8s_queue  # the job's team's Kueue queue first (docs/teams.md)
+    if queue:
+        pod_labels |= {KUEUE_QUEUE: queue, KUEUE_GROUP: request.name}
         annotations[KUEUE_GROUP_COUNT] = str(request.node_count)
     grace = math.ceil(settings.preempt_grace_s) + 15
     spec: dict[str, Any] = {

@@ -194,6 +194,8 @@ class SlurmDriver:
         ]  # fmt: skip
         if request.max_runtime_s is not None and request.max_runtime_s > 0:
             argv.append(f"--time={max(1, math.ceil(request.max_runtime_s / 60))}")
+        if request.account:
+            argv.append(f"--account={request.account}")  # the job's team's (docs/teams.md)
         argv += shlex.split(settings.slurm_sbatch_args)
         argv.append(str(script))
         env = dict(self.slurm.env)

@@ -38,7 +38,7 @@ from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Attempt, Job, Node, Placement
+from service.db.models import Attempt, Job, Node, Placement, Team
 from service.db.types import utcnow
 from service.engines.base import (
     Driver,
@@ -53,10 +53,13 @@ from service.engines.base import (
 )
 from service.services import launches
 from service.services.attempt_outcomes import fail_attempt, finish_cancellation, finish_preemption, requeue
-from service.services.cluster import check_resources
+from service.services.cluster import check_resources, ready_capacity
+from service.services.drain import preempt_job
+from service.services.fair_share import Ledger, TeamBook, admission_order, reclaim_victims, running_attempts
 from service.services.jobs import request_cancel
 from service.services.lost_placements import lose_node_placements, lose_placements
-from service.services.scheduler import PassResult, is_postgres, run_pass
+from service.services.scheduler import PassResult, is_postgres, run_pass, unit_word
+from service.services.teams import DEFAULT_POOL
 from service.services.transitions import set_attempt_status, set_node_status, set_placement_status
 from service.states import (
     LIVE_ATTEMPT_STATUSES,
@@ -158,19 +161,78 @@ class Reconciler:
     # --- hand-over ------------------------------------------------------------------------
 
     def _hand_over_queued(self, db: Database, settings: Settings, result: PassResult) -> None:
+        """Hand queued jobs to the engine: all of them in the queue's order, or, where teams
+        have quotas (docs/teams.md), those admitted, in fair-share order; a job within its
+        team's quota whose units are lent out gets them back by preemption."""
         with db.read_session() as session:
-            queued = list(
-                session.scalars(
-                    select(Job.id)
-                    .where(Job.status == JobStatus.QUEUED)
-                    .order_by(Job.priority.desc(), Job.created_at, Job.id)
-                    .limit(500)
-                )
-            )
-        for job_id in queued:
-            handed = self._hand_over(db, settings, job_id, result)
+            nodes = ready_capacity(session, settings, utcnow())
+            capacity = {DEFAULT_POOL: sum(n.units for n in nodes)}
+            ledger, order = admission_order(session, capacity, unit_word(nodes))
+        if not ledger.managed:
+            for entry in order:
+                handed = self._hand_over(db, settings, entry.job.id, result)
+                if handed is not None:
+                    self._submit(db, *handed)
+            return
+        for entry in order:
+            job = entry.job
+            units = job.node_count * job.process_count_per_node
+            decision = ledger.decide(job.team_id, DEFAULT_POOL, units)
+            if decision.admitted and not decision.borrowing:
+                free = ledger.capacity[DEFAULT_POOL] - ledger.used(DEFAULT_POOL)
+                if units > free:
+                    self._hold(db, job.id, self._reclaim(db, settings, ledger, job, units - free), result)
+                    continue
+            if not decision.admitted:
+                self._hold(db, job.id, decision.reason or "waiting for its team's quota", result)
+                continue
+            handed = self._hand_over(db, settings, job.id, result)
             if handed is not None:
-                self._submit(db, *handed)
+                ledger.take(job.team_id, DEFAULT_POOL, units)
+                self._submit(db, *handed, team=entry.team)
+
+    def _hold(self, db: Database, job_id: str, reason: str, result: PassResult) -> None:
+        with db.transaction() as session:
+            job = session.scalars(
+                select(Job).where(Job.id == job_id, Job.status == JobStatus.QUEUED).with_for_update()
+            ).first()
+            if job is None:
+                return
+            if job.requeue_reason:
+                reason = f"{job.requeue_reason}; {reason}"
+            job.wait_reason = reason
+            result.waiting[job_id] = reason
+
+    def _reclaim(self, db: Database, settings: Settings, ledger: Ledger, job: Job, needed: int) -> str:
+        """Preempt borrowed attempts so that ``job`` gets its team's units back; why it waits."""
+        now = utcnow()
+        with db.transaction() as session:
+            victims, coming = reclaim_victims(
+                ledger,
+                running_attempts(session),
+                team_id=job.team_id,
+                pool=DEFAULT_POOL,
+                needed=needed,
+                priority=job.priority,
+                now=now,
+                min_run_s=settings.reclaim_min_run_s,
+            )
+            team = ledger.book(job.team_id).name
+            for victim in victims:
+                lender = ledger.book(victim.team_id).name
+                preempt_job(
+                    session,
+                    victim.job_id,
+                    now,
+                    f"team {team} took back its quota ({victim.units} lent to {lender})",
+                )
+        if victims:
+            return f"reclaiming team {team}'s quota: preempting " + ", ".join(
+                repr(v.job_name) for v in victims
+            )
+        if coming:
+            return f"team {team}'s quota on its way back from preempted jobs"
+        return f"waiting for team {team}'s quota: its units are in use"
 
     def _hand_over(
         self, db: Database, settings: Settings, job_id: str, result: PassResult
@@ -201,11 +263,12 @@ class Reconciler:
             result.scheduled.append(job.id)
             return attempt.id, token
 
-    def _submit(self, db: Database, attempt_id: str, token: str) -> None:
+    def _submit(self, db: Database, attempt_id: str, token: str, *, team: TeamBook | None = None) -> None:
         with db.read_session() as session:
             attempt = session.get_one(Attempt, attempt_id)
             job = session.get_one(Job, attempt.job_id)
             limit = ((job.spec or {}).get("resources") or {}).get("max_runtime_s")
+            row = session.get(Team, job.team_id) if team is None and job.team_id else None
             request = LaunchRequest(
                 job_id=job.id,
                 attempt_id=attempt.id,
@@ -214,6 +277,8 @@ class Reconciler:
                 process_count_per_node=job.process_count_per_node,
                 launch_token=token,
                 max_runtime_s=float(limit) if isinstance(limit, int | float) else None,
+                account=team.slurm_account if team is not None else (row.slurm_account if row else None),
+                queue=team.kueue_queue if team is not None else (row.kueue_queue if row else None),
             )
         try:
             engine_job_id = self.driver.submit(request)

@@ -211,3 +211,13 @@ def test_the_schedulers_words_lose_their_node_counts() -> None:
         )
         == "Insufficient nvidia.com/gpu"
     )
+
+
+def test_a_teams_kueue_queue_comes_before_the_installs(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    s = settings(tmp_path, k8s_queue="shared")
+    pod = k8s.pod(s, replace(REQUEST, queue="vision"), 0, "uid", gpus=False)
+    assert pod["metadata"]["labels"][k8s.KUEUE_QUEUE] == "vision"
+    pod = k8s.pod(s, REQUEST, 0, "uid", gpus=False)
+    assert pod["metadata"]["labels"][k8s.KUEUE_QUEUE] == "shared"

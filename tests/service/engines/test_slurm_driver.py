@@ -554,3 +554,12 @@ def test_cancelling_a_job_slurm_no_longer_has_is_no_error(tmp_path: Path) -> Non
     driver, slurm = started(tmp_path)
     driver.cancel("99999")  # scancel exits 1: "Invalid job id specified"
     assert slurm.argvs == [["scancel", *USER_FILTER, "99999"]]
+
+
+def test_a_teams_account_goes_to_sbatch(tmp_path: Path) -> None:
+    driver, _ = started(tmp_path)
+    driver.inventory()
+    argv, _ = driver.sbatch_command(request(account="vision-lab"))
+    assert "--account=vision-lab" in argv
+    argv, _ = driver.sbatch_command(request())
+    assert not [a for a in argv if a.startswith("--account")], "no team account: Slurm's default"
