@@ -152,6 +152,22 @@ class TeamQuota(Base):
     lending_limit: Mapped[int | None] = mapped_column(Integer)
 
 
+class TeamUsage(Base):
+    """A team's use of its quota in a pool, sampled once a minute by the upkeep and kept
+    for a week (docs/teams.md): the teams page's charts. ``at`` is the minute of the sample,
+    so that replicas sampling the same minute cannot both write it."""
+
+    __tablename__ = "team_usage"
+
+    team_id: Mapped[str] = mapped_column(ForeignKey("teams.id", ondelete="CASCADE"), primary_key=True)
+    pool: Mapped[str] = mapped_column(String(100), primary_key=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime, primary_key=True, index=True)
+    used: Mapped[int] = mapped_column(Integer)
+    nominal: Mapped[int] = mapped_column(Integer)
+    borrowed: Mapped[int] = mapped_column(Integer)
+    lent: Mapped[int] = mapped_column(Integer)
+
+
 class Dataset(Base):
     __tablename__ = "datasets"
     __table_args__ = (

@@ -108,3 +108,17 @@ class QueuedPublic(BaseModel):
 
 class QueueList(BaseModel):
     items: list[QueuedPublic]
+
+
+class UsagePoint(BaseModel):
+    at: datetime = Field(description="The minute of the sample.")
+    used: int
+    nominal: int
+    borrowed: int
+    lent: int
+
+
+class TeamUsageSeries(BaseModel):
+    team: str
+    pool: str
+    items: list[UsagePoint] = Field(description="One a minute, oldest first (kept for 7 days).")

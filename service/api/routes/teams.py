@@ -4,6 +4,7 @@
   fair-share weight; a change takes effect at the next scheduling pass;
 * ``GET /v1/teams``, ``GET /v1/teams/{name}``: quotas and usage now (admins: every team;
   others: their own teams);
+* ``GET /v1/teams/{name}/usage``: its use of its quota over time, sampled once a minute;
 * ``POST /v1/users``, ``GET /v1/users``, ``PATCH /v1/users/{name}`` (admins);
 * ``GET /v1/queue``: the waiting jobs in the order of the next pass, with their team's use
   of its quota and why each waits (admins: all; others: their teams' jobs).
@@ -11,7 +12,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, status
+from datetime import datetime, timedelta
+from typing import Annotated
+
+from fastapi import APIRouter, Query, status
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -28,17 +32,20 @@ from service.schemas.teams import (
     TeamList,
     TeamPublic,
     TeamUpdate,
+    TeamUsageSeries,
+    UsagePoint,
     UserCreate,
     UserList,
     UserPublic,
     UserUpdate,
 )
-from service.services import teams
+from service.services import team_usage, teams
 from service.services.cluster import ready_capacity
 from service.services.fair_share import Ledger, admission_order, load_ledger
 from service.services.scheduler import unit_word
 from service.services.teams import DEFAULT_POOL, QuotaSpec
 from service.services.tokens import Principal
+from torchyard.contract.errors import RequestValidationError
 
 router = APIRouter(tags=["teams"], route_class=SessionScopedRoute)
 
@@ -141,6 +148,37 @@ def get_team(name: str, session: ReadSessionDep, settings: SettingsDep, principa
     team = teams.visible_team(session, principal, name)
     ledger, _ = _ledger(session, settings)
     return _team_public(session, ledger, team)
+
+
+@router.get("/v1/teams/{name}/usage")
+def get_team_usage(
+    name: str,
+    session: ReadSessionDep,
+    principal: CurrentUser,
+    since: Annotated[
+        datetime | None,
+        Query(description="The first sample's earliest time (ISO 8601, with a zone); default: a day ago."),
+    ] = None,
+    pool: Annotated[str, Query(min_length=1, max_length=100)] = DEFAULT_POOL,
+) -> TeamUsageSeries:
+    """A team's use of its quota in ``pool`` over time, a sample a minute (another team's,
+    for a non-admin: 404)."""
+    team = teams.visible_team(session, principal, name)
+    if since is None:
+        since = utcnow() - timedelta(days=1)
+    elif since.tzinfo is None:
+        raise RequestValidationError(
+            "since needs a time zone, e.g. 2026-01-02T03:04:05Z", details={"field": "since"}
+        )
+    rows = team_usage.points(session, team.id, pool, since)
+    return TeamUsageSeries(
+        team=team.name,
+        pool=pool,
+        items=[
+            UsagePoint(at=r.at, used=r.used, nominal=r.nominal, borrowed=r.borrowed, lent=r.lent)
+            for r in rows
+        ],
+    )
 
 
 def _user_public(session: Session, user: User) -> UserPublic:

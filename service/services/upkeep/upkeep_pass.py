@@ -10,7 +10,7 @@ from datetime import timedelta
 from service.config import Settings
 from service.db.engine import Database
 from service.db.types import utcnow
-from service.services import checkpoints, direct_uploads, job_delete, metrics, sweep_rounds
+from service.services import checkpoints, direct_uploads, job_delete, metrics, sweep_rounds, team_usage
 from service.services.scheduler import has_queued_jobs, run_pass
 from service.services.upkeep.cancellations import settle_cancellations
 from service.services.upkeep.leases import expired_by_job, lose_expired_leases
@@ -33,6 +33,20 @@ def _sweep_storage(db: Database, settings: Settings) -> None:
         _last_object_sweep = time.monotonic()
         direct_uploads.drop_abandoned(db, settings)
     checkpoints.remove_ended_jobs_files(db, store)
+
+
+# Teams' usage is sampled once a minute (docs/teams.md); a replica that finds another's
+# sample of the minute writes none.
+_TEAM_USAGE_S = 60.0
+_last_team_usage = 0.0
+
+
+def _sample_team_usage(db: Database) -> None:
+    global _last_team_usage
+    if _last_team_usage and time.monotonic() - _last_team_usage < _TEAM_USAGE_S:
+        return
+    _last_team_usage = time.monotonic()
+    team_usage.sample(db)
 
 
 @dataclass
@@ -82,6 +96,7 @@ def _upkeep_pass(
     result.cancelled = settle_cancellations(db)
     result.timed_out = time_out_overruns(db, now)
     _sweep_storage(db, settings)
+    _sample_team_usage(db)
     job_delete.apply_retention(db, settings)
     decided = sweep_rounds.drive(db, settings)
     result.trials_queued = decided.created
