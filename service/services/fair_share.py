@@ -31,9 +31,9 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.db.models import Attempt, Job, Placement, Team, TeamQuota
+from service.db.models import Attempt, Job, Team, TeamQuota
 from service.services.teams import DEFAULT_POOL, usage
-from service.states import LIVE_ATTEMPT_STATUSES, PlacementStatus
+from service.states import LIVE_ATTEMPT_STATUSES
 
 
 @dataclass
@@ -187,6 +187,7 @@ class Running:
 
 
 def running_attempts(session: Session, pool: str = DEFAULT_POOL) -> list[Running]:
+    """The live attempts, each holding its job's nodes × processes (see :func:`teams.usage`)."""
     rows = session.execute(
         select(
             Job.id,
@@ -194,23 +195,20 @@ def running_attempts(session: Session, pool: str = DEFAULT_POOL) -> list[Running
             Attempt.id,
             Job.team_id,
             Job.priority,
-            Placement.units,
+            Job.node_count * Job.process_count_per_node,
             Attempt.started_at,
             Attempt.created_at,
             Attempt.preempt_requested_at,
         )
         .join(Attempt, Attempt.job_id == Job.id)
-        .join(Placement, Placement.attempt_id == Attempt.id)
-        .where(Attempt.status.in_(LIVE_ATTEMPT_STATUSES), Placement.status != PlacementStatus.DONE)
+        .where(Attempt.status.in_(LIVE_ATTEMPT_STATUSES))
     ).all()
-    by_attempt: dict[str, Running] = {}
-    for job_id, name, attempt_id, team_id, priority, units, started, created, preempt in rows:
-        seen = by_attempt.get(attempt_id)
-        total = (seen.units if seen else 0) + int(units)
-        by_attempt[attempt_id] = Running(
-            job_id, name, attempt_id, team_id, priority, total, started or created, preempt is not None
+    return [
+        Running(
+            job_id, name, attempt_id, team_id, priority, int(units), started or created, preempt is not None
         )
-    return list(by_attempt.values())
+        for job_id, name, attempt_id, team_id, priority, units, started, created, preempt in rows
+    ]
 
 
 def reclaim_victims(

@@ -17,10 +17,10 @@ from typing import Any
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
-from service.db.models import Attempt, Job, Placement, Team, TeamMember, TeamQuota, Token, User
+from service.db.models import Attempt, Job, Team, TeamMember, TeamQuota, Token, User
 from service.db.types import utcnow
 from service.services.tokens import DEFAULT_TEAM, Principal, default_team
-from service.states import LIVE_ATTEMPT_STATUSES, PlacementStatus
+from service.states import LIVE_ATTEMPT_STATUSES
 from torchyard.contract.errors import ConflictError, NotFoundError, RequestValidationError
 
 DEFAULT_POOL = "default"
@@ -144,13 +144,14 @@ def quotas_of(session: Session, team_id: str) -> list[TeamQuota]:
 
 
 def usage(session: Session) -> dict[tuple[str, str], int]:
-    """Units held now by each team in each pool: (team id, pool) -> units of the placements
-    not done of live attempts (every pool is ``default`` for now: docs/teams.md)."""
+    """Units held now by each team in each pool: (team id, pool) -> the units of its live
+    attempts (an attempt holds its job's nodes × processes from its hand-over, before an
+    engine that schedules has bound any placement, until it ends; every pool is ``default``
+    for now: docs/teams.md)."""
     rows = session.execute(
-        select(Job.team_id, func.coalesce(func.sum(Placement.units), 0))
-        .join(Placement, Placement.job_id == Job.id)
-        .join(Attempt, Attempt.id == Placement.attempt_id)
-        .where(Placement.status != PlacementStatus.DONE, Attempt.status.in_(LIVE_ATTEMPT_STATUSES))
+        select(Job.team_id, func.coalesce(func.sum(Job.node_count * Job.process_count_per_node), 0))
+        .join(Attempt, Attempt.job_id == Job.id)
+        .where(Attempt.status.in_(LIVE_ATTEMPT_STATUSES))
         .group_by(Job.team_id)
     ).all()
     return {(team_id or "", DEFAULT_POOL): int(units) for team_id, units in rows}

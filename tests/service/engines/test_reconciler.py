@@ -437,3 +437,27 @@ def test_an_engine_that_does_not_answer_changes_nothing(
     assert job_row(db, job_id).status == JobStatus.QUEUED and driver.submitted == []
     with db.read_session() as s:
         assert list(s.scalars(select(Node))) == []
+
+
+def test_teams_quotas_are_admitted_before_the_hand_over_and_their_account_goes_along(
+    db: Database, settings: Settings, driver: ScriptedDriver
+) -> None:
+    from sqlalchemy import update
+
+    from service.services import teams
+    from service.services.teams import QuotaSpec
+
+    with db.transaction() as s:
+        vision = teams.create_team(s, "vision", [QuotaSpec("default", 4, 0)], slurm_account="vision-lab").id
+    first, second = add_job(db, nodes=1, procs=4), add_job(db, nodes=1, procs=4)
+    with db.transaction() as s:
+        s.execute(update(Job).where(Job.id.in_([first, second])).values(team_id=vision))
+    Reconciler(driver).run_pass(db, settings)
+    assert [r.job_id for r in driver.submitted] == [first]
+    assert driver.submitted[0].account == "vision-lab"
+    # Held by torchyard before Slurm ever sees it, though Slurm has room: the quota says so.
+    assert job_row(db, second).status == JobStatus.QUEUED
+    assert (
+        job_row(db, second).wait_reason
+        == "team vision at its quota: 4 of 4 GPUs in pool default, borrowing 0 of 0"
+    )
