@@ -84,7 +84,7 @@ def _token_create(args: argparse.Namespace) -> int:
     db = Database(settings.sqlalchemy_url)
     try:
         with db.transaction() as session:
-            _row, plain = create_token(session, args.name, Role(args.role))
+            _row, plain = create_token(session, args.name, Role(args.role), args.user)
     finally:
         db.dispose()
     print(plain)
@@ -192,4 +192,9 @@ def register_token(token_sub: argparse._SubParsersAction[argparse.ArgumentParser
     )
     token_create.add_argument("--role", required=True, choices=["admin", "user", "worker"])
     token_create.add_argument("--name", required=True)
+    token_create.add_argument(
+        "--user",
+        metavar="NAME",
+        help="the user a user or admin token acts for (docs/teams.md; default: a new user of the token's name)",
+    )
     token_create.set_defaults(handler=_token_create)

@@ -60,6 +60,7 @@ from torchyard.apiclient.models import (
 from torchyard.apiclient.registry import ModelVersion, RegisteredModel, RegistryCalls
 from torchyard.apiclient.streams import StreamCalls
 from torchyard.apiclient.sweeps import Sweep, SweepCalls, Trial
+from torchyard.apiclient.teams import TeamCalls
 from torchyard.apiclient.transport import ProgressCallback, ServiceUnreachableError, Transport, segment
 from torchyard.apiclient.webhooks import WebhookCalls
 from torchyard.apiclient.weights import WeightsCalls
@@ -113,6 +114,7 @@ class Client(
     RegistryCalls,
     WeightsCalls,
     WebhookCalls,
+    TeamCalls,
 ):
     """The torchyard API over HTTP.
 
@@ -120,7 +122,7 @@ class Client(
     service (``http://127.0.0.1:8000`` and the data directory's ``admin.token``).
 
     Each area of the API is one class of :mod:`torchyard.apiclient` sharing the connection
-    (admin, datasets, code, jobs, sweeps, streams, model downloads, the registry); the client
+    (admin, datasets, code, jobs, sweeps, streams, model downloads, the registry, teams); the client
     is all of them, so a route's method is written once, in its area.
     """
 

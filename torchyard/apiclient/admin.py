@@ -23,9 +23,13 @@ class AdminCalls:
         body: dict[str, Any] = self._transport.json("GET", "/v1/whoami")
         return body
 
-    def create_token(self, name: str, role: str = "user") -> CreatedToken:
-        """Create a token (admin only); the plain token is in the result, shown once."""
-        body = self._transport.json("POST", "/v1/tokens", json={"name": name, "role": role})
+    def create_token(self, name: str, role: str = "user", *, user: str | None = None) -> CreatedToken:
+        """Create a token (admin only); the plain token is in the result, shown once. A user
+        or admin token acts for ``user`` (default: a new user of the token's name)."""
+        request: dict[str, Any] = {"name": name, "role": role}
+        if user is not None:
+            request["user"] = user
+        body = self._transport.json("POST", "/v1/tokens", json=request)
         return CreatedToken.model_validate(body)
 
     def list_tokens(self, *, include_revoked: bool = True) -> list[TokenInfo]:

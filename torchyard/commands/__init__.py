@@ -1,5 +1,5 @@
 """The user commands of ``torchyard``, one module per noun: datasets, jobs, logs, metrics,
-code, cluster, tokens, models and sweeps.
+code, cluster, teams, tokens, models and sweeps.
 
 Each command talks to the API through :class:`torchyard.client.Client`; a command only
 parses and prints. The URL and token come from ``--url``/``--token``, then
@@ -13,7 +13,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from torchyard.commands import cluster, code, datasets, jobs, logs, metrics, models, sweeps, webhooks, weights
+from torchyard.commands import (
+    cluster,
+    code,
+    datasets,
+    jobs,
+    logs,
+    metrics,
+    models,
+    sweeps,
+    teams,
+    webhooks,
+    weights,
+)
 from torchyard.commands.common import _print_json, client_options, parse_since
 from torchyard.commands.metrics import comparison_text
 from torchyard.commands.models import _predict_remote, register_model_commands
@@ -70,6 +82,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     weights.register(sub, common)
     webhooks.register(sub, common)
     cluster.register(sub, common)
+    teams.register(sub, common)
     predict = sub.add_parser(
         "predict",
         parents=[common],
