@@ -237,7 +237,13 @@ class JobPublic(BaseModel):
     priority: int
     reason: str | None = Field(default=None, description="Why a queued job waits.")
     failure: Failure | None = None
-    progress: dict[str, Any] | None = None
+    progress: dict[str, Any] = Field(
+        default_factory=lambda: dict.fromkeys(("epoch", "step", "fraction", "eta_s")),
+        description="Where the job is: ``epoch``, ``step`` (optimizer steps of the whole job), "
+        "``fraction`` (of its steps) and ``eta_s`` (seconds left at its recent rate), null where "
+        "unknown; with ``epochs``, ``total_steps``, ``steps_per_s``, ``attempt`` and ``time`` "
+        "(of the latest report) once it reported.",
+    )
     best: dict[str, Any] | None = None
     result: dict[str, Any] | None = None
     model_sha256: str | None = None

@@ -17,6 +17,8 @@ from starlette.concurrency import run_in_threadpool
 
 from service.db.engine import Database
 from service.db.models import Job
+from service.db.types import utcnow
+from service.services.job_progress import progress_public
 from service.services.kinds import kind_of
 from service.services.tokens import Principal
 
@@ -44,6 +46,7 @@ def changed_since(session: Session, principal: Principal, since: datetime | None
     if since is not None:
         stmt = stmt.where(Job.updated_at > since)
     rows = session.scalars(stmt.order_by(Job.updated_at).limit(MAX_CHANGES))
+    now = utcnow()
     return [
         {
             "id": job.id,
@@ -51,7 +54,7 @@ def changed_since(session: Session, principal: Principal, since: datetime | None
             "name": job.name,
             "status": job.status,
             "reason": job.wait_reason,
-            "progress": job.progress,
+            "progress": progress_public(job.status, job.progress, now),
             "best": job.best,
             **kind_of(job).listed(job),
             "created_at": job.created_at.isoformat(),

@@ -24,6 +24,7 @@ from service.schemas.jobs import (
 )
 from service.services import metrics, refs
 from service.services.job_lookup import get_job as get_job  # also the jobs API of the routes
+from service.services.job_progress import progress_public
 from service.services.kinds import kind_named, kind_of
 from service.services.kinds.base import submitted_change
 from service.services.tokens import Principal
@@ -258,7 +259,7 @@ def job_public(
         priority=job.priority,
         reason=job.wait_reason,
         failure=failure,
-        progress=job.progress,
+        progress=progress_public(job.status, job.progress, utcnow()),
         best=job.best,
         result=job.result,
         model_sha256=job.model_sha256,

@@ -24,6 +24,7 @@ through another.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Table, select
@@ -32,14 +33,15 @@ from sqlalchemy.orm import Session
 
 from service.db.models import Attempt, Job, LogChunk, Metric, Node, Placement
 from service.db.types import utcnow
+from service.services import job_progress
 from service.services.kinds import kind_of
 from service.services.leases import lock_lease
 from service.services.metric_store import INSERT_ROWS, MetricLimits, count_dropped, store_metrics
 from service.services.tokens import Principal
 from torchyard.contract.errors import RequestValidationError
+from torchyard.contract.jobspec import JobKind
 from torchyard.contract.metrics import VAL_METRICS
 from torchyard.contract.reports import (
-    ProgressIn,
     ReportAccepted,
     ReportBatch,
     ResultIn,
@@ -104,17 +106,24 @@ def _check_batch(session: Session, job: Job, placement: Placement, batch: Report
         )
 
 
-def _progress_of(attempt: Attempt, progress: ProgressIn) -> dict[str, Any]:
-    fraction = min(1.0, progress.step / progress.total_steps) if progress.total_steps else None
-    return {
-        "attempt": attempt.number,
-        "epoch": progress.epoch,
-        "epochs": progress.epochs,
-        "step": progress.step,
-        "total_steps": progress.total_steps,
-        "fraction": None if fraction is None else round(fraction, 4),
-        "time": (progress.time or utcnow()).isoformat(),
-    }
+def _progress_of(job: Job, attempt: Attempt, batch: ReportBatch, now: datetime) -> dict[str, Any] | None:
+    """The job's progress after the batch (None: unchanged): the trainer's progress event, or a
+    script job's metric points (service/services/job_progress.py)."""
+    progress = batch.progress
+    if progress is None:
+        if job.type != JobKind.SCRIPT or not batch.metrics:
+            return None
+        return job_progress.from_script_metrics(job.progress, attempt.number, batch.metrics, now)
+    return job_progress.advanced(
+        job.progress,
+        attempt=attempt.number,
+        epoch=progress.epoch,
+        epochs=progress.epochs,
+        step=progress.step,
+        total_steps=progress.total_steps or None,
+        time=progress.time or now,
+        received=now,
+    )
 
 
 def _best_from_metrics(session: Session, job: Job, attempt: Attempt) -> dict[str, Any] | None:
@@ -245,11 +254,10 @@ def ingest_report(
     new_logs = _insert_new(session, LogChunk.__table__, log_rows)  # type: ignore[arg-type]
 
     changed = count_dropped(session, job, attempt, placement, limits, dropped, now)
-    if batch.progress is not None:
-        progress = _progress_of(attempt, batch.progress)
-        if progress != job.progress:
-            job.progress = progress
-            changed = True
+    progress = _progress_of(job, attempt, batch, now)
+    if progress is not None and progress != job.progress:
+        job.progress = progress
+        changed = True
     if batch.tracking is not None:
         changed = _apply_tracking(job, attempt, placement, batch.tracking) or changed
     if batch.result is not None:

@@ -120,10 +120,11 @@ def test_jobs_shows_tags_and_filters_by_tag_and_sweep(
     code, out, err = run(capsys, *options, "jobs")
     assert code == 0, err
     lines = out.splitlines()
-    assert lines[0].split() == ["ID", "NAME", "STATUS", "PROGRESS", "BEST", "TOP-1", "TAGS", "CREATED"]
+    assert lines[0].split() == ["ID", "NAME", "STATUS", "PROGRESS", "ETA", "BEST", "TOP-1", "TAGS", "CREATED"]
     row = {line.split()[0]: line for line in lines[1:]}
     assert "  baseline,lr-sweep,a-rat…  " in row[both]  # compact: cut short to 24 characters
-    assert row[plain].split()[5] == "-"
+    # A queued job: no progress, no ETA, no best top-1, no tags.
+    assert row[plain].split()[3:7] == ["-", "-", "-", "-"]
 
     code, out, _ = run(capsys, *options, "jobs", "--tag", "baseline")
     assert [line.split()[0] for line in out.splitlines()[1:]] == [both, base]

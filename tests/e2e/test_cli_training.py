@@ -169,6 +169,11 @@ def test_the_readmes_using_it_session_runs_as_pasted(serve: Serve, tmp_path: Pat
     job = json.loads(serve.ok("show", job["id"], "--json"))
     assert job["status"] == "succeeded" and job["parameters"]["epochs"] == 3
     assert job["name"] == "digits-resnet18" and job["tags"] == ["baseline"]
+    # `torchyard jobs`: the job's progress and ETA (done: 100 %, nothing left).
+    table = serve.ok("jobs").splitlines()
+    assert table[0].split()[:5] == ["ID", "NAME", "STATUS", "PROGRESS", "ETA"]
+    row = next(line for line in table[1:] if line.startswith(job["id"]))
+    assert row.split()[2:7] == ["succeeded", "epoch", "3/3", "100%", "0s"], row
     assert (folder / "model" / "config.json").is_file()
     predictions = [
         line for line in ran.stdout.splitlines() if line.startswith("torchyard-demo/digits/val/7/")

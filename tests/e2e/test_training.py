@@ -23,10 +23,17 @@ pytestmark = pytest.mark.slow
 
 
 def test_trains_end_to_end_and_the_model_reproduces_its_validation_top1(env: Env) -> None:
-    agent = env.agent("cpu-1", slots=2)
+    # Each rank samples its system metrics every 0.5 s (the default, 5 s, outlasts this job).
+    agent = env.agent("cpu-1", slots=2, env={"TORCHYARD_SYS_METRICS_INTERVAL_S": "0.5"})
     started = time.monotonic()
     job_id = env.submit()
-    job = env.wait(job_id)
+    seen: list[dict[str, Any]] = []
+
+    def ended(job: dict[str, Any]) -> bool:
+        seen.append({"status": job["status"], **job["progress"]})
+        return job["status"] in ("succeeded", "failed", "cancelled")
+
+    job = env.wait(job_id, ended)
     assert job["status"] == "succeeded", job
     took = time.monotonic() - started
     assert job["model_sha256"] and job["nodes"] == ["cpu-1"]
@@ -35,6 +42,11 @@ def test_trains_end_to_end_and_the_model_reproduces_its_validation_top1(env: Env
     # The idle agent was long-polling: the job was placed at once.
     assert (at["scheduled"] - at["queued"]).total_seconds() < 1.0, job["history"]
     assert job["progress"]["epoch"] >= 1
+    # Progress: the fraction only grows, an ETA while it runs, 1.0 and nothing left at the end.
+    fractions = [p["fraction"] for p in seen if p["fraction"] is not None]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0, seen
+    assert any(p["status"] == "running" and p["eta_s"] is not None and p["fraction"] < 1 for p in seen), seen
+    assert (job["progress"]["fraction"], job["progress"]["eta_s"]) == (1.0, 0.0)
 
     # Every metric of docs/models.md, with sane values.
     r = env.user.get(f"/v1/jobs/{job_id}/metrics", params={"limit": 1000})
@@ -50,6 +62,12 @@ def test_trains_end_to_end_and_the_model_reproduces_its_validation_top1(env: Env
         "val.top5",
         "epoch.seconds",
     }
+    # Each rank's system metrics, beside them; no GPU metric without a GPU.
+    for name in ("sys.cpu_percent", "sys.rss_bytes", "sys.input_wait_fraction"):
+        assert {p["rank"] for p in points if p["name"] == name} == {0, 1}, name
+    assert not names & {"sys.gpu_util", "sys.gpu_memory_bytes"}
+    assert all(p["value"] > 10 << 20 for p in points if p["name"] == "sys.rss_bytes")
+    assert all(0 <= p["value"] <= 1 for p in points if p["name"] == "sys.input_wait_fraction")
     top1 = [p["value"] for p in points if p["name"] == "val.top1"]
     assert len(top1) == 2 and all(0.0 <= v <= 1.0 or 0.0 <= v <= 100.0 for v in top1)
     assert all(p["value"] > 0 for p in points if p["name"] in ("train.images_per_sec", "epoch.seconds"))

@@ -136,7 +136,8 @@ def test_stale_leases_are_refused_and_write_nothing(client: TestClient, settings
     assert stored_counts(settings, job.job_id) == (0, 0)
     assert stored_counts(settings, other.job_id) == (0, 0)
     shown = client.get(f"/v1/jobs/{job.job_id}", headers=auth(job.user_token)).json()
-    assert shown["progress"] is None and shown["best"] is None
+    assert shown["progress"] == {"epoch": None, "step": None, "fraction": None, "eta_s": None}
+    assert shown["best"] is None
 
 
 def test_routes_check_the_token_role(client: TestClient, settings: Settings) -> None:
@@ -479,6 +480,11 @@ def test_progress_and_best_metrics_show_on_the_job(client: TestClient, settings:
         assert shown["progress"]["epoch"] == epoch and shown["progress"]["step"] == step
         assert shown["progress"]["epochs"] == 6 and shown["progress"]["total_steps"] == 600
         assert shown["progress"]["fraction"] == pytest.approx(step / 600, abs=1e-4)
+        # The ETA needs the rate of two reports; the list shows the same progress, no query of its own.
+        eta = shown["progress"]["eta_s"]
+        assert (eta is None) if epoch == 1 else (eta >= 0 and shown["progress"]["steps_per_s"] > 0)
+        listed = client.get("/v1/jobs", headers=user).json()["items"]
+        assert [j["progress"]["step"] for j in listed if j["id"] == job.job_id] == [step]
     # Epoch 2 has the lowest loss; epoch 4 only ties it, so the earlier epoch stays best.
     assert shown["best"] == {"attempt": 1, "epoch": 2, "val.loss": 0.5, "val.top1": 0.5, "val.top5": 1.0}
     assert shown["result"] is None
@@ -494,6 +500,40 @@ def test_progress_and_best_metrics_show_on_the_job(client: TestClient, settings:
     shown = client.get(show, headers=user).json()
     assert shown["result"] == {"attempt": 1, **result}
     assert shown["best"] == {"attempt": 1, "epoch": 2, **result["best"]}
+
+
+def test_a_script_jobs_progress_comes_from_its_metric_points(client: TestClient, settings: Settings) -> None:
+    from sqlalchemy import update
+
+    from service.db.models import Job
+    from tests.service.test_script_jobs_api import upload_code
+
+    job = start_running_job(settings, client)
+    code = upload_code(client, {"train.py": b"print('hi')\n"}).json()["id"]
+    db = Database(settings.sqlalchemy_url)
+    try:
+        with db.transaction() as session:
+            session.execute(update(Job).where(Job.id == job.job_id).values(type="script", code_id=code))
+    finally:
+        db.dispose()
+    show = f"/v1/jobs/{job.job_id}"
+    user = auth(job.user_token)
+    # Steps without a total: a step, no fraction. Epoch 0 (never logged) is unknown.
+    post_report(client, job, metrics=[point("loss", 0.9, 0, 10), point("loss", 0.8, 0, 20, rank=1)])
+    progress = client.get(show, headers=user).json()["progress"]
+    assert {k: progress[k] for k in ("epoch", "step", "fraction", "eta_s")} == {
+        "epoch": None, "step": 20, "fraction": None, "eta_s": None
+    }  # fmt: skip
+    # The script logs its total: the fraction, and from the next point on an ETA.
+    post_report(
+        client, job, metrics=[point("progress.total_steps", 200, 0, 0), point("sys.cpu_percent", 99, 1, 500)]
+    )
+    progress = client.get(show, headers=user).json()["progress"]
+    assert (progress["step"], progress["total_steps"], progress["fraction"]) == (20, 200, 0.1)
+    post_report(client, job, metrics=[point("loss", 0.5, 1, 50)])
+    progress = client.get(show, headers=user).json()["progress"]
+    assert (progress["epoch"], progress["step"], progress["fraction"]) == (1, 50, 0.25)
+    assert progress["eta_s"] is not None and progress["eta_s"] >= 0
 
 
 def test_another_users_job_is_not_found(client: TestClient, settings: Settings) -> None:

@@ -12,7 +12,7 @@ from torchyard.client import Job
 from torchyard.commands.common import _JOB_HELP, _client, _print_json, dataset_names, dataset_text
 from torchyard.contract.jobspec import JobKind
 from torchyard.contract.learning_rate import describe_schedule
-from torchyard.terminal import format_time, human_bytes, job_timing
+from torchyard.terminal import format_duration, format_time, human_bytes, job_timing
 
 _PERCENT_KEYS = ("top1", "top5", "accuracy")
 # The longest param or tag value ``show`` prints whole (``--json`` has every value whole).
@@ -194,13 +194,25 @@ def _print_failure(failure: Failure) -> None:
         print("traceback:\n  " + failure.traceback.rstrip().replace("\n", "\n  "))
 
 
-_PROGRESS_KEYS = {"epoch", "epochs", "step", "total_steps", "fraction", "attempt", "time"}
+_PROGRESS_KEYS = {
+    "epoch",
+    "epochs",
+    "step",
+    "total_steps",
+    "fraction",
+    "attempt",
+    "time",
+    "eta_s",
+    "steps_per_s",
+}
 
 
 def _progress_line(progress: dict[str, Any]) -> str:
     """``epoch 3/5, step 120/200 (60.0%), attempt 1, at 2026-01-02 03:04:05``: what of the
     progress a job reported is known."""
     parts = [_epoch_part(progress), _step_part(progress)]
+    if isinstance(progress.get("eta_s"), int | float):
+        parts.append(f"ETA {format_duration(progress['eta_s'])}")
     if progress.get("attempt") is not None:
         parts.append(f"attempt {progress['attempt']}")
     if progress.get("time"):
@@ -228,7 +240,7 @@ def _step_part(progress: dict[str, Any]) -> str:
 
 def _print_outcome(job: Job) -> None:
     """Progress, timing, best metrics, nodes and the model directory, those the job has."""
-    if job.progress:
+    if job.progress and any(v is not None for v in job.progress.values()):
         print(f"progress:    {_progress_line(job.progress)}")
     fraction = (job.progress or {}).get("fraction")
     timing = job_timing(

@@ -11,7 +11,7 @@ from typing import Any
 from torchyard.client import Job
 from torchyard.commands import job_changes, job_download, job_show, job_submit
 from torchyard.commands.common import _client, _print_json
-from torchyard.terminal import format_table, format_time
+from torchyard.terminal import format_duration, format_table, format_time
 
 # The widest the TAGS column of ``torchyard jobs`` gets: more is cut short with "…".
 TAGS_WIDTH = 24
@@ -24,11 +24,22 @@ def tags_text(tags: list[str], width: int = TAGS_WIDTH) -> str:
 
 
 def _progress_text(job: Job) -> str:
+    """``epoch 2/5 43%`` (the parts known), ``-`` before any progress."""
     progress = job.progress or {}
     epoch, epochs = progress.get("epoch"), progress.get("epochs") or job.parameters.get("epochs")
-    if epoch is None:
-        return "-"
-    return f"epoch {epoch}/{epochs}" if epochs else f"epoch {epoch}"
+    fraction = progress.get("fraction")
+    parts = []
+    if epoch is not None:
+        parts.append(f"epoch {epoch}/{epochs}" if epochs else f"epoch {epoch}")
+    if isinstance(fraction, int | float):
+        parts.append(f"{fraction:.0%}")
+    return " ".join(parts) or "-"
+
+
+def _eta_text(job: Job) -> str:
+    """The time the job has left at its recent rate (``-`` when unknown)."""
+    eta = (job.progress or {}).get("eta_s")
+    return format_duration(eta) if isinstance(eta, int | float) else "-"
 
 
 def _best_top1(job: Job) -> str:
@@ -53,13 +64,14 @@ def _jobs(args: argparse.Namespace) -> int:
             j.name,
             j.status,
             _progress_text(j),
+            _eta_text(j),
             _best_top1(j),
             tags_text(j.tags) or "-",
             format_time(j.created_at),
         )
         for j in items
     ]
-    print(format_table(["ID", "NAME", "STATUS", "PROGRESS", "BEST TOP-1", "TAGS", "CREATED"], rows))
+    print(format_table(["ID", "NAME", "STATUS", "PROGRESS", "ETA", "BEST TOP-1", "TAGS", "CREATED"], rows))
     return 0
 
 

@@ -19,3 +19,22 @@ _METRIC_NAME = re.compile(METRIC_NAME_PATTERN)
 
 def is_metric_name(name: object) -> bool:
     return isinstance(name, str) and _METRIC_NAME.match(name) is not None
+
+
+# Each rank's system metrics (docs/operations.md, "System metrics"): every rank of the built-in
+# trainer samples itself and appends them to its file in the run folder, which its agent ships.
+SYS_METRIC_NAMES: tuple[str, ...] = (
+    "sys.cpu_percent",
+    "sys.rss_bytes",
+    "sys.gpu_util",
+    "sys.gpu_memory_bytes",
+    "sys.input_wait_fraction",
+)
+SYS_METRICS_FILE_PATTERN = "sys-rank-*.jsonl"
+# A script job may log its planned number of steps under this name: its progress then has a fraction.
+TOTAL_STEPS_METRIC = "progress.total_steps"
+
+
+def sys_metrics_file(rank: int) -> str:
+    """The run folder's file of rank ``rank``'s system metrics."""
+    return f"sys-rank-{rank}.jsonl"

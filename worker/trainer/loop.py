@@ -27,6 +27,7 @@ from worker.trainer.control import RankControl, StopCheck
 from worker.trainer.distributed import all_reduce_sum
 from worker.trainer.events import EventWriter
 from worker.trainer.hooks import Hooks
+from worker.trainer.system_metrics import NO_SAMPLER, SystemSampler
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +303,8 @@ class TrainLoop:
     # The training forward pass, eager or compiled (else the model itself); it decides at each
     # epoch's end whether to compile for the rest of the job.
     forward: CompiledForward | None = None
+    # This rank's system metrics (worker/trainer/system_metrics.py); None when they are off.
+    sampler: SystemSampler | None = None
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -317,10 +320,13 @@ class TrainLoop:
         batches = device_batches(self.loader, self.prepare, self.device)
         index = start_index
         check: StopCheck | None = None
+        sampler = self.sampler or NO_SAMPLER
         while True:
             # The next batch is fetched while the last step boundary's stop check travels
             # (fetching changes no training state: each sample's augmentation is seeded).
+            asked = time.perf_counter()
             item = next(batches, None)
+            fetched = time.perf_counter()
             if check is not None and check.agreed():
                 self.preempted_at = index
                 log.info("preemption requested: every rank stops after step %d of epoch %d", index, epoch)
@@ -355,6 +361,8 @@ class TrainLoop:
                 self.hooks.at_point("train", epoch)
             if self.control is not None and not last:
                 check = self.control.start_stop_check()
+            sampler.step_done(epoch, self.step, started=asked, fetched=fetched, now=time.perf_counter())
+        sampler.flush(epoch, self.step)
         elapsed = time.perf_counter() - started
         loss_sum, count = self.meter.take_epoch()
         total_loss, total_count, total_images = all_reduce_sum([loss_sum, count, epoch_images], self.device)

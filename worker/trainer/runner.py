@@ -121,6 +121,8 @@ def run_job(job: JobConfig, env: DistEnv) -> dict[str, Any] | None:
         if training.writer is not None:
             training.writer.close()  # a failing run still leaves its last checkpoint whole
         training.events.close()
+        if training.loop.sampler is not None:
+            training.loop.sampler.close()
 
 
 def _train_epochs(

@@ -39,6 +39,7 @@ from worker.trainer.models import BuiltModel
 from worker.trainer.resume import ResumeState, restore
 from worker.trainer.schedule import build_scheduler
 from worker.trainer.seeding import derive_seed
+from worker.trainer.system_metrics import rank_sampler, sampling_interval
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ def set_up(
     interval = ckpt.checkpoint_interval()
     hooks = load_hooks(env.rank, output_dir)
     compiling = compile_setting()
+    sys_interval = sampling_interval()
     distributed.setup(env, device)
     loaders = build_loaders(job, env, device)
     steps_per_epoch = loaders.steps_per_epoch
@@ -153,6 +155,7 @@ def set_up(
         step=start_step,
         control=control,
         forward=forward,
+        sampler=rank_sampler(output_dir, env.rank, device, sys_interval),
     )
     log.info(
         "training %s for epochs %d..%d: %d steps/epoch, %d warm-up steps, effective lr %g on %d process(es)",

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 from torchyard.contract.failures import FailureReport
 from torchyard.contract.jobfile import JobConfig, TrainerTask
+from torchyard.contract.metrics import SYS_METRICS_FILE_PATTERN
 from torchyard.contract.protocol import EvaluatePlacement, TrainPlacement
 from worker.agent import sandbox
 from worker.agent.kinds.base import KindRun, PlacementHost
@@ -67,9 +68,13 @@ class TrainerRun(KindRun):
         with open(agent_log, "a", encoding="utf-8") as out:
             pid = group.start(out)
         h.log.info("torchrun started (pid %d): %s", pid, shlex.join(group.command))
-        reporter = h.start_reporter(lambda: rank_log_files(spec), agent_log)
+        # Each rank's system metrics (worker/trainer/system_metrics.py) go with the job's metrics.
+        reporter = h.start_reporter(lambda: rank_log_files(spec), agent_log, self._sys_metric_files)
         self.start_guards(spec, group)
         return group, reporter
+
+    def _sys_metric_files(self) -> list[Path]:
+        return sorted(self.host.run_dir.glob(SYS_METRICS_FILE_PATTERN))
 
     def start_guards(self, spec: LaunchSpec, group: RankGroup) -> None:
         """Node rank 0's checkpoint uploader."""
