@@ -752,3 +752,35 @@ class WebhookDelivery(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_attempt_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class AuditEvent(Base):
+    """One change made through the API (docs/audit.md): who (the token, its user and role),
+    how they signed in, from which address, what (an action on a target) and the answer's
+    status. Append-only: written once, in its own transaction, and never updated or deleted
+    by the service (operators archive the export)."""
+
+    __tablename__ = "audit_events"
+    __table_args__ = (
+        Index("ix_audit_events_at", "at"),
+        Index("ix_audit_events_action", "action"),
+        Index("ix_audit_events_actor_name", "actor_name"),
+    )
+
+    id: Mapped[int] = mapped_column(SeqInt, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # The token that made the change (its name and id), its user's name and the role; all
+    # None for a request whose token was refused (a failed sign-in, a 401).
+    actor_name: Mapped[str | None] = mapped_column(String(200))
+    actor_token_id: Mapped[str | None] = mapped_column(String(32))
+    actor_token_name: Mapped[str | None] = mapped_column(String(200))
+    actor_role: Mapped[str | None] = mapped_column(String(16))
+    # How the request was authenticated: token (Authorization header), session (the web
+    # UI's cookie), oidc (a sign-in through the identity provider), none.
+    via: Mapped[str] = mapped_column(String(16))
+    source: Mapped[str | None] = mapped_column(String(100))
+    action: Mapped[str] = mapped_column(String(64))
+    target_kind: Mapped[str | None] = mapped_column(String(32))
+    target_id: Mapped[str | None] = mapped_column(String(300))
+    outcome: Mapped[int] = mapped_column(Integer)
+    details: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
