@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,9 @@ import httpx
 import pytest
 
 from service.config import Settings
+from service.db.engine import Database
+from service.db.types import utcnow
+from service.services import team_usage
 from tests.conftest import LiveServer, fast_leases
 from tests.service.test_models_api import succeeded_job
 from tests.support.attempt_history import restarted_job
@@ -368,6 +372,70 @@ def test_cluster_page_lists_nodes_and_units_and_admins_drain_and_undrain(
     assert nodes["cpu-7"]["status"] == "ready"
     assert row.locator("button.drain").count() == 1
     assert ui.errors == [] and other.errors == []
+
+
+def test_teams_page_charts_usage_and_borrowing_and_the_queue_says_why_jobs_wait(
+    live_server: LiveServer, admin: httpx.Client, open_ui: Any
+) -> None:
+    for name in ("vision", "speech"):
+        r = admin.post("/v1/teams", json={"name": name, "quotas": [{"nominal": 4, "borrowing_limit": 2}]})
+        assert r.status_code == 201, r.text
+    assert admin.post("/v1/users", json={"name": "ana", "teams": ["vision"]}).status_code == 201
+    ana = admin.post("/v1/tokens", json={"name": "ana", "role": "user", "user": "ana"}).json()["token"]
+    # 8 units: vision's job of 6 borrows 2 of speech's idle 4; its next job waits at its quota.
+    register_node(admin, create_token(admin, "worker"), "cpu-t", units=8)
+    owner = token_id(admin, ana)
+    train = insert_dataset(live_server.settings, owner, name="t")
+    val = insert_dataset(live_server.settings, owner, name="v")
+    jobs = []
+    for name, procs in (("big", 6), ("waits", 4)):
+        spec = job_spec(train, val, name=name, resources={"node_count": 1, "process_count_per_node": procs})
+        r = httpx.post(f"{live_server.url}/v1/jobs", json=spec, headers=auth(ana))
+        assert r.status_code == 201, r.text
+        jobs.append(r.json()["id"])
+    waiting = jobs[1]
+    _wait(
+        lambda: any(q["id"] == waiting and q["reason"] for q in admin.get("/v1/queue").json()["items"]),
+        what="the second job waiting with a reason",
+    )
+    # The sample the upkeep takes each minute, taken now (for a minute to come: newer than
+    # any the server's own upkeep took).
+    db = Database(live_server.settings.sqlalchemy_url)
+    try:
+        assert team_usage.sample(db, utcnow() + timedelta(minutes=1)) >= 2
+    finally:
+        db.dispose()
+
+    ui = open_ui(live_server.url)
+    ui.sign_in(live_server.admin_token)
+    page = ui.page
+    page.click("#nav-teams")
+    page.wait_for_selector(".team-card[data-team='speech'] .team-chart[data-samples='1']")
+    vision = page.locator(".team-card[data-team='vision']")
+    assert vision.locator(".team-summary").text_content() == "using 6 of 4 · borrowing 2 · weight 1"
+    assert "default: 4, may borrow 2, lends all idle" in (vision.locator(".team-quotas").text_content() or "")
+    assert vision.locator(".team-members").text_content() == "Members: ana"
+    assert page.locator(".borrow-line").all_text_contents() == ["vision borrows 2 from speech"]
+    assert "lending 2" in (page.text_content(".team-card[data-team='speech'] .team-summary") or "")
+    # The chart holds the sample: used and nominal, one point each.
+    vision.locator(".team-chart[data-samples='1'][data-points='2']").wait_for()
+
+    page.click("#nav-queue")
+    row = page.locator(f"tr.queue-row[data-job='{waiting}']")
+    row.wait_for()
+    cells = row.locator("td").all_text_contents()
+    assert cells[0] == "1" and cells[1].startswith("waits") and cells[2:6] == ["vision", "0", "4", "6/4 (+2)"]
+    assert "team vision at its quota" in cells[6]
+    assert page.locator("tr.queue-row").count() == 1
+    ui.assert_clean_text()
+
+    # A member sees their own team only.
+    member = open_ui(live_server.url)
+    member.sign_in(ana)
+    member.page.click("#nav-teams")
+    member.page.locator(".team-card[data-team='vision']").wait_for()
+    assert member.page.locator(".team-card").count() == 1
+    assert ui.errors == [] and member.errors == []
 
 
 def test_a_restarted_job_shows_its_attempts_end_reasons_and_each_attempts_log(

@@ -11,6 +11,7 @@ import { renderModels } from "./models.js";
 import { renderCluster } from "./cluster.js";
 import { renderCompare } from "./compare.js";
 import { renderSweeps, renderSweep } from "./sweeps.js";
+import { renderTeams, renderQueue } from "./teams.js";
 
 const state = { me: null, features: null, cleanups: [] };
 
@@ -28,6 +29,7 @@ async function loadFeatures() {
   return {
     models: "/v1/models" in paths,
     sweeps: "/v1/sweeps" in paths,
+    teams: "/v1/teams/{name}/usage" in paths,
     predict: "/v1/models/{name}/versions/{version}/predict" in paths,
     outputs: "/v1/jobs/{job_id}/outputs" in paths,
     drain: "/v1/cluster/nodes/{node_id}/drain" in paths || Object.keys(paths).some((p) => p.endsWith("/drain")),
@@ -52,6 +54,10 @@ function nav() {
   links.push(link("#/datasets", "Datasets", "nav-datasets"));
   if (state.features.sweeps) links.push(link("#/sweeps", "Sweeps", "nav-sweeps"));
   if (state.features.models) links.push(link("#/models", "Models", "nav-models"));
+  if (state.features.teams) {
+    links.push(link("#/teams", "Teams", "nav-teams"));
+    links.push(link("#/queue", "Queue", "nav-queue"));
+  }
   links.push(link("#/cluster", "Cluster", "nav-cluster"));
   return h(
     "nav",
@@ -165,6 +171,8 @@ async function route() {
     else if (parts[0] === "datasets") await renderDatasets(ctx);
     else if (parts[0] === "models" && state.features.models) await renderModels(ctx, parts[1]);
     else if (parts[0] === "cluster") await renderCluster(ctx);
+    else if (parts[0] === "teams" && state.features.teams) await renderTeams(ctx);
+    else if (parts[0] === "queue" && state.features.teams) await renderQueue(ctx);
     else if (parts[0] === "compare") await renderCompare(ctx);
     else if (parts[0] === "sweeps" && parts.length === 1) await renderSweeps(ctx);
     else if (parts[0] === "sweeps") await renderSweep(ctx, parts[1]);
