@@ -33,6 +33,18 @@ const CHARTS = [
   { id: "lr", title: "Learning rate", series: [{ name: "train.lr", label: "learning rate" }] },
   { id: "throughput", title: "Images / second", series: [{ name: "train.images_per_sec", label: "images/s" }] },
 ];
+// Each rank's system metrics (docs/operations.md), charted in their own group as they arrive:
+// every rank's points in one line per metric.
+const SYSTEM_CHARTS = {
+  "sys.cpu_percent": { id: "sys-cpu", title: "CPU % (100 = one core)", series: [{ name: "sys.cpu_percent", label: "CPU %" }] },
+  "sys.rss_bytes": { id: "sys-rss", title: "Resident memory (bytes)", series: [{ name: "sys.rss_bytes", label: "RSS" }] },
+  "sys.gpu_util": { id: "sys-gpu", title: "GPU utilization %", series: [{ name: "sys.gpu_util", label: "GPU %" }] },
+  "sys.gpu_memory_bytes": { id: "sys-gpu-memory", title: "GPU memory (bytes)", series: [{ name: "sys.gpu_memory_bytes", label: "GPU memory" }] },
+  "sys.input_wait_fraction": { id: "sys-input-wait", title: "Waiting on input", percent: true, series: [{ name: "sys.input_wait_fraction", label: "input wait" }] },
+};
+// Over this part of a step's time spent waiting on data (recently), the job is input-bound.
+const INPUT_BOUND = 0.3;
+const INPUT_RECENT = 8;
 const MAX_LOG_CHARS = 400_000;
 
 // The attempt now running (or last run): the one with the highest number.
@@ -66,7 +78,8 @@ function progressBlock(job, pace) {
   const p = job.progress;
   if (!p || !p.total_steps) return h("div", { id: "progress", class: "hint" }, FINAL.has(job.status) ? "" : "no progress yet");
   const fraction = Math.min(1, p.step / p.total_steps);
-  const left = eta(job, pace);
+  // The API's estimate (the steps of the recent reports), else the page's own.
+  const left = typeof p.eta_s === "number" && !FINAL.has(job.status) ? p.eta_s : eta(job, pace);
   return h(
     "div",
     { id: "progress" },
@@ -502,12 +515,32 @@ function labelsBlock(job, refresh) {
   return box;
 }
 
-async function setUpCharts(ctx, job, grid, seriesPromise, defs) {
+// The recent waits on input of every rank, and the note saying a job is input-bound.
+function inputWatch(note) {
+  const recent = [];
+  const show = () => {
+    const mean = recent.length ? recent.reduce((a, b) => a + b, 0) / recent.length : 0;
+    note.hidden = !(mean > INPUT_BOUND);
+    note.textContent = `input-bound: waiting on data ${Math.round(mean * 100)} % of the time`;
+  };
+  return (values) => {
+    recent.push(...values);
+    recent.splice(0, Math.max(0, recent.length - INPUT_RECENT));
+    show();
+  };
+}
+
+async function setUpCharts(ctx, job, grid, seriesPromise, defs, system) {
   const charts = [];
   const byMetric = new Map();
   const add = (def) => {
     const root = h("div", { id: `chart-${def.id}`, class: "chart-box" });
-    grid.append(root);
+    if (system && SYSTEM_CHARTS[def.series[0].name]) {
+      system.head.hidden = false;
+      system.grid.append(root);
+    } else {
+      grid.append(root);
+    }
     const chart = new LineChart(root, def);
     charts.push(chart);
     for (const s of def.series) byMetric.set(s.name, chart);
@@ -518,6 +551,7 @@ async function setUpCharts(ctx, job, grid, seriesPromise, defs) {
   const ensure = (name) => {
     const found = byMetric.get(name);
     if (found) return found;
+    if (SYSTEM_CHARTS[name] && system) return add(SYSTEM_CHARTS[name]);
     grid.querySelector(".no-metrics")?.remove();
     return add({ id: name.replace(/[^A-Za-z0-9_-]/g, "-"), title: name, percent: isFraction(name), log: /loss$/.test(name), series: [{ name, label: name }] });
   };
@@ -525,6 +559,8 @@ async function setUpCharts(ctx, job, grid, seriesPromise, defs) {
   const started = performance.now();
   const page = await seriesPromise;
   for (const [name, s] of Object.entries(page.series)) ensure(name).setData(name, s.x, s.y);
+  const waits = page.series["sys.input_wait_fraction"];
+  if (system && waits) system.waited(waits.y.slice(-INPUT_RECENT));
   if (!charts.length) grid.append(h("p", { class: "hint no-metrics" }, "No metrics reported yet."));
   await new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve)));
   grid.dataset.loadedMs = String(Math.round(performance.now() - started));
@@ -685,6 +721,12 @@ export async function renderJob(ctx, jobId) {
   const head = h("div", { class: "page-head" });
   const status = h("div", { id: "job-status" });
   const grid = h("div", { id: "charts", class: "charts" });
+  const inputNote = h("p", { id: "input-bound", class: "input-bound", hidden: true });
+  const system = {
+    head: h("h2", { id: "system-head", hidden: true }, "System"),
+    grid: h("div", { id: "system-charts", class: "charts" }),
+    waited: inputWatch(inputNote),
+  };
   const results = h("div", { id: "results" });
   const extra = {};
   const pace = {};
@@ -716,13 +758,13 @@ export async function renderJob(ctx, jobId) {
   if (type === "evaluate") {
     ctx.main.replaceChildren(head, status, results, logs.el);
   } else {
-    ctx.main.replaceChildren(head, status, metricsHead, grid, logs.el);
+    ctx.main.replaceChildren(head, status, inputNote, metricsHead, grid, system.head, system.grid, logs.el);
   }
 
   // The charts come first: the logs, the progress tick and the live points wait for them.
   let charted;
   try {
-    charted = await setUpCharts(ctx, job, type === "evaluate" ? h("div") : grid, seriesPromise, type === "train" ? CHARTS : []);
+    charted = await setUpCharts(ctx, job, type === "evaluate" ? h("div") : grid, seriesPromise, type === "train" ? CHARTS : [], system);
   } finally {
     logs.start();
     loadExtra(ctx, job, extra).then(() => (extra.datasetName || extra.registered ? draw() : null));
@@ -740,6 +782,7 @@ export async function renderJob(ctx, jobId) {
   events.addEventListener("metric", (e) => {
     const p = JSON.parse(e.data);
     ensure(p.name).append(p.name, p.step, p.value);
+    if (p.name === "sys.input_wait_fraction") system.waited([p.value]);
   });
   let pending = null;
   events.addEventListener("status", (e) => {

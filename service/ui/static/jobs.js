@@ -32,6 +32,24 @@ function detailText(job) {
   return progressText(job);
 }
 
+// A bar of the job's fraction done and its time left (progress.eta_s: the API's estimate
+// from the recent steps); empty before any progress.
+function progressCell(job) {
+  const p = job.progress || {};
+  const cell = h("td", { class: "progress" });
+  if (typeof p.fraction !== "number") return cell;
+  const left = typeof p.eta_s === "number" && !FINAL.has(job.status) ? ` ${duration(p.eta_s)} left` : "";
+  cell.append(
+    h(
+      "span",
+      { class: "job-progress", title: `${Math.round(p.fraction * 100)}% of the steps` },
+      h("progress", { max: "1", value: String(p.fraction) }),
+      h("span", { class: "small eta" }, `${Math.round(p.fraction * 100)}%${left}`),
+    ),
+  );
+  return cell;
+}
+
 function bestTop1(job) {
   const top1 = (job.best || {})["val.top1"];
   return typeof top1 === "number" ? percent(top1) : "";
@@ -62,6 +80,7 @@ function row(job, selected, onSelect) {
     h("td", {}, h("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, class: "job-link" }, job.name)),
     h("td", { class: "type" }, TYPES[job.type || "train"] || job.type),
     h("td", { class: "status" }, badge(job.status)),
+    progressCell(job),
     h("td", { class: "reason" }, detailText(job)),
     h("td", { class: "best num" }, bestTop1(job)),
     age,
@@ -125,7 +144,7 @@ export async function renderJobs(ctx) {
     h(
       "table",
       { class: "table", id: "jobs-table" },
-      h("thead", {}, h("tr", {}, ...["", "Name", "Type", "Status", "Detail", "Best top-1", "Age", "Duration", "Id"].map((t) => h("th", {}, t)))),
+      h("thead", {}, h("tr", {}, ...["", "Name", "Type", "Status", "Progress", "Detail", "Best top-1", "Age", "Duration", "Id"].map((t) => h("th", {}, t)))),
       body,
     ),
     empty,
