@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import unquote, urlsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # The database password that docker-compose.yml and .env.example ship with: published,
@@ -62,6 +62,13 @@ class Settings(BaseSettings):
         default="127.0.0.0/8,::1/128",
         description="The networks (CIDR, comma-separated) that may scrape `GET /metrics` without a token "
         "while TORCHYARD_METRICS_TOKEN is unset; loopback only by default.",
+    )
+    trusted_proxies: str = Field(
+        default="127.0.0.1/32,::1/128",
+        description="The reverse proxies (CIDR, comma-separated) whose `X-Forwarded-For` and "
+        "`X-Forwarded-Proto` are believed: a request from one of them is taken to come from the "
+        "address it forwards (the audit trail's source, /metrics' allowed networks). Loopback only by "
+        "default; empty: none (the TCP peer is the client).",
     )
     max_upload_bytes: int = Field(
         default=2 * 1024**3, gt=0, description="Largest dataset archive accepted by POST /v1/datasets."
@@ -489,9 +496,9 @@ class Settings(BaseSettings):
     def _token_or_unset(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value
 
-    @field_validator("metrics_allow")
+    @field_validator("metrics_allow", "trusted_proxies")
     @classmethod
-    def _check_networks(cls, value: str) -> str:
+    def _check_networks(cls, value: str, info: ValidationInfo) -> str:
         networks = []
         for item in value.split(","):
             if not item.strip():
@@ -500,9 +507,15 @@ class Settings(BaseSettings):
                 networks.append(str(ipaddress.ip_network(item.strip(), strict=False)))
             except ValueError:
                 raise ValueError(
-                    f"TORCHYARD_METRICS_ALLOW: {item.strip()!r} is not a network (CIDR such as 10.0.0.0/8)"
+                    f"TORCHYARD_{str(info.field_name).upper()}: {item.strip()!r} is not a network "
+                    "(CIDR such as 10.0.0.0/8)"
                 ) from None
         return ",".join(networks)
+
+    @property
+    def trusted_proxy_networks(self) -> list[str]:
+        """TORCHYARD_TRUSTED_PROXIES as a list of networks (empty: trust no proxy)."""
+        return [n for n in self.trusted_proxies.split(",") if n]
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

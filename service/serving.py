@@ -311,6 +311,8 @@ def _start_api_processes(settings: Settings, sock: socket.socket, count: int, lo
                     create_app(settings, freeze=True),
                     log_level=log_level,
                     timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                    # The app reads X-Forwarded-* itself, from TORCHYARD_TRUSTED_PROXIES only.
+                    proxy_headers=False,
                 )
                 uvicorn.Server(config).run(sockets=[sock])
             except BaseException:
@@ -378,6 +380,8 @@ def serve(
         create_app(settings, freeze=True),
         log_level=log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        # The app reads X-Forwarded-* itself, from TORCHYARD_TRUSTED_PROXIES only.
+        proxy_headers=False,
     )
     server = _Server(config, before_exit=worker.stop if worker is not None else None)
     # uvicorn re-raises the stop signal once it has shut down; these handlers make that a

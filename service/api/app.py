@@ -17,12 +17,15 @@ from typing import Any
 
 from fastapi import FastAPI
 from sqlalchemy.engine import make_url
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
+from service.api.audit_trail import AuditMiddleware
 from service.api.docs import install_docs
 from service.api.errors import install_error_handlers
 from service.api.metrics import attach_database, install_metrics
 from service.api.routes import (
     artifacts,
+    audit,
     checkpoints,
     cluster,
     code,
@@ -267,12 +270,19 @@ def create_app(settings: Settings | None = None, *, freeze: bool = False) -> Fas
         storage,
         teams,
         webhooks,
+        audit,
     ):
         app.include_router(module.router)
     app.include_router(tokens.whoami_router)
     install_ui(app)
+    # Every user or admin write recorded in the audit trail, with its answer's status.
+    app.add_middleware(AuditMiddleware)
     app.add_middleware(SecurityHeadersMiddleware)
     app.add_middleware(ArtifactTrafficMiddleware)
     # GET /metrics, and every request timed by its route (outermost: the others' time counts).
     install_metrics(app)
+    # The client's address (the audit trail's, /metrics' allowed networks) and scheme from
+    # X-Forwarded-For/-Proto, only when the peer is one of TORCHYARD_TRUSTED_PROXIES.
+    if settings.trusted_proxy_networks:
+        app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=settings.trusted_proxy_networks)
     return app
