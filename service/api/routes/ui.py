@@ -49,6 +49,8 @@ def sign_in(body: SessionCreate, request: Request, response: Response) -> WhoAmI
     db: Database = request.app.state.db
     with db.read_session() as session:
         principal = authenticate(session, body.token.strip())
+    # Who signed in, for the audit trail's auth.sign_in (a refused worker token included).
+    request.state.principal = principal
     if principal.role not in (Role.USER, Role.ADMIN):
         raise PermissionDeniedError("worker tokens cannot sign in to the web UI")
     response.set_cookie(
