@@ -135,7 +135,7 @@ class Client(
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.url = resolve_url(url)
-        self.token = resolve_token(token)
+        self.token = resolve_token(token, self.url)
         self._transport = Transport(self.url, self.token, timeout=timeout, transport=transport)
 
     # -- the areas, by name (each is the client itself)

@@ -18,6 +18,7 @@ from torchyard.commands import (
     code,
     datasets,
     jobs,
+    login,
     logs,
     metrics,
     models,
@@ -83,6 +84,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     webhooks.register(sub, common)
     cluster.register(sub, common)
     teams.register(sub, common)
+    login.register(sub, common)
     predict = sub.add_parser(
         "predict",
         parents=[common],
