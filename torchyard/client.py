@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from torchyard.apiclient.admin import AdminCalls
+from torchyard.apiclient.audit import AuditCalls
 from torchyard.apiclient.code import CodeCalls
 from torchyard.apiclient.connection import (
     DEFAULT_DATA_DIR,
@@ -105,6 +106,7 @@ __all__ = [
 
 class Client(
     AdminCalls,
+    AuditCalls,
     DatasetCalls,
     CodeCalls,
     JobCalls,
@@ -135,7 +137,7 @@ class Client(
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.url = resolve_url(url)
-        self.token = resolve_token(token, self.url)
+        self.token = resolve_token(token)
         self._transport = Transport(self.url, self.token, timeout=timeout, transport=transport)
 
     # -- the areas, by name (each is the client itself)

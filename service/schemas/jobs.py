@@ -208,7 +208,11 @@ class JobPublic(BaseModel):
     id: str
     type: str = Field(description="train (the built-in trainer), script or evaluate.")
     name: str
-    owner: str
+    owner: str = Field(description="Id of the token that submitted the job.")
+    team: str | None = Field(
+        default=None,
+        description="The team the job belongs to (docs/teams.md); null for jobs older than teams.",
+    )
     status: str
     model: dict[str, Any] | str | None = Field(
         default=None, description="A training job's model; an evaluation's registered model (name:version)."

@@ -27,6 +27,7 @@ from service.config import Settings
 from service.db.models import Attempt, Job, Node, Placement
 from service.db.types import utcnow
 from service.engines import capabilities_of
+from service.services.job_lookup import may_read
 from service.services.tokens import Principal
 from service.states import DRAINED_NODE_STATUSES, NodeStatus, PlacementStatus
 from torchyard.contract.errors import ResourceLimitError
@@ -175,6 +176,7 @@ class NodeShare:
     node_id: str
     job_id: str
     job_owner_id: str
+    job_team_id: str | None
     attempt_id: str
     attempt_number: int
     node_rank: int
@@ -214,18 +216,19 @@ def node_usage(session: Session) -> dict[str, list[NodeShare]]:
     """Per node id, the placements not yet done (they hold the node's units)."""
     usage: dict[str, list[NodeShare]] = {}
     rows = session.execute(
-        select(Placement, Attempt.number, Job.owner_id)
+        select(Placement, Attempt.number, Job.owner_id, Job.team_id)
         .join(Attempt, Attempt.id == Placement.attempt_id)
         .join(Job, Job.id == Placement.job_id)
         .where(Placement.status != PlacementStatus.DONE)
         .order_by(Placement.created_at, Placement.id)
     ).all()
-    for placement, number, owner_id in rows:
+    for placement, number, owner_id, team_id in rows:
         usage.setdefault(placement.node_id, []).append(
             NodeShare(
                 node_id=placement.node_id,
                 job_id=placement.job_id,
                 job_owner_id=owner_id,
+                job_team_id=team_id,
                 attempt_id=placement.attempt_id,
                 attempt_number=number,
                 node_rank=placement.node_rank,
@@ -239,8 +242,8 @@ def node_usage(session: Session) -> dict[str, list[NodeShare]]:
 def cluster_view(session: Session, settings: Settings, principal: Principal) -> ClusterPublic:
     """Every registered node with its health and load, and the limits submissions are checked against.
 
-    Jobs of other users show as held units and attempt ids without their job id (a user
-    sees only their own jobs).
+    Jobs a user may not read (docs/teams.md: neither their own nor their teams') show as
+    held units and attempt ids without their job id.
     """
     now = utcnow()
     limits = cluster_limits(session, settings, now)
@@ -274,7 +277,7 @@ def cluster_view(session: Session, settings: Settings, principal: Principal) -> 
                     NodeAttemptPublic(
                         attempt_id=s.attempt_id,
                         attempt_number=s.attempt_number,
-                        job_id=s.job_id if principal.is_admin or s.job_owner_id == principal.id else None,
+                        job_id=s.job_id if may_read(principal, s.job_owner_id, s.job_team_id) else None,
                         node_rank=s.node_rank,
                         units=s.units,
                         status=s.status,

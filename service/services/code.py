@@ -30,6 +30,7 @@ from service.db.types import utcnow
 from service.schemas.code import CodeUploadRequest
 from service.services import direct_uploads, refs
 from service.services.leases import speaks_for
+from service.services.ownership import first_team
 from service.services.stored_archives import archive_suffix, delete_object
 from service.services.tokens import Principal
 from service.states import ACTIVE_STATUSES, PlacementStatus
@@ -110,6 +111,7 @@ def create_from_archive(
         with _store_lock(settings):
             row = CodePackage(
                 owner_id=principal.id,
+                team_id=first_team(principal),
                 name=name,
                 sha256=sha,
                 size_bytes=size,
@@ -192,7 +194,7 @@ def complete_direct_upload(
 ) -> CodePackage:
     """Record the package of a completed direct upload (409 while parts are missing); every
     node that fetches its archive recomputes the checksum and refuses another content."""
-    upload = direct_uploads.find_upload(session, upload_id, kind=_DIRECT_KIND, owner_id=principal.id)
+    upload = direct_uploads.find_upload(session, upload_id, kind=_DIRECT_KIND, owners=principal.owners)
     direct_uploads.take_upload(session, storage, upload)
     session.commit()
     d = upload.details
@@ -200,6 +202,7 @@ def complete_direct_upload(
         existing = _checked_archive(session, str(d["sha256"]))
         row = CodePackage(
             owner_id=principal.id,
+            team_id=first_team(principal),
             name=str(d["name"]),
             sha256=str(d["sha256"]),
             size_bytes=int(d["size_bytes"]),

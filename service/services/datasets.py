@@ -36,6 +36,7 @@ from service.db.types import utcnow
 from service.schemas.datasets import DatasetRegister, DatasetUploadRequest
 from service.services import direct_uploads, refs
 from service.services.leases import speaks_for
+from service.services.ownership import first_team
 from service.services.stored_archives import archive_suffix, delete_object
 from service.services.tokens import Principal
 from service.states import ACTIVE_STATUSES, PlacementStatus
@@ -116,6 +117,7 @@ def _store_lock(settings: Settings) -> Iterator[None]:
 def _new_row(principal: Principal, name: str, source: str, storage: str, v: ValidatedDataset) -> Dataset:
     return Dataset(
         owner_id=principal.id,
+        team_id=first_team(principal),
         name=name,
         source=source,
         storage_path=storage,
@@ -263,7 +265,7 @@ def complete_direct_upload(
     """Record the dataset of a completed direct upload (409 while parts are missing). The
     archive's content is the manifest's only as far as the client says: every node that
     fetches it recomputes the checksum and refuses another content (InvalidDatasetError)."""
-    upload = direct_uploads.find_upload(session, upload_id, kind=_DIRECT_KIND, owner_id=principal.id)
+    upload = direct_uploads.find_upload(session, upload_id, kind=_DIRECT_KIND, owners=principal.owners)
     direct_uploads.take_upload(session, storage, upload)
     session.commit()
     d = upload.details
@@ -272,6 +274,7 @@ def complete_direct_upload(
         key = existing or upload.key
         row = Dataset(
             owner_id=principal.id,
+            team_id=first_team(principal),
             name=str(d["name"]),
             source=SOURCE_UPLOAD,
             storage_path=f"datasets/{d['sha256']}",
@@ -524,18 +527,18 @@ def _share_locked_by_id(session: Session, principal: Principal, ids: list[str]) 
     if principal.is_admin:
         rows = session.scalars(_BY_IDS_ANY_OWNER, {"ids": wanted})
     else:
-        rows = session.scalars(_BY_IDS_OWNED, {"ids": wanted, "owner": principal.id})
+        rows = session.scalars(_BY_IDS_OWNED, {"ids": wanted, "owners": list(principal.owners)})
     return {row.id: row for row in rows}
 
 
 # What _share_locked_by_id runs on every training submission, built once (the visibility of
-# refs.find_owned: not deleted, and the principal's own unless admin).
+# refs.find_owned: not deleted, and its user's unless admin).
 _BY_IDS_ANY_OWNER = (
     select(Dataset)
     .where(Dataset.id.in_(bindparam("ids", expanding=True)), Dataset.deleted_at.is_(None))
     .with_for_update(read=True)
 )
-_BY_IDS_OWNED = _BY_IDS_ANY_OWNER.where(Dataset.owner_id == bindparam("owner"))
+_BY_IDS_OWNED = _BY_IDS_ANY_OWNER.where(Dataset.owner_id.in_(bindparam("owners", expanding=True)))
 
 
 # ---------------------------------------------------------------------------- workers

@@ -15,7 +15,7 @@ completed under a stale lease replaces nothing, and its object and parts are rem
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -171,10 +171,11 @@ def plan_upload(
     )
 
 
-def find_upload(session: Session, upload_id: str, *, kind: str, owner_id: str) -> ObjectUpload:
-    """The caller's upload in progress of ``kind`` (another's, or none: 404)."""
+def find_upload(session: Session, upload_id: str, *, kind: str, owners: Collection[str]) -> ObjectUpload:
+    """The caller's upload in progress of ``kind``, begun by one of the tokens ``owners``
+    (a user's, docs/teams.md; another's, or none: 404)."""
     row = session.get(ObjectUpload, upload_id)
-    if row is None or row.kind != kind or row.owner_id != owner_id:
+    if row is None or row.kind != kind or row.owner_id not in owners:
         raise NotFoundError(f"upload {upload_id!r} not found (completed, abandoned, or never begun)")
     return row
 
@@ -240,7 +241,7 @@ def complete_upload(
     transaction; a refused publication (403, 409: a lease gone stale meanwhile) drops the
     object too."""
     with db.session() as session:
-        row = find_upload(session, upload_id, kind=kind, owner_id=owner_id)
+        row = find_upload(session, upload_id, kind=kind, owners=(owner_id,))
         if row.job_id != job_id:
             raise NotFoundError(f"upload {upload_id!r} not found")
         try:

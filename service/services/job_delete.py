@@ -158,14 +158,14 @@ def remove_files(data_dir: Path, job_id: str, storage: ObjectStorage | None = No
 
 def delete_job(session: Session, settings: Settings, principal: Principal, job_ref: str) -> Job:
     """Delete the principal's finished job (see the module's docstring); the job as it was."""
-    job = get_job(session, principal, job_ref, for_update=True)
+    job = get_job(session, principal, job_ref, for_update=True, write=True)
     refused = blockers(session, job)
     if refused is not None:
         raise refused
     job_id = job.id
     session.commit()
     _delete_in_batches(session, job_id)
-    job = get_job(session, principal, job_id, for_update=True)
+    job = get_job(session, principal, job_id, for_update=True, write=True)
     refused = blockers(session, job)  # again: something may have started using it meanwhile
     if refused is not None:
         raise refused

@@ -1,4 +1,5 @@
-"""Status changes of all of a principal's jobs, for the jobs list's live view.
+"""Status changes of all the jobs a principal may read (its own, its teams'), for the jobs
+list's live view.
 
 One short read every interval, for the jobs whose ``updated_at`` moved; nothing is held
 between reads. Per-job detail (metrics, logs) is the per-job events stream's business.
@@ -18,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from service.db.engine import Database
 from service.db.models import Job
 from service.db.types import utcnow
+from service.services.job_lookup import readable_jobs
 from service.services.job_progress import progress_public
 from service.services.kinds import kind_of
 from service.services.tokens import Principal
@@ -27,22 +29,20 @@ LIST_KEEPALIVE_S = 15.0
 MAX_CHANGES = 200
 
 
-def _owned(principal: Principal) -> Any:
-    stmt = select(Job).where(Job.deleted_at.is_(None))
-    return stmt if principal.is_admin else stmt.where(Job.owner_id == principal.id)
+def _readable(principal: Principal) -> Any:
+    return select(Job).where(Job.deleted_at.is_(None), *readable_jobs(principal))
 
 
 def latest_update(session: Session, principal: Principal) -> datetime | None:
-    stmt = select(func.max(Job.updated_at))
-    if not principal.is_admin:
-        stmt = stmt.where(Job.owner_id == principal.id)
+    stmt = select(func.max(Job.updated_at)).where(*readable_jobs(principal))
     value: datetime | None = session.scalar(stmt)
     return value
 
 
 def changed_since(session: Session, principal: Principal, since: datetime | None) -> list[dict[str, Any]]:
-    """The principal's jobs updated after ``since``, oldest change first, as list rows."""
-    stmt = _owned(principal)
+    """The jobs the principal may read (its own, its teams') updated after ``since``, oldest
+    change first, as list rows."""
+    stmt = _readable(principal)
     if since is not None:
         stmt = stmt.where(Job.updated_at > since)
     rows = session.scalars(stmt.order_by(Job.updated_at).limit(MAX_CHANGES))

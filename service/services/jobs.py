@@ -9,7 +9,7 @@ from sqlalchemy import ColumnElement, Text, cast, delete, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Attempt, Checkpoint, Job, JobEvent, Node, Placement
+from service.db.models import Attempt, Checkpoint, Job, JobEvent, Node, Placement, Team
 from service.db.types import utcnow
 from service.schemas.jobs import (
     JOB_CREATE,
@@ -24,6 +24,7 @@ from service.schemas.jobs import (
 )
 from service.services import metrics, refs
 from service.services.job_lookup import get_job as get_job  # also the jobs API of the routes
+from service.services.job_lookup import readable_jobs
 from service.services.job_progress import progress_public
 from service.services.kinds import kind_named, kind_of
 from service.services.kinds.base import submitted_change
@@ -125,12 +126,14 @@ def list_jobs(
     cursor: str | None,
     tags: list[str] | None = None,
     sweep_id: str | None = None,
+    team_id: str | None = None,
 ) -> tuple[list[Job], str | None]:
-    """Newest first; ``cursor`` continues after the last job of the previous page. With
-    ``tags``, only jobs that have every one of them; with ``sweep_id``, only its trials."""
-    stmt = select(Job).where(Job.deleted_at.is_(None))
-    if not principal.is_admin:
-        stmt = stmt.where(Job.owner_id == principal.id)
+    """The jobs the principal may read, newest first; ``cursor`` continues after the last
+    job of the previous page. With ``tags``, only jobs that have every one of them; with
+    ``sweep_id``, only its trials; with ``team_id``, only that team's."""
+    stmt = select(Job).where(Job.deleted_at.is_(None), *readable_jobs(principal))
+    if team_id is not None:
+        stmt = stmt.where(Job.team_id == team_id)
     if statuses:
         stmt = stmt.where(Job.status.in_(statuses))
     for tag in dict.fromkeys(tags or []):
@@ -150,7 +153,7 @@ def has_tag(tag: str) -> ColumnElement[bool]:
 def cancel_job(session: Session, principal: Principal, job_id: str) -> Job:
     """Idempotent: a queued job is cancelled at once; a placed one is ``cancelling`` until
     its agents report the ranks stopped; a finished job is left as it is."""
-    job = get_job(session, principal, job_id, for_update=True)
+    job = get_job(session, principal, job_id, for_update=True, write=True)
     request_cancel(session, job, f"cancel requested by {principal.name}")
     session.commit()
     return job
@@ -230,10 +233,12 @@ def job_public(
     detail: bool = True,
     attempts: list[AttemptPublic] | None = None,
     history: list[StatusChange] | None = None,
+    team_names: dict[str, str] | None = None,
 ) -> JobPublic:
-    """The job as users see it; ``detail`` adds its status history. ``attempts`` and
-    ``history``, when given, save the queries for them (a list of jobs reads every job's
-    attempts at once; a job just submitted has none and one status change)."""
+    """The job as users see it; ``detail`` adds its status history. ``attempts``,
+    ``history`` and ``team_names`` (:func:`team_names_of`), when given, save the queries for
+    them (a list of jobs reads every job's attempts and teams at once; a job just submitted
+    has no attempt and one status change)."""
     spec: dict[str, Any] = job.spec
     failure = failure_of(job)
     if not detail:
@@ -254,6 +259,7 @@ def job_public(
         type=job.type,
         name=job.name,
         owner=job.owner_id,
+        team=_team_name(session, job.team_id, team_names),
         status=job.status,
         resources=spec["resources"],
         priority=job.priority,
@@ -284,6 +290,25 @@ def job_public(
     )
 
 
+def team_names_of(session: Session, jobs: list[Job]) -> dict[str, str]:
+    """The names of the jobs' teams, by team id, in one query."""
+    ids = {job.team_id for job in jobs if job.team_id is not None}
+    if not ids:
+        return {}
+    return {
+        team_id: name for team_id, name in session.execute(select(Team.id, Team.name).where(Team.id.in_(ids)))
+    }
+
+
+def _team_name(session: Session, team_id: str | None, known: dict[str, str] | None) -> str | None:
+    if team_id is None:
+        return None
+    if known is not None and team_id in known:
+        return known[team_id]
+    team = session.get(Team, team_id)
+    return team.name if team is not None else None
+
+
 def submitted_public(session: Session, job: Job) -> JobPublic:
     """What a submission answers: the job just queued (and committed) by this session, as
     :func:`job_public` shows it, without reading back what the submission wrote: no
@@ -293,7 +318,7 @@ def submitted_public(session: Session, job: Job) -> JobPublic:
 
 def update_job(session: Session, principal: Principal, job_ref: str, update: JobUpdate) -> Job:
     """Replace the job's tags and/or note (those fields the request gives), at any status."""
-    job = get_job(session, principal, job_ref, for_update=True)
+    job = get_job(session, principal, job_ref, for_update=True, write=True)
     given = update.model_fields_set
     if "tags" in given:
         # Order kept, repeats dropped.

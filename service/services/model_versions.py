@@ -28,7 +28,9 @@ def parse_version(version: str) -> int | None:
 def get_version(session: Session, principal: Principal, name: str, version: str) -> ModelVersion:
     number = parse_version(version)
     stmt = select(ModelVersion).where(
-        ModelVersion.owner_id == principal.id, ModelVersion.name == name, ModelVersion.deleted_at.is_(None)
+        ModelVersion.owner_id.in_(principal.owners),
+        ModelVersion.name == name,
+        ModelVersion.deleted_at.is_(None),
     )
     if number is not None:
         stmt = stmt.where(ModelVersion.version == number)

@@ -3,9 +3,10 @@
 A version points at a succeeded training job, or at a succeeded script job and the
 folder of its outputs that holds a model directory (``path``, packed into the model store
 as the job's model archive when first registered); the job's archive in the model store
-is the version's content (its sha256 is the version's). Versions count up per owner and
-name, and a deleted version's number is never given again. Models are private to their
-owner: another user's model is a 404, as for jobs and datasets.
+is the version's content (its sha256 is the version's). Versions count up per owner (the
+user of the token that registers, docs/teams.md) and name, and a deleted version's number is
+never given again. Models are private to their owner: another user's model is a 404, as for
+datasets; only the owner registers a job's model (a teammate, who may read the job, gets 403).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from service.services.job_lookup import get_job
 from service.services.kinds import kind_of
 from service.services.model_versions import get_version as get_version  # also the routes' lookup
 from service.services.outputs import OutputsStore, extract_folder, outputs_for_user
+from service.services.ownership import first_team, owner_tokens
 from service.services.tokens import Principal
 from service.states import FINAL_STATUSES, JobStatus
 from torchyard.contract.errors import (
@@ -105,7 +107,7 @@ def register_model(
 ) -> ModelVersion:
     """Register the model directory of a succeeded training job, or the one a succeeded
     script job wrote to the folder ``path`` of its outputs, as the next version of ``name``."""
-    job = get_job(session, principal, job_ref)
+    job = get_job(session, principal, job_ref, write=True)
     kind_of(job).check_registration(job, path)
     if job.status != JobStatus.SUCCEEDED:
         raise ModelNotReadyError(
@@ -120,11 +122,12 @@ def register_model(
     has_onnx = bool(onnx.get("file")) and (folder / ONNX_FILE).is_file()
     latest = session.scalar(
         select(func.max(ModelVersion.version)).where(
-            ModelVersion.owner_id == principal.id, ModelVersion.name == name
+            ModelVersion.owner_id.in_(principal.owners), ModelVersion.name == name
         )
     )
     row = ModelVersion(
         owner_id=principal.id,
+        team_id=first_team(principal),
         name=name,
         version=(latest or 0) + 1,
         job_id=job.id,
@@ -234,7 +237,7 @@ def store_script_model(
 
 def _versions(session: Session, principal: Principal, name: str | None = None) -> list[ModelVersion]:
     stmt = select(ModelVersion).where(
-        ModelVersion.owner_id == principal.id, ModelVersion.deleted_at.is_(None)
+        ModelVersion.owner_id.in_(principal.owners), ModelVersion.deleted_at.is_(None)
     )
     if name is not None:
         stmt = stmt.where(ModelVersion.name == name)
@@ -279,7 +282,9 @@ def get_model(session: Session, principal: Principal, name: str) -> ModelPublic:
 
 def live_evaluations(session: Session, row: ModelVersion) -> list[str]:
     """Ids of the unfinished evaluation jobs that use the version."""
-    jobs = session.scalars(select(Job).where(Job.owner_id == row.owner_id, Job.status.not_in(FINAL_STATUSES)))
+    # Any token of the version's user may have submitted them.
+    owners = owner_tokens(session, row.owner_id)
+    jobs = session.scalars(select(Job).where(Job.owner_id.in_(owners), Job.status.not_in(FINAL_STATUSES)))
     return [j.id for j in jobs if kind_of(j).uses_version(j, row.id)]
 
 

@@ -1,9 +1,9 @@
 """What a user may type where a job or dataset id is expected: the id, the object's
 name, or a unique prefix of the id (at least four characters, as git accepts).
 
-Only the objects the principal may list are ever looked at (their own; every one for
-an admin), in the query itself: another user's object can neither be matched nor
-make a reference ambiguous, and is never named in an error.
+Only the objects the principal may list are ever looked at (their user's, and for jobs
+their teams' too; every one for an admin), in the query itself: another user's object
+can neither be matched nor make a reference ambiguous, and is never named in an error.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from service.db.models import CodePackage, Dataset, Job, Sweep
 from service.schemas.common import decode_cursor, encode_cursor
+from service.services.ownership import owned, owns
 from service.services.tokens import Principal
 from torchyard.contract.errors import ConflictError, NotFoundError, RequestValidationError
 
@@ -114,8 +115,7 @@ def resolve(
 
 def _listable(principal: Principal, model: type[Owned]) -> list[ColumnElement[bool]]:
     visible: list[ColumnElement[bool]] = [model.deleted_at.is_(None)]
-    if not principal.is_admin:
-        visible.append(model.owner_id == principal.id)
+    visible.extend(owned(principal, model.owner_id))
     return visible
 
 
@@ -140,7 +140,7 @@ def find_owned(
         return session.scalars(stmt).first()
 
     row = by_id(ref) if comparable(ref) else None
-    if row is None or (not principal.is_admin and row.owner_id != principal.id):
+    if row is None or not owns(principal, row.owner_id):
         kind = "dataset" if model is Dataset else "code package"
         found = None if exact else resolve(session, model, _listable(principal, model), ref, kind)
         row = None if found is None else by_id(found)

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Sweep, SweepTrial, Token
+from service.db.models import Sweep, SweepTrial, Team, Token
 from service.db.types import utcnow
 from service.schemas.jobs import JOB_CREATE
 from service.services.jobs import submit_job
+from service.services.ownership import owner_tokens
 from service.services.sweep_space import set_path, space_size, target_trials
 from service.services.tokens import Principal
 from service.states import Role, TrialState
@@ -153,7 +154,18 @@ def _text(value: Any) -> str:
 
 
 def _owner(session: Session, sweep: Sweep) -> Principal:
+    """Who the trials are submitted as: the sweep's owner, its user's datasets, code and
+    models at hand, in the sweep's team (docs/teams.md), whichever teams the user is in now."""
     token = session.get(Token, sweep.owner_id)
     name = token.name if token is not None else sweep.owner_id
     role = Role(token.role) if token is not None else Role.USER
-    return Principal(id=sweep.owner_id, name=name, role=role)
+    team = session.get(Team, sweep.team_id) if sweep.team_id is not None else None
+    return Principal(
+        id=sweep.owner_id,
+        name=name,
+        role=role,
+        user_id=token.user_id if token is not None else None,
+        owner_ids=owner_tokens(session, sweep.owner_id),
+        team_ids=(team.id,) if team is not None else (),
+        team_names=(team.name,) if team is not None else (),
+    )

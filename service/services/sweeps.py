@@ -16,9 +16,11 @@ from service.db.types import utcnow
 from service.schemas.jobs import TrainJobCreate
 from service.schemas.sweeps import SweepCreate
 from service.services import refs
+from service.services.ownership import owned, owns
 from service.services.sweep_rounds import stop
 from service.services.sweep_trials import create_trials
 from service.services.sweep_validation import validate
+from service.services.teams import team_for_submission
 from service.services.tokens import Principal
 from service.states import SweepStatus
 from torchyard.contract.errors import NotFoundError
@@ -35,6 +37,8 @@ def create_sweep(session: Session, settings: Settings, principal: Principal, bod
     now = utcnow()
     sweep = Sweep(
         owner_id=principal.id,
+        # Its trials are the team's jobs (their spec's team, else the user's first).
+        team_id=team_for_submission(session, principal, spec.team),
         name=name,
         status=SweepStatus.RUNNING.value,
         spec=normalized,
@@ -60,8 +64,8 @@ def get_sweep(session: Session, principal: Principal, ref: str, *, for_update: b
         return session.scalars(stmt.with_for_update() if for_update else stmt).first()
 
     sweep = by_id(ref) if refs.comparable(ref) else None
-    if sweep is None or (not principal.is_admin and sweep.owner_id != principal.id):
-        visible = [] if principal.is_admin else [Sweep.owner_id == principal.id]
+    if sweep is None or not owns(principal, sweep.owner_id):
+        visible = owned(principal, Sweep.owner_id)
         found = refs.resolve(session, Sweep, visible, ref, "sweep")
         sweep = None if found is None else by_id(found)
         if sweep is None:
@@ -79,9 +83,7 @@ def list_sweeps(
     limit: int,
     cursor: str | None,
 ) -> tuple[list[Sweep], str | None]:
-    stmt = select(Sweep)
-    if not principal.is_admin:
-        stmt = stmt.where(Sweep.owner_id == principal.id)
+    stmt = select(Sweep).where(*owned(principal, Sweep.owner_id))
     if statuses:
         stmt = stmt.where(Sweep.status.in_([s.value for s in statuses]))
     return refs.page_newest_first(session, Sweep, stmt, limit=limit, cursor=cursor)

@@ -158,7 +158,7 @@ def complete_direct_upload(
 ) -> PretrainedWeights:
     """Record the weights of a completed direct upload (409 while parts are missing); the
     same file for the same architecture answers its row again."""
-    upload = direct_uploads.find_upload(session, upload_id, kind=_DIRECT_KIND, owner_id=principal.id)
+    upload = direct_uploads.find_upload(session, upload_id, kind=_DIRECT_KIND, owners=principal.owners)
     if not upload.details.get("stored"):
         direct_uploads.take_upload(session, storage, upload)
     elif not _already_stored(session, storage, upload.sha256):

@@ -31,9 +31,11 @@ class JobCalls:
         cursor: str | None = None,
         tag: str | Sequence[str] | None = None,
         sweep: str | None = None,
+        team: str | None = None,
     ) -> Page[Job]:
-        """A page of jobs, newest first: with ``status`` one of these, with ``tag`` every one
-        of these tags, with ``sweep`` the trials of that sweep (id, name or id prefix)."""
+        """A page of the jobs you may read (yours and your teams'), newest first: with
+        ``status`` one of these, with ``tag`` every one of these tags, with ``sweep`` the trials
+        of that sweep (id, name or id prefix), with ``team`` that team's (one of yours)."""
         params: dict[str, Any] = {}
         if status:
             params["status"] = _one_or_many(status)
@@ -41,6 +43,8 @@ class JobCalls:
             params["tag"] = _one_or_many(tag)
         if sweep:
             params["sweep"] = sweep
+        if team:
+            params["team"] = team
         if limit is not None:
             params["limit"] = limit
         if cursor:
@@ -53,10 +57,11 @@ class JobCalls:
         status: str | Sequence[str] | None = None,
         tag: str | Sequence[str] | None = None,
         sweep: str | None = None,
+        team: str | None = None,
     ) -> Iterator[Job]:
         cursor: str | None = None
         while True:
-            page = self.list_jobs(status=status, limit=200, cursor=cursor, tag=tag, sweep=sweep)
+            page = self.list_jobs(status=status, limit=200, cursor=cursor, tag=tag, sweep=sweep, team=team)
             yield from page.items
             if not page.next_cursor:
                 return

@@ -79,6 +79,8 @@ class Job(ApiModel):
     name: str
     status: str
     type: str = "train"
+    # Its team's name (docs/teams.md); None for a job older than teams.
+    team: str | None = None
     # A training job's model spec; an evaluation's registered model ("name:version").
     model: dict[str, Any] | str = {}
     dataset: str | None = None

@@ -12,6 +12,7 @@ from service.services import compare as compare_service
 from service.services import job_delete
 from service.services import jobs as jobs_service
 from service.services import sweeps as sweeps_service
+from service.services import teams as teams_service
 from service.services.kinds import kind_of
 from service.states import JobStatus
 from torchyard.contract.errors import ConflictError, NotFoundError
@@ -50,16 +51,33 @@ def list_jobs(
         str | None,
         Query(max_length=200, description="Only the trials of this sweep (its id, name or id prefix)."),
     ] = None,
+    team: Annotated[
+        str | None,
+        Query(max_length=100, description="Only the jobs of this team (one of yours; admins: any)."),
+    ] = None,
 ) -> JobList:
-    """Jobs newest first; filter by one or more ``status``, by ``tag`` (a job with every tag
-    given) and by ``sweep``; follow ``next_cursor`` for more (with the same filters)."""
+    """The jobs you may read (yours, your teams', docs/teams.md) newest first; filter by one
+    or more ``status``, by ``tag`` (a job with every tag given), by ``sweep`` and by ``team``
+    (404 for a team you are not in); follow ``next_cursor`` for more (with the same filters)."""
     sweep_id = None if sweep is None else sweeps_service.get_sweep(session, user, sweep).id
+    team_id = None if team is None else teams_service.visible_team(session, user, team).id
     rows, next_cursor = jobs_service.list_jobs(
-        session, user, statuses=status_, limit=limit, cursor=cursor, tags=tag, sweep_id=sweep_id
+        session,
+        user,
+        statuses=status_,
+        limit=limit,
+        cursor=cursor,
+        tags=tag,
+        sweep_id=sweep_id,
+        team_id=team_id,
     )
     attempts = jobs_service.attempts_public(session, [j.id for j in rows])
+    teams = jobs_service.team_names_of(session, rows)
     return JobList(
-        items=[jobs_service.job_public(session, j, detail=False, attempts=attempts[j.id]) for j in rows],
+        items=[
+            jobs_service.job_public(session, j, detail=False, attempts=attempts[j.id], team_names=teams)
+            for j in rows
+        ],
         next_cursor=next_cursor,
     )
 

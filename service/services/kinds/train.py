@@ -19,6 +19,7 @@ from service.services import checkpoints, weights
 from service.services.architectures import check_architecture
 from service.services.cluster import check_resources
 from service.services.datasets import resolve_job_datasets
+from service.services.job_lookup import may_read
 from service.services.kinds.base import Claim, Kind, claimed_dataset, queue
 from service.services.tokens import Principal
 from service.states import JobStatus
@@ -39,7 +40,8 @@ def check_model(session: Session, principal: Principal, spec: TrainJobCreate) ->
         weights.check_available(session, arch)
     if spec.model.init_from_job is not None:
         source = session.get(Job, spec.model.init_from_job)
-        if source is None or (not principal.is_admin and source.owner_id != principal.id):
+        # Fine-tuning reads the source job, as a clone does: a teammate's job will do.
+        if source is None or not may_read(principal, source.owner_id, source.team_id):
             raise InvalidModelDirectoryError(f"init_from_job {spec.model.init_from_job!r}: no such job")
         if source.status != JobStatus.SUCCEEDED:
             raise InvalidModelDirectoryError(
