@@ -459,6 +459,78 @@ class Settings(BaseSettings):
         description="How often each API replica looks for webhook deliveries due.",
     )
 
+    public_url: str | None = Field(
+        default=None,
+        description="The URL users reach the API and web UI at (https://torchyard.example.org): the OpenID "
+        "Connect redirect URI is `<it>/auth/oidc/callback`; the sign-in cookie is Secure when it is https.",
+    )
+    oidc_issuer: str | None = Field(
+        default=None,
+        description="The OpenID provider's issuer URL (docs/oidc.md); set, users sign in with the provider "
+        "(its discovery document at `<issuer>/.well-known/openid-configuration`) and its access tokens "
+        "are taken as bearer tokens. Needs TORCHYARD_OIDC_CLIENT_ID and TORCHYARD_PUBLIC_URL.",
+    )
+    oidc_client_id: str | None = Field(default=None, description="This service's client id at the provider.")
+    oidc_client_secret: SecretStr | None = Field(
+        default=None,
+        description="This service's client secret at the provider (a confidential web client); unset: a "
+        "public client (PKCE alone).",
+    )
+    oidc_cli_client_id: str | None = Field(
+        default=None,
+        description="The client id `torchyard login` uses for the device authorization grant (a public "
+        "client at the provider); unset: TORCHYARD_OIDC_CLIENT_ID.",
+    )
+    oidc_audience: str | None = Field(
+        default=None,
+        description="The audience the provider's access tokens must name to be taken as bearer tokens "
+        "(its resource indicator for this API); unset: TORCHYARD_PUBLIC_URL.",
+    )
+    oidc_groups_claim: str = Field(
+        default="groups",
+        min_length=1,
+        description="The claim that lists a user's groups; each group that names a team makes the user a "
+        "member of it (others are ignored).",
+    )
+    oidc_admin_group: str | None = Field(
+        default=None, description="Members of this provider group are torchyard admins; unset: none by group."
+    )
+    oidc_scopes: str = Field(
+        default="openid email profile offline_access",
+        description="The scopes asked of the provider at sign-in (space-separated; `openid` is needed).",
+    )
+    session_ttl_s: int = Field(
+        default=3600,
+        ge=60,
+        le=7 * 24 * 3600,
+        description="How long a web sign-in through the provider lasts before it is renewed with the "
+        "provider's refresh token (docs/oidc.md); a disabled user's sessions end at once.",
+    )
+
+    @model_validator(mode="after")
+    def _oidc(self) -> Settings:
+        if self.oidc_issuer is not None:
+            # Kept as given, a trailing slash included: the tokens' `iss` must equal it exactly.
+            self.oidc_issuer = self.oidc_issuer.strip() or None
+        if self.public_url is not None:
+            self.public_url = self.public_url.strip().rstrip("/") or None
+            if self.public_url is not None and urlsplit(self.public_url).scheme not in ("http", "https"):
+                raise ValueError(f"TORCHYARD_PUBLIC_URL must be an http(s) URL, not {self.public_url!r}")
+        if self.oidc_issuer is not None:
+            missing = [
+                name
+                for name, value in (
+                    ("TORCHYARD_OIDC_CLIENT_ID", self.oidc_client_id),
+                    ("TORCHYARD_PUBLIC_URL", self.public_url),
+                )
+                if not value
+            ]
+            if missing:
+                raise ValueError(f"TORCHYARD_OIDC_ISSUER is set: {' and '.join(missing)} must be set too")
+            if urlsplit(self.oidc_issuer).scheme not in ("http", "https"):
+                raise ValueError(f"TORCHYARD_OIDC_ISSUER must be an http(s) URL, not {self.oidc_issuer!r}")
+        return self
+
     @field_validator("webhook_key")
     @classmethod
     def _webhook_key(cls, value: SecretStr | None) -> SecretStr | None:

@@ -247,10 +247,10 @@ STOP_GRACE_S = 1
 class LiveServer:
     """uvicorn serving the app on a free loopback port, in a thread of the test process."""
 
-    def __init__(self, settings: Settings, host: str = "127.0.0.1") -> None:
+    def __init__(self, settings: Settings, host: str = "127.0.0.1", port: int | None = None) -> None:
         self.settings = settings
         self.host = host
-        self.port = free_port(host)
+        self.port = port or free_port(host)
         config = uvicorn.Config(
             create_app(settings),
             host=host,

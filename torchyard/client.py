@@ -25,7 +25,6 @@ from typing import Any
 import httpx
 
 from torchyard.apiclient.admin import AdminCalls
-from torchyard.apiclient.audit import AuditCalls
 from torchyard.apiclient.code import CodeCalls
 from torchyard.apiclient.connection import (
     DEFAULT_DATA_DIR,
@@ -106,7 +105,6 @@ __all__ = [
 
 class Client(
     AdminCalls,
-    AuditCalls,
     DatasetCalls,
     CodeCalls,
     JobCalls,
@@ -137,7 +135,7 @@ class Client(
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.url = resolve_url(url)
-        self.token = resolve_token(token)
+        self.token = resolve_token(token, self.url)
         self._transport = Transport(self.url, self.token, timeout=timeout, transport=transport)
 
     # -- the areas, by name (each is the client itself)

@@ -34,6 +34,7 @@ from service.api.routes import (
     jobs,
     logs,
     models,
+    oidc,
     outputs,
     reports,
     storage,
@@ -56,6 +57,7 @@ from service.engines import make_driver
 from service.services.datasets import clean_staging_periodically
 from service.services.metrics_collector import DatabaseCollector
 from service.services.node_timing import NodeTiming
+from service.services.oidc import OidcProvider
 from service.services.reconciler import Reconciler
 from service.services.scheduler_loop import SchedulerLoop
 from service.services.tokens import ensure_bootstrap_token
@@ -245,6 +247,9 @@ def create_app(settings: Settings | None = None, *, freeze: bool = False) -> Fas
         redoc_url=None,
     )
     app.state.settings = settings
+    # Sign-in with the organisation's OpenID provider (docs/oidc.md); its documents are read
+    # at first use, so a provider that is down does not keep the API from starting.
+    app.state.oidc = OidcProvider(settings) if settings.oidc_issuer else None
     app.state.timing = NodeTiming(settings)
     app.state.wakeup = Wakeup()
     install_error_handlers(app)
@@ -271,6 +276,7 @@ def create_app(settings: Settings | None = None, *, freeze: bool = False) -> Fas
         teams,
         webhooks,
         audit,
+        oidc,
     ):
         app.include_router(module.router)
     app.include_router(tokens.whoami_router)

@@ -25,9 +25,12 @@ from service.config import Settings
 from service.db.engine import Database
 from service.db.types import utcnow
 from service.services.node_timing import NodeTiming
+from service.services.oidc import OidcProvider, looks_like_jwt
+from service.services.oidc import authenticate_access_token as principal_for_access_token
 from service.services.scheduler_loop import SchedulerLoop
 from service.services.tokens import USE_RECORDER, Principal, authenticate, record_use
 from service.services.wakeup import Wakeup
+from service.services.web_sessions import authenticate_session, is_session_value
 from service.states import Role
 from torchyard.contract.errors import PermissionDeniedError
 from torchyard.contract.headers import AGENT_KEY_HEADER, LEASE_HEADER
@@ -97,7 +100,8 @@ _BEARER = HTTPBearer(
     scheme_name="bearerAuth",
     auto_error=False,
     description="An API token: the admin token written to admin.token in the data directory at "
-    "first start, or one created with POST /v1/tokens.",
+    "first start, or one created with POST /v1/tokens; or, where OpenID Connect is set up "
+    "(docs/oidc.md), an access token of the provider.",
 )
 BearerCredentials = Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)]
 
@@ -120,8 +124,31 @@ async def get_principal(request: Request, credentials: BearerCredentials) -> Pri
     if cached is not None:
         return cached
     token = _token(credentials) if credentials is not None else _cookie_token(request)
-    principal = await run_in_threadpool(_authenticate, _db(request), token)
+    provider: OidcProvider | None = getattr(request.app.state, "oidc", None)
+    if token is not None and is_session_value(token):
+        settings: Settings = request.app.state.settings
+        principal = await run_in_threadpool(_session_principal, _db(request), settings, provider, token)
+    elif token is not None and provider is not None and looks_like_jwt(token):
+        principal = await run_in_threadpool(_access_token_principal, _db(request), provider, token)
+    else:
+        principal = await run_in_threadpool(_authenticate, _db(request), token)
     request.state.principal = principal
+    return principal
+
+
+def _session_principal(
+    db: Database, settings: Settings, provider: OidcProvider | None, value: str
+) -> Principal:
+    """Who a web session cookie belongs to (docs/oidc.md), read on every request."""
+    with db.session() as session:
+        return authenticate_session(session, settings, provider, value)
+
+
+def _access_token_principal(db: Database, provider: OidcProvider, token: str) -> Principal:
+    """Who a provider's access token is for; their teams follow its groups (docs/oidc.md)."""
+    with db.session() as session:
+        principal = principal_for_access_token(session, provider, token)
+        session.commit()
     return principal
 
 

@@ -102,6 +102,30 @@ class User(Base):
     admin: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     disabled_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # A user of the OpenID provider (docs/oidc.md): found by its issuer and subject, never by
+    # name or email; they act through a token of their own that is never handed out.
+    oidc_issuer: Mapped[str | None] = mapped_column(String(500))
+    oidc_subject: Mapped[str | None] = mapped_column(String(255))
+    email: Mapped[str | None] = mapped_column(String(320))
+    sign_in_token_id: Mapped[str | None] = mapped_column(String(32))
+
+    __table_args__ = (Index("ix_users_oidc_identity", "oidc_issuer", "oidc_subject", unique=True),)
+
+
+class WebSession(Base):
+    """A web UI sign-in through the OpenID provider (docs/oidc.md): the cookie's value is kept
+    only as a hash; the provider's refresh token encrypted (Fernet)."""
+
+    __tablename__ = "sessions"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    id_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    user_id: Mapped[str] = mapped_column(String(32), index=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_seen_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    refresh_token: Mapped[str | None] = mapped_column(Text)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class Team(Base):

@@ -32,3 +32,5 @@ class WhoAmI(BaseModel):
     role: Role
     user: str | None = None
     teams: list[str] = []
+    # A user who signs in with the OpenID provider (docs/oidc.md): their email there.
+    email: str | None = None

@@ -1,9 +1,10 @@
-"""Open streams end when their token is revoked.
+"""Open streams end when their token is revoked or their user disabled.
 
-A follower authenticates once, when its stream opens; a revoked token must not keep an
-open ``logs?follow=true`` body or a job's events flowing. :func:`while_token_valid`
-passes a stream through and checks the token every ``interval`` seconds (while items
-flow and while it waits for one): once it is revoked or gone, the stream ends.
+A follower authenticates once, when its stream opens; a revoked token, a disabled user or a
+web session signed out (docs/oidc.md) must not keep an open ``logs?follow=true`` body or a
+job's events flowing. :func:`while_token_valid` passes a stream through and checks the token
+every ``interval`` seconds (while items flow and while it waits for one): once it is revoked
+or gone, the stream ends.
 """
 
 from __future__ import annotations
@@ -14,20 +15,28 @@ import time
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
+from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
 from service.db.engine import Database
-from service.db.models import Token
+from service.db.models import Token, User
 from service.services.tokens import Principal
+from service.services.web_sessions import session_live
 
 T = TypeVar("T")
 TOKEN_CHECK_INTERVAL_S = 1.0
 
 
-def token_valid(db: Database, token_id: str) -> bool:
+def token_valid(db: Database, principal: Principal) -> bool:
     with db.read_session() as session:
-        token = session.get(Token, token_id)
-        return token is not None and token.revoked_at is None
+        token = session.get(Token, principal.id)
+        if token is None or token.revoked_at is not None:
+            return False
+        if principal.session_id is not None and not session_live(session, principal.session_id):
+            return False
+        if principal.user_id is not None:
+            return session.scalar(select(User.disabled_at).where(User.id == principal.user_id)) is None
+        return True
 
 
 async def while_token_valid(
@@ -51,7 +60,7 @@ async def while_token_valid(
                 pending = None
                 yield item
             if time.monotonic() >= checked + interval:
-                if not await run_in_threadpool(token_valid, db, principal.id):
+                if not await run_in_threadpool(token_valid, db, principal):
                     return
                 checked = time.monotonic()
     finally:

@@ -48,6 +48,8 @@ class Principal:
     owner_ids: tuple[str, ...] = ()
     team_ids: tuple[str, ...] = ()
     team_names: tuple[str, ...] = ()
+    # A web sign-in through the OpenID provider (docs/oidc.md): its server-side session.
+    session_id: str | None = None
 
     @property
     def is_admin(self) -> bool:

@@ -19,8 +19,9 @@ def resolve_url(url: str | None = None) -> str:
     return (url or os.environ.get("TORCHYARD_URL") or DEFAULT_URL).rstrip("/")
 
 
-def resolve_token(token: str | None = None) -> str | None:
-    """The token: the argument, else ``TORCHYARD_TOKEN``, else the local data dir's admin token.
+def resolve_token(token: str | None = None, url: str | None = None) -> str | None:
+    """The token: the argument, else ``TORCHYARD_TOKEN``, else the access token of a
+    ``torchyard login`` to ``url`` (renewed when it expires), else the local data dir's admin token.
 
     The last one lets a user of a local ``torchyard serve`` run every command without
     ever copying a token.
@@ -30,6 +31,12 @@ def resolve_token(token: str | None = None) -> str | None:
     env = os.environ.get("TORCHYARD_TOKEN")
     if env:
         return env.strip()
+    if url is not None:
+        from torchyard.apiclient.login import access_token
+
+        signed_in = access_token(url)
+        if signed_in:
+            return signed_in
     path = data_dir() / "admin.token"
     try:
         return path.read_text().strip() or None

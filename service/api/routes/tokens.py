@@ -68,4 +68,5 @@ def whoami(principal: Annotated[Principal, Depends(get_principal)], session: Rea
         role=principal.role,
         user=user.name if user is not None else None,
         teams=list(principal.team_names),
+        email=user.email if user is not None else None,
     )

@@ -21,6 +21,7 @@ from service.db.engine import Database
 from service.schemas.common import StrictModel
 from service.schemas.tokens import WhoAmI
 from service.services.tokens import authenticate
+from service.services.web_sessions import is_session_value, revoke_session
 from service.states import Role
 from torchyard.contract.errors import PermissionDeniedError
 
@@ -67,7 +68,14 @@ def sign_in(body: SessionCreate, request: Request, response: Response) -> WhoAmI
 
 @router.delete("/v1/session", tags=["tokens"], status_code=204)
 def sign_out(request: Request) -> Response:
-    """Sign the web UI out: the cookie is cleared (the token itself stays valid)."""
+    """Sign the web UI out: the cookie is cleared (the token itself stays valid; a sign-in
+    through the OpenID provider is revoked, as ``POST /auth/logout`` does)."""
+    value = request.cookies.get(SESSION_COOKIE, "").strip()
+    if is_session_value(value):
+        db: Database = request.app.state.db
+        with db.session() as session:
+            if revoke_session(session, value):
+                session.commit()
     response = Response(status_code=204)
     response.delete_cookie(
         SESSION_COOKIE, path="/", httponly=True, samesite="strict", secure=request.url.scheme == "https"

@@ -65,7 +65,7 @@ function nav() {
     h("a", { href: "#/jobs", class: "brand" }, "torchyard"),
     ...links,
     h("span", { class: "spacer" }),
-    h("span", { class: "who", id: "whoami" }, `${state.me.name} (${state.me.role})`),
+    h("span", { class: "who", id: "whoami" }, `${state.me.email || state.me.name} (${state.me.role})`),
     h("button", { id: "sign-out", class: "link-button", onclick: signOut }, "Sign out"),
   );
 }
@@ -117,6 +117,25 @@ function renderSignIn(root, problem) {
   );
   root.replaceChildren(form);
   input.focus();
+  offerProviderSignIn(form);
+}
+
+// Where the service signs users in with an OpenID provider (docs/oidc.md): a link to it
+// above the token form, which stays for installs and people without the provider.
+async function offerProviderSignIn(form) {
+  let config;
+  try {
+    config = await api("/auth/oidc/config");
+  } catch {
+    return;
+  }
+  if (!config.enabled || !form.isConnected) return;
+  const link = h(
+    "a",
+    { id: "oidc-signin", class: "button", href: "/auth/oidc/login" },
+    `Sign in with ${config.provider}`,
+  );
+  form.insertBefore(h("p", {}, link), form.children[1]);
 }
 
 async function route() {
