@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from torchyard.apiclient.admin import AdminCalls
+from torchyard.apiclient.audit import AuditCalls
 from torchyard.apiclient.code import CodeCalls
 from torchyard.apiclient.connection import (
     DEFAULT_DATA_DIR,
@@ -105,6 +106,7 @@ __all__ = [
 
 class Client(
     AdminCalls,
+    AuditCalls,
     DatasetCalls,
     CodeCalls,
     JobCalls,

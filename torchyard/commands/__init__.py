@@ -27,6 +27,7 @@ from torchyard.commands import (
     webhooks,
     weights,
 )
+from torchyard.commands.audit import register as register_audit_commands
 from torchyard.commands.common import _print_json, client_options, parse_since
 from torchyard.commands.metrics import comparison_text
 from torchyard.commands.models import _predict_remote, register_model_commands
@@ -84,6 +85,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     webhooks.register(sub, common)
     cluster.register(sub, common)
     teams.register(sub, common)
+    register_audit_commands(sub, common)
     login.register(sub, common)
     predict = sub.add_parser(
         "predict",
