@@ -85,8 +85,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     webhooks.register(sub, common)
     cluster.register(sub, common)
     teams.register(sub, common)
-    register_audit_commands(sub, common)
     login.register(sub, common)
+    register_audit_commands(sub, common)
     predict = sub.add_parser(
         "predict",
         parents=[common],
