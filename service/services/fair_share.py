@@ -28,12 +28,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.db.models import Attempt, Job, Team, TeamQuota
 from service.services.teams import DEFAULT_POOL, usage
-from service.states import LIVE_ATTEMPT_STATUSES
+from service.states import LIVE_ATTEMPT_STATUSES, JobStatus
 
 
 @dataclass
@@ -184,6 +184,11 @@ class Running:
     units: int
     started_at: datetime | None
     preempting: bool
+    # Why it was asked to stop (``team X took back its quota ...``): whose units are coming back.
+    reason: str | None = None
+
+    def coming_back_to(self, team_name: str) -> bool:
+        return self.preempting and (self.reason or "").startswith(f"team {team_name} ")
 
 
 def running_attempts(session: Session, pool: str = DEFAULT_POOL) -> list[Running]:
@@ -199,15 +204,24 @@ def running_attempts(session: Session, pool: str = DEFAULT_POOL) -> list[Running
             Attempt.started_at,
             Attempt.created_at,
             Attempt.preempt_requested_at,
+            Attempt.preempt_reason,
         )
         .join(Attempt, Attempt.job_id == Job.id)
         .where(Attempt.status.in_(LIVE_ATTEMPT_STATUSES))
     ).all()
     return [
         Running(
-            job_id, name, attempt_id, team_id, priority, int(units), started or created, preempt is not None
+            job_id,
+            name,
+            attempt_id,
+            team_id,
+            priority,
+            int(units),
+            started or created,
+            preempt is not None,
+            why,
         )
-        for job_id, name, attempt_id, team_id, priority, units, started, created, preempt in rows
+        for job_id, name, attempt_id, team_id, priority, units, started, created, preempt, why in rows
     ]
 
 
@@ -223,14 +237,15 @@ def reclaim_victims(
     min_run_s: float,
 ) -> tuple[list[Running], int]:
     """The attempts to preempt so that ``team_id`` gets ``needed`` more units of its own quota
-    back, and how many units are already on their way back (attempts asked to stop earlier).
+    back, and how many units are already on their way back to it (attempts asked to stop
+    earlier for this team; another team's reclaim does not hold this one back).
 
     Only borrowed units are taken: from teams holding more than their nominal quota, their
     lowest-priority jobs first, then the newest; whole jobs (every node of a gang) or none; an
     attempt that has run less than ``min_run_s`` is left alone (it would lose its work and
     thrash). Within the team, lower-priority jobs go too when the team allows it."""
     candidates = list(running)
-    coming = sum(r.units for r in candidates if r.preempting)
+    coming = sum(r.units for r in candidates if r.coming_back_to(ledger.book(team_id).name))
     if coming >= needed:
         return [], coming
     cutoff = now - timedelta(seconds=min_run_s)
@@ -294,17 +309,25 @@ class QueuePosition:
 
 
 def admission_order(
-    session: Session, capacity: dict[str, int], unit_word: str, limit: int = 500
+    session: Session, capacity: dict[str, int], unit_word: str, limit: int = 200
 ) -> tuple[Ledger, list[QueuePosition]]:
     """The queued jobs in the order the next pass considers them (as if each were admitted in
     turn: the team furthest below its fair share next), and the ledger of now."""
     ledger = load_ledger(session, capacity, unit_word)
+    ranked = (
+        select(
+            Job.id,
+            func.row_number()
+            .over(partition_by=Job.team_id, order_by=(Job.priority.desc(), Job.created_at, Job.id))
+            .label("in_line"),
+        )
+        .where(Job.status == JobStatus.QUEUED, Job.deleted_at.is_(None))
+        .subquery()
+    )
+    heads = select(ranked.c.id).where(ranked.c.in_line <= limit)
     queued = list(
         session.scalars(
-            select(Job)
-            .where(Job.status == "queued", Job.deleted_at.is_(None))
-            .order_by(Job.priority.desc(), Job.created_at, Job.id)
-            .limit(limit)
+            select(Job).where(Job.id.in_(heads)).order_by(Job.priority.desc(), Job.created_at, Job.id)
         )
     )
     now_used = {key: dict(team.used) for key, team in ledger.teams.items()}

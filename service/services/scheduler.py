@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
-from sqlalchemy import bindparam, exists, select, text, update
+from sqlalchemy import bindparam, exists, func, select, text, update
 from sqlalchemy.orm import Session
 
 from service.config import Settings
@@ -213,7 +213,11 @@ def schedule(session: Session, settings: Settings) -> PassResult:
     nodes = ready_capacity(session, settings, now)
     ledger = load_ledger(session, {DEFAULT_POOL: sum(n.units for n in nodes)}, unit_word(nodes))
     if ledger.managed:
-        # Teams with quotas (docs/teams.md): fair share between them.
+        # Teams with quotas (docs/teams.md): fair share between them, from the head of each
+        # team's own line (a team's flood does not hide the others' jobs).
+        queued = list(
+            map(QueuedJob._make, session.execute(_TEAM_HEADS, {"per_team": JOBS_PER_TEAM_PER_PASS}))
+        )
         TeamPass(session, settings, ledger, nodes, now, result).run(queued)
         _announce(session, result)
         return result
@@ -305,6 +309,26 @@ _QUEUE_HEAD = (
 )
 
 
+# With teams: the first jobs of each team's line (priority, then age), in the queue's order.
+JOBS_PER_TEAM_PER_PASS = 200
+_RANKED = (
+    select(
+        *_QUEUE_HEAD.selected_columns,
+        Job.created_at,
+        func.row_number()
+        .over(partition_by=Job.team_id, order_by=(Job.priority.desc(), Job.created_at, Job.id))
+        .label("in_line"),
+    )
+    .where(Job.status == JobStatus.QUEUED)
+    .subquery()
+)
+_TEAM_HEADS = (
+    select(*(_RANKED.c[c.name] for c in _QUEUE_HEAD.selected_columns))
+    .where(_RANKED.c.in_line <= bindparam("per_team"))
+    .order_by(_RANKED.c.priority.desc(), _RANKED.c.created_at, _RANKED.c.id)
+)
+
+
 def _claim_for_placing(session: Session, job_id: str) -> Job | None:
     """Lock the job and read it whole, if it is still queued: a job being cancelled right now
     (locked) or cancelled since the queue was read is left alone (None). On SQLite the
@@ -390,9 +414,11 @@ class TeamPass:
         self.blockers: dict[str, QueuedJob] = {}
         self.changed: dict[str, list[str]] = {}
         self._running: list[Running] | None = None
+        # Each team's line of queued jobs not considered yet in this pass.
+        self.lines: dict[str, deque[QueuedJob]] = {}
 
     def run(self, queued: list[QueuedJob]) -> None:
-        lines: dict[str, deque[QueuedJob]] = {}
+        lines = self.lines
         for job in queued:
             lines.setdefault(job.team_id or "", deque()).append(job)
         for team_id, line in lines.items():
@@ -443,11 +469,21 @@ class TeamPass:
         self._wait(job, reason)
 
     def _reclaim(self, job: QueuedJob) -> str | None:
-        """Preempt borrowed jobs so that ``job``, within its team's quota, can start."""
+        """Preempt borrowed jobs so that ``job``, within its team's quota, can start, and with
+        it the team's jobs behind it up to its quota: the whole of what the team is owed, at
+        once (not a job's worth per checkpoint interval). At least the job's own units are
+        taken back, free units scattered over nodes notwithstanding (it could not be placed)."""
         if self._running is None:
             self._running = running_attempts(self.session)
+        book = self.ledger.book(job.team_id)
+        owed = book.quota(DEFAULT_POOL).nominal - book.used.get(DEFAULT_POOL, 0)
+        want = job.units
+        for behind in self.lines.get(job.team_id or "", ()):
+            if want + behind.units > owed:
+                break
+            want += behind.units
         free = sum(n.free for n in self.nodes)
-        needed = max(1, job.units - free)
+        needed = max(job.units, want - free)
         victims, coming = reclaim_victims(
             self.ledger,
             self._running,

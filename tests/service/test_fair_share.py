@@ -223,3 +223,49 @@ def test_teams_take_turns_by_fair_share_and_a_quota_change_counts_at_the_next_pa
         finish_job(db, j)
     run_pass(db, settings)
     assert sum(status(db, j) == "scheduled" for j in flood) == 4
+
+
+def test_a_flood_of_one_team_does_not_hide_the_others_jobs(
+    db: Database, settings: Settings, owner: tuple[str, str]
+) -> None:
+    nodes(db, owner, 4, 1)
+    vision = make_team(db, "vision", 2)
+    speech = make_team(db, "speech", 2)
+    with db.transaction() as s:
+        now = utcnow()
+        s.add_all(
+            Job(
+                owner_id=owner[0],
+                team_id=vision,
+                name=f"flood{i}",
+                status="queued",
+                spec={"resources": {"node_count": 1, "process_count_per_node": 1}},
+                architecture="resnet18",
+                train_dataset_id=owner[1],
+                validation_dataset_id=owner[1],
+                node_count=1,
+                process_count_per_node=1,
+                created_at=now - timedelta(hours=1) + timedelta(milliseconds=i),
+                updated_at=now,
+            )
+            for i in range(700)  # more than a pass reads of the one queue
+        )
+    late = team_job(db, owner, speech, 1, 1)
+    run_pass(db, settings)
+    assert status(db, late) == JobStatus.SCHEDULED
+
+
+def test_a_team_gets_all_it_is_owed_back_in_one_pass(
+    db: Database, settings: Settings, owner: tuple[str, str]
+) -> None:
+    nodes(db, owner, 4, 1)
+    vision = make_team(db, "vision", 0)
+    speech = make_team(db, "speech", 4)
+    borrowed = [team_job(db, owner, vision, 1, 1) for _ in range(4)]
+    run_pass(db, settings)
+    start_running(db, *borrowed)
+    wanted = [team_job(db, owner, speech, 1, 1) for _ in range(3)]
+    run_pass(db, settings)
+    # Three units owed, three jobs asked to stop at once (not one per checkpoint interval).
+    assert sum(asked_to_stop(db, j) for j in borrowed) == 3
+    assert all(status(db, j) == JobStatus.QUEUED for j in wanted)
