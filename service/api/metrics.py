@@ -23,13 +23,14 @@ from prometheus_client.registry import Collector
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.api.routing import SessionScopedRoute
 from service.api.traffic import TRAFFIC
 from service.config import Settings
 from service.services.metrics import REQUEST_DURATION, UNMATCHED_ROUTE, method_label
 from service.services.metrics_collector import DatabaseCollector
 from torchyard.contract.errors import AuthenticationError, PermissionDeniedError
 
-router = APIRouter(tags=["operations"])
+router = APIRouter(tags=["operations"], route_class=SessionScopedRoute)
 
 
 @router.get(
