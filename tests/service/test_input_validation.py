@@ -481,9 +481,18 @@ def test_openapi_declares_the_bearer_scheme(client: TestClient) -> None:
         for method, operation in operations.items():
             if operation.get("security") != [{"bearerAuth": []}]:
                 unprotected.append(f"{method} {path}")
-    # Health checks, and the web UI's sign-in and sign-out (the token travels in the body,
-    # then in the session cookie).
-    assert sorted(unprotected) == ["delete /v1/session", "get /healthz", "get /readyz", "post /v1/session"]
+    # Health checks, the web UI's sign-in and sign-out (the token travels in the body, then in
+    # the session cookie), the OpenID Connect sign-in's steps (docs/oidc.md), and the metrics
+    # (a scrape token of their own, or allowed networks: docs/operations.md).
+    assert sorted(unprotected) == [
+        "delete /v1/session",
+        "get /auth/oidc/config",
+        "get /healthz",
+        "get /metrics",
+        "get /readyz",
+        "post /auth/logout",
+        "post /v1/session",
+    ]
     # What the docs' Authorize button sends is what the service reads.
     token = client.headers["Authorization"].split()[1]
     assert client.get("/v1/whoami", headers={"Authorization": f"Bearer {token}"}).json()["role"] == "admin"

@@ -21,6 +21,7 @@ from fastapi.responses import RedirectResponse
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from service.api.routing import SessionScopedRoute
 from service.api.security import SESSION_COOKIE
 from service.config import Settings
 from service.db.engine import Database
@@ -34,7 +35,7 @@ from torchyard.contract.errors import AuthenticationError, NotFoundError, Reques
 LOGIN_COOKIE = "torchyard_oidc_login"
 LOGIN_TTL_S = 600
 
-router = APIRouter(tags=["sign-in"])
+router = APIRouter(tags=["sign-in"], route_class=SessionScopedRoute)
 
 
 def _provider(request: Request) -> OidcProvider:

@@ -42,9 +42,9 @@ from service.schemas.teams import (
 from service.services import team_usage, teams
 from service.services.cluster import ready_capacity
 from service.services.fair_share import Ledger, admission_order, load_ledger
+from service.services.job_lookup import may_read
 from service.services.scheduler import unit_word
 from service.services.teams import DEFAULT_POOL, QuotaSpec
-from service.services.tokens import Principal
 from torchyard.contract.errors import RequestValidationError
 
 router = APIRouter(tags=["teams"], route_class=SessionScopedRoute)
@@ -230,7 +230,7 @@ def queue(session: ReadSessionDep, settings: SettingsDep, principal: CurrentUser
     items = []
     for position, entry in enumerate(order, start=1):
         job = entry.job
-        if not _sees(principal, job.team_id, job.owner_id):
+        if not may_read(principal, job.owner_id, job.team_id):
             continue
         usage = (
             PoolUsage(**teams.pool_usage(ledger.teams, entry.team.id, DEFAULT_POOL)) if job.team_id else None
@@ -249,11 +249,3 @@ def queue(session: ReadSessionDep, settings: SettingsDep, principal: CurrentUser
             )
         )
     return QueueList(items=items)
-
-
-def _sees(principal: Principal, team_id: str | None, owner_id: str) -> bool:
-    return (
-        principal.is_admin
-        or owner_id in principal.owners
-        or (team_id is not None and team_id in principal.team_ids)
-    )
