@@ -375,11 +375,13 @@ class KubernetesDriver:
 
     def _log_tail(self, pod: k8s.PodView) -> str:
         try:
-            text = self._call(
+            # The raw body, decoded here: the client's own decoding of a log differs between
+            # its versions (some give the repr of the bytes).
+            response = self._call(
                 "pods/log", self.core.read_namespaced_pod_log, pod.name, self.namespace,
-                container=k8s.CONTAINER, tail_lines=LOG_TAIL_LINES,
+                container=k8s.CONTAINER, tail_lines=LOG_TAIL_LINES, _preload_content=False,
             )  # fmt: skip
-            return str(text).strip() or pod.message
+            return bytes(response.data or b"").decode("utf-8", "replace").strip() or pod.message
         except (ApiException, EngineNotAnswering):
             return pod.message  # its termination message: the end of its output
 

@@ -444,7 +444,7 @@ class Reconciler:
                     attempt.preempt_requested_at = utcnow()
                 _close(session, placements)
                 finish_preemption(session, job, attempt)
-            elif open_ids:
+            elif open_ids and any(p.status != PlacementStatus.ASSIGNED for p in placements):
                 nodes = {p.id: session.get_one(Node, p.node_id).name for p in placements}
                 messages = {
                     pid: f"node {nodes[pid]}: {display} job {state.id} ended {state.state} without a report "
@@ -453,7 +453,10 @@ class Reconciler:
                 }
                 session.flush()
                 lose_placements(session, job.id, open_ids, messages)
-            elif not placements:
+            elif all(p.status == PlacementStatus.ASSIGNED for p in placements):
+                # No launcher ever reported: its placements (bound by an engine that says where
+                # ranks run) were never taken up. The engine's output says why.
+                _close(session, placements)
                 tail = state.output_tail
                 message = (
                     f"{state.summary} without any report from torchyard's launcher "

@@ -246,8 +246,8 @@ def test_a_pod_runs_its_command_to_completion(
 
     from kubernetes.client import CoreV1Api
 
-    log = CoreV1Api(cluster.api_client()).read_namespaced_pod_log("once", ns)
-    assert log == f"pod=once ip={node.address} rank=0 attempt=a1\n"
+    log = CoreV1Api(cluster.api_client()).read_namespaced_pod_log("once", ns, _preload_content=False)
+    assert log.data.decode() == f"pod=once ip={node.address} rank=0 attempt=a1\n"
 
     rest.call("POST", f"/api/v1/namespaces/{ns}/pods", engine_like_pod("fails", ns, ["sh", "-c", "exit 3"]))
     wait_until(lambda: phase(rest, ns, "fails") == "Failed", "the pod to fail")

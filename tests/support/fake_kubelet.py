@@ -105,21 +105,26 @@ class Rest:
         timeout: float = 30,
         stream: bool = False,
     ) -> Any:
-        params = self.client.param_serialize(
-            method=method,
-            resource_path=path,
-            query_params=[(k, v) for k, v in (query or {}).items() if v is not None],
-            header_params={"Accept": "application/json", "Content-Type": content_type},
-            body=body,
-            auth_settings=["BearerToken"],
-        )
-        resp = self.client.call_api(*params, _request_timeout=timeout)
-        if stream and 200 <= resp.status < 300:
-            return resp.response
-        resp.read()
+        from kubernetes.client.rest import ApiException
+
+        try:
+            resp = self.client.call_api(
+                path,
+                method,
+                query_params=[(k, v) for k, v in (query or {}).items() if v is not None],
+                header_params={"Accept": "application/json", "Content-Type": content_type},
+                body=body,
+                auth_settings=["BearerToken"],
+                _preload_content=False,
+                _return_http_data_only=True,
+                _request_timeout=timeout,
+            )
+        except ApiException as exc:
+            raise ApiError(int(exc.status or 0), str(exc.body or exc.reason or "")) from None
+        if stream:
+            return resp
         data = resp.data or b""
-        if not 200 <= resp.status < 300:
-            raise ApiError(resp.status, data.decode(errors="replace"))
+        resp.release_conn()
         return json.loads(data) if data else None
 
     def get(self, path: str, **query: Any) -> Any:
