@@ -261,10 +261,19 @@ class OidcProvider:
         return dict(token)
 
     def refresh(self, refresh_token: str) -> dict[str, Any]:
-        """New tokens for a refresh token; :class:`AuthenticationError` if the provider refuses."""
+        """New tokens for a refresh token; :class:`AuthenticationError` if the provider refuses.
+
+        No scope is asked (RFC 6749 §6: the scope granted at sign-in): a provider may have
+        granted less than the sign-in asked (``offline_access`` is often dropped from it) and
+        refuses a refresh that asks for more. The resource is asked again (RFC 8707), so the
+        access token is one for this API."""
         try:
             token = self._client().refresh_token(
-                self.endpoint("token_endpoint"), refresh_token=refresh_token, timeout=HTTP_TIMEOUT_S
+                self.endpoint("token_endpoint"),
+                refresh_token=refresh_token,
+                scope=None,
+                resource=self.audience,
+                timeout=HTTP_TIMEOUT_S,
             )
         except requests.RequestException as exc:
             raise ServiceUnavailableError(f"the OpenID provider could not be reached: {exc}") from exc
