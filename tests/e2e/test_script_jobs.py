@@ -45,7 +45,8 @@ def _metrics(env: ScriptEnv, job_id: str, name: str) -> list[tuple[int, int, flo
 def test_per_process_1x2_variables_metrics_logs_and_outputs(env: ScriptEnv, tmp_path: Path) -> None:
     from torchyard.sample_data import write_digits
 
-    agent = env.agent("solo", slots=2)
+    # Every process's system metrics, sampled by the agent (docs/operations.md).
+    agent = env.agent("solo", slots=2, env={"TORCHYARD_SYS_METRICS_INTERVAL_S": "0.2"})
     train_dir, _ = write_digits(tmp_path / "digits", per_class=2, size=16)
     data = upload_dataset(env.user, train_dir, "tiny")
     code = env.upload_code({"probe.py": PROBE})
@@ -85,6 +86,8 @@ def test_per_process_1x2_variables_metrics_logs_and_outputs(env: ScriptEnv, tmp_
     }
     assert _metrics(env, job_id, "probe.rank") == [(0, 0, 0.0), (1, 0, 1.0)]
     assert _metrics(env, job_id, "probe.auto") == [(0, 0, 1.5), (0, 1, 2.5), (1, 0, 1.5), (1, 1, 2.5)]
+    for name in ("sys.cpu_percent", "sys.rss_bytes"):
+        assert {rank for rank, _, _ in _metrics(env, job_id, name)} == {0, 1}, name
     assert "hello from rank 0" in env.log(job_id, rank=0)
     assert "hello from rank 1" in env.log(job_id, rank=1)
     # The text files under ./logs are log streams of their own; a binary one is left out.

@@ -238,6 +238,8 @@ class RunFileReader:
         self.metric_sources = metric_sources
         self.metric_files: dict[Path, _Tailed] = {}
         self._auto_steps: dict[tuple[str, int], int] = {}
+        # The latest step of each rank's own points (the system metrics' are not the script's).
+        self._latest_steps: dict[int, int] = {}
         self.root = Path(run_dir)
         self.events_path = self.root / EVENTS_FILE
         self._events = _Tailed(self.events_path)
@@ -355,7 +357,15 @@ class RunFileReader:
                 log.warning("job %s: ignoring an invalid line in %s", self.job_id, path.name)
             else:
                 batch.metrics.append(point)
+                if not point["name"].startswith("sys."):
+                    rank, step = point["rank"], point["step"]
+                    self._latest_steps[rank] = max(step, self._latest_steps.get(rank, step))
         return consumed
+
+    def latest_step(self, rank: int) -> int | None:
+        """The latest step of the points read of ``rank`` (its system metrics' aside); None
+        before any. Safe to ask from another thread."""
+        return self._latest_steps.get(rank)
 
     def _take_event(self, batch: Batch, line: bytes) -> None:
         """One line of ``events.jsonl`` into the batch. A line that is not JSON, or an event

@@ -28,7 +28,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import TextIO
 
@@ -41,9 +41,12 @@ from worker.agent.mlflow_endpoint.server import TrackingEndpoint
 from worker.agent.mlflow_endpoint.store import tracking_snapshot
 from worker.agent.net_bridge import SOCKET_IN_SANDBOX, Bridge
 from worker.agent.rank_failures import TRACEBACK_TAIL_LINES, describe_exit, root_cause, tail
+from worker.agent.rank_group import visible_devices
 from worker.agent.script_launch import ScriptLaunch, ScriptProcess, command_argv, script_env
+from worker.agent.script_sys_metrics import SampledProcess, ScriptSystemSampler
 from worker.agent.tensorboard_scalars import ScalarTailer, mlflow_artifacts
 from worker.agent.unkept_files import name_unkept_files
+from worker.system_probe import GpuProbe, sampling_interval
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +85,21 @@ class ScriptGroup:
         skip = mlflow_artifacts(launch.outputs_dir) if self.tracking is not None else None
         self.scalars = ScalarTailer(roots, launch.agent_metrics_dir, self.job_log, skip=skip)
         self.failed: ScriptProcess | None = None
+        self.sys_interval = self._sys_interval(base)
+        self._inherited_gpus = base.get("CUDA_VISIBLE_DEVICES")
+        self.sampler: ScriptSystemSampler | None = None
         # ./logs files already judged: their stream name, or None when left out.
         self._log_dir_files: dict[Path, str | None] = {}
         self._log_dir_full = False
         self.stopped = False
+
+    def _sys_interval(self, base: Mapping[str, str]) -> float:
+        """The agent's ``TORCHYARD_SYS_METRICS_INTERVAL_S`` (0: no system metrics)."""
+        try:
+            return sampling_interval(base)
+        except ValueError as exc:
+            self.job_log.warning("no system metrics: %s", exc)
+            return 0.0
 
     def _start_tracking(self) -> tuple[TrackingEndpoint | None, Bridge | None]:
         """The placement's MLflow endpoint (none where the job names its own server) and, for a
@@ -194,6 +208,39 @@ class ScriptGroup:
         first = self.processes[0].process
         assert first is not None
         return first.pid
+
+    def start_sampling(self, latest_step: Callable[[int], int | None] | None = None) -> None:
+        """Sample every process's CPU, memory and GPU each interval into the agent's metrics
+        folder (:mod:`worker.agent.script_sys_metrics`); nothing when the interval is 0.
+        ``latest_step(rank)``: the latest step the script logged for that rank."""
+        if self.sys_interval <= 0 or self.sampler is not None:
+            return
+        processes = [SampledProcess(p.rank, self._live_pid(p), self._gpu_probe(p)) for p in self.processes]
+        self.sampler = ScriptSystemSampler(
+            processes, self.launch.agent_metrics_dir, self.sys_interval, latest_step=latest_step
+        )
+        self.sampler.start()
+
+    @staticmethod
+    def _live_pid(proc: ScriptProcess) -> Callable[[], int | None]:
+        def pid() -> int | None:
+            running = proc.process is not None and proc.process.returncode is None
+            return proc.process.pid if running and proc.process is not None else None
+
+        return pid
+
+    def _gpu_probe(self, proc: ScriptProcess) -> GpuProbe | None:
+        """The GPU at the process's local rank among the placement's (per node: the only one)."""
+        gpus = self.launch.gpu_ids
+        local = proc.local_rank if proc.local_rank is not None else (0 if len(gpus) == 1 else None)
+        if local is None or local >= len(gpus):
+            return None
+        return GpuProbe.named(visible_devices((gpus[local],), self._inherited_gpus))
+
+    def stop_sampling(self) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
+            self.sampler = None
 
     # --- watch --------------------------------------------------------------------------
 
@@ -351,6 +398,7 @@ class ScriptGroup:
     def close_tracking(self) -> None:
         """Stop the MLflow endpoint and read the TensorBoard files a last time (every process
         has ended)."""
+        self.stop_sampling()
         self.scalars.stop()
         if self.bridge is not None:
             self.bridge.stop()

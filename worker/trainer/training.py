@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torchyard import modeldir
 from torchyard.contract.learning_rate import effective_learning_rate
+from worker.system_probe import sampling_interval
 from worker.trainer import checkpoint as ckpt
 from worker.trainer import distributed
 from worker.trainer.compiling import CompiledForward, compile_setting
@@ -39,7 +40,7 @@ from worker.trainer.models import BuiltModel
 from worker.trainer.resume import ResumeState, restore
 from worker.trainer.schedule import build_scheduler
 from worker.trainer.seeding import derive_seed
-from worker.trainer.system_metrics import rank_sampler, sampling_interval
+from worker.trainer.system_metrics import rank_sampler
 
 log = logging.getLogger(__name__)
 

@@ -512,3 +512,63 @@ def test_the_pip_environment_gets_the_worker_console_scripts(tmp_path: Path) -> 
     assert os.access(env_dir / "bin" / "torchrun", os.X_OK)
     assert (env_dir / "bin" / "lightning").read_text() == "#!env's own\n"
     assert add_console_scripts(env_dir, worker_bin) == []  # again: nothing to do
+
+
+BURN = """
+import json, os, time
+with open(os.environ["TORCHYARD_METRICS_FILE"], "a") as f:
+    f.write(json.dumps({"name": "loss", "value": 1.0, "step": 7, "rank": int(os.environ["RANK"])}) + "\\n")
+end = time.time() + 2.0
+n = 0
+while time.time() < end:
+    n += 1
+"""
+
+
+def test_the_agent_samples_each_script_process_into_the_job_metrics(tmp_path: Path) -> None:
+    """Two real processes burn CPU for 2 s: the agent's sampler (TORCHYARD_SYS_METRICS_INTERVAL_S
+    0.3) writes each rank's CPU and memory, which the reporter's reader takes as the job's
+    metrics at the script's latest step of that rank."""
+    import logging
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "burn.py").write_text(BURN)
+    launch = _launch(
+        tmp_path,
+        command=("python", "burn.py"),
+        code_dir=code,
+        variables={"MLFLOW_TRACKING_URI": "file:/dev/null"},
+    )  # node rank 1: ranks 2 and 3
+    env = {**os.environ, "TORCHYARD_SYS_METRICS_INTERVAL_S": "0.3"}
+    group = ScriptGroup(launch, env=env, job_log=logging.getLogger("test.job"))
+    agent_log = tmp_path / "agent.log"
+    agent_log.write_text("")
+    reader = RunFileReader("j", launch.run_dir, lambda: [], agent_log, "n1", group.metric_files)
+    points: list[dict[str, object]] = []
+    with open(agent_log, "a") as out:
+        group.start(out)
+    group.start_sampling(reader.latest_step)
+    try:
+        while group.wait(0.3) is None:
+            points += reader.collect(final=False).metrics
+    finally:
+        group.close_tracking()
+        group.kill_stragglers()
+    assert group.wait(0) == 0
+    points += reader.collect(final=True).metrics
+    reader.close()
+    keys = [(p["name"], p["rank"], p["step"], p.get("occurrence", 0)) for p in points]
+    assert len(keys) == len(set(keys))  # each sample a point of its own
+    for rank in (2, 3):
+        cpu = [p for p in points if p["name"] == "sys.cpu_percent" and p["rank"] == rank]
+        rss = [p for p in points if p["name"] == "sys.rss_bytes" and p["rank"] == rank]
+        assert len(cpu) >= 2 and len(rss) >= 2, points
+        assert max(float(p["value"]) for p in cpu) > 20  # a busy loop, on a shared machine
+        assert all(float(p["value"]) > 1 << 20 for p in rss), [
+            p["value"] for p in rss
+        ]  # a Python interpreter's memory
+        # Once the script's own point was read, the samples take its step.
+        assert cpu[-1]["step"] == 7 and rss[-1]["step"] == 7
+    assert not [p for p in points if str(p["name"]).startswith("sys.gpu")]  # no GPU here
+    assert "sys.input_wait_fraction" not in {p["name"] for p in points}

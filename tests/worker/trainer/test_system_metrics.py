@@ -13,13 +13,8 @@ from typing import Any
 import pytest
 
 from torchyard.contract.metrics import SYS_METRIC_NAMES
-from worker.trainer.system_metrics import (
-    GpuProbe,
-    SystemSampler,
-    process_rss_bytes,
-    process_tree_cpu_seconds,
-    sampling_interval,
-)
+from worker.system_probe import GpuProbe, process_rss_bytes, process_tree_cpu_seconds, sampling_interval
+from worker.trainer.system_metrics import SystemSampler
 
 
 class FakeClock:

@@ -65,6 +65,9 @@ class ScriptRun(KindRun):
             reporter = h.start_reporter(
                 group.log_files, agent_log, group.metric_files, tracking_source=group.tracking_source
             )
+            # Each process's CPU, memory and GPU (worker/agent/script_sys_metrics.py), at the
+            # latest step the script logged.
+            group.start_sampling(reporter.reader.latest_step if isinstance(reporter, RunReporter) else None)
         except BaseException:
             group.close_tracking()
             raise
