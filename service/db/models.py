@@ -735,7 +735,8 @@ class Webhook(Base):
     """A subscription (docs/webhooks.md): the events of its owner's jobs and sweeps POSTed to
     ``url``, signed with its secret. The secret is stored encrypted (Fernet, under the key of
     ``TORCHYARD_WEBHOOK_KEY`` or the data directory's ``webhook.key``): signing needs it back.
-    ``team`` is for subscriptions of a team's jobs, which come with teams; NULL until then."""
+    ``team``: the id of the team whose jobs and sweeps it receives, whoever submitted them;
+    NULL for its owner's own."""
 
     __tablename__ = "webhooks"
     __table_args__ = (Index("ix_webhooks_owner_created", "owner_id", "created_at"),)

@@ -19,3 +19,10 @@ class WebhookCreate(StrictModel):
         description="The events to deliver (at least one): job.started, job.succeeded, job.failed, "
         "job.cancelled, job.preempted, sweep.best_changed, sweep.ended.",
     )
+    team: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=100,
+        description="A team of yours (not default): the events of every job and sweep of that team, "
+        "whoever submitted it. Left out: the events of your own jobs and sweeps.",
+    )

@@ -107,13 +107,15 @@ _WEBHOOK_EVENTS = {
 
 
 def emit_job_event(session: Session, job: Job, event: str) -> None:
-    """Record ``event`` of ``job`` for its owner's webhooks, in the caller's transaction."""
+    """Record ``event`` of ``job`` for its owner's webhooks and its team's, in the caller's
+    transaction."""
     emit_webhook(
         session,
         job.owner_id,
         event,
         "job",
         lambda: job_public(session, job, detail=False).model_dump(mode="json"),
+        team_id=job.team_id,
     )
 
 

@@ -134,14 +134,15 @@ def stop(session: Session, sweep: Sweep, status: SweepStatus, reason: str) -> No
 
 
 def emit_sweep_event(session: Session, sweep: Sweep, event: str) -> None:
-    """Record ``event`` of ``sweep`` for its owner's webhooks (docs/webhooks.md), in the
-    caller's transaction."""
+    """Record ``event`` of ``sweep`` for its owner's webhooks and its team's (docs/webhooks.md),
+    in the caller's transaction."""
     emit_webhook(
         session,
         sweep.owner_id,
         event,
         "sweep",
         lambda: sweeps_public(session, [sweep], detail=False)[0].model_dump(mode="json"),
+        team_id=sweep.team_id,
     )
 
 

@@ -1,9 +1,9 @@
 """Webhooks (docs/webhooks.md): users' subscriptions, and the outbox of their deliveries.
 
-A subscription names a URL and events of its owner's jobs and sweeps. Its secret is made
-here, shown once, and stored encrypted (Fernet): the deliveries are signed with it, so it
-must be read back, unlike an API token's. Subscriptions are a user's today; ``team`` is
-kept for a team's subscriptions, which come with teams.
+A subscription names a URL and events of its owner's jobs and sweeps, or, with a ``team``
+(the team's id), of every job and sweep of that team, whoever submitted it. Its secret is
+made here, shown once, and stored encrypted (Fernet): the deliveries are signed with it, so
+it must be read back, unlike an API token's.
 
 :func:`emit` writes one ``webhook_deliveries`` row per matching subscription in the caller's
 transaction, the one that changes the job or sweep: the event is recorded if and only if the
@@ -24,16 +24,22 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from cryptography.fernet import Fernet, InvalidToken
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Webhook, WebhookDelivery
+from service.db.models import Team, Webhook, WebhookDelivery
 from service.db.types import utcnow
 from service.schemas.common import decode_cursor, encode_cursor
 from service.services import refs
-from service.services.tokens import Principal
-from torchyard.contract.errors import ConflictError, NotFoundError, RequestValidationError
+from service.services.ownership import sharing_teams
+from service.services.tokens import DEFAULT_TEAM, Principal
+from torchyard.contract.errors import (
+    ConflictError,
+    NotFoundError,
+    PermissionDeniedError,
+    RequestValidationError,
+)
 from torchyard.contract.webhooks import EVENTS, DeliveryPublic, WebhookCreated, WebhookPublic
 
 # Most subscriptions one user may hold.
@@ -137,11 +143,41 @@ def check_events(events: list[str]) -> list[str]:
     return list(dict.fromkeys(events))
 
 
+def subscribed_team(session: Session, principal: Principal, name: str) -> Team:
+    """The team a new subscription is for: one of the principal's (any for an admin), never
+    ``default``, which every user is in and which shares nothing; else 422 (404 for an admin
+    naming no team)."""
+    if name == DEFAULT_TEAM:
+        raise RequestValidationError(
+            f"the team {DEFAULT_TEAM!r} shares nothing (every user is in it): subscribe without a team "
+            "for the events of your own jobs, or name another of your teams",
+            details={"field": "team"},
+        )
+    if name in principal.team_names or principal.is_admin:
+        team = session.scalars(select(Team).where(Team.name == name)).first()
+        if team is not None:
+            return team
+        if principal.is_admin:
+            raise NotFoundError(f"team {name[:100]!r} not found")
+    yours = [t for t in principal.team_names if t != DEFAULT_TEAM]
+    raise RequestValidationError(
+        f"you are not in team {name[:100]!r}: your teams are {', '.join(yours) or 'none but default'}",
+        details={"field": "team", "teams": yours},
+    )
+
+
 def create_webhook(
-    session: Session, settings: Settings, principal: Principal, url: str, events: list[str]
+    session: Session,
+    settings: Settings,
+    principal: Principal,
+    url: str,
+    events: list[str],
+    team: str | None = None,
 ) -> WebhookCreated:
-    """A new subscription of ``principal``'s, with its secret (returned this once)."""
+    """A new subscription of ``principal``'s (of ``team``'s jobs and sweeps when it names one),
+    with its secret (returned this once)."""
     url, events = check_url(url), check_events(events)
+    team_row = subscribed_team(session, principal, team) if team is not None else None
     held = session.scalar(select(func.count()).select_from(Webhook).where(Webhook.owner_id == principal.id))
     if (held or 0) >= MAX_WEBHOOKS_PER_USER:
         raise ConflictError(
@@ -150,6 +186,7 @@ def create_webhook(
     secret = secrets.token_urlsafe(32)
     row = Webhook(
         owner_id=principal.id,
+        team=team_row.id if team_row is not None else None,
         url=url,
         events=events,
         secret_encrypted=fernet(settings).encrypt(secret.encode()).decode(),
@@ -157,39 +194,67 @@ def create_webhook(
     )
     session.add(row)
     session.commit()
-    return WebhookCreated(**webhook_public(row).model_dump(), secret=secret)
+    return WebhookCreated(**webhook_public(session, row).model_dump(), secret=secret)
 
 
-def webhook_public(row: Webhook) -> WebhookPublic:
+def team_names(session: Session, rows: list[Webhook]) -> dict[str, str]:
+    """The names of the teams the subscriptions ``rows`` are for, by id."""
+    ids = {row.team for row in rows if row.team is not None}
+    if not ids:
+        return {}
+    return {
+        team_id: name for team_id, name in session.execute(select(Team.id, Team.name).where(Team.id.in_(ids)))
+    }
+
+
+def webhook_public(session: Session, row: Webhook, names: dict[str, str] | None = None) -> WebhookPublic:
+    """The subscription as the API shows it: its team by name (null for a user's own)."""
+    if names is None:
+        names = team_names(session, [row])
     return WebhookPublic(
         id=row.id,
         url=row.url,
         events=list(row.events),
         owner=row.owner_id,
-        team=row.team,
+        team=names.get(row.team) if row.team is not None else None,
         created_at=row.created_at,
     )
 
 
+def webhooks_public(session: Session, rows: list[Webhook]) -> list[WebhookPublic]:
+    names = team_names(session, rows)
+    return [webhook_public(session, row, names) for row in rows]
+
+
 def list_webhooks(session: Session, principal: Principal) -> list[Webhook]:
-    """The caller's subscriptions, oldest first."""
-    stmt = select(Webhook).where(Webhook.owner_id == principal.id).order_by(Webhook.created_at, Webhook.id)
+    """The caller's subscriptions and those of their teams (``default`` aside), oldest first."""
+    seen = or_(Webhook.owner_id == principal.id, Webhook.team.in_(sharing_teams(principal)))
+    stmt = select(Webhook).where(seen).order_by(Webhook.created_at, Webhook.id)
     return list(session.scalars(stmt))
 
 
 def get_webhook(session: Session, principal: Principal, webhook_id: str) -> Webhook:
-    """The caller's subscription ``webhook_id``; another user's is not found (404), as one
-    that does not exist."""
+    """The subscription ``webhook_id``: the caller's own, one of their teams', any team's for an
+    admin; another's is not found (404), as one that does not exist."""
     row = session.get(Webhook, webhook_id) if refs.comparable(webhook_id) else None
-    if row is None or row.owner_id != principal.id:
+    if row is None or not (
+        row.owner_id == principal.id
+        or (row.team is not None and (principal.is_admin or row.team in sharing_teams(principal)))
+    ):
         raise NotFoundError(f"webhook {webhook_id[:100]!r} not found (none of yours has this id)")
     return row
 
 
 def delete_webhook(session: Session, principal: Principal, webhook_id: str) -> WebhookPublic:
-    """Unsubscribe: the subscription and its deliveries (pending ones are not sent) go."""
+    """Unsubscribe: the subscription and its deliveries (pending ones are not sent) go. A team's
+    subscription is deleted by whoever made it or an admin (403 for the team's others)."""
     row = get_webhook(session, principal, webhook_id)
-    shown = webhook_public(row)
+    if row.owner_id != principal.id and not principal.is_admin:
+        raise PermissionDeniedError(
+            f"webhook {row.id} is team {webhook_public(session, row).team!r}'s, made by another user: "
+            "only they or an admin may delete it"
+        )
+    shown = webhook_public(session, row)
     session.execute(delete(WebhookDelivery).where(WebhookDelivery.webhook_id == row.id))
     session.delete(row)
     session.commit()
@@ -241,17 +306,27 @@ def delivery_public(row: WebhookDelivery) -> DeliveryPublic:
 
 
 def emit(
-    session: Session, owner_id: str, event: str, subject: str, shown: Callable[[], dict[str, Any]]
+    session: Session,
+    owner_id: str,
+    event: str,
+    subject: str,
+    shown: Callable[[], dict[str, Any]],
+    *,
+    team_id: str | None = None,
 ) -> int:
     """Record ``event`` of ``owner_id``'s job or sweep (``subject``: ``"job"`` or ``"sweep"``)
-    for each subscription of the owner's that asked for it, in the caller's transaction.
-    ``shown`` makes the job or sweep as its owner sees it (called only when someone listens).
-    Returns how many deliveries were recorded."""
+    of team ``team_id`` for each subscription that asked for it, in the caller's transaction:
+    the owner's own, and the team's (whoever made them). A subscription that is both (the
+    owner's own for their team) gets one delivery. ``shown`` makes the job or sweep as its
+    owner sees it (called only when someone listens). Returns how many deliveries were
+    recorded."""
     assert event in EVENTS, event
+    listening = Webhook.owner_id == owner_id
+    if team_id is not None:
+        # Own subscriptions of the owner's, and the team's: one row each, however many match.
+        listening = or_(listening, Webhook.team == team_id)
     hooks = [
-        hook
-        for hook in session.scalars(select(Webhook).where(Webhook.owner_id == owner_id))
-        if event in (hook.events or [])
+        hook for hook in session.scalars(select(Webhook).where(listening)) if event in (hook.events or [])
     ]
     if not hooks:
         return 0

@@ -446,7 +446,10 @@ def test_sweep_best_changed_and_ended(client: TestClient, settings: Settings, re
             assert session.get_one(Sweep, sweep_id).status == "cancelled"
     finally:
         db.dispose()
-    got = [_verified(hook["secret"], r) for r in receiver.wait_for("/dan", 2)]
+    # Deliveries due together go out concurrently: their order of arrival is not theirs of emission.
+    got = sorted(
+        (_verified(hook["secret"], r) for r in receiver.wait_for("/dan", 2)), key=lambda e: e["event"]
+    )
     assert [e["event"] for e in got] == ["sweep.best_changed", "sweep.ended"]
     assert got[0]["sweep"]["best_trial"]["value"] == 0.8 and got[0]["sweep"]["id"] == sweep_id
     assert got[1]["sweep"]["status"] == "cancelled"
@@ -476,3 +479,87 @@ def _succeed(session: Any, job_id: str, value: float) -> None:
     )
     job.status, job.started_at, job.scheduled_at, job.finished_at = "succeeded", now, now, now
     job.attempts_count, job.model_sha256 = 1, "0" * 64
+
+
+def _team_member(client: TestClient, name: str, teams: list[str]) -> str:
+    """A user of ``teams`` (the first their default) and a token of theirs."""
+    assert client.post("/v1/users", json={"name": name, "teams": teams}).status_code == 201
+    r = client.post("/v1/tokens", json={"name": f"{name}-laptop", "role": "user", "user": name})
+    assert r.status_code == 201, r.text
+    token: str = r.json()["token"]
+    return token
+
+
+def test_a_teams_subscription_gets_every_job_of_the_team_and_its_members_see_it(
+    client: TestClient, settings: Settings, receiver: Receiver
+) -> None:
+    for team in ("vision", "speech"):
+        assert client.post("/v1/teams", json={"name": team, "quotas": [{"nominal": 8}]}).status_code == 201
+    ann, bob = _team_member(client, "ann", ["vision"]), _team_member(client, "bob", ["vision"])
+    cy = _team_member(client, "cy", ["speech"])
+    worker = create_token(client, "worker")
+
+    # Only a member (or an admin) subscribes a team; default shares nothing.
+    refused = [
+        (cy, "vision", 422, "your teams are speech"),
+        (ann, "default", 422, "shares nothing"),
+        (ann, "nope", 422, "you are not in team 'nope'"),
+        (None, "nope", 404, "team 'nope' not found"),  # the admin
+    ]
+    for token, team, status, said in refused:
+        body = {"url": receiver.url("/x"), "events": ["job.failed"], "team": team}
+        r = client.post("/v1/webhooks", json=body, headers=auth(token) if token else {})
+        assert r.status_code == status and said in r.json()["message"], r.text
+    team_hook = client.post(
+        "/v1/webhooks",
+        json={"url": receiver.url("/vision"), "events": ["job.failed"], "team": "vision"},
+        headers=auth(ann),
+    ).json()
+    assert team_hook["team"] == "vision" and team_hook["secret"]
+    own = _subscribe(client, ann, receiver.url("/ann"), ["job.failed"])
+    r = client.post(
+        "/v1/webhooks", json={"url": receiver.url("/speech"), "events": ["job.failed"], "team": "speech"}
+    )
+    assert r.status_code == 201 and r.json()["team"] == "speech", r.text  # an admin, of any team
+    speech_hook = r.json()
+
+    # A member lists their own and their teams' subscriptions; another team's members see none.
+    def listed(token: str) -> list[tuple[str, str | None]]:
+        items = client.get("/v1/webhooks", headers=auth(token)).json()["items"]
+        return [(h["id"], h["team"]) for h in items]
+
+    assert listed(ann) == [(team_hook["id"], "vision"), (own["id"], None)]
+    assert listed(bob) == [(team_hook["id"], "vision")]
+    assert listed(cy) == [(speech_hook["id"], "speech")]
+
+    # bob's job and ann's own fail (team vision), and cy's (speech).
+    failure = {"code": "TrainingDivergedError", "message": "nan"}
+    jobs = {}
+    for who, token in (("bob", bob), ("ann", ann), ("cy", cy)):
+        team = "speech" if who == "cy" else "vision"  # their own, as a submission makes it
+        job = start_running_job(settings, client, user_token=token, worker_token=worker, name=who, team=team)
+        assert client.get(f"/v1/jobs/{job.job_id}", headers=auth(token)).json()["team"] == team
+        _status(client, job, "failed", exit_code=1, failure=failure)
+        jobs[who] = job.job_id
+    # The team's subscription: one delivery per job of the team, whoever submitted it (ann's own
+    # job once, though it is her subscription too); ann's own: her job alone.
+    got = [_verified(team_hook["secret"], r)["job"]["id"] for r in receiver.wait_for("/vision", 2)]
+    assert sorted(got) == sorted([jobs["bob"], jobs["ann"]])
+    assert [_verified(own["secret"], r)["job"]["id"] for r in receiver.wait_for("/ann", 1)] == [jobs["ann"]]
+    assert [_verified(speech_hook["secret"], r)["job"]["id"] for r in receiver.wait_for("/speech", 1)] == [
+        jobs["cy"]
+    ]
+    # The outbox rows are written with the change: no more than those were recorded.
+    assert len(_deliveries(client, bob, team_hook["id"])) == 2
+    assert len(_deliveries(client, ann, own["id"])) == 1
+    assert len(_deliveries(client, cy, speech_hook["id"])) == 1
+
+    # A member reads the team's deliveries but deletes only what they made; others: not found.
+    assert client.get(f"/v1/webhooks/{own['id']}/deliveries", headers=auth(bob)).status_code == 404
+    r = client.delete(f"/v1/webhooks/{team_hook['id']}", headers=auth(bob))
+    assert r.status_code == 403 and "only they or an admin" in r.json()["message"], r.text
+    assert client.delete(f"/v1/webhooks/{team_hook['id']}", headers=auth(cy)).status_code == 404
+    assert client.delete(f"/v1/webhooks/{speech_hook['id']}", headers=auth(cy)).status_code == 403
+    assert client.delete(f"/v1/webhooks/{team_hook['id']}", headers=auth(ann)).status_code == 200
+    assert client.delete(f"/v1/webhooks/{speech_hook['id']}").status_code == 200  # the admin
+    assert listed(bob) == [] and listed(ann) == [(own["id"], None)]

@@ -25,7 +25,7 @@ from sqlalchemy import func, select, update
 from service.api.app import create_app
 from service.config import Settings
 from service.db.engine import Database
-from service.db.models import Attempt, Job, LogChunk, Metric, Node, Placement
+from service.db.models import Attempt, Job, LogChunk, Metric, Node, Placement, Team
 from service.db.types import utcnow
 from service.schemas.jobs import ScriptJobCreate, TrainJobCreate
 from service.services.leases import LEASE_HEADER
@@ -67,8 +67,10 @@ def start_running_job(
     worker_token: str | None = None,
     name: str = "digits-resnet18",
     parameters: dict[str, Any] | None = None,
+    team: str | None = None,
 ) -> RunningJob:
-    """A ``running`` job of a new user on new nodes of a new worker token, attempt 1 live."""
+    """A ``running`` job of a new user on new nodes of a new worker token, attempt 1 live
+    (of the team named ``team``; of none when it is None)."""
     user_token = user_token or create_token(client, "user")
     worker_token = worker_token or create_token(client, "worker")
     owner = token_id(client, user_token)
@@ -88,8 +90,10 @@ def start_running_job(
     now = utcnow()
     try:
         with db.transaction() as session:
+            team_id = session.scalars(select(Team.id).where(Team.name == team)).one() if team else None
             job = Job(
                 owner_id=owner,
+                team_id=team_id,
                 name=name,
                 status="running",
                 spec=spec,

@@ -15,9 +15,14 @@ class WebhookCalls:
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
 
-    def create_webhook(self, url: str, events: Sequence[str]) -> WebhookCreated:
-        """Subscribe ``url`` to ``events``; the answer holds the signing secret, shown this once."""
-        data = self._transport.json("POST", "/v1/webhooks", json={"url": url, "events": list(events)})
+    def create_webhook(self, url: str, events: Sequence[str], *, team: str | None = None) -> WebhookCreated:
+        """Subscribe ``url`` to ``events`` of your jobs and sweeps (of every job and sweep of
+        ``team``, one of your teams, when given); the answer holds the signing secret, shown
+        this once."""
+        body: dict[str, Any] = {"url": url, "events": list(events)}
+        if team is not None:
+            body["team"] = team
+        data = self._transport.json("POST", "/v1/webhooks", json=body)
         return WebhookCreated.model_validate(data)
 
     def list_webhooks(self) -> list[WebhookPublic]:

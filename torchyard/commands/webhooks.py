@@ -12,12 +12,13 @@ from torchyard.terminal import format_table, format_time
 
 def _webhooks_add(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        hook = client.create_webhook(args.target, args.events)
+        hook = client.create_webhook(args.target, args.events, team=args.team)
     if args.json:
         _print_json(hook)
         return 0
     print(hook.id)
-    _note(f"webhook {hook.id}: {', '.join(hook.events)} to {hook.url}")
+    of = f" of team {hook.team}'s jobs and sweeps" if hook.team else ""
+    _note(f"webhook {hook.id}: {', '.join(hook.events)}{of} to {hook.url}")
     _note(f"signing secret (shown this once; keep it where the receiver can read it): {hook.secret}")
     return 0
 
@@ -28,8 +29,8 @@ def _webhooks_list(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(hooks)
         return 0
-    rows = [(h.id, h.url, ", ".join(h.events), format_time(h.created_at)) for h in hooks]
-    print(format_table(["ID", "URL", "EVENTS", "CREATED"], rows))
+    rows = [(h.id, h.url, ", ".join(h.events), h.team or "", format_time(h.created_at)) for h in hooks]
+    print(format_table(["ID", "URL", "EVENTS", "TEAM", "CREATED"], rows))
     return 0
 
 
@@ -83,8 +84,15 @@ def register(
         metavar="EVENT",
         help=f"an event to deliver (repeat for more): {', '.join(EVENTS)}",
     )
+    add.add_argument(
+        "--team",
+        metavar="TEAM",
+        help="the events of every job and sweep of TEAM (one of yours, not default), whoever submitted it",
+    )
     add.set_defaults(handler=_webhooks_add)
-    ls = verbs.add_parser("list", parents=[common], help="list your webhooks (never their secrets)")
+    ls = verbs.add_parser(
+        "list", parents=[common], help="list your webhooks and your teams' (never their secrets)"
+    )
     ls.set_defaults(handler=_webhooks_list)
     rm = verbs.add_parser("rm", parents=[common], help="delete a webhook: nothing more is sent to it")
     rm.add_argument("id", metavar="ID", help="webhook id")

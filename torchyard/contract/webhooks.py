@@ -99,7 +99,10 @@ class WebhookPublic(BaseModel):
     url: str
     events: list[str] = Field(description="The events delivered to the URL.")
     owner: str = Field(description="Id of the token that subscribed.")
-    team: str | None = Field(default=None, description="The team subscribed (teams: not yet; always null).")
+    team: str | None = Field(
+        default=None,
+        description="The team whose jobs and sweeps it receives (its name); null: its owner's own.",
+    )
     created_at: datetime
 
 

@@ -1,5 +1,6 @@
 """Webhook routes (docs/webhooks.md): subscribe, list, unsubscribe, and a subscription's
-deliveries. Each user sees and deletes only their own subscriptions."""
+deliveries. A user sees their own subscriptions and their teams'; a team's is deleted by
+whoever made it or an admin."""
 
 from __future__ import annotations
 
@@ -20,22 +21,25 @@ router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"], route_class=Session
 def create_webhook(
     body: WebhookCreate, session: SessionDep, settings: SettingsDep, user: CurrentUser
 ) -> WebhookCreated:
-    """Subscribe a URL to events of your jobs and sweeps. 201 with the subscription and its
-    signing ``secret``, shown this once. 422 for a URL that is not http(s) or an unknown
-    event; 409 past 50 subscriptions."""
-    return webhooks_service.create_webhook(session, settings, user, body.url, body.events)
+    """Subscribe a URL to events of your jobs and sweeps, or with ``team`` of every job and
+    sweep of one of your teams. 201 with the subscription and its signing ``secret``, shown
+    this once. 422 for a URL that is not http(s), an unknown event, or a team you are not in
+    (or ``default``, which shares nothing); 409 past 50 subscriptions."""
+    return webhooks_service.create_webhook(session, settings, user, body.url, body.events, body.team)
 
 
 @router.get("")
 def list_webhooks(session: ReadSessionDep, user: CurrentUser) -> WebhookList:
-    """Your subscriptions, oldest first (never their secrets)."""
+    """Your subscriptions and your teams' (``team`` names the team), oldest first (never
+    their secrets)."""
     rows = webhooks_service.list_webhooks(session, user)
-    return WebhookList(items=[webhooks_service.webhook_public(row) for row in rows])
+    return WebhookList(items=webhooks_service.webhooks_public(session, rows))
 
 
 @router.delete("/{webhook_id}")
 def delete_webhook(webhook_id: str, session: SessionDep, user: CurrentUser) -> WebhookPublic:
-    """Unsubscribe: nothing more is sent, pending deliveries included (404: not yours)."""
+    """Unsubscribe: nothing more is sent, pending deliveries included (404: not yours nor
+    your team's; 403: a team's made by another user, which only they or an admin delete)."""
     return webhooks_service.delete_webhook(session, user, webhook_id)
 
 
