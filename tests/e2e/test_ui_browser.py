@@ -689,8 +689,18 @@ def test_a_running_job_live_status_chart_log_and_cancel(
                 r"epoch \d+/200, step \d+/\d+ \(\d+%\), about \d+\S* .*left",
                 page.text_content("#progress") or "",
             )
-            # The jobs list shows how long it has been running.
+            # The jobs list shows how long it has been running, and a progress bar with the time left.
             assert re.fullmatch(r"\d+s|\d+m \d+s", row.locator("td.duration").text_content() or "")
+            row.locator("td.progress progress").wait_for(timeout=30_000)
+            jobs_tab.page.wait_for_selector(
+                f"tr[data-job-id='{job_id}'] td.progress:has-text('left')", timeout=30_000
+            )
+            assert re.fullmatch(r"\d+% \S+.* left", row.locator("td.progress").text_content() or "")
+            # Each rank's system metrics get their own group of charts (sampled every 5 s).
+            page.wait_for_selector("#system-charts #chart-sys-cpu", timeout=60_000)
+            assert page.is_visible("#system-head")
+            for chart in ("sys-rss", "sys-input-wait"):
+                page.wait_for_selector(f"#system-charts #chart-{chart}", timeout=10_000)
 
             # The rank-0 log follows.
             page.wait_for_selector("#log-stream option[value='rank-0']", state="attached")
