@@ -264,7 +264,7 @@ def _run_dir(agent: AgentProcess, job_id: str) -> Path:
 
 
 def _running(job: dict[str, Any]) -> bool:
-    return job["status"] == "running" and (job["progress"] or {}).get("step", 0) >= 1
+    return job["status"] == "running" and ((job["progress"] or {}).get("step") or 0) >= 1
 
 
 def _node_dirs(env: Env, job: dict[str, Any]) -> dict[str, Path]:

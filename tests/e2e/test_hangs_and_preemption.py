@@ -63,7 +63,7 @@ def _agent(setup: Env, name: str, **kw: Any) -> AgentProcess:
 
 
 def _stepping(job: dict[str, Any], step: int = 1) -> bool:
-    return job["status"] == "running" and (job.get("progress") or {}).get("step", 0) >= step
+    return job["status"] == "running" and ((job.get("progress") or {}).get("step") or 0) >= step
 
 
 def test_hang_watchdog_dumps_stacks_and_fails_with_hang_error(env: Env) -> None:

@@ -105,7 +105,7 @@ def test_trains_end_to_end_and_the_model_reproduces_its_validation_top1(env: Env
 
 def _running_with_progress(job: dict[str, Any]) -> bool:
     progress = job.get("progress") or {}
-    return job["status"] == "running" and progress.get("step", 0) >= 1
+    return job["status"] == "running" and (progress.get("step") or 0) >= 1
 
 
 def test_cancel_mid_epoch_stops_every_process(env: Env) -> None:

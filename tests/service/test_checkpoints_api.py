@@ -160,9 +160,8 @@ def test_claim_names_the_checkpoint_and_job_end_deletes_it(
             with db.read_session() as session:
                 left = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job.job_id)).all()
             assert left == []
-            assert (
-                checkpoints.remove_ended_jobs_files(db, checkpoints.CheckpointStore(settings.data_dir)) >= 1
-            )
+            # The API's own upkeep may have removed them already; either way they go.
+            checkpoints.remove_ended_jobs_files(db, checkpoints.CheckpointStore(settings.data_dir))
             assert _files(settings, job.job_id) == []
         finally:
             db.dispose()

@@ -134,6 +134,11 @@ def _written_metrics(run_dir: Path) -> Counter[tuple[str, int, int, int]]:
         event = json.loads(line)
         if event.get("type") == "metric":
             written[(event["name"], event["epoch"], event["step"], event.get("rank", 0))] += 1
+    # Each rank's system metrics (docs/operations.md), written beside the events.
+    for path in sorted(run_dir.glob("sys-rank-*.jsonl")):
+        for line in path.read_text().splitlines():
+            point = json.loads(line)
+            written[(point["name"], point["epoch"], point["step"], point.get("rank", 0))] += 1
     return written
 
 
@@ -166,7 +171,9 @@ def test_a_job_trains_through_a_database_outage_and_an_api_sigkill(
         r = user.post("/v1/jobs", json=spec)
         assert r.status_code == 201, r.text
         job_id = r.json()["id"]
-        wait_for_job(user, job_id, lambda j: (j.get("progress") or {}).get("step", 0) >= 1, agents=[agent])
+        wait_for_job(
+            user, job_id, lambda j: ((j.get("progress") or {}).get("step") or 0) >= 1, agents=[agent]
+        )
         follower = SseFollower([api.url], token, job_id).start()
         poller = Poller(api.url, token, job_id)
         polling = threading.Thread(target=poller.run, daemon=True)

@@ -63,6 +63,9 @@ def prometheus(api: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> Ite
 @pytest.fixture(scope="module")
 def work(api: LiveServer) -> Iterator[dict[str, Any]]:
     """A node of 2 units and two jobs of 2 units each: the first placed, the second queued."""
+    # The counters are the process's (one registry per process, as Prometheus scrapes it), and
+    # this test process may have run other tests' servers before: counts are taken from here.
+    before = _samples(httpx.get(f"{api.url}/metrics", headers=auth(SCRAPE_TOKEN)).text)
     with httpx.Client(base_url=api.url, headers=auth(api.admin_token), timeout=30) as client:
         register_node(client, create_token(client, "worker"), "metrics-node", units=2)
         me = token_id(client, api.admin_token)
@@ -74,7 +77,23 @@ def work(api: LiveServer) -> Iterator[dict[str, Any]]:
         assert first.status_code == 201 and second.status_code == 201, (first.text, second.text)
         job_id = first.json()["id"]
         assert client.get(f"/v1/jobs/{job_id}").status_code == 200
-        yield {"client": client, "job_id": job_id}
+        yield {"client": client, "job_id": job_id, "before": before}
+
+
+def _samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def _base(work: dict[str, Any], name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` with ``labels`` before the module's work."""
+    wanted = set(labels.items())
+    return sum(v for (n, ls), v in work["before"].items() if n == name and wanted <= ls)
 
 
 def _value(result: list[dict[str, Any]]) -> float:
@@ -92,7 +111,8 @@ def test_prometheus_scrapes_jobs_nodes_units_and_queue_wait(
     assert _value(prometheus.wait_for('torchyard_units{pool="default",state="used"} == 2')) == 2
     assert _value(prometheus.query('torchyard_units{pool="default",state="free"}')) == 0
     # The placed job's wait, observed once its placement committed.
-    assert _value(prometheus.wait_for("torchyard_queue_wait_seconds_count >= 1")) == 1
+    waits = _base(work, "torchyard_queue_wait_seconds_count")
+    assert _value(prometheus.wait_for(f"torchyard_queue_wait_seconds_count >= {waits + 1}")) == waits + 1
     assert _value(prometheus.wait_for("torchyard_scheduling_pass_seconds_count > 0")) > 0
     assert _value(prometheus.wait_for("torchyard_upkeep_pass_seconds_count > 0")) > 0
     assert _value(prometheus.wait_for('torchyard_node_heartbeat_lag_seconds_bucket{le="+Inf"} == 1')) == 1
@@ -106,7 +126,10 @@ def test_request_latency_is_labelled_by_route_template(prometheus: Prometheus, w
     submitted = prometheus.wait_for(
         'torchyard_http_request_duration_seconds_count{route="/v1/jobs",method="POST",status="201"}'
     )
-    assert _value(submitted) == 2
+    base = _base(
+        work, "torchyard_http_request_duration_seconds_count", route="/v1/jobs", method="POST", status="201"
+    )
+    assert _value(submitted) == base + 2
     read = prometheus.wait_for('torchyard_http_request_duration_seconds_count{route="/v1/jobs/{job_id}"}')
     assert read[0]["metric"]["status"] == "200"
     # Never the raw path: no series names the job's id.
@@ -148,9 +171,10 @@ def test_attempts_ended_are_counted_by_outcome(prometheus: Prometheus, work: dic
     client: httpx.Client = work["client"]
     r = client.post(f"/v1/jobs/{work['job_id']}/cancel")
     assert r.status_code == 200, r.text
-    ended = prometheus.wait_for('torchyard_attempts_ended_total{outcome="cancelled"}')
+    base = _base(work, "torchyard_attempts_ended_total", outcome="cancelled")
+    ended = prometheus.wait_for(f'torchyard_attempts_ended_total{{outcome="cancelled"}} >= {base + 1}')
     assert ended[0]["metric"]["failure_code"] == "none"
-    assert _value(ended) == 1
+    assert _value(ended) == base + 1
 
 
 def test_the_dashboard_and_the_docs_name_the_metrics_served(
