@@ -6,9 +6,9 @@ the answer: a new job's id) and which fields of the request are worth keeping. I
 place to extend when a route is added; ``tests/service/test_audit.py`` fails for a writing
 route that is in neither :data:`AUDITED` nor :data:`NOT_AUDITED`.
 
-:class:`AuditMiddleware` records after the answer's status is known (so a refused request
-is recorded with its 4xx too), in a short transaction of its own, before the answer's last
-byte is passed on. The routes of the worker protocol (``/v1/worker/...``: registrations,
+:class:`AuditMiddleware` records once the route is done with the request (so a refused
+request is recorded with its 4xx too), in a short transaction of its own, after the route's
+own sessions are closed. The routes of the worker protocol (``/v1/worker/...``: registrations,
 heartbeats, claims, reports, uploads by agents) are not recorded: they are no one's change,
 and what they do to a job is in the job's history.
 """
@@ -267,13 +267,14 @@ class AuditMiddleware:
                 reply.wanted = _is_json(headers.get(b"content-type", b"").decode("latin-1"))
             elif message["type"] == "http.response.body":
                 reply.add(message.get("body", b""))
-                if not message.get("more_body", False):
-                    await write()  # before the answer's last byte: the event is in the trail
             await send(message)
 
         try:
             await self.app(scope, receive_body, send_recorded)
         finally:
+            # Once the route is done with its own sessions: on SQLite a write transaction the
+            # route still held (an async route's session closes after its answer) would make
+            # this one wait on the database's lock.
             await write()
 
     async def _record(self, scope: Scope, status: int, body: Json, reply: Json) -> None:
