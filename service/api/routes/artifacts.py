@@ -95,17 +95,16 @@ def plan_model_upload(
     store = ModelStore.of(settings)
     if not store.storage.direct:
         return direct_uploads.api_plan(f"/v1/worker/jobs/{job_id}/model")
-    return direct_uploads.plan_upload(
+    return direct_uploads.plan_job_upload(
         session,
         store.storage,
         settings,
         body,
-        kind=_KIND,
+        artifact=_KIND,
         owner_id=worker.id,
         job_id=job_id,
         details={"node_rank": 0},
         key_for=lambda upload_id: store.upload_key(job_id, upload_id),
-        complete_url=lambda upload_id: f"/v1/worker/jobs/{job_id}/model/upload/{upload_id}",
         limit=settings.model_max_bytes,
         what="the model archive",
     )

@@ -172,17 +172,16 @@ def plan_checkpoint_upload(
     store = CheckpointStore.of(settings)
     if not store.storage.direct:
         return direct_uploads.api_plan(f"/v1/worker/jobs/{job_id}/checkpoint")
-    return direct_uploads.plan_upload(
+    return direct_uploads.plan_job_upload(
         session,
         store.storage,
         settings,
         body,
-        kind=_KIND,
+        artifact=_KIND,
         owner_id=worker.id,
         job_id=job_id,
         details={"epoch": epoch_value, "step": step_value},
         key_for=lambda upload_id: store.key(job_id, upload_id),
-        complete_url=lambda upload_id: f"/v1/worker/jobs/{job_id}/checkpoint/upload/{upload_id}",
         limit=settings.checkpoint_max_bytes,
         what="the checkpoint",
     )
