@@ -444,6 +444,18 @@ class Reconciler:
                     attempt.preempt_requested_at = utcnow()
                 _close(session, placements)
                 finish_preemption(session, job, attempt)
+            elif state.ending is Ending.NODE_LOST and all(p.status == PlacementStatus.ASSIGNED for p in placements):
+                # A node failed before any launcher took up its ranks (the engine placed the
+                # job on a node it had not yet seen go): nothing ran, so this is neither the
+                # job's failure nor a restart. It waits again; the engine knows the node is down.
+                _close(session, placements)
+                _release(
+                    session,
+                    job,
+                    attempt,
+                    f"{display} job {state.id} lost a node before its launcher started "
+                    f"({state.state}{': ' + state.reason if state.reason else ''})",
+                )
             elif open_ids and any(p.status != PlacementStatus.ASSIGNED for p in placements):
                 nodes = {p.id: session.get_one(Node, p.node_id).name for p in placements}
                 messages = {

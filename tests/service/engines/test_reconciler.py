@@ -363,6 +363,44 @@ def test_an_ended_engine_job_whose_launchers_did_not_report_loses_its_placements
     assert job.requeue_reason.startswith(f"restarting after WorkerLostError on node {lost}")
 
 
+@pytest.mark.parametrize("bound", [True, False], ids=["ranks-bound", "not-bound"])
+def test_a_node_lost_before_any_launcher_started_requeues_the_job_without_a_restart(
+    db: Database, settings: Settings, driver: ScriptedDriver, bound: bool
+) -> None:
+    """The engine placed the attempt on a node it had not yet seen go down, and then ended
+    the engine job ``NODE_FAIL``: nothing ran, so the job waits again, neither failed
+    (``EngineError``) nor restarted."""
+    job_id, reconciler = submitted_job(db, settings, driver)
+    if bound:
+        bind(db, job_id, status=PlacementStatus.ASSIGNED)
+    end(driver, "E1", Ending.NODE_LOST, "NODE_FAIL", "NodeDown")
+    reconciler.run_pass(db, settings)
+    job = job_row(db, job_id)
+    assert job.failure_code is None and job.restarts == 0
+    reason = "Testcluster job E1 lost a node before its launcher started (NODE_FAIL: NodeDown)"
+    assert job.requeue_reason == reason
+    first = attempts(db, job_id)[0]
+    assert first.status == AttemptStatus.PREEMPTED and first.failure_message == f"released: {reason}"
+    with db.read_session() as s:
+        assert set(s.scalars(select(Placement.status).where(Placement.job_id == job_id))) <= {
+            PlacementStatus.DONE
+        }
+    # The job is handed over again as a new attempt.
+    reconciler.run_pass(db, settings)
+    assert len(driver.submitted) == 2 and len(attempts(db, job_id)) == 2
+
+
+def test_a_failed_engine_job_with_ranks_bound_but_never_taken_up_is_engine_error(
+    db: Database, settings: Settings, driver: ScriptedDriver
+) -> None:
+    job_id, reconciler = submitted_job(db, settings, driver)
+    bind(db, job_id, status=PlacementStatus.ASSIGNED)
+    end(driver, "E1", Ending.FAILED, "FAILED", "NonZeroExitCode")
+    reconciler.run_pass(db, settings)
+    job = job_row(db, job_id)
+    assert job.status == JobStatus.FAILED and job.failure_code == "EngineError" and job.restarts == 0
+
+
 def test_an_unschedulable_gang_released_by_the_engine_waits_in_the_queue_with_its_reason(
     db: Database, settings: Settings, driver: ScriptedDriver
 ) -> None:
