@@ -24,8 +24,7 @@ from collections.abc import Callable
 
 from service.config import Settings
 from service.engines.agents import AgentsDriver
-from service.engines.base import Capabilities, Driver
-from service.engines.kubernetes import KUBERNETES_CAPABILITIES
+from service.engines.base import KUBERNETES_CAPABILITIES, Capabilities, Driver
 from service.engines.slurm import SLURM_CAPABILITIES, SlurmDriver
 from service.states import EngineName
 
@@ -59,4 +58,12 @@ def _kubernetes(settings: Settings) -> Driver:
     return KubernetesDriver(settings)
 
 
-__all__ = ["CAPABILITIES", "AgentsDriver", "Capabilities", "Driver", "capabilities_of", "make_driver"]
+__all__ = [
+    "CAPABILITIES",
+    "KUBERNETES_CAPABILITIES",
+    "AgentsDriver",
+    "Capabilities",
+    "Driver",
+    "capabilities_of",
+    "make_driver",
+]

@@ -40,6 +40,7 @@ from urllib3.exceptions import HTTPError
 from service.config import Settings
 from service.engines import kubernetes_objects as k8s
 from service.engines.base import (
+    KUBERNETES_CAPABILITIES,
     Capabilities,
     Ending,
     EngineJobState,
@@ -55,11 +56,6 @@ from torchyard.contract.states import NodeStatus
 
 log = logging.getLogger(__name__)
 
-# Kubernetes schedules; its nodes are read from the API; pods' states say how an attempt
-# ended; the engine says which node each rank's pod is on (the reconciler binds them).
-KUBERNETES_CAPABILITIES = Capabilities(
-    schedules=True, nodes_heartbeat=False, reports_ends=True, binds_ranks=True
-)
 LOG_TAIL_LINES = 40
 # What the engine's role must be allowed (docs/kubernetes.md; deploy/kubernetes/engine-rbac.yaml).
 NEEDED = (

