@@ -444,7 +444,9 @@ class Reconciler:
                     attempt.preempt_requested_at = utcnow()
                 _close(session, placements)
                 finish_preemption(session, job, attempt)
-            elif state.ending is Ending.NODE_LOST and all(p.status == PlacementStatus.ASSIGNED for p in placements):
+            elif state.ending is Ending.NODE_LOST and all(
+                p.status == PlacementStatus.ASSIGNED for p in placements
+            ):
                 # A node failed before any launcher took up its ranks (the engine placed the
                 # job on a node it had not yet seen go): nothing ran, so this is neither the
                 # job's failure nor a restart. It waits again; the engine knows the node is down.

@@ -24,7 +24,9 @@ from tests.support.worker_fixtures import (
     worker_token,
 )
 
-LEASE_TIMEOUT_S = 3.0
+# Heartbeats every 0.5 s: a lease of 6 s outlasts the stalls of a machine whose every core is
+# busy (at 3 s a hang test's agent was once taken for lost with its ranks stopped, not lost).
+LEASE_TIMEOUT_S = 6.0
 
 
 @dataclass
@@ -73,7 +75,7 @@ class Env:
 
 @pytest.fixture
 def env(make_settings: Any, tmp_path: Path) -> Iterator[Env]:
-    """A live API (heartbeat 0.5 s, lease 3 s), a user, a worker token and the digits uploaded;
+    """A live API (heartbeat 0.5 s, lease 6 s), a user, a worker token and the digits uploaded;
     ``env.agent(name)`` starts an agent and waits for its node."""
     live_server = LiveServer(
         make_settings(**fast_leases(lease_s=LEASE_TIMEOUT_S, ports=(31000, 31999)))

@@ -1,7 +1,7 @@
 """End to end with real processes: uvicorn + ``torchyard worker`` agents + torchrun + the trainer.
 
 Digits (scikit-learn's bundled scans as PNG folders) uploaded through the API, resnet18
-at 32 px on CPU with gloo. Short settings (heartbeat 0.5 s, lease 3 s) keep the failure
+at 32 px on CPU with gloo. Short settings (heartbeat 0.5 s, lease 6 s) keep the failure
 cases quick.
 """
 
