@@ -14,6 +14,10 @@ TEST_TMP ?= $(shell if [ -d /dev/shm ] && [ -w /dev/shm ] \
 	&& [ "$$(df -Pk /dev/shm | awk 'NR==2 {print $$4}')" -ge 6291456 ]; then \
 	echo /dev/shm/torchyard-tests-$$(id -u)-$$(printf %s "$(CURDIR)" | cksum | cut -d' ' -f1); fi)
 
+# The modules that mark tests `serial` (tests/README.md): the serial part collects only them,
+# not the whole suite again (about 10 s).
+SERIAL_MODULES := $(shell grep -rl --include='test_*.py' 'pytest.mark.serial' tests)
+
 .PHONY: demo test lint
 
 $(BIN)/.installed: pyproject.toml
@@ -37,7 +41,7 @@ test: lint
 	$(BIN)/python -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		-m "not serial" $(if $(TEST_TMP),--basetemp=$(TEST_TMP)/parallel); rc=$$?; \
 	echo "parallel part: $$(( $$(date +%s) - start )) s"; \
-	$(BIN)/python -m pytest -q -ra --durations=10 -p no:xdist -m serial \
+	$(BIN)/python -m pytest -q -ra --durations=10 -p no:xdist -m serial $(SERIAL_MODULES) \
 		$(if $(TEST_TMP),--basetemp=$(TEST_TMP)/serial); rc2=$$?; \
 	echo "test suite wall time: $$(( $$(date +%s) - start )) s"; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; \

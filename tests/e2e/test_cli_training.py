@@ -15,7 +15,9 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from tests.conftest import free_port
@@ -81,16 +83,33 @@ class Serve:
     def tail(self) -> str:
         return "--- serve log ---\n" + "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
 
+    def get(self, path: str) -> Any:
+        """``GET path`` as the admin over HTTP (the waits poll with this, not with a CLI
+        process a time: the commands under test are run by :meth:`cli`); None while
+        ``serve`` does not answer."""
+        token = self.data_dir / "admin.token"
+        if not token.is_file():
+            return None
+        try:
+            r = httpx.get(
+                f"http://127.0.0.1:{self.port}{path}",
+                headers={"Authorization": f"Bearer {token.read_text().strip()}"},
+                timeout=30,
+            )
+        except httpx.TransportError:
+            return None
+        return r.json() if r.status_code == 200 else None
+
     def wait_ready(self, timeout: float = 120) -> dict[str, object]:
         deadline = time.monotonic() + timeout
         while True:
             assert self.process.poll() is None, self.tail()
-            r = self.cli("cluster", "--json", timeout=60)
-            if r.returncode == 0:
-                cluster: dict[str, object] = json.loads(r.stdout)
-                if cluster["ready_nodes"] == 1:
-                    return cluster
-            assert time.monotonic() < deadline, f"not ready: {r.stderr}\n{self.tail()}"
+            cluster = self.get("/v1/cluster")
+            if cluster is not None and cluster["ready_nodes"] == 1:
+                # The CLI sees the same.
+                shown: dict[str, object] = json.loads(self.ok("cluster", "--json", timeout=60))
+                return shown
+            assert time.monotonic() < deadline, f"not ready: {cluster}\n{self.tail()}"
             time.sleep(0.5)
 
     def kill_and_restart(self) -> None:
@@ -199,7 +218,7 @@ def test_a_quick_restart_of_serve_while_a_job_runs_loses_neither_the_node_nor_th
         "--name", "quick-restart",
     ).strip()  # fmt: skip
     deadline = time.monotonic() + 300
-    while json.loads(serve.ok("show", job_id, "--json"))["status"] != "running":
+    while (serve.get(f"/v1/jobs/{job_id}") or {}).get("status") != "running":
         assert time.monotonic() < deadline, serve.tail()
         time.sleep(0.5)
     old_workers = [  # serve's worker agent, its child
@@ -212,12 +231,12 @@ def test_a_quick_restart_of_serve_while_a_job_runs_loses_neither_the_node_nor_th
     serve.kill_and_restart()
     deadline = time.monotonic() + 600
     while True:
-        shown = serve.cli("show", job_id, "--json")  # refused while the new serve starts
-        job = json.loads(shown.stdout) if shown.returncode == 0 else {"status": "unknown"}
+        job = serve.get(f"/v1/jobs/{job_id}") or {"status": "unknown"}  # none while serve starts
         if job["status"] in ("succeeded", "failed", "cancelled"):
             break
         assert time.monotonic() < deadline, serve.tail()
         time.sleep(1)
+    job = json.loads(serve.ok("show", job_id, "--json"))
     assert job["status"] == "succeeded", (job, serve.tail())
     assert job["restarts"] == 0 and len(job["attempts"]) >= 2, json.dumps(job["attempts"])
     # The old worker has finished stopping; the node is the new worker's, which holds its lock.
