@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -62,6 +63,9 @@ class Due:
     event: str
     body: str
     secret: str
+    # The subscription and the job it is about: one such pair's deliveries go one at a time,
+    # in the order they happened.
+    key: tuple[str, str] = ("", "")
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,7 @@ def claim_due(db: Database, settings: Settings, limit: int = BATCH) -> list[Due]
             select(WebhookDelivery, Webhook)
             .join(Webhook, Webhook.id == WebhookDelivery.webhook_id)
             .where(WebhookDelivery.status == "pending", WebhookDelivery.next_attempt_at <= now)
-            .order_by(WebhookDelivery.next_attempt_at)
+            .order_by(WebhookDelivery.next_attempt_at, WebhookDelivery.created_at, WebhookDelivery.id)
             .limit(limit)
             .with_for_update(skip_locked=True, of=WebhookDelivery)
         ).all()
@@ -95,7 +99,16 @@ def claim_due(db: Database, settings: Settings, limit: int = BATCH) -> list[Due]
                 log.error("webhook %s: %s", hook.id, exc.message)
                 continue
             delivery.next_attempt_at = hold
-            claimed.append(Due(delivery.id, hook.url, delivery.event, delivery.body, secret))
+            claimed.append(
+                Due(
+                    delivery.id,
+                    hook.url,
+                    delivery.event,
+                    delivery.body,
+                    secret,
+                    (hook.id, _job_of(delivery.body)),
+                )
+            )
     return claimed
 
 
@@ -197,10 +210,28 @@ async def deliver_round(db: Database, settings: Settings, sender: _Sender) -> in
     if not batch:
         return 0
     http = sender.client()
-    outcomes = await asyncio.gather(*(send(http, due, settings.webhook_timeout_s) for due in batch))
-    for due, outcome in zip(batch, outcomes, strict=True):
-        await run_in_threadpool(record, db, settings, due, outcome)
+    # Different jobs (and subscriptions) at once; one job's events to one subscription in
+    # order: a receiver sees ``job.started`` before ``job.succeeded``.
+    queues: dict[tuple[str, str], list[Due]] = {}
+    for due in batch:
+        queues.setdefault(due.key, []).append(due)
+
+    async def in_order(queue: list[Due]) -> None:
+        for due in queue:
+            outcome = await send(http, due, settings.webhook_timeout_s)
+            await run_in_threadpool(record, db, settings, due, outcome)
+
+    await asyncio.gather(*(in_order(queue) for queue in queues.values()))
     return len(batch)
+
+
+def _job_of(body: str) -> str:
+    """The id of the job a delivery's body is about ("" for another event)."""
+    try:
+        job = json.loads(body).get("job")
+    except (ValueError, AttributeError):
+        return ""
+    return str(job.get("id", "")) if isinstance(job, dict) else ""
 
 
 async def run_deliveries(db: Database, settings: Settings, stop: asyncio.Event) -> None:
