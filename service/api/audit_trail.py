@@ -245,19 +245,12 @@ class AuditMiddleware:
         request = _Capture(_is_json(_header(scope, b"content-type")))
         reply = _Capture(False)
         status = 500
-        recorded = False
 
         async def receive_body() -> Message:
             message = await receive()
             if message["type"] == "http.request":
                 request.add(message.get("body", b""))
             return message
-
-        async def write() -> None:
-            nonlocal recorded
-            if not recorded:
-                recorded = True
-                await self._record(scope, status, request.json(), reply.json())
 
         async def send_recorded(message: Message) -> None:
             nonlocal status
@@ -275,7 +268,7 @@ class AuditMiddleware:
             # Once the route is done with its own sessions: on SQLite a write transaction the
             # route still held (an async route's session closes after its answer) would make
             # this one wait on the database's lock.
-            await write()
+            await self._record(scope, status, request.json(), reply.json())
 
     async def _record(self, scope: Scope, status: int, body: Json, reply: Json) -> None:
         route = scope.get("route")

@@ -58,12 +58,4 @@ def _kubernetes(settings: Settings) -> Driver:
     return KubernetesDriver(settings)
 
 
-__all__ = [
-    "CAPABILITIES",
-    "KUBERNETES_CAPABILITIES",
-    "AgentsDriver",
-    "Capabilities",
-    "Driver",
-    "capabilities_of",
-    "make_driver",
-]
+__all__ = ["CAPABILITIES", "AgentsDriver", "Capabilities", "Driver", "capabilities_of", "make_driver"]

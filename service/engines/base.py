@@ -59,8 +59,8 @@ class Capabilities:
 
 # Kubernetes schedules; its nodes are read from the API; pods' states say how an attempt
 # ended; the engine says which node each rank's pod is on (the reconciler binds them).
-# Declared with the port, not in service.engines.kubernetes: that module loads the kubernetes client
-# (about a second), which only a replica running that engine needs.
+# Declared with the port, not in service.engines.kubernetes: that module loads the
+# kubernetes client, which only a replica running that engine needs.
 KUBERNETES_CAPABILITIES = Capabilities(
     schedules=True, nodes_heartbeat=False, reports_ends=True, binds_ranks=True
 )

@@ -171,36 +171,10 @@ def plan_upload(
     )
 
 
-def plan_job_upload(
-    session: Session,
-    storage: ObjectStorage,
-    settings: Settings,
-    request: UploadRequest,
-    *,
-    artifact: str,
-    owner_id: str,
-    job_id: str,
-    details: dict[str, Any],
-    key_for: Callable[[str], str],
-    limit: int,
-    what: str,
-) -> UploadPlan:
-    """:func:`plan_upload` of a worker's job artifact (``artifact``: ``checkpoint``, ``model``
-    or ``outputs``), completed at ``/v1/worker/jobs/{id}/<artifact>/upload/{upload id}``."""
-    return plan_upload(
-        session,
-        storage,
-        settings,
-        request,
-        kind=artifact,
-        owner_id=owner_id,
-        job_id=job_id,
-        details=details,
-        key_for=key_for,
-        complete_url=lambda upload_id: f"/v1/worker/jobs/{job_id}/{artifact}/upload/{upload_id}",
-        limit=limit,
-        what=what,
-    )
+def job_upload_url(job_id: str, artifact: str) -> Callable[[str], str]:
+    """Where a worker completes a direct upload of a job's ``artifact`` (``checkpoint``,
+    ``model`` or ``outputs``): the ``complete_url`` of :func:`plan_upload`."""
+    return lambda upload_id: f"/v1/worker/jobs/{job_id}/{artifact}/upload/{upload_id}"
 
 
 def find_upload(session: Session, upload_id: str, *, kind: str, owners: Collection[str]) -> ObjectUpload:

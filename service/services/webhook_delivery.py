@@ -65,7 +65,7 @@ class Due:
     secret: str
     # The subscription and the job it is about: one such pair's deliveries go one at a time,
     # in the order they happened.
-    key: tuple[str, str] = ("", "")
+    key: tuple[str, str]
 
 
 @dataclass(frozen=True)

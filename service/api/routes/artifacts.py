@@ -95,16 +95,17 @@ def plan_model_upload(
     store = ModelStore.of(settings)
     if not store.storage.direct:
         return direct_uploads.api_plan(f"/v1/worker/jobs/{job_id}/model")
-    return direct_uploads.plan_job_upload(
+    return direct_uploads.plan_upload(
         session,
         store.storage,
         settings,
         body,
-        artifact=_KIND,
+        kind=_KIND,
         owner_id=worker.id,
         job_id=job_id,
         details={"node_rank": 0},
         key_for=lambda upload_id: store.upload_key(job_id, upload_id),
+        complete_url=direct_uploads.job_upload_url(job_id, _KIND),
         limit=settings.model_max_bytes,
         what="the model archive",
     )

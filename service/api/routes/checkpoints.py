@@ -172,16 +172,17 @@ def plan_checkpoint_upload(
     store = CheckpointStore.of(settings)
     if not store.storage.direct:
         return direct_uploads.api_plan(f"/v1/worker/jobs/{job_id}/checkpoint")
-    return direct_uploads.plan_job_upload(
+    return direct_uploads.plan_upload(
         session,
         store.storage,
         settings,
         body,
-        artifact=_KIND,
+        kind=_KIND,
         owner_id=worker.id,
         job_id=job_id,
         details={"epoch": epoch_value, "step": step_value},
         key_for=lambda upload_id: store.key(job_id, upload_id),
+        complete_url=direct_uploads.job_upload_url(job_id, _KIND),
         limit=settings.checkpoint_max_bytes,
         what="the checkpoint",
     )

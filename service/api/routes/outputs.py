@@ -100,16 +100,17 @@ def plan_outputs_upload(
     store = OutputsStore.of(settings)
     if not outputs.takes_direct_upload(session, store, job_id):
         return direct_uploads.api_plan(f"/v1/worker/jobs/{job_id}/outputs")
-    return direct_uploads.plan_job_upload(
+    return direct_uploads.plan_upload(
         session,
         store.storage,
         settings,
         body,
-        artifact=_KIND,
+        kind=_KIND,
         owner_id=worker.id,
         job_id=job_id,
         details={"node_rank": 0},
         key_for=lambda upload_id: store.upload_key(job_id, upload_id),
+        complete_url=direct_uploads.job_upload_url(job_id, _KIND),
         limit=settings.max_outputs_bytes,
         what="the outputs archive",
     )
