@@ -1,5 +1,8 @@
 """Restarts with real processes: uvicorn + ``torchyard worker`` agents + torchrun + the trainer,
-on SQLite and PostgreSQL.
+the lost agent on SQLite (the embedded default), the frozen one on PostgreSQL (a server's
+row locks under the writes of two attempts). The restart protocol itself runs on both
+databases in tests/e2e/test_restarts.py and tests/service/test_scheduler_leases.py, with
+simulated agents: here each case runs once, for what only real processes show.
 
 An agent SIGKILLed mid-job loses its attempt (``WorkerLostError``); the job goes back to
 the queue and a second agent runs attempt 2 to success. An agent frozen (SIGSTOP) past the
@@ -31,6 +34,7 @@ from tests.support.worker_fixtures import (
     AgentProcess,
     processes_mentioning,
     start_agent,
+    torchrun_and_rank_up,
     upload_digits,
     user_client,
     wait_for_job,
@@ -39,8 +43,7 @@ from tests.support.worker_fixtures import (
     worker_token,
 )
 
-# The database makes a difference here: every test runs on SQLite and on PostgreSQL.
-pytestmark = [pytest.mark.slow, pytest.mark.both_databases]
+pytestmark = pytest.mark.slow
 
 LEASE_TIMEOUT_S = 10.0  # generous: a busy machine must not lose the surviving agent
 PARAMETERS = {
@@ -124,14 +127,15 @@ def _ranks_started(directory: Path, agent: AgentProcess) -> list[int]:
     minute while other tests trained beside it.
     """
     deadline = time.monotonic() + 180
-    while len(processes_mentioning(str(directory))) < 2 and time.monotonic() < deadline:
+    while not torchrun_and_rank_up(directory) and time.monotonic() < deadline:
         time.sleep(0.2)
     found = processes_mentioning(str(directory))
     logs = "\n".join(p.read_text(errors="replace")[-2000:] for p in directory.rglob("*.log"))
-    assert len(found) >= 2, f"{found}\n{agent.log_text()[-3000:]}\n{logs}"
+    assert torchrun_and_rank_up(directory), f"{found}\n{agent.log_text()[-3000:]}\n{logs}"
     return [pid for pid, _ in found]
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_a_sigkilled_agent_restarts_the_job_on_another_agent(env: Env) -> None:
     first = env.agent("node-a")
     job_id = env.submit(epochs=3)  # still training while node-b registers, on a busy machine too
@@ -155,6 +159,7 @@ def test_a_sigkilled_agent_restarts_the_job_on_another_agent(env: Env) -> None:
     assert [(p["epoch"], p["attempt"]) for p in val] == [(1, 2), (2, 2), (3, 2)]
 
 
+@pytest.mark.parametrize("db_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
 def test_a_frozen_agent_that_comes_back_is_fenced_off(env: Env, settings: Settings) -> None:
     frozen = env.agent("node-a")
     job_id = env.submit(epochs=3)

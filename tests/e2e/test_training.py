@@ -17,7 +17,12 @@ import pytest
 import torch
 
 from tests.e2e.conftest import LEASE_TIMEOUT_S, Env, run_dir
-from tests.support.worker_fixtures import agent_log_of, processes_mentioning, wait_until_gone
+from tests.support.worker_fixtures import (
+    agent_log_of,
+    processes_mentioning,
+    torchrun_and_rank_up,
+    wait_until_gone,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -168,9 +173,9 @@ def test_sigkill_of_the_agent_fails_the_job_with_worker_lost(env: Env) -> None:
     directory = run_dir(agent, job_id)
     # torchrun and its rank are up (the rank may still be importing torch).
     deadline = time.monotonic() + 60
-    while len(processes_mentioning(str(directory))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert len(processes_mentioning(str(directory))) >= 2
+    while not torchrun_and_rank_up(directory) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert torchrun_and_rank_up(directory), processes_mentioning(str(directory))
     killed = time.monotonic()
     agent.kill()
     job = env.wait(job_id, timeout=30)

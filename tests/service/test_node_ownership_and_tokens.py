@@ -395,7 +395,11 @@ def test_simultaneous_requests_write_last_used_once(live_server: LiveServer, adm
         with ThreadPoolExecutor(16) as pool:
             codes = list(
                 pool.map(
-                    lambda _: httpx.get(f"{live_server.url}/v1/jobs", headers=auth(plain)).status_code,
+                    # 32 requests on a machine whose every core is busy take more than httpx's
+                    # 5 s default: this counts writes, it does not time the API.
+                    lambda _: (
+                        httpx.get(f"{live_server.url}/v1/jobs", headers=auth(plain), timeout=60).status_code
+                    ),
                     range(32),
                 )
             )

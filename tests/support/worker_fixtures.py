@@ -185,13 +185,32 @@ def start_agent(
     return AgentProcess(name, work_dir, log_path, process, log)
 
 
+class Backoff:
+    """The pauses of a poll: 0.1 s at first, then half as long again each time, up to 0.5 s.
+
+    The waits of the end-to-end tests poll the API (a job's GET is about 10 ms of CPU for
+    the client and the server) or scan ``/proc`` for minutes while the machine's cores run
+    the jobs; polling every 0.1 s throughout spent a tenth of a core per waiting test. What
+    they wait for lasts longer than 0.5 s (a job's state, a process gone), so a change is
+    still seen within half a second."""
+
+    def __init__(self, first: float = 0.1, longest: float = 0.5) -> None:
+        self.pause = first
+        self.longest = longest
+
+    def sleep(self) -> None:
+        time.sleep(self.pause)
+        self.pause = min(self.pause * 1.5, self.longest)
+
+
 def wait_for_node(client: httpx.Client, name: str, timeout: float = 60) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
+    backoff = Backoff()
     while time.monotonic() < deadline:
         nodes = {n["name"]: n for n in client.get("/v1/cluster").json()["nodes"]}
         if name in nodes and nodes[name]["status"] == "ready":
             return nodes[name]
-        time.sleep(0.1)
+        backoff.sleep()
     raise AssertionError(f"node {name} did not register within {timeout} s")
 
 
@@ -204,6 +223,7 @@ def wait_for_job(
     agents: Iterable[AgentProcess] = (),
 ) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
+    backoff = Backoff()
     while True:
         try:
             r = client.get(f"/v1/jobs/{job_id}")
@@ -220,7 +240,7 @@ def wait_for_job(
         if time.monotonic() > deadline:
             logs = "\n".join(f"--- agent {a.name} ---\n{a.log_text()[-6000:]}" for a in agents)
             raise AssertionError(f"job {job_id} is {job['status']} after {timeout} s: {job}\n{logs}")
-        time.sleep(0.1)
+        backoff.sleep()
 
 
 def worker_token(admin: httpx.Client, name: str = "agents") -> str:
@@ -266,11 +286,22 @@ def processes_mentioning(text: str) -> list[tuple[int, str]]:
     return found
 
 
+def torchrun_and_rank_up(directory: Path) -> bool:
+    """Whether torchrun and a rank of the run in ``directory`` are both running. (Not merely
+    two processes of the run: a sandboxed run's two bwrap processes come first, and bwrap's
+    monitor killed before its child has asked to die with it leaves that child running.)"""
+    commands = [command for _, command in processes_mentioning(str(directory))]
+    return any("torch.distributed.run" in c for c in commands) and any(
+        "worker.trainer" in c for c in commands
+    )
+
+
 def wait_until_gone(text: str, timeout: float = 20) -> list[tuple[int, str]]:
     deadline = time.monotonic() + timeout
     left = processes_mentioning(text)
+    backoff = Backoff()
     while left and time.monotonic() < deadline:
-        time.sleep(0.1)
+        backoff.sleep()
         left = processes_mentioning(text)
     return left
 
