@@ -127,11 +127,11 @@ def _ranks_started(directory: Path, agent: AgentProcess) -> list[int]:
     minute while other tests trained beside it.
     """
     deadline = time.monotonic() + 180
-    while not torchrun_and_rank_up(directory) and time.monotonic() < deadline:
+    while not torchrun_and_rank_up(found := processes_mentioning(str(directory))):
+        if time.monotonic() >= deadline:
+            logs = "\n".join(p.read_text(errors="replace")[-2000:] for p in directory.rglob("*.log"))
+            raise AssertionError(f"{found}\n{agent.log_text()[-3000:]}\n{logs}")
         time.sleep(0.2)
-    found = processes_mentioning(str(directory))
-    logs = "\n".join(p.read_text(errors="replace")[-2000:] for p in directory.rglob("*.log"))
-    assert torchrun_and_rank_up(directory), f"{found}\n{agent.log_text()[-3000:]}\n{logs}"
     return [pid for pid, _ in found]
 
 

@@ -173,9 +173,9 @@ def test_sigkill_of_the_agent_fails_the_job_with_worker_lost(env: Env) -> None:
     directory = run_dir(agent, job_id)
     # torchrun and its rank are up (the rank may still be importing torch).
     deadline = time.monotonic() + 60
-    while not torchrun_and_rank_up(directory) and time.monotonic() < deadline:
+    while not torchrun_and_rank_up(found := processes_mentioning(str(directory))):
+        assert time.monotonic() < deadline, found
         time.sleep(0.2)
-    assert torchrun_and_rank_up(directory), processes_mentioning(str(directory))
     killed = time.monotonic()
     agent.kill()
     job = env.wait(job_id, timeout=30)

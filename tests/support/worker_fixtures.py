@@ -286,11 +286,12 @@ def processes_mentioning(text: str) -> list[tuple[int, str]]:
     return found
 
 
-def torchrun_and_rank_up(directory: Path) -> bool:
-    """Whether torchrun and a rank of the run in ``directory`` are both running. (Not merely
-    two processes of the run: a sandboxed run's two bwrap processes come first, and bwrap's
-    monitor killed before its child has asked to die with it leaves that child running.)"""
-    commands = [command for _, command in processes_mentioning(str(directory))]
+def torchrun_and_rank_up(found: list[tuple[int, str]]) -> bool:
+    """Whether a run's processes (:func:`processes_mentioning` its folder) include torchrun and
+    a rank. (Not merely two processes of the run: a sandboxed run's two bwrap processes come
+    first, and bwrap's monitor killed before its child has asked to die with it leaves that
+    child running.)"""
+    commands = [command for _, command in found]
     return any("torch.distributed.run" in c for c in commands) and any(
         "worker.trainer" in c for c in commands
     )
